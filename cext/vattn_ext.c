@@ -1,0 +1,694 @@
+/* vattn._C: virtual-memory primitives for the vattn KV cache.
+ *
+ * Host (Linux):  reserve address space (mmap PROT_NONE | MAP_NORESERVE), physical
+ *                pages from a memfd, map a page with MAP_FIXED | MAP_SHARED, unmap by
+ *                re-reserving the range.
+ * CUDA:          the driver's VMM calls, resolved at run time with dlopen("libcuda.so.1"),
+ *                so this file builds and imports on machines with no CUDA at all.
+ * Both:          batched map/unmap of page groups (one page of one slot in all buffers)
+ *                with the GIL released, and DLPack export of a reserved range.
+ *
+ * A batched map is atomic: if any page fails, every page this call mapped is
+ * unmapped again before the error is raised, so the caller's books never lie.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "dlpack.h"
+
+/* ------------------------------------------------------------------------- */
+/* Range: a reserved virtual address range, kept alive by exported tensors.   */
+/* ------------------------------------------------------------------------- */
+
+enum { KIND_HOST = 0, KIND_CUDA = 1 };
+
+typedef struct {
+  PyObject_HEAD
+  uint64_t addr;
+  uint64_t size;
+  int kind;
+  int device_id;
+} RangeObject;
+
+static PyObject *DriverError; /* args: (call, code, name) */
+
+/* CUDA driver types (ABI-stable parts of cuda.h, declared here so no toolkit is needed). */
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemHandle;
+typedef struct CUctx_st *CUcontext;
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct {
+  int type;                 /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+  int requestedHandleTypes; /* CU_MEM_HANDLE_TYPE_NONE = 0 */
+  CUmemLocation location;   /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+  void *win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+} CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+
+static struct {
+  void *lib;
+  CUresult (*Init)(unsigned int);
+  CUresult (*DeviceGet)(CUdevice *, int);
+  CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+  CUresult (*CtxGetCurrent)(CUcontext *);
+  CUresult (*CtxSetCurrent)(CUcontext);
+  CUresult (*GetErrorName)(CUresult, const char **);
+  CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+  CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*MemAddressFree)(CUdeviceptr, size_t);
+  CUresult (*MemCreate)(CUmemHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+  CUresult (*MemRelease)(CUmemHandle);
+  CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemHandle, unsigned long long);
+  CUresult (*MemUnmap)(CUdeviceptr, size_t);
+  CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+} cu;
+
+#define MAX_DEVICES 64
+static CUcontext primary_ctx[MAX_DEVICES];
+
+static PyObject *raise_driver(const char *call, CUresult rc) {
+  const char *name = "CUDA_ERROR_UNKNOWN";
+  if (cu.GetErrorName) cu.GetErrorName(rc, &name);
+  PyObject *args = Py_BuildValue("(sis)", call, (int)rc, name ? name : "?");
+  if (args) {
+    PyErr_SetObject(DriverError, args);
+    Py_DECREF(args);
+  }
+  return NULL;
+}
+
+static void Range_dealloc(RangeObject *self) {
+  if (self->size) {
+    if (self->kind == KIND_HOST) {
+      munmap((void *)(uintptr_t)self->addr, self->size);
+    } else if (cu.MemAddressFree) {
+      cu.MemAddressFree((CUdeviceptr)self->addr, self->size);
+    }
+  }
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+typedef struct {
+  DLManagedTensor managed;
+  PyObject *owner; /* the Range: the address space lives as long as any tensor */
+  int64_t dims[16];
+} Export;
+
+static void export_deleter(DLManagedTensor *m) {
+  Export *e = (Export *)m->manager_ctx;
+  PyGILState_STATE g = PyGILState_Ensure();
+  Py_XDECREF(e->owner);
+  PyGILState_Release(g);
+  PyMem_RawFree(e);
+}
+
+static void capsule_destructor(PyObject *cap) {
+  /* A consumer renames the capsule to "used_dltensor"; only an unused one is ours to free. */
+  if (PyCapsule_IsValid(cap, "dltensor")) {
+    DLManagedTensor *m = (DLManagedTensor *)PyCapsule_GetPointer(cap, "dltensor");
+    if (m && m->deleter) m->deleter(m);
+  } else {
+    PyErr_Clear();
+  }
+}
+
+static int read_i64_tuple(PyObject *seq, int64_t *out, int max, const char *what) {
+  PyObject *fast = PySequence_Fast(seq, what);
+  if (!fast) return -1;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  if (n > max) {
+    Py_DECREF(fast);
+    PyErr_Format(PyExc_ValueError, "%s: at most %d dimensions", what, max);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (v == -1 && PyErr_Occurred()) {
+      Py_DECREF(fast);
+      return -1;
+    }
+    out[i] = v;
+  }
+  Py_DECREF(fast);
+  return (int)n;
+}
+
+/* Range.dlpack(offset, shape, strides, code, bits) -> "dltensor" capsule.
+ * offset in bytes from the range start; strides in elements. The view must lie inside the range. */
+static PyObject *Range_dlpack(RangeObject *self, PyObject *args) {
+  unsigned long long offset;
+  PyObject *shape_obj, *strides_obj;
+  int code, bits;
+  if (!PyArg_ParseTuple(args, "KOOii", &offset, &shape_obj, &strides_obj, &code, &bits)) return NULL;
+  if (!self->size) {
+    PyErr_SetString(PyExc_ValueError, "range was released");
+    return NULL;
+  }
+  Export *e = PyMem_RawCalloc(1, sizeof(Export));
+  if (!e) return PyErr_NoMemory();
+  int nd = read_i64_tuple(shape_obj, e->dims, 8, "shape");
+  int ns = nd < 0 ? -1 : read_i64_tuple(strides_obj, e->dims + 8, 8, "strides");
+  if (nd < 0 || ns < 0 || nd != ns || bits <= 0 || bits % 8) {
+    PyMem_RawFree(e);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "shape and strides must have the same length; bits a multiple of 8");
+    return NULL;
+  }
+  /* Bounds check: the highest element the view can touch must be inside the range. */
+  uint64_t last = 0;
+  for (int i = 0; i < nd; i++) {
+    if (e->dims[i] < 0 || e->dims[8 + i] < 0) {
+      PyMem_RawFree(e);
+      PyErr_SetString(PyExc_ValueError, "negative shape or stride");
+      return NULL;
+    }
+    if (e->dims[i] == 0) { last = 0; break; }
+    last += (uint64_t)(e->dims[i] - 1) * (uint64_t)e->dims[8 + i];
+  }
+  if (offset + (last + 1) * (uint64_t)(bits / 8) > self->size) {
+    PyMem_RawFree(e);
+    PyErr_SetString(PyExc_ValueError, "view extends past the end of the reserved range");
+    return NULL;
+  }
+  DLTensor *t = &e->managed.dl_tensor;
+  t->data = (void *)(uintptr_t)(self->addr + offset);
+  t->device.device_type = self->kind == KIND_HOST ? kDLCPU : kDLCUDA;
+  t->device.device_id = self->kind == KIND_HOST ? 0 : self->device_id;
+  t->ndim = nd;
+  t->dtype.code = (uint8_t)code;
+  t->dtype.bits = (uint8_t)bits;
+  t->dtype.lanes = 1;
+  t->shape = e->dims;
+  t->strides = e->dims + 8;
+  t->byte_offset = 0;
+  e->managed.manager_ctx = e;
+  e->managed.deleter = export_deleter;
+  Py_INCREF(self);
+  e->owner = (PyObject *)self;
+  PyObject *cap = PyCapsule_New(&e->managed, "dltensor", capsule_destructor);
+  if (!cap) export_deleter(&e->managed);
+  return cap;
+}
+
+static PyMethodDef Range_methods[] = {
+    {"dlpack", (PyCFunction)Range_dlpack, METH_VARARGS,
+     "dlpack(offset, shape, strides, code, bits) -> DLPack capsule viewing the range (no copy)."},
+    {NULL}};
+
+static PyObject *Range_get_addr(RangeObject *s, void *c) { return PyLong_FromUnsignedLongLong(s->addr); }
+static PyObject *Range_get_size(RangeObject *s, void *c) { return PyLong_FromUnsignedLongLong(s->size); }
+static PyGetSetDef Range_getset[] = {
+    {"addr", (getter)Range_get_addr, NULL, "first byte of the range", NULL},
+    {"size", (getter)Range_get_size, NULL, "length in bytes", NULL},
+    {NULL}};
+
+static PyTypeObject RangeType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "vattn._C.Range",
+    .tp_basicsize = sizeof(RangeObject),
+    .tp_dealloc = (destructor)Range_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A reserved virtual address range; freed when the last reference (tensors included) goes.",
+    .tp_methods = Range_methods,
+    .tp_getset = Range_getset,
+};
+
+static PyObject *new_range(uint64_t addr, uint64_t size, int kind, int device_id) {
+  RangeObject *r = PyObject_New(RangeObject, &RangeType);
+  if (!r) return NULL;
+  r->addr = addr;
+  r->size = size;
+  r->kind = kind;
+  r->device_id = device_id;
+  return (PyObject *)r;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Buffers passed from Python: array('Q') / array('i') or anything with the   */
+/* buffer protocol.                                                           */
+/* ------------------------------------------------------------------------- */
+
+static int get_u64s(Py_buffer *b, Py_ssize_t *n, const char *what) {
+  if (b->itemsize != 8) {
+    PyErr_Format(PyExc_TypeError, "%s: expected 8-byte items", what);
+    return -1;
+  }
+  *n = b->len / 8;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Host backend                                                               */
+/* ------------------------------------------------------------------------- */
+
+static int host_rereserve(uint64_t addr, uint64_t len) {
+  void *p = mmap((void *)(uintptr_t)addr, len, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  return p == MAP_FAILED ? errno : 0;
+}
+
+static PyObject *host_reserve(PyObject *m, PyObject *args) {
+  unsigned long long size;
+  if (!PyArg_ParseTuple(args, "K", &size)) return NULL;
+  if (size == 0) {
+    PyErr_SetString(PyExc_ValueError, "size must be > 0");
+    return NULL;
+  }
+  void *p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
+  PyObject *r = new_range((uint64_t)(uintptr_t)p, size, KIND_HOST, 0);
+  if (!r) munmap(p, size);
+  return r;
+}
+
+/* memfd_create + ftruncate + fallocate: the pages are real memory on return. */
+static PyObject *host_memfd(PyObject *m, PyObject *args) {
+  const char *name;
+  unsigned long long size;
+  if (!PyArg_ParseTuple(args, "sK", &name, &size)) return NULL;
+  int fd, err = 0;
+  Py_BEGIN_ALLOW_THREADS
+  fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) {
+    err = errno;
+  } else if (ftruncate(fd, (off_t)size) != 0 || (size && fallocate(fd, 0, 0, (off_t)size) != 0)) {
+    err = errno;
+    close(fd);
+    fd = -1;
+  }
+  Py_END_ALLOW_THREADS
+  if (fd < 0) {
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  return PyLong_FromLong(fd);
+}
+
+/* host_map(bases, offsets, fds, file_offsets, file_strides, page_size)
+ * Group i goes to bases[b] + offsets[i] in every buffer b, backed by
+ * fds[i] at file_offsets[i] + b * file_strides[i]. Runs that are contiguous in
+ * both the address space and the file are mapped with one mmap. Atomic. */
+static PyObject *host_map(PyObject *m, PyObject *args) {
+  Py_buffer bb, ob, fb, fob, fsb;
+  unsigned long long page;
+  if (!PyArg_ParseTuple(args, "y*y*y*y*y*K", &bb, &ob, &fb, &fob, &fsb, &page)) return NULL;
+  PyObject *ret = NULL;
+  Py_ssize_t nb, n, nfo, nfs;
+  if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets") || get_u64s(&fob, &nfo, "file_offsets") ||
+      get_u64s(&fsb, &nfs, "file_strides"))
+    goto out;
+  if (fb.itemsize != 4 || fb.len / 4 != n || nfo != n || nfs != n || page == 0) {
+    PyErr_SetString(PyExc_ValueError, "host_map: fds (int32), offsets, file_offsets and file_strides must match");
+    goto out;
+  }
+  const uint64_t *bases = bb.buf, *offs = ob.buf, *foffs = fob.buf, *fstr = fsb.buf;
+  const int32_t *fds = fb.buf;
+  int err = 0;
+  Py_ssize_t done_b = 0; /* the buffer that failed, for the undo */
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t b = 0; b < nb && !err; b++) {
+    Py_ssize_t i = 0;
+    while (i < n) {
+      Py_ssize_t j = i + 1;
+      while (j < n && fds[j] == fds[i] && offs[j] == offs[j - 1] + page &&
+             foffs[j] + b * fstr[j] == foffs[j - 1] + b * fstr[j - 1] + page)
+        j++;
+      void *p = mmap((void *)(uintptr_t)(bases[b] + offs[i]), (j - i) * page, PROT_READ | PROT_WRITE,
+                     MAP_SHARED | MAP_FIXED, fds[i], (off_t)(foffs[i] + b * fstr[i]));
+      if (p == MAP_FAILED) {
+        err = errno;
+        done_b = b;
+        break;
+      }
+      i = j;
+    }
+  }
+  if (err) { /* undo: every target of buffers <= done_b (a failed MAP_FIXED may have dropped the old
+                 PROT_NONE reservation too; re-reserving an untouched range is harmless) */
+    for (Py_ssize_t b = 0; b <= done_b; b++)
+      for (Py_ssize_t i = 0; i < n; i++) host_rereserve(bases[b] + offs[i], page);
+  }
+  Py_END_ALLOW_THREADS
+  if (err) {
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    goto out;
+  }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
+  PyBuffer_Release(&bb);
+  PyBuffer_Release(&ob);
+  PyBuffer_Release(&fb);
+  PyBuffer_Release(&fob);
+  PyBuffer_Release(&fsb);
+  return ret;
+}
+
+/* host_unmap(bases, offsets, page_size): back to reserved-only (reads fault). */
+static PyObject *host_unmap(PyObject *m, PyObject *args) {
+  Py_buffer bb, ob;
+  unsigned long long page;
+  if (!PyArg_ParseTuple(args, "y*y*K", &bb, &ob, &page)) return NULL;
+  PyObject *ret = NULL;
+  Py_ssize_t nb, n;
+  if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets")) goto out;
+  const uint64_t *bases = bb.buf, *offs = ob.buf;
+  int err = 0;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t b = 0; b < nb; b++) {
+    Py_ssize_t i = 0;
+    while (i < n) {
+      Py_ssize_t j = i + 1;
+      while (j < n && offs[j] == offs[j - 1] + page) j++;
+      int e = host_rereserve(bases[b] + offs[i], (j - i) * page);
+      if (e && !err) err = e;
+      i = j;
+    }
+  }
+  Py_END_ALLOW_THREADS
+  if (err) {
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    goto out;
+  }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
+  PyBuffer_Release(&bb);
+  PyBuffer_Release(&ob);
+  return ret;
+}
+
+/* ------------------------------------------------------------------------- */
+/* CUDA backend (driver API through dlopen)                                   */
+/* ------------------------------------------------------------------------- */
+
+#define LOAD(field, sym)                                  \
+  do {                                                    \
+    *(void **)(&cu.field) = dlsym(cu.lib, sym);           \
+    if (!cu.field) {                                      \
+      missing = sym;                                      \
+      goto fail;                                          \
+    }                                                     \
+  } while (0)
+
+/* cuda_load() -> None; raises OSError when libcuda.so.1 or a symbol is missing. */
+static PyObject *cuda_load(PyObject *m, PyObject *noargs) {
+  if (cu.lib) Py_RETURN_NONE;
+  const char *missing = NULL;
+  cu.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!cu.lib) {
+    PyErr_Format(PyExc_OSError, "cannot load libcuda.so.1 (no NVIDIA driver?): %s", dlerror());
+    return NULL;
+  }
+  LOAD(Init, "cuInit");
+  LOAD(DeviceGet, "cuDeviceGet");
+  LOAD(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+  LOAD(CtxGetCurrent, "cuCtxGetCurrent");
+  LOAD(CtxSetCurrent, "cuCtxSetCurrent");
+  LOAD(GetErrorName, "cuGetErrorName");
+  LOAD(MemGetAllocationGranularity, "cuMemGetAllocationGranularity");
+  LOAD(MemAddressReserve, "cuMemAddressReserve");
+  LOAD(MemAddressFree, "cuMemAddressFree");
+  LOAD(MemCreate, "cuMemCreate");
+  LOAD(MemRelease, "cuMemRelease");
+  LOAD(MemMap, "cuMemMap");
+  LOAD(MemUnmap, "cuMemUnmap");
+  LOAD(MemSetAccess, "cuMemSetAccess");
+  CUresult rc = cu.Init(0);
+  if (rc) {
+    raise_driver("cuInit", rc);
+    memset(&cu, 0, sizeof(cu));
+    return NULL;
+  }
+  Py_RETURN_NONE;
+fail:
+  dlclose(cu.lib);
+  memset(&cu, 0, sizeof(cu));
+  PyErr_Format(PyExc_OSError, "libcuda.so.1 lacks %s (driver too old for the VMM API)", missing);
+  return NULL;
+}
+
+/* Make the device's primary context (the one PyTorch uses) current on this thread. */
+static CUresult ensure_ctx(int dev, const char **call) {
+  if (!cu.lib) {
+    *call = "cuda_load";
+    return 3; /* CUDA_ERROR_NOT_INITIALIZED */
+  }
+  if (dev < 0 || dev >= MAX_DEVICES) {
+    *call = "cuDeviceGet";
+    return 101; /* CUDA_ERROR_INVALID_DEVICE */
+  }
+  CUresult rc;
+  if (!primary_ctx[dev]) {
+    CUdevice d;
+    if ((rc = cu.DeviceGet(&d, dev))) { *call = "cuDeviceGet"; return rc; }
+    if ((rc = cu.DevicePrimaryCtxRetain(&primary_ctx[dev], d))) { *call = "cuDevicePrimaryCtxRetain"; return rc; }
+  }
+  CUcontext cur = NULL;
+  cu.CtxGetCurrent(&cur);
+  if (cur != primary_ctx[dev] && (rc = cu.CtxSetCurrent(primary_ctx[dev]))) { *call = "cuCtxSetCurrent"; return rc; }
+  return 0;
+}
+
+static void device_prop(CUmemAllocationProp *p, int dev) {
+  memset(p, 0, sizeof(*p));
+  p->type = 1;          /* CU_MEM_ALLOCATION_TYPE_PINNED */
+  p->location.type = 1; /* CU_MEM_LOCATION_TYPE_DEVICE */
+  p->location.id = dev;
+}
+
+static PyObject *cuda_granularity(PyObject *m, PyObject *args) {
+  int dev;
+  if (!PyArg_ParseTuple(args, "i", &dev)) return NULL;
+  const char *call;
+  CUresult rc = ensure_ctx(dev, &call);
+  if (rc) return raise_driver(call, rc);
+  CUmemAllocationProp p;
+  device_prop(&p, dev);
+  size_t g = 0;
+  if ((rc = cu.MemGetAllocationGranularity(&g, &p, 0))) return raise_driver("cuMemGetAllocationGranularity", rc);
+  return PyLong_FromSize_t(g);
+}
+
+static PyObject *cuda_reserve(PyObject *m, PyObject *args) {
+  unsigned long long size, align;
+  int dev;
+  if (!PyArg_ParseTuple(args, "KKi", &size, &align, &dev)) return NULL;
+  const char *call;
+  CUresult rc = ensure_ctx(dev, &call);
+  if (rc) return raise_driver(call, rc);
+  CUdeviceptr p = 0;
+  Py_BEGIN_ALLOW_THREADS
+  rc = cu.MemAddressReserve(&p, size, align, 0, 0);
+  Py_END_ALLOW_THREADS
+  if (rc) return raise_driver("cuMemAddressReserve", rc);
+  PyObject *r = new_range(p, size, KIND_CUDA, dev);
+  if (!r) cu.MemAddressFree(p, size);
+  return r;
+}
+
+/* cuda_create(n, size, dev) -> list of n handles; all or nothing. */
+static PyObject *cuda_create(PyObject *m, PyObject *args) {
+  Py_ssize_t n;
+  unsigned long long size;
+  int dev;
+  if (!PyArg_ParseTuple(args, "nKi", &n, &size, &dev)) return NULL;
+  if (n < 0) {
+    PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+    return NULL;
+  }
+  const char *call;
+  CUresult rc = ensure_ctx(dev, &call);
+  if (rc) return raise_driver(call, rc);
+  CUmemHandle *h = PyMem_RawCalloc(n ? n : 1, sizeof(CUmemHandle));
+  if (!h) return PyErr_NoMemory();
+  CUmemAllocationProp p;
+  device_prop(&p, dev);
+  Py_ssize_t i = 0;
+  Py_BEGIN_ALLOW_THREADS
+  for (; i < n; i++)
+    if ((rc = cu.MemCreate(&h[i], size, &p, 0))) break;
+  if (rc)
+    for (Py_ssize_t k = 0; k < i; k++) cu.MemRelease(h[k]);
+  Py_END_ALLOW_THREADS
+  if (rc) {
+    PyMem_RawFree(h);
+    return raise_driver("cuMemCreate", rc);
+  }
+  PyObject *out = PyList_New(n);
+  for (Py_ssize_t k = 0; out && k < n; k++) PyList_SET_ITEM(out, k, PyLong_FromUnsignedLongLong(h[k]));
+  PyMem_RawFree(h);
+  return out;
+}
+
+static PyObject *cuda_release(PyObject *m, PyObject *args) {
+  Py_buffer hb;
+  if (!PyArg_ParseTuple(args, "y*", &hb)) return NULL;
+  Py_ssize_t n;
+  if (get_u64s(&hb, &n, "handles")) {
+    PyBuffer_Release(&hb);
+    return NULL;
+  }
+  const CUmemHandle *h = hb.buf;
+  CUresult rc = 0, first = 0;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t i = 0; i < n; i++)
+    if ((rc = cu.MemRelease(h[i])) && !first) first = rc;
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&hb);
+  if (first) return raise_driver("cuMemRelease", first);
+  Py_RETURN_NONE;
+}
+
+/* cuda_map(bases, offsets, handles, page_size, dev)
+ * Group i: handles[i * nbuf + b] mapped at bases[b] + offsets[i]. Access is then set
+ * once per buffer per run of contiguous offsets (one cuMemSetAccess per run, not per page).
+ * Atomic: on failure everything mapped here is unmapped again. */
+static PyObject *cuda_map(PyObject *m, PyObject *args) {
+  Py_buffer bb, ob, hb;
+  unsigned long long page;
+  int dev;
+  if (!PyArg_ParseTuple(args, "y*y*y*Ki", &bb, &ob, &hb, &page, &dev)) return NULL;
+  PyObject *ret = NULL;
+  Py_ssize_t nb, n, nh;
+  if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets") || get_u64s(&hb, &nh, "handles")) goto out;
+  if (nh != n * nb) {
+    PyErr_SetString(PyExc_ValueError, "cuda_map: need one handle per group per buffer");
+    goto out;
+  }
+  const char *call = "cuMemMap";
+  CUresult rc = ensure_ctx(dev, &call);
+  if (rc) {
+    raise_driver(call, rc);
+    goto out;
+  }
+  const uint64_t *bases = bb.buf, *offs = ob.buf;
+  const CUmemHandle *h = hb.buf;
+  CUmemAccessDesc acc;
+  memset(&acc, 0, sizeof(acc));
+  acc.location.type = 1;
+  acc.location.id = dev;
+  acc.flags = 3; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE */
+  Py_ssize_t mapped_b = 0, mapped_i = 0;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t b = 0; b < nb && !rc; b++) {
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+      if ((rc = cu.MemMap(bases[b] + offs[i], page, 0, h[i * nb + b], 0))) {
+        call = "cuMemMap";
+        break;
+      }
+    }
+    mapped_b = b;
+    mapped_i = i;
+    for (Py_ssize_t s = 0; s < i && !rc;) { /* one cuMemSetAccess per contiguous run */
+      Py_ssize_t e = s + 1;
+      while (e < i && offs[e] == offs[e - 1] + page) e++;
+      if ((rc = cu.MemSetAccess(bases[b] + offs[s], (e - s) * page, &acc, 1))) call = "cuMemSetAccess";
+      s = e;
+    }
+  }
+  if (rc) {
+    for (Py_ssize_t b = 0; b <= mapped_b; b++)
+      for (Py_ssize_t i = 0; i < (b < mapped_b ? n : mapped_i); i++) cu.MemUnmap(bases[b] + offs[i], page);
+  }
+  Py_END_ALLOW_THREADS
+  if (rc) {
+    raise_driver(call, rc);
+    goto out;
+  }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
+  PyBuffer_Release(&bb);
+  PyBuffer_Release(&ob);
+  PyBuffer_Release(&hb);
+  return ret;
+}
+
+/* cuda_unmap(bases, offsets, page_size, dev): one cuMemUnmap per contiguous run. */
+static PyObject *cuda_unmap(PyObject *m, PyObject *args) {
+  Py_buffer bb, ob;
+  unsigned long long page;
+  int dev;
+  if (!PyArg_ParseTuple(args, "y*y*Ki", &bb, &ob, &page, &dev)) return NULL;
+  PyObject *ret = NULL;
+  Py_ssize_t nb, n;
+  if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets")) goto out;
+  const char *call = "cuMemUnmap";
+  CUresult rc = ensure_ctx(dev, &call), first = 0;
+  if (rc) {
+    raise_driver(call, rc);
+    goto out;
+  }
+  const uint64_t *bases = bb.buf, *offs = ob.buf;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t b = 0; b < nb; b++) {
+    Py_ssize_t i = 0;
+    while (i < n) {
+      Py_ssize_t j = i + 1;
+      while (j < n && offs[j] == offs[j - 1] + page) j++;
+      if ((rc = cu.MemUnmap(bases[b] + offs[i], (j - i) * page)) && !first) first = rc;
+      i = j;
+    }
+  }
+  Py_END_ALLOW_THREADS
+  if (first) {
+    raise_driver("cuMemUnmap", first);
+    goto out;
+  }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
+  PyBuffer_Release(&bb);
+  PyBuffer_Release(&ob);
+  return ret;
+}
+
+/* ------------------------------------------------------------------------- */
+
+static PyMethodDef methods[] = {
+    {"host_reserve", host_reserve, METH_VARARGS, "host_reserve(size) -> Range (PROT_NONE, MAP_NORESERVE)"},
+    {"host_memfd", host_memfd, METH_VARARGS, "host_memfd(name, size) -> fd of a memfd whose pages are allocated"},
+    {"host_map", host_map, METH_VARARGS, "host_map(bases, offsets, fds, file_offsets, file_strides, page_size)"},
+    {"host_unmap", host_unmap, METH_VARARGS, "host_unmap(bases, offsets, page_size)"},
+    {"cuda_load", cuda_load, METH_NOARGS, "cuda_load(): dlopen libcuda.so.1 and cuInit"},
+    {"cuda_granularity", cuda_granularity, METH_VARARGS, "cuda_granularity(device) -> bytes"},
+    {"cuda_reserve", cuda_reserve, METH_VARARGS, "cuda_reserve(size, alignment, device) -> Range"},
+    {"cuda_create", cuda_create, METH_VARARGS, "cuda_create(n, size, device) -> [handle]"},
+    {"cuda_release", cuda_release, METH_VARARGS, "cuda_release(handles)"},
+    {"cuda_map", cuda_map, METH_VARARGS, "cuda_map(bases, offsets, handles, page_size, device)"},
+    {"cuda_unmap", cuda_unmap, METH_VARARGS, "cuda_unmap(bases, offsets, page_size, device)"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "vattn._C", "vattn virtual-memory primitives", -1, methods};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  if (PyType_Ready(&RangeType) < 0) return NULL;
+  PyObject *mod = PyModule_Create(&moduledef);
+  if (!mod) return NULL;
+  DriverError = PyErr_NewException("vattn._C.DriverError", PyExc_RuntimeError, NULL);
+  Py_INCREF(&RangeType);
+  if (PyModule_AddObject(mod, "Range", (PyObject *)&RangeType) < 0 ||
+      PyModule_AddObject(mod, "DriverError", DriverError) < 0) {
+    Py_DECREF(mod);
+    return NULL;
+  }
+  return mod;
+}

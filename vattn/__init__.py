@@ -1,0 +1,99 @@
+"""vattn: a vAttention-style KV-cache memory manager.
+
+Each request's KV cache is contiguous in virtual memory; physical pages are mapped on
+demand, so unmodified attention kernels read the cache as a plain
+`[batch, seq, heads, head_dim]` tensor.
+
+The paper's API works on a default instance:
+
+    vattn.init(num_layers=..., num_kv_heads=..., head_dim=..., max_batch_size=...,
+               max_context_len=..., dtype=..., device=..., page_size=...)
+    r = vattn.alloc_reqid(); vattn.step({r: n}); vattn.free_reqid(r)
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from vattn.allocator import MemoryStats, StepResult
+from vattn.cache import KVCache
+from vattn.config import CacheConfig
+from vattn.errors import (
+    BackendError,
+    ClosedError,
+    ContextLengthError,
+    InvalidConfigError,
+    InvalidRequestError,
+    MapCountLimitError,
+    NoFreeSlotError,
+    NotInitializedError,
+    OutOfPhysicalMemoryError,
+    OutOfVirtualMemoryError,
+    UnknownReqIdError,
+    VattnError,
+)
+
+__version__ = "0.1.0"
+
+_default: KVCache | None = None
+
+
+def init(**kwargs: Any) -> KVCache:
+    """Reserve the virtual K/V tensors and return the cache; it also becomes the default
+    instance the module-level functions use (several instances may live side by side).
+
+    Arguments (keywords, sizes in bytes): num_layers, num_kv_heads, head_dim,
+    max_batch_size, max_context_len, dtype (default float16), device ('cpu' = host
+    backend, 'cuda[:N]'), page_size (default: the backend's), layout ('per-layer' or
+    'fused'), physical_memory (cap on physical pages; default: no cap), background
+    (pre-map on a worker thread, default True), prefetch (pre-map at all, default True).
+    """
+    global _default
+    _default = KVCache(**kwargs)
+    return _default
+
+
+def _cache() -> KVCache:
+    if _default is None:
+        raise NotInitializedError("call vattn.init(...) first")
+    return _default
+
+
+def alloc_reqid() -> int:
+    """`KVCache.alloc_reqid` on the default instance."""
+    return _cache().alloc_reqid()
+
+
+def free_reqid(reqid: int) -> None:
+    """`KVCache.free_reqid` on the default instance."""
+    _cache().free_reqid(reqid)
+
+
+def step(seq_lens: Sequence[int] | Mapping[int, int]) -> StepResult:
+    """`KVCache.step` on the default instance."""
+    return _cache().step(seq_lens)
+
+
+def k_cache(layer: int):
+    """`KVCache.k_cache` on the default instance."""
+    return _cache().k_cache(layer)
+
+
+def v_cache(layer: int):
+    """`KVCache.v_cache` on the default instance."""
+    return _cache().v_cache(layer)
+
+
+def close() -> None:
+    """Close the default instance and forget it."""
+    global _default
+    if _default is not None:
+        _default.close()
+        _default = None
+
+
+__all__ = [
+    "KVCache", "CacheConfig", "StepResult", "MemoryStats", "init", "alloc_reqid", "free_reqid", "step",
+    "k_cache", "v_cache", "close", "VattnError", "InvalidConfigError", "InvalidRequestError",
+    "UnknownReqIdError", "ContextLengthError", "NoFreeSlotError", "OutOfVirtualMemoryError",
+    "OutOfPhysicalMemoryError", "MapCountLimitError", "BackendError", "NotInitializedError", "ClosedError",
+]

@@ -1,0 +1,449 @@
+"""The allocator core: slots, page groups and the physical pool. Plain Python books.
+
+Every page group is in exactly one place at any time:
+
+```
+created groups = pool (free, unmapped)  +  sum over slots of slot_pages[s] (mapped, a prefix)
+```
+
+A slot (reqid) is *active* between alloc_reqid and free_reqid and *free* otherwise. A free
+slot keeps its pages (deferred reclamation); pages move to another slot only when the pool
+and the budget cannot serve a `step`. The worker thread (background pre-mapping) only ever
+maps pool pages into slots; only `step` unmaps. One lock guards the books; the worker holds
+it while it maps, one slot's batch at a time, so `step` waits for at most one batch.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from vattn.config import Geometry
+from vattn.errors import (
+    ClosedError,
+    ContextLengthError,
+    InvalidRequestError,
+    NoFreeSlotError,
+    OutOfPhysicalMemoryError,
+    UnknownReqIdError,
+)
+from vattn.vmem.base import Backend
+
+_GROW_CHUNK = 16  # groups created per pool growth at least (fewer memfds / cuMemCreate batches)
+_WORKER_BATCH = 16  # groups the worker maps per lock hold
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What `step` did. Truthy when every active request is backed."""
+
+    failed: tuple[int, ...] = ()
+    num_mapped: int = 0  # page groups mapped by this call (synchronously)
+    num_unmapped: int = 0  # page groups reclaimed from other slots by this call
+
+    def __bool__(self) -> bool:
+        return not self.failed
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory figures in bytes (all buffers, K and V of every layer) and page groups."""
+
+    page_size: int
+    group_bytes: int
+    num_created_pages: int  # page groups that exist
+    num_free_pages: int  # in the pool, unmapped
+    num_mapped_pages: int  # mapped into any slot
+    num_cached_pages: int  # mapped into free slots (deferred reclamation)
+    max_pages: int  # budget
+    mapped_bytes: int
+    used_bytes: int  # bytes holding tokens of active requests
+    free_tokens: int  # tokens that still fit (pool, budget and cached pages)
+    num_active: int
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        """Mapped to active requests but holding no token (internal fragmentation)."""
+        return self.active_bytes - self.used_bytes
+
+    @property
+    def active_bytes(self) -> int:
+        return (self.num_mapped_pages - self.num_cached_pages) * self.group_bytes
+
+    @property
+    def fragmentation(self) -> float:
+        return self.fragmentation_bytes / self.active_bytes if self.active_bytes else 0.0
+
+
+class PageAllocator:
+    """Books and page movement for one cache. Used through `vattn.KVCache`."""
+
+    def __init__(self, geometry: Geometry, backend: Backend, bases: Sequence[int], *,
+                 max_pages: int, background: bool, prefetch: bool) -> None:
+        self.geometry = geometry
+        self.backend = backend
+        self.bases = list(bases)
+        self.num_slots = geometry.config.max_batch_size
+        self.max_pages = max_pages  # budget of groups; lowered if the device runs out
+        self.background = background
+        self.prefetch = prefetch
+
+        self.slot_pages: list[list[Any]] = [[] for _ in range(self.num_slots)]
+        self.pool: list[Any] = []  # pop() hands out the lowest-offset group of a chunk first
+        self.num_created = 0
+        self.free_slots: set[int] = set(range(self.num_slots))
+        self.alloc_seq: dict[int, int] = {}  # active slot -> allocation order (age)
+        self.seq_lens = [0] * self.num_slots  # lengths of the latest step
+        self.max_lens = [0] * self.num_slots  # longest length since alloc: pages below it hold data
+        self.last_fence: list[Any] = [None] * self.num_slots
+        self.eager_tokens = 0.0  # running mean of new requests' first lengths
+        self._counter = itertools.count()
+
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._job: list[tuple[int, int]] = []  # (slot, target pages) for the worker
+        self._busy = False
+        self._cancel = False
+        self._closed = False
+        self.worker_error: BaseException | None = None
+        self._worker: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ slots ----
+    def alloc_reqid(self) -> int:
+        with self._lock:
+            self._check_open()
+            if not self.free_slots:
+                raise NoFreeSlotError(
+                    f"all {self.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
+            slot = self._warm_slot()
+            self.free_slots.remove(slot)
+            self.alloc_seq[slot] = next(self._counter)
+            return slot
+
+    def free_reqid(self, reqid: int) -> None:
+        with self._lock:
+            self._check_open()
+            slot = self._check_active(reqid)
+            del self.alloc_seq[slot]
+            self.free_slots.add(slot)
+            self.seq_lens[slot] = self.max_lens[slot] = 0
+
+    def _warm_slot(self) -> int:
+        """The free slot alloc_reqid hands out next: most pages mapped, then lowest index."""
+        return max(self.free_slots, key=lambda s: (len(self.slot_pages[s]), -s))
+
+    # ------------------------------------------------------------------- step ----
+    def step(self, seq_lens: Sequence[int] | Mapping[int, int]) -> StepResult:
+        lens = self._normalize(seq_lens)
+        self._cancel = True  # before taking the lock: the worker stops at its next batch
+        with self._lock:
+            self._check_open()
+            self._quiesce()
+            fence = self.backend.fence()
+            if fence is not None:  # the kernels of the last iteration read these slots
+                for s, n in enumerate(self.seq_lens):
+                    if n:
+                        self.last_fence[s] = fence
+            result = self._back(lens)
+            for s, n in enumerate(lens):
+                if n and not self.max_lens[s] and s not in result.failed:  # a new request's first length
+                    self.eager_tokens = n if not self.eager_tokens else 0.8 * self.eager_tokens + 0.2 * n
+            for s in result.failed:  # not backed: this iteration will not run them
+                lens[s] = 0
+            self.seq_lens = lens
+            for s, n in enumerate(lens):
+                self.max_lens[s] = max(self.max_lens[s], n)
+            if result and self.prefetch:
+                self._schedule_prefetch()
+            return result
+
+    def _normalize(self, seq_lens: Sequence[int] | Mapping[int, int]) -> list[int]:
+        if isinstance(seq_lens, Mapping):
+            lens = [0] * self.num_slots
+            items = seq_lens.items()
+        elif isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__len__"):
+            raise InvalidRequestError(
+                f"seq_lens must be a list of {self.num_slots} lengths or a dict reqid -> length, "
+                f"got {type(seq_lens).__name__}")
+        else:
+            if len(seq_lens) != self.num_slots:
+                raise InvalidRequestError(
+                    f"seq_lens has {len(seq_lens)} entries; give one per slot (max_batch_size="
+                    f"{self.num_slots}) or a dict reqid -> length")
+            lens = [0] * self.num_slots
+            items = enumerate(seq_lens)
+        max_len = self.geometry.config.max_context_len
+        for reqid, n in items:
+            slot = self._index(reqid, "reqid")
+            n = self._index(n, f"seq_lens[{reqid}]")
+            if n < 0:
+                raise InvalidRequestError(f"seq_lens[{reqid}] = {n} is negative")
+            if n > max_len:
+                raise ContextLengthError(
+                    f"seq_lens[{reqid}] = {n} exceeds max_context_len = {max_len}; "
+                    "stop the request or init with a larger max_context_len")
+            if n and slot not in self.alloc_seq:
+                raise UnknownReqIdError(f"reqid {slot} has length {n} but is not allocated; call alloc_reqid() first")
+            lens[slot] = n
+        return lens
+
+    @staticmethod
+    def _index(v: Any, what: str) -> int:
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise InvalidRequestError(f"{what} must be an int, got {v!r}")
+        return v.__index__()
+
+    def _check_active(self, reqid: Any) -> int:
+        slot = self._index(reqid, "reqid")
+        if slot not in self.alloc_seq:
+            state = "out of range" if not 0 <= slot < self.num_slots else "not allocated (or already freed)"
+            raise UnknownReqIdError(f"reqid {slot} is {state}")
+        return slot
+
+    def _back(self, lens: list[int]) -> StepResult:
+        """Map what `lens` needs now: pool, then new pages, then pages reclaimed from others."""
+        g = self.geometry
+        while True:
+            need = {s: g.pages_for(n) for s, n in enumerate(lens) if n}
+            order = sorted((s for s in need if need[s] > len(self.slot_pages[s])), key=self.alloc_seq.__getitem__)
+            donors = self._reclaimable(need)
+            supply = len(self.pool) + (self.max_pages - self.num_created) + sum(k for _, k in donors)
+            served, failed = [], []
+            for s in order:  # oldest first: the caller preempts the newest
+                missing = need[s] - len(self.slot_pages[s])
+                (served if missing <= supply else failed).append(s)
+                if missing <= supply:
+                    supply -= missing
+            total = sum(need[s] - len(self.slot_pages[s]) for s in served)
+            short = total - len(self.pool)
+            try:
+                if short > 0:
+                    self._grow(short)
+            except OutOfPhysicalMemoryError:
+                # The device has less than the budget: the budget is what exists; plan again.
+                self.max_pages = self.num_created
+                continue
+            break
+        short = total - len(self.pool)
+        num_unmapped = self._reclaim(donors, short) if short > 0 else 0
+        offsets, groups, takers = [], [], []
+        for s in served:
+            for p in range(len(self.slot_pages[s]), need[s]):
+                offsets.append(g.page_offset(s, p))
+                groups.append(self.pool.pop())
+                takers.append(s)
+        try:
+            self.backend.map(self.bases, offsets, groups, g.page_size)
+        except BaseException:
+            self.pool.extend(reversed(groups))  # the map was atomic: nothing of it happened
+            raise
+        for s, grp in zip(takers, groups):
+            self.slot_pages[s].append(grp)
+        return StepResult(tuple(failed), len(groups), num_unmapped)
+
+    def _reclaimable(self, need: dict[int, int]) -> list[tuple[int, int]]:
+        """(slot, pages) that may be taken, in the order to take them: free slots with
+        fewest pages first (the warm slot last), then pre-mapped tails of active slots."""
+        g = self.geometry
+        free = sorted((s for s in self.free_slots if self.slot_pages[s]), key=lambda s: (len(self.slot_pages[s]), s))
+        donors = [(s, len(self.slot_pages[s])) for s in free]
+        for s in sorted(self.alloc_seq):
+            keep = max(need.get(s, 0), g.pages_for(self.max_lens[s]))
+            if len(self.slot_pages[s]) > keep:
+                donors.append((s, len(self.slot_pages[s]) - keep))
+        return donors
+
+    def _reclaim(self, donors: list[tuple[int, int]], count: int) -> int:
+        """Unmap `count` groups from the donors' tails into the pool."""
+        g = self.geometry
+        offsets, groups = [], []
+        for s, k in donors:
+            take = min(k, count - len(groups))
+            if take <= 0:
+                break
+            if self.last_fence[s] is not None:  # never unmap under a kernel that may read it
+                self.backend.wait(self.last_fence[s])
+                self.last_fence[s] = None
+            pages = self.slot_pages[s]
+            for p in range(len(pages) - take, len(pages)):
+                offsets.append(g.page_offset(s, p))
+            groups.extend(pages[len(pages) - take:])
+            del pages[len(pages) - take:]
+        try:
+            self.backend.unmap(self.bases, offsets, g.page_size)
+        except BaseException:
+            warnings.warn("unmap failed; the pages stay out of the pool", RuntimeWarning, stacklevel=3)
+            raise
+        self.pool.extend(reversed(groups))
+        return len(groups)
+
+    def _grow(self, count: int) -> None:
+        """Create at least `count` more groups (a chunk at a time) within the budget."""
+        room = self.max_pages - self.num_created
+        n = min(room, max(count, _GROW_CHUNK))
+        if n <= 0:
+            return
+        try:
+            groups = self.backend.create(n, self.geometry.num_buffers, self.geometry.page_size)
+        except OutOfPhysicalMemoryError:
+            if n == count:
+                raise
+            n = count  # the chunk did not fit; what is needed may
+            groups = self.backend.create(n, self.geometry.num_buffers, self.geometry.page_size)
+        self.num_created += n
+        self.pool.extend(reversed(groups))
+
+    def reserve_physical(self, nbytes: int) -> int:
+        """Create page groups until at least `nbytes` of physical memory exist. Returns groups created."""
+        n = -(-self._index(nbytes, "nbytes") // self.geometry.group_bytes)
+        with self._lock:
+            self._check_open()
+            if n > self.max_pages:
+                raise OutOfPhysicalMemoryError(
+                    f"{nbytes} bytes is {n} page groups, over the budget of {self.max_pages} "
+                    f"({self.max_pages * self.geometry.group_bytes} bytes); raise physical_memory")
+            before = self.num_created
+            if n > before:
+                groups = self.backend.create(n - before, self.geometry.num_buffers, self.geometry.page_size)
+                self.num_created = n
+                self.pool.extend(reversed(groups))
+            return self.num_created - before
+
+    # ------------------------------------------------------------- prefetching ----
+    def _schedule_prefetch(self) -> None:
+        """Plan what the next iteration will want: one more token for every running
+        request (decode growth), then pages for the request that gets the warm slot."""
+        g = self.geometry
+        max_len = g.config.max_context_len
+        job = [(s, g.pages_for(min(n + 1, max_len))) for s, n in enumerate(self.seq_lens) if n]
+        if self.free_slots and self.eager_tokens:
+            job.append((self._warm_slot(), g.pages_for(min(int(self.eager_tokens), max_len))))
+        job = [(s, t) for s, t in job if t > len(self.slot_pages[s])]
+        if not job:
+            return
+        if not self.background:
+            self._run_job(job)
+            return
+        self._job, self._cancel, self._busy = job, False, True
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._worker_loop, name="vattn-premap", daemon=True)
+            self._worker.start()
+        self._cv.notify_all()
+
+    def _run_job(self, job: list[tuple[int, int]], background: bool = False) -> None:
+        """Map pool (or newly created) pages into the job's slots; never reclaims."""
+        g = self.geometry
+        for s, target in job:
+            while not (background and self._cancel):
+                have = len(self.slot_pages[s])
+                n = min(target - have, _WORKER_BATCH)
+                if n <= 0:
+                    break
+                if len(self.pool) < n:
+                    try:
+                        self._grow(n - len(self.pool))
+                    except OutOfPhysicalMemoryError:
+                        self.max_pages = self.num_created
+                    n = min(n, len(self.pool))
+                    if n == 0:
+                        return
+                groups = [self.pool.pop() for _ in range(n)]
+                offsets = [g.page_offset(s, have + i) for i in range(n)]
+                try:
+                    self.backend.map(self.bases, offsets, groups, g.page_size)
+                except BaseException:
+                    self.pool.extend(reversed(groups))
+                    raise
+                self.slot_pages[s].extend(groups)
+                if background:  # let step() in between batches
+                    self._cv.release()
+                    self._cv.acquire()
+
+    def _worker_loop(self) -> None:
+        with self._cv:
+            while not self._closed:
+                if not self._busy:
+                    self._cv.wait()
+                    continue
+                try:
+                    self._run_job(self._job, background=True)
+                except BaseException as e:  # step() will meet the same error synchronously
+                    self.worker_error = e
+                self._job, self._busy = [], False
+                self._cv.notify_all()
+
+    def _quiesce(self) -> None:
+        """Stop the worker's job after its current batch and wait for it (lock held)."""
+        self._cancel = True
+        while self._busy:
+            self._cv.wait()
+
+    def synchronize(self) -> None:
+        """Wait until the background pre-mapping of the last step is done."""
+        with self._lock:
+            while self._busy:
+                self._cv.wait()
+
+    # ------------------------------------------------------------------ figures ----
+    def stats(self) -> MemoryStats:
+        with self._lock:
+            g = self.geometry
+            mapped = sum(len(p) for p in self.slot_pages)
+            cached = sum(len(self.slot_pages[s]) for s in self.free_slots)
+            spare = len(self.pool) + (self.max_pages - self.num_created) + cached
+            return MemoryStats(
+                page_size=g.page_size,
+                group_bytes=g.group_bytes,
+                num_created_pages=self.num_created,
+                num_free_pages=len(self.pool),
+                num_mapped_pages=mapped,
+                num_cached_pages=cached,
+                max_pages=self.max_pages,
+                mapped_bytes=mapped * g.group_bytes,
+                used_bytes=sum(self.max_lens[s] for s in self.alloc_seq) * g.token_bytes_all,
+                free_tokens=spare * g.page_size // g.token_bytes,
+                num_active=len(self.alloc_seq),
+            )
+
+    def check_invariants(self) -> None:
+        """Assert the books are consistent (for tests and debugging)."""
+        with self._lock:
+            mapped = [grp for pages in self.slot_pages for grp in pages]
+            assert len(mapped) + len(self.pool) == self.num_created <= self.max_pages
+            assert len({id(x) for x in mapped + self.pool}) == self.num_created, "a group is in two places"
+            assert self.free_slots.isdisjoint(self.alloc_seq)
+            assert len(self.free_slots) + len(self.alloc_seq) == self.num_slots
+            for s in self.alloc_seq:
+                assert len(self.slot_pages[s]) >= self.geometry.pages_for(self.max_lens[s])
+                assert len(self.slot_pages[s]) <= self.geometry.pages_per_slot
+
+    # ------------------------------------------------------------------ closing ----
+    def close(self) -> None:
+        """Stop the worker, unmap and release every page (after the device finished)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._quiesce()
+            self._closed = True
+            self._cv.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+        g = self.geometry
+        fence = self.backend.fence()
+        if fence is not None:
+            self.backend.wait(fence)
+        offsets = [g.page_offset(s, p) for s in range(self.num_slots) for p in range(len(self.slot_pages[s]))]
+        self.backend.unmap(self.bases, offsets, g.page_size)
+        groups = self.pool + [grp for pages in self.slot_pages for grp in pages]
+        self.pool, self.slot_pages = [], [[] for _ in range(self.num_slots)]
+        self.backend.release(groups)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this cache was closed; create a new one with vattn.init()")

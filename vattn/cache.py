@@ -1,0 +1,153 @@
+"""`KVCache`: virtual K/V tensors per layer, backed by physical pages on demand."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from vattn.allocator import MemoryStats, PageAllocator, StepResult
+from vattn.config import CacheConfig, Geometry
+from vattn.errors import InvalidConfigError, InvalidRequestError
+from vattn.vmem import make_backend
+
+
+class KVCache:
+    """A vAttention KV cache: one virtual K and one virtual V tensor per layer.
+
+    ```
+    cache = vattn.init(num_layers=2, num_kv_heads=4, head_dim=64, max_batch_size=8,
+                       max_context_len=4096, dtype="float16", device="cpu", page_size=64 << 10)
+    r = cache.alloc_reqid()
+    assert cache.step({r: 100})        # pages for 100 tokens of request r are mapped
+    cache.k_cache(0)[r, :100] = k      # [B, L, H, D] view: write and read with any torch op
+    cache.free_reqid(r)                # r keeps its pages for the next request
+    ```
+    Tensors are `[max_batch_size, max_context_len, num_kv_heads, head_dim]` views of
+    reserved address space: a request's row is contiguous in virtual memory; only pages
+    below its length are backed, and reading past them faults. Use as a context manager
+    or call `close()` to release all memory; tensors must not be used after that.
+    """
+
+    def __init__(self, config: CacheConfig | None = None, **kwargs: Any) -> None:
+        if config is None:
+            try:
+                config = CacheConfig(**kwargs)
+            except TypeError as e:
+                raise InvalidConfigError(f"{e}; see help(vattn.init) for the arguments") from None
+        elif kwargs:
+            raise InvalidConfigError("give either a CacheConfig or keyword arguments, not both")
+        self.config = config
+        self.backend = make_backend(config.torch_device)
+        page_size = config.page_size if config.page_size is not None else self.backend.default_page_size
+        self.backend.check_page_size(page_size)
+        self.geometry = g = Geometry(config, page_size)
+        self.page_size = page_size
+
+        max_pages = g.pages_per_slot * config.max_batch_size
+        if config.physical_memory is not None:
+            if config.physical_memory < g.group_bytes:
+                raise InvalidConfigError(
+                    f"physical_memory={config.physical_memory} is less than one page group "
+                    f"({g.num_buffers} buffers x {page_size} bytes = {g.group_bytes} bytes)")
+            max_pages = min(max_pages, config.physical_memory // g.group_bytes)
+
+        # One reservation holds every buffer, one after another.
+        self._range = self.backend.reserve(g.buffer_bytes * g.num_buffers, page_size)
+        bases = [self._range.addr + b * g.buffer_bytes for b in range(g.num_buffers)]
+        self._k, self._v = self._make_views()
+        self.allocator = PageAllocator(g, self.backend, bases, max_pages=max_pages,
+                                       background=config.background, prefetch=config.prefetch)
+        # Release the memory even if the user forgets close(); the allocator holds no ref to self.
+        self._finalizer = weakref.finalize(self, _close, self.allocator, self.backend)
+
+    def _make_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        g, c = self.geometry, self.config
+        hd = c.num_kv_heads * c.head_dim
+        esz = g.elem_size
+        shape = (c.max_batch_size, c.max_context_len, c.num_kv_heads, c.head_dim)
+        tok = hd * g.layers_per_buffer  # elements per token in one buffer
+        strides = (g.slot_tokens * tok, tok, c.head_dim, 1)
+        ks, vs = [], []
+        for layer in range(c.num_layers):
+            if c.layout == "per-layer":
+                kb, vb, off = layer, c.num_layers + layer, 0
+            else:  # fused: [B, slot_tokens, num_layers, H, D], layer is a strided view
+                kb, vb, off = 0, 1, layer * hd * esz
+            for buf, out in ((kb, ks), (vb, vs)):
+                out.append(self.backend.tensor(self._range, buf * g.buffer_bytes + off, shape, strides, c.dtype))
+        return ks, vs
+
+    # -------------------------------------------------------------- the paper's API ----
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s K tensor, `[max_batch_size, max_context_len, num_kv_heads, head_dim]`."""
+        return self._k[self._layer(layer)]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s V tensor, `[max_batch_size, max_context_len, num_kv_heads, head_dim]`."""
+        return self._v[self._layer(layer)]
+
+    def _layer(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
+            raise InvalidRequestError(f"layer must be an int in [0, {self.config.num_layers}), got {layer!r}")
+        return layer
+
+    def alloc_reqid(self) -> int:
+        """A free slot for a new request: the one with most pages still mapped (deferred
+        reclamation). Raises NoFreeSlotError when all max_batch_size slots are in use."""
+        return self.allocator.alloc_reqid()
+
+    def free_reqid(self, reqid: int) -> None:
+        """Return a slot. Its pages stay mapped for the next request that gets it."""
+        self.allocator.free_reqid(reqid)
+
+    def step(self, seq_lens: Sequence[int] | Mapping[int, int]) -> StepResult:
+        """Back every active request with pages for its length in the coming iteration.
+
+        `seq_lens`: a list with one length per slot (0 = inactive) or a dict reqid -> length.
+        Returns a StepResult, truthy when every request is backed. When pages run short it
+        lists the reqids it could not back in `failed` (oldest requests are served first)
+        and changes nothing else: preempt (free_reqid) and call again. With `background`,
+        the pages the next iteration will need are mapped on a worker thread afterwards.
+        """
+        return self.allocator.step(seq_lens)
+
+    # ---------------------------------------------------------------------- memory ----
+    def reserve_physical(self, nbytes: int) -> int:
+        """Create physical pages ahead of time until `nbytes` exist; returns page groups created."""
+        return self.allocator.reserve_physical(nbytes)
+
+    def stats(self) -> MemoryStats:
+        """Memory figures: mapped, used, free pages, tokens that fit, fragmentation."""
+        return self.allocator.stats()
+
+    def synchronize(self) -> None:
+        """Wait for the background pre-mapping started by the last step."""
+        self.allocator.synchronize()
+
+    @property
+    def num_free_reqids(self) -> int:
+        return len(self.allocator.free_slots)
+
+    def close(self) -> None:
+        """Release all physical and virtual memory. Idempotent."""
+        self._finalizer()
+        self._k, self._v = [], []
+        self._range = None  # the address space goes when the last tensor view goes
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"KVCache(layers={c.num_layers}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
+                f"batch={c.max_batch_size}, context={c.max_context_len}, dtype={c.dtype}, "
+                f"device={c.device}, page_size={self.page_size}, layout={c.layout})")
+
+
+def _close(allocator: PageAllocator, backend: Any) -> None:
+    allocator.close()
+    backend.close()

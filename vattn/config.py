@@ -1,0 +1,166 @@
+"""Configuration of a vattn cache and the geometry derived from it."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vattn.errors import InvalidConfigError
+
+LAYOUTS = ("per-layer", "fused")
+
+# torch dtype -> (DLPack type code, bits)
+DLPACK_DTYPES: dict[torch.dtype, tuple[int, int]] = {
+    torch.float16: (2, 16),
+    torch.bfloat16: (4, 16),
+    torch.float32: (2, 32),
+    torch.float64: (2, 64),
+    torch.int8: (0, 8),
+    torch.uint8: (1, 8),
+}
+
+_DTYPE_NAMES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or its name ('float16', 'bf16', ...)."""
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.").lower()
+        if key not in _DTYPE_NAMES:
+            raise InvalidConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
+        dtype = _DTYPE_NAMES[key]
+    if dtype not in DLPACK_DTYPES:
+        raise InvalidConfigError(f"dtype {dtype} is not supported; use one of {list(DLPACK_DTYPES)}")
+    return dtype
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What `vattn.init` was asked for. Sizes in bytes; `page_size=None` means the backend's default.
+
+    `physical_memory` caps the bytes of physical pages ever created (None: as many as the
+    slots can hold). `background` runs pre-mapping on a worker thread; `prefetch=False`
+    turns pre-mapping off (pure on-demand mapping, the paper's synchronous baseline).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_batch_size: int
+    max_context_len: int
+    dtype: torch.dtype = torch.float16
+    device: str = "cpu"
+    page_size: int | None = None
+    layout: str = "per-layer"
+    physical_memory: int | None = None
+    background: bool = True
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_context_len"):
+            _positive_int(name, getattr(self, name))
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
+        if not isinstance(self.device, str):
+            raise InvalidConfigError(f"device must be a string like 'cpu' or 'cuda:0', got {self.device!r}")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise InvalidConfigError(f"bad device {self.device!r}: {e}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise InvalidConfigError(f"device must be 'cpu' (host backend) or 'cuda[:N]', got {self.device!r}")
+        if self.page_size is not None:
+            _positive_int("page_size", self.page_size)
+        if self.layout not in LAYOUTS:
+            raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.physical_memory is not None:
+            _positive_int("physical_memory", self.physical_memory)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where every byte goes, for one config and one page size.
+
+    ```
+    buffer b (K or V of a layer; of all layers when fused), slot r, page p:
+      base_b + r * slot_bytes + p * page_size
+      |<------------- slot_bytes (slot_tokens tokens) ------------->|
+      [ page 0 ][ page 1 ][ page 2 ] ...                [ page n-1 ]
+    ```
+    A page group is page p of slot r in all `num_buffers` buffers: the unit the books count.
+    `slot_tokens >= max_context_len` so that slots start on page boundaries.
+    """
+
+    config: CacheConfig
+    page_size: int
+
+    @property
+    def elem_size(self) -> int:
+        return torch.empty((), dtype=self.config.dtype).element_size()
+
+    @property
+    def num_buffers(self) -> int:
+        return 2 * self.config.num_layers if self.config.layout == "per-layer" else 2
+
+    @property
+    def layers_per_buffer(self) -> int:
+        return 1 if self.config.layout == "per-layer" else self.config.num_layers
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token occupies in one buffer."""
+        c = self.config
+        return self.layers_per_buffer * c.num_kv_heads * c.head_dim * self.elem_size
+
+    @property
+    def token_bytes_all(self) -> int:
+        """Bytes one token occupies in the whole cache (K and V of every layer)."""
+        return self.token_bytes * self.num_buffers
+
+    @property
+    def slot_tokens(self) -> int:
+        """max_context_len rounded up so that a slot is a whole number of pages."""
+        q = self.page_size // math.gcd(self.page_size, self.token_bytes)
+        return -(-self.config.max_context_len // q) * q
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_tokens * self.token_bytes
+
+    @property
+    def pages_per_slot(self) -> int:
+        return self.slot_bytes // self.page_size
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.slot_bytes * self.config.max_batch_size
+
+    @property
+    def group_bytes(self) -> int:
+        """Physical bytes of one page group."""
+        return self.page_size * self.num_buffers
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Page groups a slot needs to hold `num_tokens` tokens."""
+        return -(-num_tokens * self.token_bytes // self.page_size)
+
+    def page_offset(self, slot: int, page: int) -> int:
+        """Byte offset of (slot, page) inside every buffer."""
+        return slot * self.slot_bytes + page * self.page_size

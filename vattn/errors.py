@@ -1,0 +1,58 @@
+"""The vattn exception hierarchy. Every error a caller can cause is one of these."""
+from __future__ import annotations
+
+
+class VattnError(Exception):
+    """Base class of every vattn error."""
+
+
+class InvalidConfigError(VattnError, ValueError):
+    """A configuration value is wrong (sizes, dtype, page size, layout, device)."""
+
+
+class InvalidRequestError(VattnError, ValueError):
+    """A call's arguments are wrong (bad seq_lens, bad prompt, ...)."""
+
+
+class UnknownReqIdError(InvalidRequestError, KeyError):
+    """A reqid that is out of range, was never allocated, or was already freed."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ContextLengthError(InvalidRequestError):
+    """A sequence length above max_context_len."""
+
+
+class NoFreeSlotError(VattnError, RuntimeError):
+    """alloc_reqid found every slot busy; free a reqid or raise max_batch_size."""
+
+
+class OutOfVirtualMemoryError(VattnError, MemoryError):
+    """The virtual address space could not be reserved."""
+
+
+class OutOfPhysicalMemoryError(VattnError, MemoryError):
+    """Physical pages could not be created (device or host memory exhausted, or over budget)."""
+
+
+class MapCountLimitError(VattnError, OSError):
+    """The host kernel's per-process mapping limit (vm.max_map_count) was reached."""
+
+
+class BackendError(VattnError, RuntimeError):
+    """A virtual-memory call of the backend failed (names the call and the code)."""
+
+    def __init__(self, call: str, code: int, name: str, hint: str = "") -> None:
+        self.call, self.code, self.name = call, code, name
+        msg = f"{call} failed with {name} ({code})"
+        super().__init__(msg + (f": {hint}" if hint else ""))
+
+
+class NotInitializedError(VattnError, RuntimeError):
+    """A module-level function was called before vattn.init()."""
+
+
+class ClosedError(VattnError, RuntimeError):
+    """The cache was closed; create a new one with vattn.init()."""

@@ -1,0 +1,98 @@
+"""The one small interface every virtual-memory backend implements."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from array import array
+from typing import Any, Sequence
+
+import torch
+
+from vattn.config import DLPACK_DTYPES
+
+
+class Backend(ABC):
+    """Virtual-memory primitives of one device.
+
+    A *group* is the physical memory of one page in each of `num_buffers` buffers; the
+    allocator moves groups between slots and never sees what a group is made of.
+    Counters (`num_map_calls`, `num_pages_mapped`, ...) count what really reached the OS
+    or the driver, so tests and benchmarks can check that work was (not) done.
+    """
+
+    device: torch.device
+    granularity: int  # smallest page size, bytes
+    default_page_size: int
+
+    def __init__(self) -> None:
+        self.num_map_calls = 0
+        self.num_pages_mapped = 0  # page groups
+        self.num_unmap_calls = 0
+        self.num_pages_unmapped = 0
+        self.num_pages_created = 0
+
+    def check_page_size(self, page_size: int) -> None:
+        """Raise InvalidConfigError unless `page_size` is a multiple of the granularity."""
+
+    # -- address space --------------------------------------------------------------
+    @abstractmethod
+    def reserve(self, nbytes: int, alignment: int) -> Any:
+        """Reserve `nbytes` of address space; returns an object with `.addr` and `.size`."""
+
+    @abstractmethod
+    def tensor(self, rng: Any, offset: int, shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-copy torch view of reserved memory (strides in elements)."""
+
+    # -- physical pages -------------------------------------------------------------
+    def create(self, n: int, num_buffers: int, page_size: int) -> list:
+        """Create `n` page groups of `num_buffers` pages each (raises OutOfPhysicalMemoryError)."""
+        groups = self._create(n, num_buffers, page_size) if n else []
+        self.num_pages_created += n
+        return groups
+
+    def release(self, groups: list) -> None:
+        """Free page groups that are not mapped."""
+        if groups:
+            self._release(groups)
+
+    def map(self, bases: Sequence[int], offsets: Sequence[int], groups: list, page_size: int) -> None:
+        """Map groups[i] at bases[b] + offsets[i] for every buffer b. All or nothing."""
+        if not groups:
+            return
+        self._map(array("Q", bases), array("Q", offsets), groups, page_size)
+        self.num_map_calls += 1
+        self.num_pages_mapped += len(groups)
+
+    def unmap(self, bases: Sequence[int], offsets: Sequence[int], page_size: int) -> None:
+        """Unmap the pages at bases[b] + offsets[i]: the range stays reserved, reads fault."""
+        if not offsets:
+            return
+        self._unmap(array("Q", bases), array("Q", offsets), page_size)
+        self.num_unmap_calls += 1
+        self.num_pages_unmapped += len(offsets)
+
+    # -- ordering against device work -----------------------------------------------
+    def fence(self) -> Any:
+        """A marker of the device work enqueued so far (None where work is synchronous)."""
+        return None
+
+    def wait(self, fence: Any) -> None:
+        """Block until the work before `fence` finished."""
+
+    def close(self) -> None:
+        """Release what the backend itself holds (not the groups: release() them first)."""
+
+    @staticmethod
+    def dlpack_type(dtype: torch.dtype) -> tuple[int, int]:
+        return DLPACK_DTYPES[dtype]
+
+    @abstractmethod
+    def _create(self, n: int, num_buffers: int, page_size: int) -> list: ...
+
+    @abstractmethod
+    def _release(self, groups: list) -> None: ...
+
+    @abstractmethod
+    def _map(self, bases: array, offsets: array, groups: list, page_size: int) -> None: ...
+
+    @abstractmethod
+    def _unmap(self, bases: array, offsets: array, page_size: int) -> None: ...
