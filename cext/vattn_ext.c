@@ -93,12 +93,15 @@ static PyObject *raise_driver(const char *call, CUresult rc) {
   return NULL;
 }
 
+static CUresult ensure_ctx(int dev, const char **call);
+
 static void Range_dealloc(RangeObject *self) {
   if (self->size) {
     if (self->kind == KIND_HOST) {
       munmap((void *)(uintptr_t)self->addr, self->size);
     } else if (cu.MemAddressFree) {
-      cu.MemAddressFree((CUdeviceptr)self->addr, self->size);
+      const char *call;
+      if (!ensure_ctx(self->device_id, &call)) cu.MemAddressFree((CUdeviceptr)self->addr, self->size);
     }
   }
   Py_TYPE(self)->tp_free((PyObject *)self);

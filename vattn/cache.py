@@ -38,7 +38,7 @@ class KVCache:
         elif kwargs:
             raise InvalidConfigError("give either a CacheConfig or keyword arguments, not both")
         self.config = config
-        self.backend = make_backend(config.torch_device)
+        self.backend = make_backend(config.torch_device, config.cuda_driver)
         page_size = config.page_size if config.page_size is not None else self.backend.default_page_size
         self.backend.check_page_size(page_size)
         self.geometry = g = Geometry(config, page_size)
@@ -51,6 +51,8 @@ class KVCache:
                     f"physical_memory={config.physical_memory} is less than one page group "
                     f"({g.num_buffers} buffers x {page_size} bytes = {g.group_bytes} bytes)")
             max_pages = min(max_pages, config.physical_memory // g.group_bytes)
+        elif (free := self.backend.free_memory()) is not None:  # leave room for the model's own tensors
+            max_pages = min(max_pages, max(1, int(0.9 * free) // g.group_bytes))
 
         # One reservation holds every buffer, one after another.
         self._range = self.backend.reserve(g.buffer_bytes * g.num_buffers, page_size)

@@ -53,6 +53,8 @@ class CacheConfig:
     `physical_memory` caps the bytes of physical pages ever created (None: as many as the
     slots can hold). `background` runs pre-mapping on a worker thread; `prefetch=False`
     turns pre-mapping off (pure on-demand mapping, the paper's synchronous baseline).
+    `cuda_driver` picks the CUDA path: "cext" (vattn._C), "cuda-python", or "auto" (cext when
+    it loads). On CUDA, `physical_memory=None` means 90% of the GPU memory free at init.
     """
 
     num_layers: int
@@ -67,6 +69,7 @@ class CacheConfig:
     physical_memory: int | None = None
     background: bool = True
     prefetch: bool = True
+    cuda_driver: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_context_len"):
@@ -88,6 +91,8 @@ class CacheConfig:
             raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.physical_memory is not None:
             _positive_int("physical_memory", self.physical_memory)
+        if self.cuda_driver not in ("auto", "cext", "cuda-python"):
+            raise InvalidConfigError(f"cuda_driver must be 'auto', 'cext' or 'cuda-python', got {self.cuda_driver!r}")
 
     @property
     def torch_device(self) -> torch.device:

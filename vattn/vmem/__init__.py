@@ -6,7 +6,7 @@ import torch
 from vattn.vmem.base import Backend
 
 
-def make_backend(device: torch.device) -> Backend:
+def make_backend(device: torch.device, cuda_driver: str = "auto") -> Backend:
     """The backend for a torch device: host for 'cpu', CUDA for 'cuda[:N]'."""
     if device.type == "cpu":
         from vattn.vmem.host import HostBackend
@@ -14,8 +14,8 @@ def make_backend(device: torch.device) -> Backend:
         return HostBackend()
     from vattn.vmem.cuda import CudaBackend
 
-    return CudaBackend(device.index if device.index is not None else torch.cuda.current_device()
-                       if torch.cuda.is_available() else 0)
+    index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return CudaBackend(index, cuda_driver)
 
 
 __all__ = ["Backend", "make_backend"]

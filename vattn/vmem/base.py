@@ -78,6 +78,10 @@ class Backend(ABC):
     def wait(self, fence: Any) -> None:
         """Block until the work before `fence` finished."""
 
+    def free_memory(self) -> int | None:
+        """Bytes of device memory free now (None: no default budget, e.g. the host)."""
+        return None
+
     def close(self) -> None:
         """Release what the backend itself holds (not the groups: release() them first)."""
 

@@ -1,0 +1,295 @@
+"""CUDA backend: the driver's virtual memory management API, in PyTorch's context.
+
+reserve  = cuMemAddressReserve              (virtual only, never moves)
+create   = cuMemCreate, one handle per page per buffer, from a pool made ahead of time
+map      = cuMemMap + cuMemSetAccess        (one SetAccess per contiguous run per buffer)
+unmap    = cuMemUnmap                       (the range stays reserved)
+close    = cuMemRelease / cuMemAddressFree
+
+Two drivers with one interface: the C extension (`vattn._C`, dlopen of libcuda.so.1, one
+call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`), which works
+without the extension. Every call runs in the device's primary context, the one PyTorch
+uses, made current on the calling thread first (the pre-mapping worker is another thread).
+
+Ordering against kernels: `fence()` records a CUDA event on the current stream; the
+allocator records one at the start of every `step` for the slots the previous iteration
+used, and `wait()`s on a slot's event before unmapping any of its pages, so a page is
+never unmapped under a kernel that may still read it.
+"""
+from __future__ import annotations
+
+import os
+from array import array
+from typing import Any, Sequence
+
+import torch
+
+from vattn.errors import BackendError, InvalidConfigError, OutOfPhysicalMemoryError, OutOfVirtualMemoryError
+from vattn.vmem.base import Backend
+
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_DRIVERS = ("auto", "cext", "cuda-python")
+
+
+def _raise(call: str, code: int, name: str) -> None:
+    if code == CUDA_ERROR_OUT_OF_MEMORY and call == "cuMemCreate":
+        raise OutOfPhysicalMemoryError(
+            f"cuMemCreate failed with {name} ({code}): the GPU has no memory for more pages; "
+            "lower physical_memory or free GPU memory")
+    if code == CUDA_ERROR_OUT_OF_MEMORY and call == "cuMemAddressReserve":
+        raise OutOfVirtualMemoryError(
+            f"cuMemAddressReserve failed with {name} ({code}): lower max_batch_size or max_context_len")
+    raise BackendError(call, code, name)
+
+
+class _CextDriver:
+    """The driver calls through vattn._C (dlopen of libcuda.so.1)."""
+
+    name = "cext"
+
+    def __init__(self, dev: int) -> None:
+        from vattn import _C
+
+        self._C, self.dev = _C, dev
+        _C.cuda_load()
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except self._C.DriverError as e:
+            _raise(*e.args)
+
+    def granularity(self) -> int:
+        return self._call(self._C.cuda_granularity, self.dev)
+
+    def reserve(self, size: int, align: int) -> Any:
+        return self._call(self._C.cuda_reserve, size, align, self.dev)
+
+    def tensor(self, rng, offset, shape, strides, dtype, code, bits) -> torch.Tensor:
+        return torch.from_dlpack(rng.dlpack(offset, tuple(shape), tuple(strides), code, bits))
+
+    def create(self, n: int, size: int) -> list[int]:
+        return self._call(self._C.cuda_create, n, size, self.dev)
+
+    def release(self, handles: Sequence[int]) -> None:
+        self._call(self._C.cuda_release, array("Q", handles))
+
+    def map(self, bases: array, offsets: array, handles: Sequence[int], page: int) -> None:
+        self._call(self._C.cuda_map, bases, offsets, array("Q", handles), page, self.dev)
+
+    def unmap(self, bases: array, offsets: array, page: int) -> None:
+        self._call(self._C.cuda_unmap, bases, offsets, page, self.dev)
+
+
+def _runs(offsets: Sequence[int], page: int) -> list[tuple[int, int]]:
+    """(first index, count) of each run of contiguous page offsets."""
+    runs, i = [], 0
+    while i < len(offsets):
+        j = i + 1
+        while j < len(offsets) and offsets[j] == offsets[j - 1] + page:
+            j += 1
+        runs.append((i, j - i))
+        i = j
+    return runs
+
+
+class _PyRange:
+    """A reserved device range; freed when the last tensor (or owner) lets go."""
+
+    def __init__(self, drv: _PyDriver, addr: int, size: int) -> None:
+        self._drv, self.addr, self.size = drv, addr, size
+
+    def __del__(self) -> None:
+        try:
+            self._drv.free_range(self.addr, self.size)
+        except Exception:  # interpreter shutdown: the driver frees it with the context
+            pass
+
+
+class _CAIView:
+    """`__cuda_array_interface__` of a range, so torch wraps it without a copy."""
+
+    def __init__(self, rng: _PyRange, offset: int, shape, strides_bytes, typestr: str) -> None:
+        self._rng = rng  # keeps the address space alive as long as the tensor
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "strides": tuple(strides_bytes), "typestr": typestr,
+            "data": (rng.addr + offset, False), "version": 3,
+        }
+
+
+_TYPESTR = {torch.float16: "<f2", torch.bfloat16: "<i2", torch.float32: "<f4", torch.float64: "<f8",
+            torch.int8: "|i1", torch.uint8: "|u1"}
+
+
+class _PyDriver:
+    """The driver calls through cuda-python (`cuda.bindings.driver`). `driver` may be any
+    module with the same API (the tests check the call sequence with a recording one)."""
+
+    name = "cuda-python"
+
+    def __init__(self, dev: int, driver: Any = None) -> None:
+        if driver is None:
+            try:
+                from cuda.bindings import driver
+            except ImportError:
+                try:
+                    from cuda import cuda as driver  # cuda-python < 12.8
+                except ImportError:
+                    raise InvalidConfigError(
+                        "the cuda-python path needs `pip install cuda-python` (or build vattn's C "
+                        "extension and use cuda_driver='cext')") from None
+        self.d, self.dev = driver, dev
+        self._ok = driver.CUresult.CUDA_SUCCESS
+        self._check("cuInit", driver.cuInit(0))
+        _, cudev = self._check("cuDeviceGet", driver.cuDeviceGet(dev))
+        _, self._ctx = self._check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(cudev))
+        self._prop = driver.CUmemAllocationProp()
+        self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._prop.location.id = dev
+        self._access = driver.CUmemAccessDesc()
+        self._access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._access.location.id = dev
+        self._access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+    def _check(self, call: str, ret: Any) -> tuple:
+        ret = ret if isinstance(ret, tuple) else (ret,)
+        if ret[0] != self._ok:
+            code = int(ret[0])
+            err, name = self.d.cuGetErrorName(ret[0])
+            _raise(call, code, name.decode() if isinstance(name, bytes) else str(name))
+        return ret
+
+    def _ctx_current(self) -> None:
+        self._check("cuCtxSetCurrent", self.d.cuCtxSetCurrent(self._ctx))
+
+    def granularity(self) -> int:
+        self._ctx_current()
+        flag = self.d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        return int(self._check("cuMemGetAllocationGranularity", self.d.cuMemGetAllocationGranularity(self._prop, flag))[1])
+
+    def reserve(self, size: int, align: int) -> _PyRange:
+        self._ctx_current()
+        ptr = self._check("cuMemAddressReserve", self.d.cuMemAddressReserve(size, align, 0, 0))[1]
+        return _PyRange(self, int(ptr), size)
+
+    def free_range(self, addr: int, size: int) -> None:
+        self._ctx_current()
+        self._check("cuMemAddressFree", self.d.cuMemAddressFree(addr, size))
+
+    def tensor(self, rng, offset, shape, strides, dtype, code, bits) -> torch.Tensor:
+        esz = bits // 8
+        view = _CAIView(rng, offset, shape, [s * esz for s in strides], _TYPESTR[dtype])
+        t = torch.as_tensor(view, device=torch.device("cuda", self.dev))
+        return t.view(dtype) if t.dtype != dtype else t
+
+    def create(self, n: int, size: int) -> list[int]:
+        self._ctx_current()
+        handles: list[Any] = []
+        try:
+            for _ in range(n):
+                handles.append(self._check("cuMemCreate", self.d.cuMemCreate(size, self._prop, 0))[1])
+        except BaseException:
+            for h in handles:
+                self.d.cuMemRelease(h)
+            raise
+        return [int(h) for h in handles]
+
+    def release(self, handles: Sequence[int]) -> None:
+        self._ctx_current()
+        rets = [self.d.cuMemRelease(h) for h in handles]  # release all, then report the first error
+        for ret in rets:
+            self._check("cuMemRelease", ret)
+
+    def map(self, bases: array, offsets: array, handles: Sequence[int], page: int) -> None:
+        self._ctx_current()
+        nb, done = len(bases), []
+        try:
+            for b, base in enumerate(bases):
+                for i, off in enumerate(offsets):
+                    self._check("cuMemMap", self.d.cuMemMap(base + off, page, 0, handles[i * nb + b], 0))
+                    done.append(base + off)
+                for i, k in _runs(offsets, page):  # one SetAccess per contiguous run
+                    self._check("cuMemSetAccess", self.d.cuMemSetAccess(base + offsets[i], k * page, [self._access], 1))
+        except BaseException:  # atomic: undo what this call mapped
+            for addr in done:
+                self.d.cuMemUnmap(addr, page)
+            raise
+
+    def unmap(self, bases: array, offsets: array, page: int) -> None:
+        self._ctx_current()
+        for base in bases:
+            for i, k in _runs(offsets, page):
+                self._check("cuMemUnmap", self.d.cuMemUnmap(base + offsets[i], k * page))
+
+
+class CudaBackend(Backend):
+    """CUDA driver VMM backend. A page group is `num_buffers` handles of `page_size` bytes."""
+
+    def __init__(self, device_index: int, driver: str = "auto", _driver_module: Any = None) -> None:
+        super().__init__()
+        if driver not in CUDA_DRIVERS:
+            raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {driver!r}")
+        if _driver_module is None:
+            if not torch.cuda.is_available():
+                raise InvalidConfigError(
+                    "device='cuda' needs a CUDA GPU and driver, and torch.cuda.is_available() is False; "
+                    "use device='cpu' for the host backend")
+            if not 0 <= device_index < torch.cuda.device_count():
+                raise InvalidConfigError(f"no CUDA device {device_index}; this machine has {torch.cuda.device_count()}")
+            torch.cuda.init()
+            torch.zeros(1, device=torch.device("cuda", device_index))  # PyTorch's primary context exists now
+        self.index = device_index
+        self.device = torch.device("cuda", device_index)
+        self.drv = self._open(driver, _driver_module)
+        self.granularity = self.drv.granularity()
+        self.default_page_size = self.granularity
+
+    def _open(self, driver: str, module: Any) -> _CextDriver | _PyDriver:
+        driver = os.environ.get("VATTN_CUDA_DRIVER", driver) if driver == "auto" else driver
+        if module is not None or driver == "cuda-python":
+            return _PyDriver(self.index, module)
+        try:
+            return _CextDriver(self.index)
+        except (ImportError, OSError, AttributeError) as e:
+            if driver == "cext":
+                raise InvalidConfigError(f"cuda_driver='cext' but the C extension cannot load the driver: {e}") from None
+            return _PyDriver(self.index)
+
+    def check_page_size(self, page_size: int) -> None:
+        if page_size % self.granularity:
+            raise InvalidConfigError(
+                f"page_size {page_size} is not a multiple of this GPU's granularity {self.granularity} "
+                f"({self.granularity >> 20} MiB on stock drivers); use {self.granularity} or a multiple, and "
+                "layout='fused' to put fewer tokens of one request in each page")
+
+    def reserve(self, nbytes: int, alignment: int) -> Any:
+        return self.drv.reserve(nbytes, alignment)
+
+    def tensor(self, rng, offset, shape, strides, dtype) -> torch.Tensor:
+        code, bits = self.dlpack_type(dtype)
+        return self.drv.tensor(rng, offset, shape, strides, dtype, code, bits)
+
+    def _create(self, n: int, num_buffers: int, page_size: int) -> list[tuple[int, ...]]:
+        flat = self.drv.create(n * num_buffers, page_size)
+        return [tuple(flat[i * num_buffers:(i + 1) * num_buffers]) for i in range(n)]
+
+    def _release(self, groups: list[tuple[int, ...]]) -> None:
+        self.drv.release([h for grp in groups for h in grp])
+
+    def _map(self, bases: array, offsets: array, groups: list[tuple[int, ...]], page_size: int) -> None:
+        self.drv.map(bases, offsets, [h for grp in groups for h in grp], page_size)
+
+    def _unmap(self, bases: array, offsets: array, page_size: int) -> None:
+        self.drv.unmap(bases, offsets, page_size)
+
+    def fence(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, fence: Any) -> None:
+        fence.synchronize()
+
+    def free_memory(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
