@@ -258,10 +258,26 @@ static int get_u64s(Py_buffer *b, Py_ssize_t *n, const char *what) {
 /* Host backend                                                               */
 /* ------------------------------------------------------------------------- */
 
+#ifndef MAP_FIXED_NOREPLACE
+#define MAP_FIXED_NOREPLACE 0x100000
+#endif
+
 static int host_rereserve(uint64_t addr, uint64_t len) {
-  void *p = mmap((void *)(uintptr_t)addr, len, PROT_NONE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-  return p == MAP_FAILED ? errno : 0;
+  void *want = (void *)(uintptr_t)addr;
+  void *p = mmap(want, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  if (p != MAP_FAILED) return 0;
+  if (errno != ENOMEM) return errno;
+  /* At vm.max_map_count the in-place replacement can fail; munmap (which frees the
+   * mapping's VMA) then reserve the hole again. NOREPLACE: never clobber a mapping that
+   * another thread placed in the hole meanwhile. */
+  if (munmap(want, len) != 0) return errno;
+  p = mmap(want, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+  if (p == MAP_FAILED) return errno;
+  if (p != want) {
+    munmap(p, len);
+    return EEXIST;
+  }
+  return 0;
 }
 
 static PyObject *host_reserve(PyObject *m, PyObject *args) {

@@ -71,6 +71,7 @@ def test_bad_seq_lens_change_nothing(cache):
     r = cache.alloc_reqid()
     assert cache.step({r: 100})
     fill(cache, r, 0, 100, 1)
+    cache.synchronize()
     before = cache.stats()
     bad = [
         ({r: 513}, vattn.ContextLengthError, "max_context_len"),
@@ -78,7 +79,9 @@ def test_bad_seq_lens_change_nothing(cache):
         ({r: 1.5}, vattn.InvalidRequestError, "int"),
         ({r: True}, vattn.InvalidRequestError, "int"),
         ({"a": 3}, vattn.InvalidRequestError, "int"),
-        ({7: 3}, vattn.UnknownReqIdError, "not allocated"),
+        ({3: 3}, vattn.UnknownReqIdError, "not allocated"),
+        ({7: 0}, vattn.UnknownReqIdError, "out of range"),
+        ({-1: 0}, vattn.UnknownReqIdError, "out of range"),
         ([100, 0], vattn.InvalidRequestError, "one per slot"),
         ("abcd", vattn.InvalidRequestError, "list"),
         (None, vattn.InvalidRequestError, "list"),

@@ -1,0 +1,172 @@
+"""The host backend really maps memory: unmapped reads fault, close gives everything back."""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import vattn
+from tests.conftest import SMALL, fill
+from vattn import _C
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+
+
+PRELUDE = """
+import vattn
+c = vattn.KVCache(num_layers=1, num_kv_heads=1, head_dim=16, max_batch_size=2, max_context_len=1024,
+                  dtype="float32", device="cpu", page_size=4096, prefetch=False)
+r = c.alloc_reqid()
+assert c.step({r: 64})   # 64 tokens * 64 B = one 4 KiB page
+c.k_cache(0)[r, :64] = 1.0
+print("mapped ok", float(c.k_cache(0)[r, :64].sum()), flush=True)
+"""
+
+
+def _faulted(p: subprocess.CompletedProcess) -> bool:
+    return p.returncode in (-signal.SIGSEGV, -signal.SIGBUS)
+
+
+def test_reading_an_unmapped_page_faults():
+    p = _run(PRELUDE + "print(float(c.k_cache(0)[r, 64].sum()))\n")
+    assert "mapped ok 1024.0" in p.stdout
+    assert _faulted(p), (p.returncode, p.stdout, p.stderr)
+
+
+def test_reading_an_inactive_slot_faults():
+    p = _run(PRELUDE + "print(float(c.k_cache(0)[1 - r, 0].sum()))\n")
+    assert "mapped ok" in p.stdout and _faulted(p), (p.returncode, p.stderr)
+
+
+def test_reclaimed_page_no_longer_readable_by_its_old_slot():
+    # Budget of one group: the second request takes the first's page; the old address faults
+    # instead of showing the new request's data.
+    code = """
+    import vattn
+    c = vattn.KVCache(num_layers=1, num_kv_heads=1, head_dim=16, max_batch_size=2, max_context_len=1024,
+                      dtype="float32", device="cpu", page_size=4096, physical_memory=2 * 4096, prefetch=False)
+    a = c.alloc_reqid(); assert c.step({a: 64}); c.k_cache(0)[a, :64] = 1.0
+    c.free_reqid(a)
+    b = c.alloc_reqid(); assert b == a
+    b2 = c.alloc_reqid()   # the other slot: must take a's page by reclamation
+    res = c.step({b2: 64}); assert res and res.num_unmapped == 1, res
+    c.k_cache(0)[b2, :64] = 2.0
+    print("moved", flush=True)
+    print(float(c.k_cache(0)[a, 0].sum()))
+    """
+    p = _run(code)
+    assert "moved" in p.stdout and _faulted(p), (p.returncode, p.stdout, p.stderr)
+
+
+def _vattn_mappings() -> tuple[int, int]:
+    """(number of memfd mappings of vattn pages, open memfds of vattn pages) of this process."""
+    with open("/proc/self/maps") as f:
+        maps = sum("vattn-pages" in line for line in f)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += "vattn-pages" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return maps, fds
+
+
+def _reserved_bytes(addr: int) -> int:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return hi - lo
+    return 0
+
+
+@pytest.mark.parametrize("drop_tensors_first", [True, False])
+def test_close_releases_physical_and_virtual_memory(drop_tensors_first):
+    gc.collect()
+    base = _vattn_mappings()
+    c = vattn.KVCache(**SMALL, device="cpu", page_size=4096)
+    r = c.alloc_reqid()
+    assert c.step({r: 300})
+    fill(c, r, 0, 300, 1)
+    c.synchronize()
+    addr = c.k_cache(0).data_ptr()
+    maps, fds = _vattn_mappings()
+    assert maps > base[0] and fds > base[1]
+    assert _reserved_bytes(addr) > 0
+    k = c.k_cache(0)
+    if drop_tensors_first:
+        del k
+    c.close()
+    assert _vattn_mappings() == base  # every page unmapped, every memfd closed
+    if drop_tensors_first:
+        assert _reserved_bytes(addr) == 0  # the address space is gone too
+    else:
+        assert _reserved_bytes(addr) > 0  # still reserved (PROT_NONE) while a tensor views it
+        del k
+        gc.collect()
+        assert _reserved_bytes(addr) == 0
+
+
+def test_forgotten_cache_is_released_by_gc():
+    gc.collect()
+    base = _vattn_mappings()
+    c = vattn.KVCache(**SMALL, device="cpu", page_size=4096)
+    r = c.alloc_reqid()
+    assert c.step({r: 300})
+    c.synchronize()
+    del c
+    gc.collect()
+    assert _vattn_mappings() == base
+
+
+def test_map_count_limit_is_a_clear_error():
+    # Interleave two slots so no two mapped pages merge into one VMA, until vm.max_map_count.
+    code = """
+    import vattn
+    c = vattn.KVCache(num_layers=32, num_kv_heads=1, head_dim=16, max_batch_size=2, max_context_len=1 << 16,
+                      dtype="float32", device="cpu", page_size=4096, prefetch=False)
+    a, b = c.alloc_reqid(), c.alloc_reqid()
+    n = 0
+    try:
+        while True:
+            n += 64
+            c.step({a: n, b: n})
+    except vattn.MapCountLimitError as e:
+        c.allocator.check_invariants()
+        st = c.stats()
+        print("limit", n, st.num_mapped_pages, str(e), flush=True)
+        c.close()
+        print("closed", flush=True)
+    """
+    limit = int(open("/proc/sys/vm/max_map_count").read())
+    if limit > 300_000:
+        pytest.skip(f"vm.max_map_count={limit} is too high to reach quickly")
+    p = _run(code)
+    assert p.returncode == 0, p.stderr
+    assert "limit" in p.stdout and "vm.max_map_count" in p.stdout and "closed" in p.stdout, p.stdout
+
+
+def test_dlpack_export_checks_bounds():
+    rng = _C.host_reserve(1 << 16)
+    with pytest.raises(ValueError, match="past the end"):
+        rng.dlpack(0, (1 << 16,), (1,), 2, 32)
+    with pytest.raises(ValueError, match="negative"):
+        rng.dlpack(0, (-1,), (1,), 2, 32)
+    with pytest.raises(ValueError, match="same length"):
+        rng.dlpack(0, (4, 4), (1,), 2, 32)
+    cap = rng.dlpack(0, (16,), (1,), 2, 32)
+    del cap  # an unused capsule frees its export
+
+
+def test_cuda_load_without_driver_is_an_oserror():
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("a GPU driver is present")
+    with pytest.raises(OSError, match="libcuda"):
+        _C.cuda_load()
