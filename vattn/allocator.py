@@ -181,6 +181,8 @@ class PageAllocator:
         max_len = self.geometry.config.max_context_len
         for reqid, n in items:
             slot = self._index(reqid, "reqid")
+            if not 0 <= slot < self.num_slots:
+                raise UnknownReqIdError(f"reqid {slot} is out of range [0, {self.num_slots})")
             n = self._index(n, f"seq_lens[{reqid}]")
             if n < 0:
                 raise InvalidRequestError(f"seq_lens[{reqid}] = {n} is negative")
@@ -212,8 +214,11 @@ class PageAllocator:
         while True:
             need = {s: g.pages_for(n) for s, n in enumerate(lens) if n}
             order = sorted((s for s in need if need[s] > len(self.slot_pages[s])), key=self.alloc_seq.__getitem__)
-            donors = self._reclaimable(need)
-            supply = len(self.pool) + (self.max_pages - self.num_created) + sum(k for _, k in donors)
+            supply = len(self.pool) + (self.max_pages - self.num_created)
+            donors = []
+            if sum(need[s] - len(self.slot_pages[s]) for s in order) > supply:  # only then look at other slots
+                donors = self._reclaimable(need)
+                supply += sum(k for _, k in donors)
             served, failed = [], []
             for s in order:  # oldest first: the caller preempts the newest
                 missing = need[s] - len(self.slot_pages[s])

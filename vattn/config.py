@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -111,53 +112,54 @@ class Geometry:
     ```
     A page group is page p of slot r in all `num_buffers` buffers: the unit the books count.
     `slot_tokens >= max_context_len` so that slots start on page boundaries.
+    Derived sizes are computed once (`cached_property`): `pages_for` is on the step's hot path.
     """
 
     config: CacheConfig
     page_size: int
 
-    @property
+    @cached_property
     def elem_size(self) -> int:
         return torch.empty((), dtype=self.config.dtype).element_size()
 
-    @property
+    @cached_property
     def num_buffers(self) -> int:
         return 2 * self.config.num_layers if self.config.layout == "per-layer" else 2
 
-    @property
+    @cached_property
     def layers_per_buffer(self) -> int:
         return 1 if self.config.layout == "per-layer" else self.config.num_layers
 
-    @property
+    @cached_property
     def token_bytes(self) -> int:
         """Bytes one token occupies in one buffer."""
         c = self.config
         return self.layers_per_buffer * c.num_kv_heads * c.head_dim * self.elem_size
 
-    @property
+    @cached_property
     def token_bytes_all(self) -> int:
         """Bytes one token occupies in the whole cache (K and V of every layer)."""
         return self.token_bytes * self.num_buffers
 
-    @property
+    @cached_property
     def slot_tokens(self) -> int:
         """max_context_len rounded up so that a slot is a whole number of pages."""
         q = self.page_size // math.gcd(self.page_size, self.token_bytes)
         return -(-self.config.max_context_len // q) * q
 
-    @property
+    @cached_property
     def slot_bytes(self) -> int:
         return self.slot_tokens * self.token_bytes
 
-    @property
+    @cached_property
     def pages_per_slot(self) -> int:
         return self.slot_bytes // self.page_size
 
-    @property
+    @cached_property
     def buffer_bytes(self) -> int:
         return self.slot_bytes * self.config.max_batch_size
 
-    @property
+    @cached_property
     def group_bytes(self) -> int:
         """Physical bytes of one page group."""
         return self.page_size * self.num_buffers

@@ -1,0 +1,209 @@
+"""The CUDA backend's driver-call sequence, checked on the CPU with a recording driver.
+
+This does not test the GPU (tests/test_gpu.py does, with the `gpu` marker); it checks what
+vattn asks of the driver: one cuMemSetAccess per contiguous run, atomic maps, errors that
+name the call and the CUresult, and no leaked handles when cuMemCreate runs out of memory.
+"""
+from __future__ import annotations
+
+import enum
+from array import array
+from types import SimpleNamespace
+
+import pytest
+
+import vattn
+from vattn.vmem.cuda import CudaBackend
+
+GRAN = 2 << 20
+
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class FakeDriver:
+    """Just enough of cuda.bindings.driver, with a model of reserved/mapped memory."""
+
+    CUresult = CUresult
+    CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+    CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+    CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+
+    def __init__(self, fail: dict[str, int] | None = None, max_handles: int = 1 << 30) -> None:
+        self.calls: list[tuple] = []
+        self.fail = dict(fail or {})  # call name -> fail on the n-th call (1-based)
+        self.max_handles = max_handles
+        self.handles: set[int] = set()
+        self.mapped: dict[int, int] = {}  # page address -> handle
+        self.access: set[int] = set()
+        self.next_handle = 100
+
+    @staticmethod
+    def CUmemAllocationProp():
+        return SimpleNamespace(type=0, location=SimpleNamespace(type=0, id=-1))
+
+    @staticmethod
+    def CUmemAccessDesc():
+        return SimpleNamespace(location=SimpleNamespace(type=0, id=-1), flags=0)
+
+    def _rec(self, name, *args):
+        self.calls.append((name, *args))
+        n = sum(c[0] == name for c in self.calls)
+        return self.fail.get(name) == n
+
+    def cuInit(self, flags):
+        self._rec("cuInit", flags)
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuDeviceGet(self, i):
+        self._rec("cuDeviceGet", i)
+        return CUresult.CUDA_SUCCESS, i
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        self._rec("cuDevicePrimaryCtxRetain", dev)
+        return CUresult.CUDA_SUCCESS, "ctx"
+
+    def cuCtxSetCurrent(self, ctx):
+        assert ctx == "ctx"
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuGetErrorName(self, code):
+        return CUresult.CUDA_SUCCESS, CUresult(code).name.encode()
+
+    def cuMemGetAllocationGranularity(self, prop, flag):
+        assert prop.location.type == 1 and prop.type == 1
+        return CUresult.CUDA_SUCCESS, GRAN
+
+    def cuMemAddressReserve(self, size, align, addr, flags):
+        self._rec("cuMemAddressReserve", size, align)
+        return CUresult.CUDA_SUCCESS, 1 << 40
+
+    def cuMemAddressFree(self, ptr, size):
+        self._rec("cuMemAddressFree", ptr, size)
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemCreate(self, size, prop, flags):
+        if self._rec("cuMemCreate", size) or len(self.handles) >= self.max_handles:
+            return CUresult.CUDA_ERROR_OUT_OF_MEMORY, 0
+        self.next_handle += 1
+        self.handles.add(self.next_handle)
+        return CUresult.CUDA_SUCCESS, self.next_handle
+
+    def cuMemRelease(self, h):
+        self._rec("cuMemRelease", h)
+        self.handles.remove(h)
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemMap(self, ptr, size, offset, h, flags):
+        if self._rec("cuMemMap", ptr, size, h) or ptr in self.mapped or h not in self.handles:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        assert size == GRAN and offset == 0
+        self.mapped[ptr] = h
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemSetAccess(self, ptr, size, descs, count):
+        failing = self._rec("cuMemSetAccess", ptr, size)
+        assert count == 1 and descs[0].flags == 3 and descs[0].location.id == 0
+        pages = range(ptr, ptr + size, GRAN)
+        if failing or not all(p in self.mapped for p in pages):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        self.access.update(pages)
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemUnmap(self, ptr, size):
+        self._rec("cuMemUnmap", ptr, size)
+        for p in range(ptr, ptr + size, GRAN):
+            if p not in self.mapped:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            del self.mapped[p]
+            self.access.discard(p)
+        return (CUresult.CUDA_SUCCESS,)
+
+
+def _backend(**kw) -> tuple[CudaBackend, FakeDriver]:
+    drv = FakeDriver(**kw)
+    return CudaBackend(0, _driver_module=drv), drv
+
+
+def test_granularity_and_page_size_check():
+    be, _ = _backend()
+    assert be.granularity == be.default_page_size == GRAN
+    be.check_page_size(4 * GRAN)
+    with pytest.raises(vattn.InvalidConfigError, match=r"granularity 2097152.*fused"):
+        be.check_page_size(256 << 10)
+
+
+def test_map_sets_access_once_per_contiguous_run():
+    be, drv = _backend()
+    groups = be.create(4, 2, GRAN)  # 4 groups x 2 buffers
+    assert len(drv.handles) == 8 and all(len(g) == 2 for g in groups)
+    bases = [1 << 40, (1 << 40) + (1 << 36)]
+    offsets = [0, GRAN, 2 * GRAN, 10 * GRAN]  # a run of 3 and a single page
+    drv.calls.clear()
+    be.map(bases, offsets, groups, GRAN)
+    maps = [c for c in drv.calls if c[0] == "cuMemMap"]
+    access = [c for c in drv.calls if c[0] == "cuMemSetAccess"]
+    assert len(maps) == 8
+    assert [(p, s) for _, p, s in access] == [
+        (bases[0], 3 * GRAN), (bases[0] + 10 * GRAN, GRAN), (bases[1], 3 * GRAN), (bases[1] + 10 * GRAN, GRAN)]
+    # page b of group i is handle groups[i][b]
+    assert drv.mapped[bases[1] + 10 * GRAN] == groups[3][1]
+    assert len(drv.access) == 8
+    be.unmap(bases, offsets, GRAN)
+    unmaps = [c for c in drv.calls if c[0] == "cuMemUnmap"]
+    assert len(unmaps) == 4 and not drv.mapped  # one cuMemUnmap per run per buffer
+    be.release(groups)
+    assert not drv.handles
+    assert (be.num_pages_mapped, be.num_pages_unmapped, be.num_pages_created) == (4, 4, 4)
+
+
+def test_failed_map_is_undone_and_names_the_call():
+    be, drv = _backend(fail={"cuMemMap": 5})
+    groups = be.create(3, 2, GRAN)
+    with pytest.raises(vattn.BackendError, match=r"cuMemMap failed with CUDA_ERROR_INVALID_VALUE \(1\)") as e:
+        be.map([1 << 40, 1 << 41], [0, GRAN, 2 * GRAN], groups, GRAN)
+    assert e.value.call == "cuMemMap" and e.value.code == 1
+    assert not drv.mapped and not drv.access  # atomic: nothing stays mapped
+    assert be.num_pages_mapped == 0
+
+
+def test_failed_set_access_is_undone():
+    be, drv = _backend(fail={"cuMemSetAccess": 2})
+    groups = be.create(2, 2, GRAN)
+    with pytest.raises(vattn.BackendError, match="cuMemSetAccess"):
+        be.map([1 << 40, 1 << 41], [0, 4 * GRAN], groups, GRAN)
+    assert not drv.mapped
+
+
+def test_out_of_device_memory_is_catchable_and_leaks_nothing():
+    be, drv = _backend(max_handles=5)
+    with pytest.raises(vattn.OutOfPhysicalMemoryError, match="cuMemCreate"):
+        be.create(3, 2, GRAN)  # needs 6 handles
+    assert not drv.handles  # the 5 created were released
+
+
+def test_reserve_and_free_range():
+    be, drv = _backend()
+    rng = be.reserve(8 * GRAN, GRAN)
+    assert rng.addr == 1 << 40 and rng.size == 8 * GRAN
+    assert ("cuMemAddressReserve", 8 * GRAN, GRAN) in drv.calls
+    del rng
+    assert ("cuMemAddressFree", 1 << 40, 8 * GRAN) in drv.calls
+
+
+def test_unknown_driver_name():
+    with pytest.raises(vattn.InvalidConfigError, match="cuda_driver"):
+        CudaBackend(0, driver="nvml", _driver_module=FakeDriver())
+    with pytest.raises(vattn.InvalidConfigError, match="cuda_driver"):
+        vattn.KVCache(num_layers=1, num_kv_heads=1, head_dim=8, max_batch_size=1, max_context_len=8, cuda_driver="x")
+
+
+def test_array_inputs_are_accepted():
+    be, drv = _backend()
+    groups = be.create(1, 1, GRAN)
+    be.map(array("Q", [1 << 40]), array("Q", [0]), groups, GRAN)
+    assert drv.mapped == {1 << 40: groups[0][0]}

@@ -1,0 +1,3 @@
+from vattn.cli import main
+
+raise SystemExit(main())

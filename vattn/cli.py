@@ -1,0 +1,115 @@
+"""The `vattn` command: `vattn demo`, `vattn generate`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _table(rows: list[tuple[str, str]], title: str) -> str:
+    w = max(len(k) for k, _ in rows)
+    lines = [title, "-" * (w + 3 + max(len(v) for _, v in rows))]
+    lines += [f"{k:<{w}} | {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _synthetic_demo(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    import vattn
+    from vattn.workload import run_workload, synthetic_requests
+
+    device = args.device or _default_device()
+    page = args.page_size or (None if device.startswith("cuda") else 64 << 10)
+    reqs = synthetic_requests(args.requests, args.max_context_len, seed=args.seed)
+    with vattn.KVCache(num_layers=8, num_kv_heads=4, head_dim=64, max_batch_size=args.max_batch_size,
+                       max_context_len=args.max_context_len, dtype="float16", device=device, page_size=page,
+                       layout=args.layout, physical_memory=args.physical_memory) as cache:
+        with tqdm(total=len(reqs), desc="requests", unit="req", disable=not sys.stderr.isatty()) as bar:
+            rep = run_workload(cache, reqs, progress=bar)
+        s = rep.summary()
+    rows = [
+        ("device / page size / layout", f"{device} / {cache.page_size >> 10} KiB / {args.layout}"),
+        ("requests / iterations", f"{s['requests']} / {s['iterations']}"),
+        ("K/V tokens written", f"{s['tokens_written']:,}"),
+        ("preemptions", str(s["preemptions"])),
+        ("step latency p50 / p99 / max", f"{s['step_ms_p50']:.3f} / {s['step_ms_p99']:.3f} / {s['step_ms_max']:.3f} ms"),
+        ("peak mapped / peak used", f"{s['peak_mapped_MiB']:.1f} / {s['peak_used_MiB']:.1f} MiB"),
+        ("mean internal fragmentation", f"{100 * s['mean_fragmentation']:.1f} %"),
+        ("page groups mapped / unmapped", f"{s['pages_mapped']} / {s['pages_unmapped']}"),
+        ("slots reused (deferred reclamation)", str(s["slot_reuses"])),
+        ("wall time", f"{s['seconds']:.2f} s"),
+    ]
+    print(_table(rows, "vattn synthetic allocator demo"))
+    return 0
+
+
+def _engine_demo(args: argparse.Namespace) -> int:
+    from vattn.engine.demo import run_demo
+
+    run_demo(num_requests=args.requests, seed=args.seed, device=args.device, page_size=args.page_size,
+             layout=args.layout, physical_memory=args.physical_memory)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vattn", description="vAttention-style KV-cache memory manager")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="serve a few dozen requests on a tiny built-in model and print figures")
+    d.add_argument("--synthetic", action="store_true", help="drive the allocator alone with synthetic requests (no model)")
+    d.add_argument("--requests", type=int, default=32)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default=None, help="cpu (host backend) or cuda[:N]; default: cuda if available")
+    d.add_argument("--page-size", type=int, default=None, help="bytes; default: 64 KiB on the host, the GPU's granularity on CUDA")
+    d.add_argument("--layout", choices=["per-layer", "fused"], default="per-layer")
+    d.add_argument("--physical-memory", type=int, default=None, help="cap on physical page memory, bytes")
+    d.add_argument("--max-batch-size", type=int, default=16, help="(--synthetic) slots")
+    d.add_argument("--max-context-len", type=int, default=4096, help="(--synthetic) tokens per slot")
+
+    g = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint")
+    g.add_argument("--model", required=True, help="a local checkpoint directory")
+    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--page-size", type=int, default=None)
+    g.add_argument("--layout", choices=["per-layer", "fused"], default="per-layer")
+
+    args = p.parse_args(argv)
+    from vattn.errors import VattnError
+
+    try:
+        if args.cmd == "demo":
+            return _synthetic_demo(args) if args.synthetic else _engine_demo(args)
+        return _generate(args)
+    except VattnError as e:
+        print(f"vattn: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from vattn.engine import LLM, SamplingParams
+
+    kw = {k: v for k, v in dict(device=args.device, dtype=args.dtype, page_size=args.page_size,
+                                layout=args.layout).items() if v is not None}
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    with LLM(args.model, **kw) as llm:
+        for out in llm.generate(args.prompt, params):
+            print(out.text if out.text is not None else out.token_ids)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
