@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 from vattn.allocator import MemoryStats, StepResult
 from vattn.cache import KVCache
 from vattn.config import CacheConfig
+from vattn.engine import LLM, RequestOutput, SamplingParams
 from vattn.errors import (
     BackendError,
     ClosedError,
@@ -92,7 +93,7 @@ def close() -> None:
 
 
 __all__ = [
-    "KVCache", "CacheConfig", "StepResult", "MemoryStats", "init", "alloc_reqid", "free_reqid", "step",
+    "LLM", "SamplingParams", "RequestOutput", "KVCache", "CacheConfig", "StepResult", "MemoryStats", "init", "alloc_reqid", "free_reqid", "step",
     "k_cache", "v_cache", "close", "VattnError", "InvalidConfigError", "InvalidRequestError",
     "UnknownReqIdError", "ContextLengthError", "NoFreeSlotError", "OutOfVirtualMemoryError",
     "OutOfPhysicalMemoryError", "MapCountLimitError", "BackendError", "NotInitializedError", "ClosedError",

@@ -18,7 +18,7 @@ import itertools
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from vattn.config import Geometry
 from vattn.errors import (

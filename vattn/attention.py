@@ -1,0 +1,276 @@
+"""Which unmodified attention kernel reads the vattn cache, and the metadata it needs.
+
+A request's K/V live contiguously in its slot row of the virtual cache tensors, so a
+library kernel reads them as a plain `[B, T, H, D]` tensor. Only the first
+`context_len` tokens of a slot are backed by pages: no kernel may touch the rest.
+
+```
+packed queries of one iteration (slot-ascending), T tokens in all:
+   [ seq a: n_a new tokens ][ seq b: n_b ][ seq c: 1 (decode) ]
+   positions start_a .. start_a+n_a-1, ...
+k_cache[slot_a, :start_a + n_a]   <- the keys query i of seq a may see: 0 .. start_a + i
+```
+
+Kernels, chosen once per engine by `select_kernel`:
+- `flash_attn`: `flash_attn_with_kvcache(cache_seqlens, cache_batch_idx)` (CUDA, fp16/bf16,
+  the `flash_attn` package installed): decodes in one call, each prefill chunk in one call.
+- `torch_flash`: PyTorch's own FlashAttention-2, `aten._flash_attention_forward` varlen with
+  `cum_seq_k` pointing at each slot's row of the flat `[B * slot_tokens, H, D]` view and
+  `seqused_k` = context lengths (CUDA, fp16/bf16): the whole batch in one call.
+- `sdpa`: `torch.nn.functional.scaled_dot_product_attention` per request on
+  `k_cache[slot, :context_len]` (CPU, and the fallback everywhere).
+
+The two CUDA kernels are checked against `sdpa` on their first call and dropped (with a
+warning) if they fail or disagree, so a kernel that cannot read this layout never
+silently changes the results.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from vattn.errors import VattnError
+
+KERNELS = ("flash_attn", "torch_flash", "sdpa")
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the packed tokens of one iteration go in the cache and which keys each sees.
+
+    Sequences are packed in ascending slot order (the varlen kernel wants monotonic
+    `cum_seq_k`). Host lists drive the per-request loops; the tensors live on the device.
+    """
+
+    slots: list[int]  # per sequence, ascending
+    starts: list[int]  # tokens of the sequence already in the cache (num_computed_tokens)
+    query_lens: list[int]  # new tokens this iteration
+    slot_ids: torch.Tensor  # [T] long: slot of each packed token
+    positions: torch.Tensor  # [T] long: absolute position of each packed token
+    slot_tokens: int  # slot stride of the cache in tokens (>= max_context_len)
+    device: torch.device
+    _cuda: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, slots: Sequence[int], starts: Sequence[int], query_lens: Sequence[int],
+              slot_tokens: int, device: torch.device) -> AttentionMetadata:
+        slot_ids: list[int] = []
+        positions: list[int] = []
+        for slot, start, n in zip(slots, starts, query_lens):
+            slot_ids += [slot] * n
+            positions += range(start, start + n)
+        as_long = dict(dtype=torch.long, device=device)
+        return cls(list(slots), list(starts), list(query_lens), torch.tensor(slot_ids, **as_long),
+                   torch.tensor(positions, **as_long), slot_tokens, device)
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [s + n for s, n in zip(self.starts, self.query_lens)]
+
+    @property
+    def cu_query_lens(self) -> list[int]:
+        cu = [0]
+        for n in self.query_lens:
+            cu.append(cu[-1] + n)
+        return cu
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def cuda_tensors(self) -> dict[str, torch.Tensor]:
+        """int32 tensors for the CUDA kernels, built once per iteration on first use."""
+        if not self._cuda:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            ctx = self.context_lens
+            # slot-ascending, so monotonic; the last entry closes the last row at its context
+            cu_k = [s * self.slot_tokens for s in self.slots] + [self.slots[-1] * self.slot_tokens + ctx[-1]]
+            self._cuda = {
+                "cu_seqlens_q": torch.tensor(self.cu_query_lens, **i32),
+                "cu_seqlens_k": torch.tensor(cu_k, **i32),
+                "seqused_k": torch.tensor(ctx, **i32),
+                "slots": torch.tensor(self.slots, **i32),
+            }
+        return self._cuda
+
+
+# ------------------------------------------------------------------ forward context ----
+@dataclass
+class ForwardContext:
+    """Everything the attention function needs during one forward (STYLE #6)."""
+
+    k_caches: list[torch.Tensor]  # per layer, [B, T, H_kv, D] views of the vattn cache
+    v_caches: list[torch.Tensor]
+    metadata: AttentionMetadata
+    kernel: AttentionKernel
+
+
+_context: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `ctx` the current forward context for the duration of the block."""
+    global _context
+    if _context is not None:
+        raise VattnError("a vattn forward is already running; forwards do not nest")
+    _context = ctx
+    try:
+        yield ctx
+    finally:
+        _context = None
+
+
+def get_forward_context() -> ForwardContext:
+    """The current forward context; raises outside an engine forward."""
+    if _context is None:
+        raise VattnError(
+            "vattn attention was called outside a vattn engine forward; use the model through "
+            "vattn.engine.LLM, or switch its attention implementation back (e.g. 'sdpa')")
+    return _context
+
+
+# --------------------------------------------------------------------------- kernels ----
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def select_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The preferred kernel for a device and dtype (see the module docstring)."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return "flash_attn" if flash_attn_available() else "torch_flash"
+    return "sdpa"
+
+
+class AttentionKernel:
+    """Writes one layer's new K/V into the cache and runs the selected library kernel."""
+
+    def __init__(self, name: str) -> None:
+        if name not in KERNELS:
+            raise VattnError(f"unknown attention kernel {name!r}; use one of {KERNELS}")
+        self.name = name
+        self._verified: set[str] = set()  # kinds of batch already checked against sdpa
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        """query `[T, H_q, D]`, key/value `[T, H_kv, D]` of the packed new tokens.
+        Returns the attention output `[T, H_q, D]`."""
+        # Write first: a query sees its own token's key.
+        k_cache[meta.slot_ids, meta.positions] = key  # [T, H_kv, D] into [B, T_max, H_kv, D]
+        v_cache[meta.slot_ids, meta.positions] = value
+        if self.name == "sdpa":
+            return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+        fn = flash_attn_attention if self.name == "flash_attn" else torch_flash_attention
+        try:
+            out = fn(query.contiguous(), k_cache, v_cache, meta, scale, sliding_window)
+            kinds = _batch_kinds(meta) - self._verified
+            if kinds:  # the first batches of each kind: compare with sdpa once
+                ref = sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+                tol = 2e-2 if query.dtype == torch.bfloat16 else 5e-3
+                if not torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol):
+                    raise VattnError(f"{self.name} disagrees with sdpa on the vattn cache layout")
+                self._verified |= kinds
+            return out
+        except Exception as e:  # a kernel that cannot run here: fall back for good
+            warnings.warn(f"vattn: attention kernel {self.name!r} failed ({e}); falling back to "
+                          "per-request scaled_dot_product_attention", RuntimeWarning, stacklevel=2)
+            self.name = "sdpa"
+            return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def _batch_kinds(meta: AttentionMetadata) -> set[str]:
+    """'decode' (1 token), 'prompt' (a whole prompt), 'chunk' (a later part of a prompt)."""
+    return {"decode" if n == 1 else "prompt" if s == 0 else "chunk" for s, n in zip(meta.starts, meta.query_lens)}
+
+
+def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Per-request `scaled_dot_product_attention` on `k_cache[slot, lo:context_len]`.
+
+    Query i of a chunk starting at `start` sits at position start + i and sees keys
+    `start + i - window < j <= start + i` (no lower bound without a sliding window).
+    """
+    out = torch.empty_like(query)  # [T, H_q, D]
+    enable_gqa = query.shape[1] != k_cache.shape[2]
+    for slot, start, n, a in zip(meta.slots, meta.starts, meta.query_lens, meta.cu_query_lens):
+        ctx = start + n
+        lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        q = query[a:a + n].transpose(0, 1).unsqueeze(0)  # [1, H_q, n, D]
+        k = k_cache[slot, lo:ctx].transpose(0, 1).unsqueeze(0)  # [1, H_kv, ctx - lo, D]
+        v = v_cache[slot, lo:ctx].transpose(0, 1).unsqueeze(0)
+        mask, causal = None, False
+        if n > 1 and lo == 0 and start == 0 and (sliding_window is None or ctx <= sliding_window):
+            causal = True  # a whole prompt: top-left and bottom-right alignment agree
+        elif n > 1:  # a chunk: causal aligned to the end, and the window
+            q_pos = torch.arange(start, ctx, device=query.device)[:, None]  # [n, 1]
+            k_pos = torch.arange(lo, ctx, device=query.device)[None, :]  # [1, ctx - lo]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=enable_gqa)  # [1, H_q, n, D]
+        out[a:a + n] = o[0].transpose(0, 1)
+    return out
+
+
+def _flat_rows(cache: torch.Tensor) -> torch.Tensor:
+    """`[B, T, H, D]` -> `[(B - 1) * slot_tokens + T, H, D]`: slot b's row starts at b * slot_tokens.
+
+    The view never extends past the last slot's T tokens, so it stays inside the tensor's storage.
+    """
+    B, T, H, D = cache.shape
+    slot_tokens = cache.stride(0) // cache.stride(1)
+    return cache.as_strided(((B - 1) * slot_tokens + T, H, D), cache.stride()[1:], cache.storage_offset())
+
+
+def torch_flash_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """PyTorch's FlashAttention-2 varlen over all sequences at once (CUDA only)."""
+    t = meta.cuda_tensors()
+    window = (sliding_window - 1, 0) if sliding_window is not None else (None, None)
+    out = torch.ops.aten._flash_attention_forward(
+        query, _flat_rows(k_cache), _flat_rows(v_cache), t["cu_seqlens_q"], t["cu_seqlens_k"],
+        max(meta.query_lens), max(meta.context_lens), 0.0, True, False, scale=scale,
+        window_size_left=window[0], window_size_right=window[1], seqused_k=t["seqused_k"])[0]
+    return out  # [T, H_q, D]
+
+
+def flash_attn_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """flash-attn's `flash_attn_with_kvcache` on the slot rows (CUDA only): decodes in one
+    call, each multi-token chunk in its own call (the kernel wants one query length)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    t = meta.cuda_tensors()
+    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+    out = torch.empty_like(query)  # [T, H_q, D]
+    cu = meta.cu_query_lens
+    decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    if decodes:
+        idx = torch.tensor(decodes, dtype=torch.long, device=query.device)
+        rows = torch.tensor([cu[i] for i in decodes], dtype=torch.long, device=query.device)
+        o = flash_attn_with_kvcache(query[rows].unsqueeze(1), k_cache, v_cache,
+                                    cache_seqlens=t["seqused_k"][idx], cache_batch_idx=t["slots"][idx],
+                                    softmax_scale=scale, causal=True, window_size=window)  # [b, 1, H_q, D]
+        out[rows] = o[:, 0]
+    for i, n in enumerate(meta.query_lens):
+        if n == 1:
+            continue
+        o = flash_attn_with_kvcache(query[cu[i]:cu[i] + n].unsqueeze(0), k_cache, v_cache,
+                                    cache_seqlens=t["seqused_k"][i:i + 1], cache_batch_idx=t["slots"][i:i + 1],
+                                    softmax_scale=scale, causal=True, window_size=window)  # [1, n, H_q, D]
+        out[cu[i]:cu[i] + n] = o[0]
+    return out
+
+
+__all__ = [
+    "AttentionMetadata", "AttentionKernel", "ForwardContext", "forward_context", "get_forward_context",
+    "select_kernel", "sdpa_attention", "torch_flash_attention", "flash_attn_attention", "KERNELS",
+]

@@ -1,0 +1,20 @@
+"""A minimal continuous-batching engine on the vattn cache.
+
+`LLM(model, **config).generate(prompts, SamplingParams(...))` runs an unmodified Hugging
+Face model: `Scheduler` (plain Python) picks each iteration's tokens and preempts when
+the cache cannot back them, `ModelRunner` packs the batch and calls the model, whose
+attention layers read and write the vattn cache through `vattn.integrations.hf`.
+transformers is imported only when an `LLM` is created.
+"""
+from __future__ import annotations
+
+from vattn.engine.config import EngineConfig
+from vattn.engine.llm import LLM
+from vattn.engine.sampling_params import SamplingParams
+from vattn.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from vattn.engine.sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus
+
+__all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "EngineConfig", "Scheduler",
+    "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus",
+]

@@ -1,0 +1,103 @@
+"""`EngineConfig`: what `LLM(model, **config)` was asked for."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from vattn.attention import KERNELS
+from vattn.config import LAYOUTS, parse_dtype
+from vattn.engine.scheduler import SchedulerConfig
+from vattn.errors import InvalidConfigError
+
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_positive(name: str, value: object, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidConfigError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. The cache's own arguments keep `vattn.init`'s names.
+
+    Cache: max_batch_size (slots), max_context_len (None: the model's
+    max_position_embeddings, at most 4096), page_size (bytes, None: the backend's),
+    layout ('per-layer' | 'fused'), physical_memory (bytes of KV pages at most, None: no
+    cap), background / prefetch (pre-mapping, see `vattn.init`).
+    Engine: device (None: 'cuda' when available, else 'cpu'), dtype (None: a loaded
+    model's own; else float32 on CPU, and on CUDA the checkpoint's float16/bfloat16 or float16), max_num_seqs (None:
+    max_batch_size), max_num_batched_tokens (token budget per iteration = the prefill chunk
+    size), seed (random weights of a model built from a config, and sampling without a
+    per-request seed), attention (kernel: None = automatic, or one of
+    'flash_attn' | 'torch_flash' | 'sdpa').
+    """
+
+    max_batch_size: int = 16
+    max_context_len: int | None = None
+    page_size: int | None = None
+    layout: str = "per-layer"
+    physical_memory: int | None = None
+    background: bool = True
+    prefetch: bool = True
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int = 1024
+    seed: int = 0
+    attention: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("max_batch_size", self.max_batch_size)
+        _check_positive("max_context_len", self.max_context_len, optional=True)
+        _check_positive("page_size", self.page_size, optional=True)
+        _check_positive("physical_memory", self.physical_memory, optional=True)
+        _check_positive("max_num_seqs", self.max_num_seqs, optional=True)
+        if self.layout not in LAYOUTS:
+            raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        for name in ("background", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise InvalidConfigError(f"bad device {self.device!r}: {e}") from None
+            if dev.type not in ("cpu", "cuda"):
+                raise InvalidConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype is not None:
+            dtype = parse_dtype(self.dtype)
+            if dtype not in MODEL_DTYPES:
+                raise InvalidConfigError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+            object.__setattr__(self, "dtype", dtype)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InvalidConfigError(f"seed must be an int, got {self.seed!r}")
+        if self.attention is not None and self.attention not in KERNELS:
+            raise InvalidConfigError(f"attention must be None or one of {KERNELS}, got {self.attention!r}")
+        if self.max_num_seqs is not None and self.max_num_seqs > self.max_batch_size:
+            raise InvalidConfigError(
+                f"max_num_seqs={self.max_num_seqs} is more than max_batch_size={self.max_batch_size} "
+                "(each running sequence holds one cache slot)")
+        self.scheduler_config()  # validates the token budget
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InvalidConfigError(f"unknown engine argument(s) {unknown}; valid ones: {sorted(names)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs or self.max_batch_size,
+                               max_num_batched_tokens=self.max_num_batched_tokens)
+
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")

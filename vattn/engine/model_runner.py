@@ -1,0 +1,196 @@
+"""`ModelRunner`: owns the model, the vattn cache and every tensor of an iteration.
+
+One forward serves the whole batch: the scheduled sequences' new tokens are packed into
+`input_ids [1, T]` with their absolute `position_ids [1, T]`, the model's own modules run
+unchanged, and each attention layer goes through the "vattn" attention function
+(`vattn.integrations.hf`), which reads this iteration's `AttentionMetadata` from the
+forward context. Logits are computed only for the last token of each sequence that
+samples this iteration (`logits_to_keep`).
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, NamedTuple
+
+import torch
+
+from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, forward_context, select_kernel
+from vattn.cache import KVCache
+from vattn.engine.config import MODEL_DTYPES, EngineConfig
+from vattn.engine.sampling_params import SamplingParams
+from vattn.engine.scheduler import ScheduledSequence
+from vattn.errors import InvalidConfigError
+
+MAX_DEFAULT_CONTEXT = 4096
+
+
+class LoadedModel(NamedTuple):
+    model: Any  # a transformers PreTrainedModel (causal LM)
+    tokenizer: Any  # or None
+    dtype: torch.dtype  # what the model and the cache run in
+
+
+def load_model(model: Any, config: EngineConfig, device: torch.device) -> LoadedModel:
+    """The model (and a checkpoint's tokenizer) from a local checkpoint directory, a
+    transformers config (random weights seeded by `config.seed`) or a loaded model, and
+    the dtype to run it in (see EngineConfig.dtype)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return LoadedModel(model, None, _check_dtype(config.dtype or model.dtype))
+    default = torch.float16 if device.type == "cuda" else torch.float32
+    if isinstance(model, PretrainedConfig):
+        hf_config = copy.deepcopy(model)  # the model keeps (and edits) its config
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            try:
+                hf_model = AutoModelForCausalLM.from_config(hf_config)
+            except ValueError as e:
+                raise InvalidConfigError(f"cannot build a causal LM from {type(model).__name__}: {e}") from None
+        return LoadedModel(hf_model, None, _check_dtype(config.dtype or default))
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise InvalidConfigError(
+                f"model {path!r} is not a local checkpoint directory; vattn loads models offline "
+                "(local_files_only=True): give a directory written by save_pretrained(), a "
+                "transformers config, or a loaded PreTrainedModel")
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                            dtype=config.dtype or "auto")
+        except (OSError, ValueError, KeyError) as e:
+            raise InvalidConfigError(f"cannot load a causal LM from {path!r}: {e}") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception:  # no tokenizer files: token-id prompts only
+            tokenizer = None
+        dtype = config.dtype
+        if dtype is None:  # the checkpoint's half type on CUDA, float32 on CPU
+            is_half = hf_model.dtype in (torch.float16, torch.bfloat16)
+            dtype = hf_model.dtype if device.type == "cuda" and is_half else default
+        return LoadedModel(hf_model, tokenizer, _check_dtype(dtype))
+    raise InvalidConfigError(
+        f"model must be a checkpoint directory, a transformers PretrainedConfig or a PreTrainedModel, "
+        f"got {type(model).__name__}")
+
+
+def _check_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in MODEL_DTYPES:
+        raise InvalidConfigError(f"the model's dtype {dtype} is not supported; pass dtype= one of {MODEL_DTYPES}")
+    return dtype
+
+
+class Sampler:
+    """Greedy, or temperature / top-k / top-p sampling with one generator per request."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        self.generators: dict[int, torch.Generator] = {}
+
+    def generator(self, request_id: int, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.default_generator
+        g = self.generators.get(request_id)
+        if g is None:
+            g = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+        return g
+
+    def release(self, request_id: int) -> None:
+        self.generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]) -> list[int]:
+        """logits `[S, V]` -> one token per row."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)  # [S]: greedy rows are done
+        for i, (rid, p) in enumerate(zip(request_ids, params)):
+            if p.greedy:
+                continue
+            x = logits[i] / p.temperature  # [V]
+            if p.top_k > 0 and p.top_k < x.numel():
+                kth = torch.topk(x, p.top_k).values[-1]
+                x = x.masked_fill(x < kth, float("-inf"))
+            if p.top_p < 1.0:
+                sorted_x, order = torch.sort(x, descending=True)  # [V]
+                sorted_p = sorted_x.softmax(-1)
+                drop_sorted = sorted_p.cumsum(-1) - sorted_p >= p.top_p  # mass before it already >= top_p
+                drop = torch.empty_like(drop_sorted)
+                drop[order] = drop_sorted
+                x = x.masked_fill(drop, float("-inf"))
+            probs = x.softmax(-1)
+            tokens[i] = torch.multinomial(probs, 1, generator=self.generator(rid, p))[0]
+        return tokens.tolist()
+
+
+class ModelRunner:
+    """Runs the model on a batch of scheduled sequences and samples their next tokens."""
+
+    def __init__(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
+        from vattn.integrations.hf import use_vattn_attention
+
+        self.device, self.dtype = device, dtype
+        self.model = model.to(device=device, dtype=dtype).eval()
+        hf = self.model.config
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        num_layers = hf.num_hidden_layers
+        num_heads = hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        max_pos = getattr(hf, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
+        self.max_context_len = config.max_context_len or min(max_pos, MAX_DEFAULT_CONTEXT)
+        if self.max_context_len > max_pos:
+            raise InvalidConfigError(
+                f"max_context_len={self.max_context_len} exceeds the model's max_position_embeddings={max_pos}")
+
+        try:
+            self.cache = KVCache(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                 max_batch_size=config.max_batch_size, max_context_len=self.max_context_len,
+                                 dtype=self.dtype, device=str(self.device), page_size=config.page_size,
+                                 layout=config.layout, physical_memory=config.physical_memory,
+                                 background=config.background, prefetch=config.prefetch)
+        except ImportError as e:  # e.g. no CUDA backend in this build
+            raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
+        self.slot_tokens = self.cache.geometry.slot_tokens
+        self.k_caches = [self.cache.k_cache(layer) for layer in range(num_layers)]  # [B, T, H_kv, D] each
+        self.v_caches = [self.cache.v_cache(layer) for layer in range(num_layers)]
+        self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
+        self.sampler = Sampler(self.device, config.seed)
+        self.previous_attention = use_vattn_attention(self.model)
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSequence]) -> dict[int, int]:
+        """One forward over the batch. Returns request id -> sampled token for every
+        sequence whose computed tokens reach its end this iteration."""
+        batch = sorted(scheduled, key=lambda s: s.seq.slot)  # slot-ascending for the varlen kernel
+        input_ids: list[int] = []
+        sample_rows: list[int] = []
+        sampling = []
+        for s in batch:
+            start, n = s.seq.num_computed_tokens, s.num_new_tokens
+            input_ids += s.seq.token_ids[start:start + n]
+            if start + n == s.seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(s.seq)
+        meta = AttentionMetadata.build([s.seq.slot for s in batch], [s.seq.num_computed_tokens for s in batch],
+                                       [s.num_new_tokens for s in batch], self.slot_tokens, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
+        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
+        with forward_context(ForwardContext(self.k_caches, self.v_caches, meta, self.kernel)):
+            logits = self.model(input_ids=ids, position_ids=meta.positions[None], use_cache=False,
+                                logits_to_keep=keep).logits[0]  # [S, V]
+        if not sampling:
+            return {}
+        tokens = self.sampler.sample(logits, [s.request_id for s in sampling], [s.params for s in sampling])
+        return {seq.request_id: tok for seq, tok in zip(sampling, tokens)}
+
+    def release(self, request_id: int) -> None:
+        """Forget a finished request's sampling state."""
+        self.sampler.release(request_id)
+
+    def close(self) -> None:
+        from vattn.integrations.hf import restore_attention
+
+        restore_attention(self.model, self.previous_attention)
+        self.k_caches, self.v_caches = [], []
+        self.cache.close()
