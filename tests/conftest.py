@@ -33,6 +33,23 @@ def device(request) -> str:
 SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=16, max_batch_size=4, max_context_len=512, dtype="float32")
 
 
+def _scale_for_cuda(args: dict) -> None:
+    """Run a host-sized test on the GPU: pages grow to the granularity and tokens grow by
+    the same factor (more KV heads), so tokens per page and page counts stay the same."""
+    from vattn import _C
+
+    _C.cuda_load()
+    gran = _C.cuda_granularity(0)
+    page = args.get("page_size") or gran
+    if page < gran:
+        assert gran % page == 0
+        factor = gran // page
+        args["page_size"] = gran
+        args["num_kv_heads"] = args["num_kv_heads"] * factor
+        if args.get("physical_memory"):
+            args["physical_memory"] *= factor
+
+
 @pytest.fixture
 def make_cache(device):
     """Build caches with small defaults on the parametrized device; closed after the test."""
@@ -40,10 +57,8 @@ def make_cache(device):
 
     def make(**kw) -> vattn.KVCache:
         args = {**SMALL, "device": device, **kw}
-        if device == "cuda" and "page_size" not in kw:
-            args["page_size"] = None  # the device's granularity
-        if device == "cuda" and args["page_size"] is not None and args["page_size"] < (2 << 20):
-            pytest.skip("page sizes below the CUDA granularity")
+        if device == "cuda":
+            _scale_for_cuda(args)
         cache = vattn.KVCache(**args)
         made.append(cache)
         return cache

@@ -20,7 +20,7 @@ def test_data_survives_steps_frees_and_reuse(make_cache, layout, page_size):
     g = cache.geometry
     assert g.slot_bytes % page_size == 0 and g.slot_tokens >= 3000
     k = cache.k_cache(1)
-    assert k.shape == (4, 3000, 2, 16) and k.dtype == torch.float32
+    assert k.shape == (4, 3000, cache.config.num_kv_heads, 16) and k.dtype == torch.float32
     assert k.data_ptr() == cache.k_cache(1)[0].data_ptr()  # no copies: views of one reservation
 
     a, b = cache.alloc_reqid(), cache.alloc_reqid()
@@ -42,7 +42,9 @@ def test_data_survives_steps_frees_and_reuse(make_cache, layout, page_size):
     cache.allocator.check_invariants()
 
 
-def test_views_are_strided_slices_of_one_slot(make_cache):
+def test_views_are_strided_slices_of_one_slot(make_cache, device):
+    if device == "cuda":
+        pytest.skip("checks host-sized strides")
     cache = make_cache(layout="fused", page_size=4 * KB, max_context_len=100)
     g = cache.geometry
     k0, k1 = cache.k_cache(0), cache.k_cache(1)
