@@ -1,7 +1,7 @@
 /* vattn._C: virtual-memory primitives for the vattn KV cache.
  *
- * Host (Linux):  reserve address space (mmap PROT_NONE | MAP_NORESERVE), physical
- *                pages from a memfd, map a page with MAP_FIXED | MAP_SHARED, unmap by
+ * Host (Linux):  reserve address space (mmap PROT_NONE | MAP_NORESERVE), map pages of a
+ *                memfd (created in Python) with MAP_FIXED | MAP_SHARED, unmap by
  *                re-reserving the range.
  * CUDA:          the driver's VMM calls, resolved at run time with dlopen("libcuda.so.1"),
  *                so this file builds and imports on machines with no CUDA at all.
@@ -23,6 +23,14 @@
 #include <unistd.h>
 
 #include "dlpack.h"
+
+/* "O&" converter: a Python int in [0, 2**64), with OverflowError otherwise ("K" would wrap). */
+static int to_u64(PyObject *o, void *out) {
+  unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+  *(unsigned long long *)out = v;
+  return 1;
+}
 
 /* ------------------------------------------------------------------------- */
 /* Range: a reserved virtual address range, kept alive by exported tensors.   */
@@ -123,12 +131,13 @@ static void export_deleter(DLManagedTensor *m) {
 
 static void capsule_destructor(PyObject *cap) {
   /* A consumer renames the capsule to "used_dltensor"; only an unused one is ours to free. */
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb); /* keep any pending exception */
   if (PyCapsule_IsValid(cap, "dltensor")) {
     DLManagedTensor *m = (DLManagedTensor *)PyCapsule_GetPointer(cap, "dltensor");
     if (m && m->deleter) m->deleter(m);
-  } else {
-    PyErr_Clear();
   }
+  PyErr_Restore(type, value, tb);
 }
 
 static int read_i64_tuple(PyObject *seq, int64_t *out, int max, const char *what) {
@@ -158,7 +167,7 @@ static PyObject *Range_dlpack(RangeObject *self, PyObject *args) {
   unsigned long long offset;
   PyObject *shape_obj, *strides_obj;
   int code, bits;
-  if (!PyArg_ParseTuple(args, "KOOii", &offset, &shape_obj, &strides_obj, &code, &bits)) return NULL;
+  if (!PyArg_ParseTuple(args, "O&OOii", to_u64, &offset, &shape_obj, &strides_obj, &code, &bits)) return NULL;
   if (!self->size) {
     PyErr_SetString(PyExc_ValueError, "range was released");
     return NULL;
@@ -172,8 +181,9 @@ static PyObject *Range_dlpack(RangeObject *self, PyObject *args) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "shape and strides must have the same length; bits a multiple of 8");
     return NULL;
   }
-  /* Bounds check: the highest element the view can touch must be inside the range. */
-  uint64_t last = 0;
+  /* Bounds check: the highest byte the view can touch must be inside the range (no wrap). */
+  uint64_t last = 0, term, end;
+  int overflow = 0;
   for (int i = 0; i < nd; i++) {
     if (e->dims[i] < 0 || e->dims[8 + i] < 0) {
       PyMem_RawFree(e);
@@ -181,9 +191,13 @@ static PyObject *Range_dlpack(RangeObject *self, PyObject *args) {
       return NULL;
     }
     if (e->dims[i] == 0) { last = 0; break; }
-    last += (uint64_t)(e->dims[i] - 1) * (uint64_t)e->dims[8 + i];
+    overflow |= __builtin_mul_overflow((uint64_t)(e->dims[i] - 1), (uint64_t)e->dims[8 + i], &term);
+    overflow |= __builtin_add_overflow(last, term, &last);
   }
-  if (offset + (last + 1) * (uint64_t)(bits / 8) > self->size) {
+  overflow |= __builtin_add_overflow(last, 1, &end);
+  overflow |= __builtin_mul_overflow(end, (uint64_t)(bits / 8), &end);
+  overflow |= __builtin_add_overflow(end, offset, &end);
+  if (overflow || end > self->size) {
     PyMem_RawFree(e);
     PyErr_SetString(PyExc_ValueError, "view extends past the end of the reserved range");
     return NULL;
@@ -282,7 +296,7 @@ static int host_rereserve(uint64_t addr, uint64_t len) {
 
 static PyObject *host_reserve(PyObject *m, PyObject *args) {
   unsigned long long size;
-  if (!PyArg_ParseTuple(args, "K", &size)) return NULL;
+  if (!PyArg_ParseTuple(args, "O&", to_u64, &size)) return NULL;
   if (size == 0) {
     PyErr_SetString(PyExc_ValueError, "size must be > 0");
     return NULL;
@@ -294,29 +308,6 @@ static PyObject *host_reserve(PyObject *m, PyObject *args) {
   return r;
 }
 
-/* memfd_create + ftruncate + fallocate: the pages are real memory on return. */
-static PyObject *host_memfd(PyObject *m, PyObject *args) {
-  const char *name;
-  unsigned long long size;
-  if (!PyArg_ParseTuple(args, "sK", &name, &size)) return NULL;
-  int fd, err = 0;
-  Py_BEGIN_ALLOW_THREADS
-  fd = memfd_create(name, MFD_CLOEXEC);
-  if (fd < 0) {
-    err = errno;
-  } else if (ftruncate(fd, (off_t)size) != 0 || (size && fallocate(fd, 0, 0, (off_t)size) != 0)) {
-    err = errno;
-    close(fd);
-    fd = -1;
-  }
-  Py_END_ALLOW_THREADS
-  if (fd < 0) {
-    errno = err;
-    return PyErr_SetFromErrno(PyExc_OSError);
-  }
-  return PyLong_FromLong(fd);
-}
-
 /* host_map(bases, offsets, fds, file_offsets, file_strides, page_size)
  * Group i goes to bases[b] + offsets[i] in every buffer b, backed by
  * fds[i] at file_offsets[i] + b * file_strides[i]. Runs that are contiguous in
@@ -324,7 +315,7 @@ static PyObject *host_memfd(PyObject *m, PyObject *args) {
 static PyObject *host_map(PyObject *m, PyObject *args) {
   Py_buffer bb, ob, fb, fob, fsb;
   unsigned long long page;
-  if (!PyArg_ParseTuple(args, "y*y*y*y*y*K", &bb, &ob, &fb, &fob, &fsb, &page)) return NULL;
+  if (!PyArg_ParseTuple(args, "y*y*y*y*y*O&", &bb, &ob, &fb, &fob, &fsb, to_u64, &page)) return NULL;
   PyObject *ret = NULL;
   Py_ssize_t nb, n, nfo, nfs;
   if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets") || get_u64s(&fob, &nfo, "file_offsets") ||
@@ -382,7 +373,7 @@ out:
 static PyObject *host_unmap(PyObject *m, PyObject *args) {
   Py_buffer bb, ob;
   unsigned long long page;
-  if (!PyArg_ParseTuple(args, "y*y*K", &bb, &ob, &page)) return NULL;
+  if (!PyArg_ParseTuple(args, "y*y*O&", &bb, &ob, to_u64, &page)) return NULL;
   PyObject *ret = NULL;
   Py_ssize_t nb, n;
   if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets")) goto out;
@@ -508,7 +499,7 @@ static PyObject *cuda_granularity(PyObject *m, PyObject *args) {
 static PyObject *cuda_reserve(PyObject *m, PyObject *args) {
   unsigned long long size, align;
   int dev;
-  if (!PyArg_ParseTuple(args, "KKi", &size, &align, &dev)) return NULL;
+  if (!PyArg_ParseTuple(args, "O&O&i", to_u64, &size, to_u64, &align, &dev)) return NULL;
   const char *call;
   CUresult rc = ensure_ctx(dev, &call);
   if (rc) return raise_driver(call, rc);
@@ -527,7 +518,7 @@ static PyObject *cuda_create(PyObject *m, PyObject *args) {
   Py_ssize_t n;
   unsigned long long size;
   int dev;
-  if (!PyArg_ParseTuple(args, "nKi", &n, &size, &dev)) return NULL;
+  if (!PyArg_ParseTuple(args, "nO&i", &n, to_u64, &size, &dev)) return NULL;
   if (n < 0) {
     PyErr_SetString(PyExc_ValueError, "n must be >= 0");
     return NULL;
@@ -551,7 +542,13 @@ static PyObject *cuda_create(PyObject *m, PyObject *args) {
     return raise_driver("cuMemCreate", rc);
   }
   PyObject *out = PyList_New(n);
-  for (Py_ssize_t k = 0; out && k < n; k++) PyList_SET_ITEM(out, k, PyLong_FromUnsignedLongLong(h[k]));
+  for (Py_ssize_t k = 0; out && k < n; k++) {
+    PyObject *v = PyLong_FromUnsignedLongLong(h[k]);
+    if (!v) Py_CLEAR(out);
+    else PyList_SET_ITEM(out, k, v);
+  }
+  if (!out)
+    for (Py_ssize_t k = 0; k < n; k++) cu.MemRelease(h[k]); /* nobody holds them: give them back */
   PyMem_RawFree(h);
   return out;
 }
@@ -583,7 +580,7 @@ static PyObject *cuda_map(PyObject *m, PyObject *args) {
   Py_buffer bb, ob, hb;
   unsigned long long page;
   int dev;
-  if (!PyArg_ParseTuple(args, "y*y*y*Ki", &bb, &ob, &hb, &page, &dev)) return NULL;
+  if (!PyArg_ParseTuple(args, "y*y*y*O&i", &bb, &ob, &hb, to_u64, &page, &dev)) return NULL;
   PyObject *ret = NULL;
   Py_ssize_t nb, n, nh;
   if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets") || get_u64s(&hb, &nh, "handles")) goto out;
@@ -646,7 +643,7 @@ static PyObject *cuda_unmap(PyObject *m, PyObject *args) {
   Py_buffer bb, ob;
   unsigned long long page;
   int dev;
-  if (!PyArg_ParseTuple(args, "y*y*Ki", &bb, &ob, &page, &dev)) return NULL;
+  if (!PyArg_ParseTuple(args, "y*y*O&i", &bb, &ob, to_u64, &page, &dev)) return NULL;
   PyObject *ret = NULL;
   Py_ssize_t nb, n;
   if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets")) goto out;
@@ -684,7 +681,6 @@ out:
 
 static PyMethodDef methods[] = {
     {"host_reserve", host_reserve, METH_VARARGS, "host_reserve(size) -> Range (PROT_NONE, MAP_NORESERVE)"},
-    {"host_memfd", host_memfd, METH_VARARGS, "host_memfd(name, size) -> fd of a memfd whose pages are allocated"},
     {"host_map", host_map, METH_VARARGS, "host_map(bases, offsets, fds, file_offsets, file_strides, page_size)"},
     {"host_unmap", host_unmap, METH_VARARGS, "host_unmap(bases, offsets, page_size)"},
     {"cuda_load", cuda_load, METH_NOARGS, "cuda_load(): dlopen libcuda.so.1 and cuInit"},
@@ -703,6 +699,10 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyObject *mod = PyModule_Create(&moduledef);
   if (!mod) return NULL;
   DriverError = PyErr_NewException("vattn._C.DriverError", PyExc_RuntimeError, NULL);
+  if (!DriverError) {
+    Py_DECREF(mod);
+    return NULL;
+  }
   Py_INCREF(&RangeType);
   if (PyModule_AddObject(mod, "Range", (PyObject *)&RangeType) < 0 ||
       PyModule_AddObject(mod, "DriverError", DriverError) < 0) {

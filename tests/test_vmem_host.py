@@ -170,3 +170,65 @@ def test_cuda_load_without_driver_is_an_oserror():
         pytest.skip("a GPU driver is present")
     with pytest.raises(OSError, match="libcuda"):
         _C.cuda_load()
+
+
+def test_sizes_that_overflow_are_refused():
+    with pytest.raises(OverflowError):
+        _C.host_reserve(2**64 + 4096)
+    rng = _C.host_reserve(1 << 16)
+    with pytest.raises(OverflowError):
+        rng.dlpack(-8, (2,), (1,), 2, 32)
+    with pytest.raises(ValueError, match="past the end"):
+        rng.dlpack(0, (2**62 + 1,), (4,), 2, 32)  # the bounds arithmetic would wrap
+    with pytest.raises(vattn.OutOfVirtualMemoryError):
+        vattn.KVCache(num_layers=1, num_kv_heads=1, head_dim=1024, max_batch_size=2**31,
+                      max_context_len=2**21 + 1, dtype="float32", device="cpu", page_size=4096)
+
+
+def test_ctypes_dlpack_export_views_the_same_memory():
+    # The exporter the cuda-python path uses, checked here on a host reservation.
+    import torch
+
+    from vattn.vmem import dlpack
+
+    with vattn.KVCache(**SMALL, device="cpu", page_size=4096) as c:
+        r = c.alloc_reqid()
+        assert c.step({r: 64})
+        k = c.k_cache(0)
+        view = torch.from_dlpack(dlpack.to_capsule(c._range, k.data_ptr(), k.shape, k.stride(), 2, 32,
+                                                   dlpack.KDL_CPU, 0))
+        view[r, :64] = 5.0
+        assert view.data_ptr() == k.data_ptr() and float(k[r, :64].sum()) == 5.0 * 64 * 2 * 16
+        del view
+    gc.collect()
+    assert not dlpack._live
+
+
+def test_close_while_another_thread_steps():
+    import threading
+    import time
+
+    gc.collect()
+    base = _vattn_mappings()
+    c = vattn.KVCache(**SMALL, device="cpu", page_size=4096)
+    r = c.alloc_reqid()
+    outcome = []
+
+    def stepper():
+        n = 0
+        try:
+            while True:
+                n = n % 500 + 7
+                c.step({r: n})
+        except vattn.ClosedError:
+            outcome.append("closed")
+        except Exception as e:  # pragma: no cover - reported by the assert
+            outcome.append(e)
+
+    t = threading.Thread(target=stepper)
+    t.start()
+    time.sleep(0.1)
+    c.close()
+    t.join(timeout=30)
+    assert outcome == ["closed"]
+    assert _vattn_mappings() == base  # nothing a late step mapped survived close

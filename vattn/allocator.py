@@ -9,8 +9,14 @@ created groups = pool (free, unmapped)  +  sum over slots of slot_pages[s] (mapp
 A slot (reqid) is *active* between alloc_reqid and free_reqid and *free* otherwise. A free
 slot keeps its pages (deferred reclamation); pages move to another slot only when the pool
 and the budget cannot serve a `step`. The worker thread (background pre-mapping) only ever
-maps pool pages into slots; only `step` unmaps. One lock guards the books; the worker holds
-it while it maps, one slot's batch at a time, so `step` waits for at most one batch.
+maps pool pages into slots; only `step` unmaps. One lock guards the books. The worker takes
+it to plan and to commit each batch but not across the driver call, so other callers wait
+for bookkeeping only; `step` cancels the job and waits for at most the batch in flight.
+
+Unmapping waits for the device: `step` records a fence (a CUDA event on the current stream)
+when it starts, for every slot the previous iteration ran, and `_reclaim` waits on a slot's
+fence before it unmaps any of its pages. A slot freed after an iteration still gets that
+iteration's fence (`ran` is not cleared by free_reqid).
 """
 from __future__ import annotations
 
@@ -60,7 +66,7 @@ class MemoryStats:
     num_created_pages: int  # page groups that exist
     num_free_pages: int  # in the pool, unmapped
     num_mapped_pages: int  # mapped into any slot
-    num_cached_pages: int  # mapped into free slots (deferred reclamation)
+    num_cached_pages: int  # mapped but under no live token: free slots, pre-mapped tails (reclaimable)
     max_pages: int  # budget
     mapped_bytes: int
     used_bytes: int  # bytes holding tokens of active requests
@@ -99,7 +105,8 @@ class PageAllocator:
         self.num_created = 0
         self.free_slots: set[int] = set(range(self.num_slots))
         self.alloc_seq: dict[int, int] = {}  # active slot -> allocation order (age)
-        self.seq_lens = [0] * self.num_slots  # lengths of the latest step
+        self.seq_lens = [0] * self.num_slots  # lengths of the latest step (0 once freed)
+        self.ran: set[int] = set()  # slots the latest step backed: the iteration after it reads them
         self.max_lens = [0] * self.num_slots  # longest length since alloc: pages below it hold data
         self.last_fence: list[Any] = [None] * self.num_slots
         self.eager_tokens = 0.0  # running mean of new requests' first lengths
@@ -108,6 +115,7 @@ class PageAllocator:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._job: list[tuple[int, int]] = []  # (slot, target pages) for the worker
+        self.in_flight: list[Any] = []  # groups the worker is mapping right now (lock released)
         self._busy = False
         self._cancel = False
         self._closed = False
@@ -140,16 +148,16 @@ class PageAllocator:
 
     # ------------------------------------------------------------------- step ----
     def step(self, seq_lens: Sequence[int] | Mapping[int, int]) -> StepResult:
-        lens = self._normalize(seq_lens)
         self._cancel = True  # before taking the lock: the worker stops at its next batch
         with self._lock:
             self._check_open()
             self._quiesce()
+            self._check_open()  # close() may have run while we waited
+            lens = self._normalize(seq_lens)
             fence = self.backend.fence()
             if fence is not None:  # the kernels of the last iteration read these slots
-                for s, n in enumerate(self.seq_lens):
-                    if n:
-                        self.last_fence[s] = fence
+                for s in self.ran:
+                    self.last_fence[s] = fence
             result = self._back(lens)
             for s, n in enumerate(lens):
                 if n and not self.max_lens[s] and s not in result.failed:  # a new request's first length
@@ -157,8 +165,9 @@ class PageAllocator:
             for s in result.failed:  # not backed: this iteration will not run them
                 lens[s] = 0
             self.seq_lens = lens
-            for s, n in enumerate(lens):
-                self.max_lens[s] = max(self.max_lens[s], n)
+            self.ran = {s for s, n in enumerate(lens) if n}
+            for s in self.ran:
+                self.max_lens[s] = max(self.max_lens[s], lens[s])
             if result and self.prefetch:
                 self._schedule_prefetch()
             return result
@@ -267,47 +276,58 @@ class PageAllocator:
     def _reclaim(self, donors: list[tuple[int, int]], count: int) -> int:
         """Unmap `count` groups from the donors' tails into the pool."""
         g = self.geometry
-        offsets, groups = [], []
+        offsets, takes = [], []
         for s, k in donors:
-            take = min(k, count - len(groups))
+            take = min(k, count - len(offsets))
             if take <= 0:
                 break
             if self.last_fence[s] is not None:  # never unmap under a kernel that may read it
                 self.backend.wait(self.last_fence[s])
                 self.last_fence[s] = None
+            n = len(self.slot_pages[s])
+            offsets += [g.page_offset(s, p) for p in range(n - take, n)]
+            takes.append((s, take))
+        # Books change only after the unmap: if it fails, the pages stay booked to their slots
+        # (perhaps unreadable now, but never handed to another slot while still mapped).
+        self.backend.unmap(self.bases, offsets, g.page_size)
+        for s, take in takes:
             pages = self.slot_pages[s]
-            for p in range(len(pages) - take, len(pages)):
-                offsets.append(g.page_offset(s, p))
-            groups.extend(pages[len(pages) - take:])
+            self.pool.extend(reversed(pages[len(pages) - take:]))
             del pages[len(pages) - take:]
-        try:
-            self.backend.unmap(self.bases, offsets, g.page_size)
-        except BaseException:
-            warnings.warn("unmap failed; the pages stay out of the pool", RuntimeWarning, stacklevel=3)
-            raise
-        self.pool.extend(reversed(groups))
-        return len(groups)
+        return len(offsets)
 
-    def _grow(self, count: int) -> None:
-        """Create at least `count` more groups (a chunk at a time) within the budget."""
+    def _grow(self, count: int, background: bool = False) -> None:
+        """Create at least `count` more groups (a chunk at a time) within the budget. In the
+        background the lock is released around the driver call (only step and
+        reserve_physical grow the pool otherwise, and both stop the worker first)."""
         room = self.max_pages - self.num_created
         n = min(room, max(count, _GROW_CHUNK))
         if n <= 0:
             return
+        nb, page = self.geometry.num_buffers, self.geometry.page_size
+        if background:
+            self._lock.release()
         try:
-            groups = self.backend.create(n, self.geometry.num_buffers, self.geometry.page_size)
-        except OutOfPhysicalMemoryError:
-            if n == count:
-                raise
-            n = count  # the chunk did not fit; what is needed may
-            groups = self.backend.create(n, self.geometry.num_buffers, self.geometry.page_size)
+            try:
+                groups = self.backend.create(n, nb, page)
+            except OutOfPhysicalMemoryError:
+                if n <= count:
+                    raise
+                n = min(count, room)  # the chunk did not fit; what is needed may
+                groups = self.backend.create(n, nb, page)
+        finally:
+            if background:
+                self._lock.acquire()
         self.num_created += n
         self.pool.extend(reversed(groups))
 
     def reserve_physical(self, nbytes: int) -> int:
         """Create page groups until at least `nbytes` of physical memory exist. Returns groups created."""
         n = -(-self._index(nbytes, "nbytes") // self.geometry.group_bytes)
+        self._cancel = True
         with self._lock:
+            self._check_open()
+            self._quiesce()
             self._check_open()
             if n > self.max_pages:
                 raise OutOfPhysicalMemoryError(
@@ -333,7 +353,10 @@ class PageAllocator:
         if not job:
             return
         if not self.background:
-            self._run_job(job)
+            try:
+                self._run_job(job)
+            except Exception as e:  # pre-mapping is best effort; the next step maps on demand
+                self._record_worker_error(e)
             return
         self._job, self._cancel, self._busy = job, False, True
         if self._worker is None:
@@ -342,33 +365,50 @@ class PageAllocator:
         self._cv.notify_all()
 
     def _run_job(self, job: list[tuple[int, int]], background: bool = False) -> None:
-        """Map pool (or newly created) pages into the job's slots; never reclaims."""
+        """Map pool (or newly created) pages into the job's slots; never reclaims.
+
+        Lock held on entry. In the background it is released around each driver call:
+        nothing else changes `slot_pages` meanwhile (only step and close do, and they stop
+        the worker first), and the batch's groups sit in `in_flight` until committed."""
         g = self.geometry
         for s, target in job:
-            while not (background and self._cancel):
+            while not (background and (self._cancel or self._closed)):
                 have = len(self.slot_pages[s])
                 n = min(target - have, _WORKER_BATCH)
                 if n <= 0:
                     break
                 if len(self.pool) < n:
                     try:
-                        self._grow(n - len(self.pool))
+                        self._grow(n - len(self.pool), background)
                     except OutOfPhysicalMemoryError:
-                        self.max_pages = self.num_created
+                        if not background:  # a transient shortage in the background caps nothing
+                            self.max_pages = self.num_created
                     n = min(n, len(self.pool))
-                    if n == 0:
+                    if n == 0 or (background and (self._cancel or self._closed)):
                         return
                 groups = [self.pool.pop() for _ in range(n)]
                 offsets = [g.page_offset(s, have + i) for i in range(n)]
+                self.in_flight = groups
                 try:
-                    self.backend.map(self.bases, offsets, groups, g.page_size)
+                    if background:
+                        self._lock.release()
+                    try:
+                        self.backend.map(self.bases, offsets, groups, g.page_size)
+                    finally:
+                        if background:
+                            self._lock.acquire()
                 except BaseException:
-                    self.pool.extend(reversed(groups))
+                    self.pool.extend(reversed(groups))  # the map was atomic
                     raise
+                finally:
+                    self.in_flight = []
                 self.slot_pages[s].extend(groups)
-                if background:  # let step() in between batches
-                    self._cv.release()
-                    self._cv.acquire()
+
+    def _record_worker_error(self, e: BaseException) -> None:
+        if self.worker_error is None:
+            warnings.warn(f"vattn: background pre-mapping failed ({e}); step() maps on demand",
+                          RuntimeWarning, stacklevel=2)
+        self.worker_error = e
 
     def _worker_loop(self) -> None:
         with self._cv:
@@ -378,8 +418,8 @@ class PageAllocator:
                     continue
                 try:
                     self._run_job(self._job, background=True)
-                except BaseException as e:  # step() will meet the same error synchronously
-                    self.worker_error = e
+                except Exception as e:  # step() will meet the same error synchronously
+                    self._record_worker_error(e)
                 self._job, self._busy = [], False
                 self._cv.notify_all()
 
@@ -400,7 +440,8 @@ class PageAllocator:
         with self._lock:
             g = self.geometry
             mapped = sum(len(p) for p in self.slot_pages)
-            cached = sum(len(self.slot_pages[s]) for s in self.free_slots)
+            holding = sum(g.pages_for(self.max_lens[s]) for s in self.alloc_seq)  # pages under live tokens
+            cached = mapped - holding
             spare = len(self.pool) + (self.max_pages - self.num_created) + cached
             return MemoryStats(
                 page_size=g.page_size,
@@ -420,8 +461,9 @@ class PageAllocator:
         """Assert the books are consistent (for tests and debugging)."""
         with self._lock:
             mapped = [grp for pages in self.slot_pages for grp in pages]
-            assert len(mapped) + len(self.pool) == self.num_created <= self.max_pages
-            assert len({id(x) for x in mapped + self.pool}) == self.num_created, "a group is in two places"
+            everywhere = mapped + self.pool + self.in_flight
+            assert len(everywhere) == self.num_created <= self.max_pages
+            assert len({id(x) for x in everywhere}) == self.num_created, "a group is in two places"
             assert self.free_slots.isdisjoint(self.alloc_seq)
             assert len(self.free_slots) + len(self.alloc_seq) == self.num_slots
             for s in self.alloc_seq:
@@ -431,6 +473,12 @@ class PageAllocator:
     # ------------------------------------------------------------------ closing ----
     def close(self) -> None:
         """Stop the worker, unmap and release every page (after the device finished)."""
+        if self._worker is not None and threading.current_thread() is self._worker:
+            # The garbage collector ran the cache's finalizer on the worker thread, which
+            # cannot join itself (and may hold the lock): close from another thread.
+            threading.Thread(target=self.close, name="vattn-close", daemon=True).start()
+            return
+        self._cancel = True
         with self._lock:
             if self._closed:
                 return
@@ -439,15 +487,16 @@ class PageAllocator:
             self._cv.notify_all()
         if self._worker is not None:
             self._worker.join()
-        g = self.geometry
-        fence = self.backend.fence()
-        if fence is not None:
-            self.backend.wait(fence)
-        offsets = [g.page_offset(s, p) for s in range(self.num_slots) for p in range(len(self.slot_pages[s]))]
-        self.backend.unmap(self.bases, offsets, g.page_size)
-        groups = self.pool + [grp for pages in self.slot_pages for grp in pages]
-        self.pool, self.slot_pages = [], [[] for _ in range(self.num_slots)]
-        self.backend.release(groups)
+        with self._lock:
+            g = self.geometry
+            fence = self.backend.fence()
+            if fence is not None:
+                self.backend.wait(fence)
+            offsets = [g.page_offset(s, p) for s in range(self.num_slots) for p in range(len(self.slot_pages[s]))]
+            self.backend.unmap(self.bases, offsets, g.page_size)
+            groups = self.pool + [grp for pages in self.slot_pages for grp in pages]
+            self.pool, self.slot_pages = [], [[] for _ in range(self.num_slots)]
+            self.backend.release(groups)
 
     def _check_open(self) -> None:
         if self._closed:

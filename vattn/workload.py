@@ -7,6 +7,7 @@ of real K/V data into every layer, and retires finished requests. Used by `vattn
 """
 from __future__ import annotations
 
+import csv
 import random
 import statistics
 import time
@@ -44,6 +45,8 @@ class WorkloadReport:
     pages_mapped: int = 0
     pages_unmapped: int = 0
     slot_reuses: int = 0
+    mean_running: float = 0.0  # requests backed per iteration
+    mean_running_saturated: float = 0.0  # the same, over iterations where requests had to wait
     seconds: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -55,7 +58,9 @@ class WorkloadReport:
             "step_ms_mean": statistics.fmean(ms), "step_ms_max": ms[-1],
             "peak_mapped_MiB": self.peak_mapped_bytes / 2**20, "peak_used_MiB": self.peak_used_bytes / 2**20,
             "mean_fragmentation": self.mean_fragmentation, "pages_mapped": self.pages_mapped,
-            "pages_unmapped": self.pages_unmapped, "slot_reuses": self.slot_reuses, "seconds": self.seconds,
+            "pages_unmapped": self.pages_unmapped, "slot_reuses": self.slot_reuses,
+            "mean_running": self.mean_running, "mean_running_saturated": self.mean_running_saturated,
+            "seconds": self.seconds,
         }
 
 
@@ -71,6 +76,23 @@ def synthetic_requests(n: int, max_context_len: int, seed: int = 0, arrivals_per
     return reqs
 
 
+def trace_requests(path: str, n: int, max_context_len: int, seed: int = 0,
+                   arrivals_per_iter: float = 0.5) -> list[_Req]:
+    """The first `n` rows of a trace CSV with `num_prefill_tokens` and `num_decode_tokens`
+    columns (rows longer than max_context_len are clipped), Poisson arrivals."""
+    rng = random.Random(seed)
+    reqs, t = [], 0.0
+    with open(path, newline="") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            if i == n:
+                break
+            prompt = min(max(1, int(row["num_prefill_tokens"])), max_context_len - 1)
+            output = min(max(1, int(row["num_decode_tokens"])), max_context_len - prompt)
+            t += rng.expovariate(arrivals_per_iter)
+            reqs.append(_Req(i, prompt, output, int(t)))
+    return reqs
+
+
 def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, progress: Any = None) -> WorkloadReport:
     """Serve `requests` on `cache` with continuous batching; returns figures and step latencies."""
     c = cache.config
@@ -79,6 +101,8 @@ def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, 
     running: list[_Req] = []
     step_ms: list[float] = []
     frags: list[float] = []
+    running_counts: list[int] = []
+    saturated_counts: list[int] = []
     report = WorkloadReport(0, len(requests), 0, 0, step_ms)
     be = cache.backend
     mapped0, unmapped0 = be.num_pages_mapped, be.num_pages_unmapped
@@ -105,13 +129,17 @@ def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, 
                     f"request {running[0].rid} alone needs more pages than the cache has; raise physical_memory")
             victim = running.pop()  # newest first; it recomputes from scratch later
             cache.free_reqid(victim.slot)
+            if victim.done:  # one admitted this iteration lost nothing: not a preemption
+                victim.preemptions += 1
+                report.preemptions += 1
             victim.done, victim.slot = 0, -1
-            victim.preemptions += 1
-            report.preemptions += 1
             waiting.appendleft(victim)
             lens = {r.slot: (r.prompt if r.done == 0 else r.done + 1) for r in running}
             res = cache.step(lens)
         step_ms.append((time.perf_counter() - s0) * 1e3)
+        running_counts.append(len(running))
+        if waiting:
+            saturated_counts.append(len(running))
         for r in running:
             n = lens[r.slot]
             if write_data:
@@ -134,6 +162,8 @@ def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, 
     report.iterations = it
     report.seconds = time.perf_counter() - t0
     report.mean_fragmentation = statistics.fmean(frags) if frags else 0.0
+    report.mean_running = statistics.fmean(running_counts) if running_counts else 0.0
+    report.mean_running_saturated = statistics.fmean(saturated_counts) if saturated_counts else 0.0
     report.pages_mapped = be.num_pages_mapped - mapped0
     report.pages_unmapped = be.num_pages_unmapped - unmapped0
     return report

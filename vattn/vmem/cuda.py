@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from vattn.errors import BackendError, InvalidConfigError, OutOfPhysicalMemoryError, OutOfVirtualMemoryError
+from vattn.vmem import dlpack
 from vattn.vmem.base import Backend
 
 CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -106,21 +107,6 @@ class _PyRange:
             pass
 
 
-class _CAIView:
-    """`__cuda_array_interface__` of a range, so torch wraps it without a copy."""
-
-    def __init__(self, rng: _PyRange, offset: int, shape, strides_bytes, typestr: str) -> None:
-        self._rng = rng  # keeps the address space alive as long as the tensor
-        self.__cuda_array_interface__ = {
-            "shape": tuple(shape), "strides": tuple(strides_bytes), "typestr": typestr,
-            "data": (rng.addr + offset, False), "version": 3,
-        }
-
-
-_TYPESTR = {torch.float16: "<f2", torch.bfloat16: "<i2", torch.float32: "<f4", torch.float64: "<f8",
-            torch.int8: "|i1", torch.uint8: "|u1"}
-
-
 class _PyDriver:
     """The driver calls through cuda-python (`cuda.bindings.driver`). `driver` may be any
     module with the same API (the tests check the call sequence with a recording one)."""
@@ -178,10 +164,10 @@ class _PyDriver:
         self._check("cuMemAddressFree", self.d.cuMemAddressFree(addr, size))
 
     def tensor(self, rng, offset, shape, strides, dtype, code, bits) -> torch.Tensor:
-        esz = bits // 8
-        view = _CAIView(rng, offset, shape, [s * esz for s in strides], _TYPESTR[dtype])
-        t = torch.as_tensor(view, device=torch.device("cuda", self.dev))
-        return t.view(dtype) if t.dtype != dtype else t
+        # DLPack (not __cuda_array_interface__): torch then does not ask the driver about a
+        # pointer that is reserved but not mapped yet.
+        return torch.from_dlpack(dlpack.to_capsule(rng, rng.addr + offset, shape, strides, code, bits,
+                                                   dlpack.KDL_CUDA, self.dev))
 
     def create(self, n: int, size: int) -> list[int]:
         self._ctx_current()
@@ -264,7 +250,8 @@ class CudaBackend(Backend):
                 "layout='fused' to put fewer tokens of one request in each page")
 
     def reserve(self, nbytes: int, alignment: int) -> Any:
-        return self.drv.reserve(nbytes, alignment)
+        # pages are multiples of the granularity; the driver wants a power-of-two alignment
+        return self.drv.reserve(nbytes, self.granularity)
 
     def tensor(self, rng, offset, shape, strides, dtype) -> torch.Tensor:
         code, bits = self.dlpack_type(dtype)

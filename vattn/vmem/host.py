@@ -1,7 +1,7 @@
 """Host backend: real Linux virtual memory with the CUDA VMM semantics.
 
 reserve  = mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
-create   = memfd_create + fallocate (the pages exist on return)
+create   = grow one memfd (ftruncate + fallocate: the pages exist on return)
 map      = mmap(MAP_SHARED | MAP_FIXED) of the memfd at the page's address
 unmap    = mmap(PROT_NONE, MAP_FIXED) over the page: reading it faults again
 """
@@ -58,7 +58,9 @@ class HostBackend(Backend):
         self.device = torch.device("cpu")
         self.granularity = mmap.PAGESIZE
         self.default_page_size = max(64 << 10, mmap.PAGESIZE)
-        self._live: dict[int, int] = {}  # memfd -> groups not yet released
+        self._fd = -1  # one memfd per backend, grown chunk by chunk
+        self._size = 0
+        self._live = 0  # groups not yet released
 
     def check_page_size(self, page_size: int) -> None:
         if page_size % self.granularity:
@@ -81,28 +83,33 @@ class HostBackend(Backend):
         return torch.from_dlpack(rng.dlpack(offset, tuple(shape), tuple(strides), code, bits))
 
     def _create(self, n: int, num_buffers: int, page_size: int) -> list[HostGroup]:
-        # Buffer-major inside the memfd, so consecutive groups of one buffer are consecutive
-        # in the file and pages handed out in order merge into one VMA (fewer mappings).
+        # A chunk is buffer-major in the file, so consecutive groups of one buffer are
+        # consecutive there too and pages handed out in order merge into one VMA.
         stride = n * page_size
+        nbytes = stride * num_buffers
+        base = self._size
         try:
-            fd = _C.host_memfd("vattn-pages", stride * num_buffers)
+            if self._fd < 0:
+                self._fd = os.memfd_create("vattn-pages", os.MFD_CLOEXEC)
+            os.ftruncate(self._fd, base + nbytes)
+            os.posix_fallocate(self._fd, base, nbytes)  # real memory now, not a SIGBUS later
         except OSError as e:
+            if self._fd >= 0:
+                os.ftruncate(self._fd, base)
             if e.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG):
                 raise OutOfPhysicalMemoryError(
-                    f"cannot create {n} page groups ({stride * num_buffers / 2**20:.1f} MiB) of host memory: "
+                    f"cannot create {n} page groups ({nbytes / 2**20:.1f} MiB) of host memory: "
                     f"{os.strerror(e.errno)}; lower physical_memory or free memory") from None
-            raise BackendError("memfd_create", e.errno or 0, errno.errorcode.get(e.errno or 0, "?"),
-                               "too many open files? raise `ulimit -n`") from None
-        self._live[fd] = n
-        return [HostGroup(fd, i * page_size, stride) for i in range(n)]
+            raise BackendError("memfd", e.errno or 0, errno.errorcode.get(e.errno or 0, "?")) from None
+        self._size = base + nbytes
+        self._live += n
+        return [HostGroup(self._fd, base + i * page_size, stride) for i in range(n)]
 
     def _release(self, groups: list[HostGroup]) -> None:
-        # A memfd (and its memory) goes when the last of its groups is released.
-        for g in groups:
-            self._live[g.fd] -= 1
-            if self._live[g.fd] == 0:
-                del self._live[g.fd]
-                os.close(g.fd)
+        # The memfd (and its memory) goes when the last group is released.
+        self._live -= len(groups)
+        if self._live == 0:
+            self.close()
 
     def _map(self, bases: array, offsets: array, groups: list[HostGroup], page_size: int) -> None:
         fds = array("i", (g.fd for g in groups))
@@ -125,6 +132,6 @@ class HostBackend(Backend):
             raise BackendError("mmap(PROT_NONE)", e.errno or 0, errno.errorcode.get(e.errno or 0, "?")) from None
 
     def close(self) -> None:
-        for fd in self._live:
-            os.close(fd)
-        self._live.clear()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd, self._size, self._live = -1, 0, 0
