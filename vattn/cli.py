@@ -75,7 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     g = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint")
     g.add_argument("--model", required=True, help="a local checkpoint directory")
-    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    g.add_argument("--prompt", action="append", default=[], help="text (needs the checkpoint's tokenizer); repeatable")
+    g.add_argument("--prompt-ids", action="append", default=[], type=_token_ids,
+                   help="comma-separated token ids, e.g. 1,15,27; repeatable")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -98,16 +100,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from vattn.engine import LLM, SamplingParams
+    from vattn.errors import InvalidRequestError
+
+    prompts = list(args.prompt) + list(args.prompt_ids)
+    if not prompts:
+        raise InvalidRequestError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
 
     kw = {k: v for k, v in dict(device=args.device, dtype=args.dtype, page_size=args.page_size,
                                 layout=args.layout).items() if v is not None}
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     with LLM(args.model, **kw) as llm:
-        for out in llm.generate(args.prompt, params):
-            print(out.text if out.text is not None else out.token_ids)
+        for out in llm.generate(prompts, params):
+            print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
     return 0
 
 
