@@ -14,7 +14,12 @@ uses, made current on the calling thread first (the pre-mapping worker is anothe
 Ordering against kernels: `fence()` records a CUDA event on the current stream; the
 allocator records one at the start of every `step` for the slots the previous iteration
 used, and `wait()`s on a slot's event before unmapping any of its pages, so a page is
-never unmapped under a kernel that may still read it.
+never unmapped under a kernel that may still read it. The event covers the current stream
+of the thread that calls `step`: an engine that reads the cache on other streams must
+make the current stream wait for them before `step`.
+
+`ensure_ctx` (C) and `_ctx_current` (cuda-python) make the device's primary context
+current on the calling thread, replacing whatever context was current there.
 """
 from __future__ import annotations
 
