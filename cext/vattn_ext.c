@@ -259,6 +259,13 @@ static PyObject *new_range(uint64_t addr, uint64_t size, int kind, int device_id
 /* buffer protocol.                                                           */
 /* ------------------------------------------------------------------------- */
 
+/* End (exclusive) of the run of contiguous page offsets that starts at i. */
+static Py_ssize_t run_end(const uint64_t *offs, Py_ssize_t i, Py_ssize_t n, uint64_t page) {
+  Py_ssize_t j = i + 1;
+  while (j < n && offs[j] == offs[j - 1] + page) j++;
+  return j;
+}
+
 static int get_u64s(Py_buffer *b, Py_ssize_t *n, const char *what) {
   if (b->itemsize != 8) {
     PyErr_Format(PyExc_TypeError, "%s: expected 8-byte items", what);
@@ -383,8 +390,7 @@ static PyObject *host_unmap(PyObject *m, PyObject *args) {
   for (Py_ssize_t b = 0; b < nb; b++) {
     Py_ssize_t i = 0;
     while (i < n) {
-      Py_ssize_t j = i + 1;
-      while (j < n && offs[j] == offs[j - 1] + page) j++;
+      Py_ssize_t j = run_end(offs, i, n, page);
       int e = host_rereserve(bases[b] + offs[i], (j - i) * page);
       if (e && !err) err = e;
       i = j;
@@ -614,8 +620,7 @@ static PyObject *cuda_map(PyObject *m, PyObject *args) {
     mapped_b = b;
     mapped_i = i;
     for (Py_ssize_t s = 0; s < i && !rc;) { /* one cuMemSetAccess per contiguous run */
-      Py_ssize_t e = s + 1;
-      while (e < i && offs[e] == offs[e - 1] + page) e++;
+      Py_ssize_t e = run_end(offs, s, i, page);
       if ((rc = cu.MemSetAccess(bases[b] + offs[s], (e - s) * page, &acc, 1))) call = "cuMemSetAccess";
       s = e;
     }
@@ -658,8 +663,7 @@ static PyObject *cuda_unmap(PyObject *m, PyObject *args) {
   for (Py_ssize_t b = 0; b < nb; b++) {
     Py_ssize_t i = 0;
     while (i < n) {
-      Py_ssize_t j = i + 1;
-      while (j < n && offs[j] == offs[j - 1] + page) j++;
+      Py_ssize_t j = run_end(offs, i, n, page);
       if ((rc = cu.MemUnmap(bases[b] + offs[i], (j - i) * page)) && !first) first = rc;
       i = j;
     }
