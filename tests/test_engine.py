@@ -530,8 +530,8 @@ def test_sdpa_attention_on_cache_rows_matches_full_causal(window: int | None) ->
     v_full = {s: torch.randn(n, Hkv, D, generator=g) for s, n in full_len.items()}
     q_full = {s: torch.randn(n, Hq, D, generator=g) for s, n in full_len.items()}
     starts = {0: 8, 2: 0, 3: 5}  # decode, whole prompt, chunk of 7
-    for s, st in starts.items():
-        k_cache[s, :st], v_cache[s, :st] = k_full[s][:st], v_full[s][:st]
+    for s, start in starts.items():
+        k_cache[s, :start], v_cache[s, :start] = k_full[s][:start], v_full[s][:start]
     slots = sorted(full_len)
     meta = AttentionMetadata.build(slots, [starts[s] for s in slots],
                                    [full_len[s] - starts[s] for s in slots], T, torch.device("cpu"))
@@ -590,9 +590,9 @@ def test_cuda_kernels_match_sdpa_on_slot_rows(kernel: str, fused: bool, window: 
     k_cache = k_buf[:, :T, 1] if fused else k_buf[:, :T]  # [B, T, H_kv, D]
     v_cache = v_buf[:, :T, 1] if fused else v_buf[:, :T]
     slots, starts, lens = [0, 2, 3], [37, 0, 20], [1, 50, 30]  # a decode, a prompt, a chunk
-    for s, st, n in zip(slots, starts, lens):
-        k_cache[s, :st + n] = torch.randn(st + n, Hkv, D, device=dev, dtype=dt)
-        v_cache[s, :st + n] = torch.randn(st + n, Hkv, D, device=dev, dtype=dt)
+    for s, start, n in zip(slots, starts, lens):
+        k_cache[s, :start + n] = torch.randn(start + n, Hkv, D, device=dev, dtype=dt)
+        v_cache[s, :start + n] = torch.randn(start + n, Hkv, D, device=dev, dtype=dt)
     meta = AttentionMetadata.build(slots, starts, lens, slot_tokens, dev)
     q = torch.randn(sum(lens), Hq, D, device=dev, dtype=dt)
     ref = sdpa_attention(q, k_cache, v_cache, meta, D ** -0.5, window)
