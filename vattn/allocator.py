@@ -20,11 +20,12 @@ iteration's fence (`ran` is not cleared by free_reqid).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from vattn.config import Geometry
 from vattn.errors import (
@@ -305,9 +306,7 @@ class PageAllocator:
         if n <= 0:
             return
         nb, page = self.geometry.num_buffers, self.geometry.page_size
-        if background:
-            self._lock.release()
-        try:
+        with self._unlocked(background):
             try:
                 groups = self.backend.create(n, nb, page)
             except OutOfPhysicalMemoryError:
@@ -315,9 +314,6 @@ class PageAllocator:
                     raise
                 n = min(count, room)  # the chunk did not fit; what is needed may
                 groups = self.backend.create(n, nb, page)
-        finally:
-            if background:
-                self._lock.acquire()
         self.num_created += n
         self.pool.extend(reversed(groups))
 
@@ -390,19 +386,26 @@ class PageAllocator:
                 offsets = [g.page_offset(s, have + i) for i in range(n)]
                 self.in_flight = groups
                 try:
-                    if background:
-                        self._lock.release()
-                    try:
+                    with self._unlocked(background):
                         self.backend.map(self.bases, offsets, groups, g.page_size)
-                    finally:
-                        if background:
-                            self._lock.acquire()
                 except BaseException:
                     self.pool.extend(reversed(groups))  # the map was atomic
                     raise
                 finally:
                     self.in_flight = []
                 self.slot_pages[s].extend(groups)
+
+    @contextlib.contextmanager
+    def _unlocked(self, release: bool) -> Iterator[None]:
+        """Drop the (held) lock for the block when `release`: the worker's driver calls."""
+        if not release:
+            yield
+            return
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
 
     def _record_worker_error(self, e: BaseException) -> None:
         if self.worker_error is None:

@@ -13,19 +13,14 @@ def _table(rows: list[tuple[str, str]], title: str) -> str:
     return "\n".join(lines)
 
 
-def _default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _synthetic_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import vattn
+    from vattn.engine.demo import default_device
     from vattn.workload import run_workload, synthetic_requests
 
-    device = args.device or _default_device()
+    device = args.device or default_device()
     page = args.page_size or (None if device.startswith("cuda") else 64 << 10)
     reqs = synthetic_requests(args.requests, args.max_context_len, seed=args.seed)
     with vattn.KVCache(num_layers=8, num_kv_heads=4, head_dim=64, max_batch_size=args.max_batch_size,

@@ -10,6 +10,7 @@ import torch
 from vattn.errors import InvalidConfigError
 
 LAYOUTS = ("per-layer", "fused")
+CUDA_DRIVERS = ("auto", "cext", "cuda-python")
 
 # torch dtype -> (DLPack type code, bits)
 DLPACK_DTYPES: dict[torch.dtype, tuple[int, int]] = {
@@ -92,8 +93,8 @@ class CacheConfig:
             raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.physical_memory is not None:
             _positive_int("physical_memory", self.physical_memory)
-        if self.cuda_driver not in ("auto", "cext", "cuda-python"):
-            raise InvalidConfigError(f"cuda_driver must be 'auto', 'cext' or 'cuda-python', got {self.cuda_driver!r}")
+        if self.cuda_driver not in CUDA_DRIVERS:
+            raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {self.cuda_driver!r}")
 
     @property
     def torch_device(self) -> torch.device:

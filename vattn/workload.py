@@ -93,6 +93,11 @@ def trace_requests(path: str, n: int, max_context_len: int, seed: int = 0,
     return reqs
 
 
+def _next_lens(running: list[_Req]) -> dict[int, int]:
+    """slot -> length this iteration: the whole prompt first (again after a preemption), then one token."""
+    return {r.slot: (r.prompt if r.done == 0 else r.done + 1) for r in running}
+
+
 def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, progress: Any = None) -> WorkloadReport:
     """Serve `requests` on `cache` with continuous batching; returns figures and step latencies."""
     c = cache.config
@@ -120,7 +125,7 @@ def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, 
             used_slots.add(r.slot)
             running.append(r)
         # prefill writes the whole prompt (plus generated tokens after a preemption), decode one token
-        lens = {r.slot: (r.prompt if r.done == 0 else r.done + 1) for r in running}
+        lens = _next_lens(running)
         s0 = time.perf_counter()
         res = cache.step(lens)
         while not res:
@@ -134,7 +139,7 @@ def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, 
                 report.preemptions += 1
             victim.done, victim.slot = 0, -1
             waiting.appendleft(victim)
-            lens = {r.slot: (r.prompt if r.done == 0 else r.done + 1) for r in running}
+            lens = _next_lens(running)
             res = cache.step(lens)
         step_ms.append((time.perf_counter() - s0) * 1e3)
         running_counts.append(len(running))

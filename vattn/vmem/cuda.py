@@ -29,12 +29,12 @@ from typing import Any, Sequence
 
 import torch
 
+from vattn.config import CUDA_DRIVERS
 from vattn.errors import BackendError, InvalidConfigError, OutOfPhysicalMemoryError, OutOfVirtualMemoryError
 from vattn.vmem import dlpack
 from vattn.vmem.base import Backend
 
 CUDA_ERROR_OUT_OF_MEMORY = 2
-CUDA_DRIVERS = ("auto", "cext", "cuda-python")
 
 
 def _raise(call: str, code: int, name: str) -> None:
