@@ -10,6 +10,7 @@ from vattn.allocator import MemoryStats, PageAllocator, StepResult
 from vattn.config import CacheConfig, Geometry
 from vattn.errors import InvalidConfigError, InvalidRequestError
 from vattn.vmem import make_backend
+from vattn.vmem.base import Backend
 
 
 class KVCache:
@@ -29,7 +30,9 @@ class KVCache:
     or call `close()` to release all memory; tensors must not be used after that.
     """
 
-    def __init__(self, config: CacheConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: CacheConfig | None = None, *, backend: Backend | None = None, **kwargs: Any) -> None:
+        """`config` or `vattn.init`'s keyword arguments. `backend`: a ready `vattn.vmem.Backend`
+        to use instead of the one `config.device` names (tests, custom memory)."""
         if config is None:
             try:
                 config = CacheConfig(**kwargs)
@@ -38,7 +41,7 @@ class KVCache:
         elif kwargs:
             raise InvalidConfigError("give either a CacheConfig or keyword arguments, not both")
         self.config = config
-        self.backend = make_backend(config.torch_device, config.cuda_driver)
+        self.backend = backend if backend is not None else make_backend(config.torch_device, config.cuda_driver)
         page_size = config.page_size if config.page_size is not None else self.backend.default_page_size
         self.backend.check_page_size(page_size)
         self.geometry = g = Geometry(config, page_size)
