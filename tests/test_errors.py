@@ -1,7 +1,9 @@
 """Every bad input raises its vattn error, and leaves the cache usable."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 import vattn
 from tests.conftest import SMALL, check, fill
@@ -32,6 +34,11 @@ def test_error_hierarchy():
     (dict(physical_memory=-5), "physical_memory"),
     (dict(physical_memory=100), "less than one page group"),
     (dict(max_batch_sizes=3), "unexpected keyword"),
+    (dict(background="yes"), "background must be True or False"),
+    (dict(prefetch=None), "prefetch must be True or False"),
+    (dict(zero_reused_pages=1), "zero_reused_pages"),
+    (dict(device="cpu:1"), "one memory"),
+    (dict(head_dim=np.float32(16)), "head_dim"),
 ])
 def test_invalid_config(bad, match):
     with pytest.raises(vattn.InvalidConfigError, match=match):
@@ -125,3 +132,38 @@ def test_cuda_without_gpu_is_a_clear_error():
         pytest.skip("a GPU is present")
     with pytest.raises(vattn.VattnError, match="CUDA"):
         vattn.KVCache(**SMALL, device="cuda")
+
+
+def test_configuration_that_is_not_a_config():
+    with pytest.raises(vattn.InvalidConfigError, match="CacheConfig"):
+        vattn.init(2)
+    with pytest.raises(vattn.InvalidConfigError, match="CacheConfig"):
+        vattn.KVCache("x")
+
+
+def test_numpy_and_tensor_integers_are_accepted_everywhere():
+    args = {k: np.int64(v) if isinstance(v, int) else v for k, v in SMALL.items()}
+    c = vattn.init(**args, device="cpu", page_size=np.int32(4096), physical_memory=np.int64(1 << 20))
+    try:
+        assert c.config.num_layers == 2 and type(c.config.num_layers) is int
+        r = vattn.alloc_reqid()
+        assert vattn.step({np.int64(r): np.int32(10)})
+        for layer in (np.int64(1), torch.tensor(1)):
+            assert vattn.k_cache(layer) is c.k_cache(1)
+        assert c.reserve_physical(np.int64(0)) == 0
+        vattn.free_reqid(np.int16(r))
+    finally:
+        vattn.close()
+
+
+def test_negative_reserve_physical(cache):
+    with pytest.raises(vattn.InvalidRequestError, match=">= 0"):
+        cache.reserve_physical(-1)
+
+
+def test_closed_cache_refuses_views_and_figures():
+    c = vattn.KVCache(**SMALL, device="cpu", page_size=4096)
+    c.close()
+    for call in (lambda: c.k_cache(0), lambda: c.v_cache(1), c.stats):
+        with pytest.raises(vattn.ClosedError, match="closed"):
+            call()

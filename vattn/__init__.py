@@ -38,18 +38,20 @@ __version__ = "0.1.0"
 _default: KVCache | None = None
 
 
-def init(**kwargs: Any) -> KVCache:
+def init(config: CacheConfig | None = None, **kwargs: Any) -> KVCache:
     """Reserve the virtual K/V tensors and return the cache; it also becomes the default
     instance the module-level functions use (several instances may live side by side).
+    Give a `CacheConfig` or its fields as keywords.
 
     Arguments (keywords, sizes in bytes): num_layers, num_kv_heads, head_dim,
     max_batch_size, max_context_len, dtype (default float16), device ('cpu' = host
     backend, 'cuda[:N]'), page_size (default: the backend's), layout ('per-layer' or
     'fused'), physical_memory (cap on physical pages; default: no cap), background
-    (pre-map on a worker thread, default True), prefetch (pre-map at all, default True).
+    (pre-map on a worker thread, default True), prefetch (pre-map at all, default True),
+    zero_reused_pages (clear pages that held another request's data, default False).
     """
     global _default
-    _default = KVCache(**kwargs)
+    _default = KVCache(config, **kwargs)
     return _default
 
 

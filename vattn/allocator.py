@@ -25,13 +25,14 @@ import itertools
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from vattn.config import Geometry
 from vattn.errors import (
     ClosedError,
     ContextLengthError,
     InvalidRequestError,
+    MapCountLimitError,
     NoFreeSlotError,
     OutOfPhysicalMemoryError,
     UnknownReqIdError,
@@ -49,6 +50,9 @@ class StepResult:
     failed: tuple[int, ...] = ()
     num_mapped: int = 0  # page groups mapped by this call (synchronously)
     num_unmapped: int = 0  # page groups reclaimed from other slots by this call
+    # The device (or host) refused new pages in this call although the budget had room: a
+    # shortage now, not a smaller budget; later steps try to grow again.
+    out_of_memory: bool = False
 
     def __bool__(self) -> bool:
         return not self.failed
@@ -92,12 +96,13 @@ class PageAllocator:
     """Books and page movement for one cache. Used through `vattn.KVCache`."""
 
     def __init__(self, geometry: Geometry, backend: Backend, bases: Sequence[int], *,
-                 max_pages: int, background: bool, prefetch: bool) -> None:
+                 max_pages: int, background: bool, prefetch: bool,
+                 zero_pages: Callable[[list[int]], None] | None = None) -> None:
         self.geometry = geometry
         self.backend = backend
         self.bases = list(bases)
         self.num_slots = geometry.config.max_batch_size
-        self.max_pages = max_pages  # budget of groups; lowered if the device runs out
+        self.max_pages = max_pages  # budget of groups
         self.background = background
         self.prefetch = prefetch
 
@@ -112,6 +117,11 @@ class PageAllocator:
         self.last_fence: list[Any] = [None] * self.num_slots
         self.eager_tokens = 0.0  # running mean of new requests' first lengths
         self._counter = itertools.count()
+        # zero_reused_pages: groups holding data of a request that no longer owns them, and the
+        # slots that hold such groups; `step` clears them before the slot's request runs.
+        self.zero_pages = zero_pages
+        self.dirty: set[Any] = set()
+        self.dirty_slots: set[int] = set()
 
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -142,6 +152,9 @@ class PageAllocator:
             del self.alloc_seq[slot]
             self.free_slots.add(slot)
             self.seq_lens[slot] = self.max_lens[slot] = 0
+            if self.zero_pages is not None and self.slot_pages[slot]:  # the next owner must not read them
+                self.dirty.update(self.slot_pages[slot])
+                self.dirty_slots.add(slot)
 
     def _warm_slot(self) -> int:
         """The free slot alloc_reqid hands out next: most pages mapped, then lowest index."""
@@ -160,6 +173,8 @@ class PageAllocator:
                 for s in self.ran:
                     self.last_fence[s] = fence
             result = self._back(lens)
+            if self.dirty_slots:
+                self._zero_dirty([s for s, n in enumerate(lens) if n and s not in result.failed])
             for s, n in enumerate(lens):
                 if n and not self.max_lens[s] and s not in result.failed:  # a new request's first length
                     self.eager_tokens = n if not self.eager_tokens else 0.8 * self.eager_tokens + 0.2 * n
@@ -221,10 +236,11 @@ class PageAllocator:
     def _back(self, lens: list[int]) -> StepResult:
         """Map what `lens` needs now: pool, then new pages, then pages reclaimed from others."""
         g = self.geometry
+        limit = self.max_pages  # groups this call may have: the budget, or what exists if the device refuses more
         while True:
             need = {s: g.pages_for(n) for s, n in enumerate(lens) if n}
             order = sorted((s for s in need if need[s] > len(self.slot_pages[s])), key=self.alloc_seq.__getitem__)
-            supply = len(self.pool) + (self.max_pages - self.num_created)
+            supply = len(self.pool) + (limit - self.num_created)
             donors = []
             if sum(need[s] - len(self.slot_pages[s]) for s in order) > supply:  # only then look at other slots
                 donors = self._reclaimable(need)
@@ -239,16 +255,31 @@ class PageAllocator:
             short = total - len(self.pool)
             try:
                 if short > 0:
-                    self._grow(short)
+                    self._grow(short, limit=limit)
             except OutOfPhysicalMemoryError:
-                # The device has less than the budget: the budget is what exists; plan again.
-                self.max_pages = self.num_created
+                # A shortage now (the budget stays): plan again with what exists.
+                limit = self.num_created
                 continue
             break
         short = total - len(self.pool)
         num_unmapped = self._reclaim(donors, short) if short > 0 else 0
+        try:
+            num_mapped = self._map_slots(served, need)
+        except MapCountLimitError:
+            # Every mapped page is a VMA on the host: give back the cached ones (free slots,
+            # pre-mapped tails) and try once more before failing.
+            freed = self._reclaim(self._reclaimable(need), self.num_created)
+            if not freed:
+                raise
+            num_unmapped += freed
+            num_mapped = self._map_slots(served, need)
+        return StepResult(tuple(failed), num_mapped, num_unmapped, out_of_memory=limit < self.max_pages)
+
+    def _map_slots(self, slots: list[int], need: dict[int, int]) -> int:
+        """Map pool groups into `slots` up to `need` pages each, in one backend call (atomic)."""
+        g = self.geometry
         offsets, groups, takers = [], [], []
-        for s in served:
+        for s in slots:
             for p in range(len(self.slot_pages[s]), need[s]):
                 offsets.append(g.page_offset(s, p))
                 groups.append(self.pool.pop())
@@ -260,7 +291,27 @@ class PageAllocator:
             raise
         for s, grp in zip(takers, groups):
             self.slot_pages[s].append(grp)
-        return StepResult(tuple(failed), len(groups), num_unmapped)
+        self._note_dirty(takers, groups)
+        return len(groups)
+
+    def _note_dirty(self, slots: list[int], groups: list[Any]) -> None:
+        """zero_reused_pages: a slot that got a group with someone else's data must be cleared."""
+        if self.dirty:
+            self.dirty_slots.update(s for s, grp in zip(slots, groups) if grp in self.dirty)
+
+    def _zero_dirty(self, slots: list[int]) -> None:
+        """Clear the pages of `slots` that hold an earlier request's data (zero_reused_pages)."""
+        g = self.geometry
+        offsets = []
+        for s in slots:
+            if s in self.dirty_slots:
+                self.dirty_slots.discard(s)
+                for p, grp in enumerate(self.slot_pages[s]):
+                    if grp in self.dirty:
+                        self.dirty.discard(grp)
+                        offsets.append(g.page_offset(s, p))
+        if offsets:
+            self.zero_pages(offsets)
 
     def _reclaimable(self, need: dict[int, int]) -> list[tuple[int, int]]:
         """(slot, pages) that may be taken, in the order to take them: free slots with
@@ -297,11 +348,11 @@ class PageAllocator:
             del pages[len(pages) - take:]
         return len(offsets)
 
-    def _grow(self, count: int, background: bool = False) -> None:
-        """Create at least `count` more groups (a chunk at a time) within the budget. In the
-        background the lock is released around the driver call (only step and
-        reserve_physical grow the pool otherwise, and both stop the worker first)."""
-        room = self.max_pages - self.num_created
+    def _grow(self, count: int, background: bool = False, limit: int | None = None) -> None:
+        """Create at least `count` more groups (a chunk at a time) within `limit` (default:
+        the budget). In the background the lock is released around the driver call (only
+        step and reserve_physical grow the pool otherwise, and both stop the worker first)."""
+        room = (self.max_pages if limit is None else limit) - self.num_created
         n = min(room, max(count, _GROW_CHUNK))
         if n <= 0:
             return
@@ -319,7 +370,10 @@ class PageAllocator:
 
     def reserve_physical(self, nbytes: int) -> int:
         """Create page groups until at least `nbytes` of physical memory exist. Returns groups created."""
-        n = -(-self._index(nbytes, "nbytes") // self.geometry.group_bytes)
+        nbytes = self._index(nbytes, "nbytes")
+        if nbytes < 0:
+            raise InvalidRequestError(f"nbytes must be >= 0, got {nbytes}")
+        n = -(-nbytes // self.geometry.group_bytes)
         self._cancel = True
         with self._lock:
             self._check_open()
@@ -377,8 +431,7 @@ class PageAllocator:
                     try:
                         self._grow(n - len(self.pool), background)
                     except OutOfPhysicalMemoryError:
-                        if not background:  # a transient shortage in the background caps nothing
-                            self.max_pages = self.num_created
+                        pass  # a shortage now: pre-map what the pool has; step tries again later
                     n = min(n, len(self.pool))
                     if n == 0 or (background and (self._cancel or self._closed)):
                         return
@@ -394,6 +447,7 @@ class PageAllocator:
                 finally:
                     self.in_flight = []
                 self.slot_pages[s].extend(groups)
+                self._note_dirty([s] * n, groups)
 
     @contextlib.contextmanager
     def _unlocked(self, release: bool) -> Iterator[None]:
@@ -441,6 +495,7 @@ class PageAllocator:
     # ------------------------------------------------------------------ figures ----
     def stats(self) -> MemoryStats:
         with self._lock:
+            self._check_open()
             g = self.geometry
             mapped = sum(len(p) for p in self.slot_pages)
             holding = sum(g.pages_for(self.max_lens[s]) for s in self.alloc_seq)  # pages under live tokens
@@ -499,6 +554,8 @@ class PageAllocator:
             self.backend.unmap(self.bases, offsets, g.page_size)
             groups = self.pool + [grp for pages in self.slot_pages for grp in pages]
             self.pool, self.slot_pages = [], [[] for _ in range(self.num_slots)]
+            self.dirty.clear()
+            self.dirty_slots.clear()
             self.backend.release(groups)
 
     def _check_open(self) -> None:

@@ -1,14 +1,15 @@
 """`KVCache`: virtual K/V tensors per layer, backed by physical pages on demand."""
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from vattn.allocator import MemoryStats, PageAllocator, StepResult
-from vattn.config import CacheConfig, Geometry
-from vattn.errors import InvalidConfigError, InvalidRequestError
+from vattn.config import CacheConfig, Geometry, as_int
+from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
 from vattn.vmem import make_backend
 from vattn.vmem.base import Backend
 
@@ -38,6 +39,11 @@ class KVCache:
                 config = CacheConfig(**kwargs)
             except TypeError as e:
                 raise InvalidConfigError(f"{e}; see help(vattn.init) for the arguments") from None
+        elif not isinstance(config, CacheConfig):
+            raise InvalidConfigError(
+                f"the cache's configuration must be a vattn.CacheConfig, got {config!r}; or pass the sizes as "
+                "keywords: vattn.init(num_layers=..., num_kv_heads=..., head_dim=..., max_batch_size=..., "
+                "max_context_len=...)")
         elif kwargs:
             raise InvalidConfigError("give either a CacheConfig or keyword arguments, not both")
         self.config = config
@@ -45,6 +51,7 @@ class KVCache:
         page_size = config.page_size if config.page_size is not None else self.backend.default_page_size
         self.backend.check_page_size(page_size)
         self.geometry = g = Geometry(config, page_size)
+        g.check_page_size()
         self.page_size = page_size
 
         max_pages = g.pages_per_slot * config.max_batch_size
@@ -55,14 +62,19 @@ class KVCache:
                     f"({g.num_buffers} buffers x {page_size} bytes = {g.group_bytes} bytes)")
             max_pages = min(max_pages, config.physical_memory // g.group_bytes)
         elif (free := self.backend.free_memory()) is not None:  # leave room for the model's own tensors
-            max_pages = min(max_pages, max(1, int(0.9 * free) // g.group_bytes))
+            max_pages = min(max_pages, max(1, int(self.backend.default_memory_fraction * free) // g.group_bytes))
 
         # One reservation holds every buffer, one after another.
         self._range = self.backend.reserve(g.buffer_bytes * g.num_buffers, page_size)
         bases = [self._range.addr + b * g.buffer_bytes for b in range(g.num_buffers)]
         self._k, self._v = self._make_views()
+        # uint8 views of each whole buffer: zero_reused_pages clears pages through them
+        self._bytes = [self.backend.tensor(self._range, b * g.buffer_bytes, (g.buffer_bytes,), (1,), torch.uint8)
+                       for b in range(g.num_buffers)] if config.zero_reused_pages else []
         self.allocator = PageAllocator(g, self.backend, bases, max_pages=max_pages,
-                                       background=config.background, prefetch=config.prefetch)
+                                       background=config.background, prefetch=config.prefetch,
+                                       zero_pages=functools.partial(_zero_pages, self._bytes, page_size)
+                                       if config.zero_reused_pages else None)
         # Release the memory even if the user forgets close(); the allocator holds no ref to self.
         self._finalizer = weakref.finalize(self, _close, self.allocator, self.backend)
 
@@ -93,9 +105,16 @@ class KVCache:
         return self._v[self._layer(layer)]
 
     def _layer(self, layer: int) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
+        try:
+            index = as_int(layer, "layer", InvalidRequestError)
+        except InvalidRequestError:
+            index = -1
+        if not 0 <= index < self.config.num_layers:
             raise InvalidRequestError(f"layer must be an int in [0, {self.config.num_layers}), got {layer!r}")
-        return layer
+        if not self._k:
+            raise ClosedError("this cache was closed; create a new one with vattn.init()")
+        return index
+
 
     def alloc_reqid(self) -> int:
         """A free slot for a new request: the one with most pages still mapped (deferred
@@ -137,7 +156,7 @@ class KVCache:
     def close(self) -> None:
         """Release all physical and virtual memory. Idempotent."""
         self._finalizer()
-        self._k, self._v = [], []
+        self._k, self._v, self._bytes = [], [], []
         self._range = None  # the address space goes when the last tensor view goes
 
     def __enter__(self) -> KVCache:
@@ -151,6 +170,14 @@ class KVCache:
         return (f"KVCache(layers={c.num_layers}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
                 f"batch={c.max_batch_size}, context={c.max_context_len}, dtype={c.dtype}, "
                 f"device={c.device}, page_size={self.page_size}, layout={c.layout})")
+
+
+def _zero_pages(buffers: list[torch.Tensor], page: int, offsets: list[int]) -> None:
+    """Clear the pages at `offsets` (bytes into every buffer) for zero_reused_pages. A module
+    function: the allocator must hold no reference to the KVCache (its finalizer)."""
+    for buf in buffers:  # [buffer_bytes] uint8 each
+        for off in offsets:
+            buf[off:off + page].zero_()
 
 
 def _close(allocator: PageAllocator, backend: Any) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -42,10 +43,32 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
+# A page larger than this is never sane (and a page larger than a slot wastes memory for
+# nothing): see `Geometry.check_page_size`.
+MAX_PAGE_SIZE = 1 << 30
+# Pages up to this size are always allowed, however small the slot (the stock CUDA page).
+SMALL_PAGE_SIZE = 2 << 20
+
+
+def as_int(value: object, what: str, error: type[Exception] = InvalidConfigError) -> int:
+    """`value` as a plain int: ints and integer-like objects (numpy integers, 0-d integer
+    tensors) through `__index__`; bools, floats and strings raise `error`."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise error(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:  # e.g. a tensor with more than one element, or a float tensor
+        raise error(f"{what} must be an int, got {value!r}") from None
+
+
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    try:
+        v = as_int(value, name)
+    except InvalidConfigError:
+        v = 0
+    if v <= 0:
         raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return v
 
 
 @dataclass(frozen=True)
@@ -56,7 +79,11 @@ class CacheConfig:
     slots can hold). `background` runs pre-mapping on a worker thread; `prefetch=False`
     turns pre-mapping off (pure on-demand mapping, the paper's synchronous baseline).
     `cuda_driver` picks the CUDA path: "cext" (vattn._C), "cuda-python", or "auto" (cext when
-    it loads). On CUDA, `physical_memory=None` means 90% of the GPU memory free at init.
+    it loads). `physical_memory=None` means 90% of the GPU memory free at init on CUDA, and
+    half of the memory available to the process (MemAvailable, bounded by its cgroup's
+    limit) on the host. `zero_reused_pages` clears a page before a request that did not
+    write it can read it (pages of a freed slot, or reclaimed from another slot); off by
+    default: the engine always writes before it reads.
     """
 
     num_layers: int
@@ -72,10 +99,11 @@ class CacheConfig:
     background: bool = True
     prefetch: bool = True
     cuda_driver: str = "auto"
+    zero_reused_pages: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_context_len"):
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if isinstance(self.device, torch.device):
             object.__setattr__(self, "device", str(self.device))
@@ -87,12 +115,21 @@ class CacheConfig:
             raise InvalidConfigError(f"bad device {self.device!r}: {e}") from None
         if dev.type not in ("cpu", "cuda"):
             raise InvalidConfigError(f"device must be 'cpu' (host backend) or 'cuda[:N]', got {self.device!r}")
+        if dev.type == "cpu" and dev.index not in (None, 0):
+            raise InvalidConfigError(f"the host has one memory: use device='cpu', not {self.device!r}")
         if self.page_size is not None:
-            _positive_int("page_size", self.page_size)
+            object.__setattr__(self, "page_size", _positive_int("page_size", self.page_size))
+            if self.page_size > MAX_PAGE_SIZE:
+                raise InvalidConfigError(
+                    f"page_size={self.page_size} is over {MAX_PAGE_SIZE >> 20} MiB; use a page of 4 KiB to 2 MiB "
+                    "(the default is the backend's)")
         if self.layout not in LAYOUTS:
             raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.physical_memory is not None:
-            _positive_int("physical_memory", self.physical_memory)
+            object.__setattr__(self, "physical_memory", _positive_int("physical_memory", self.physical_memory))
+        for name in ("background", "prefetch", "zero_reused_pages"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cuda_driver not in CUDA_DRIVERS:
             raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {self.cuda_driver!r}")
 
@@ -164,6 +201,16 @@ class Geometry:
     def group_bytes(self) -> int:
         """Physical bytes of one page group."""
         return self.page_size * self.num_buffers
+
+    def check_page_size(self) -> None:
+        """A page may not be larger than one slot's tokens of one buffer (rounded up to a
+        power of two), unless it is at most SMALL_PAGE_SIZE: a bigger page only wastes memory."""
+        slot = self.config.max_context_len * self.token_bytes
+        if self.page_size > SMALL_PAGE_SIZE and self.page_size > 1 << (slot - 1).bit_length():
+            raise InvalidConfigError(
+                f"page_size={self.page_size} is larger than a whole slot ({slot} bytes: max_context_len="
+                f"{self.config.max_context_len} tokens x {self.token_bytes} bytes per buffer); use a page of "
+                f"at most {max(SMALL_PAGE_SIZE, 1 << (slot - 1).bit_length())} bytes")
 
     def pages_for(self, num_tokens: int) -> int:
         """Page groups a slot needs to hold `num_tokens` tokens."""

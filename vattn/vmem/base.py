@@ -22,6 +22,7 @@ class Backend(ABC):
     device: torch.device
     granularity: int  # smallest page size, bytes
     default_page_size: int
+    default_memory_fraction = 0.9  # of free_memory() at init: the default physical budget
 
     def __init__(self) -> None:
         self.num_map_calls = 0
@@ -79,7 +80,7 @@ class Backend(ABC):
         """Block until the work before `fence` finished."""
 
     def free_memory(self) -> int | None:
-        """Bytes of device memory free now (None: no default budget, e.g. the host)."""
+        """Bytes of memory the backend may still take now (None: unknown, no default budget)."""
         return None
 
     def close(self) -> None:

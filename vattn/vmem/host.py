@@ -1,7 +1,8 @@
 """Host backend: real Linux virtual memory with the CUDA VMM semantics.
 
 reserve  = mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
-create   = grow one memfd (ftruncate + fallocate: the pages exist on return)
+create   = grow one memfd (ftruncate + fallocate: the pages exist on return), after checking
+           that the host and the process's cgroup can give that much (`available_memory`)
 map      = mmap(MAP_SHARED | MAP_FIXED) of the memfd at the page's address
 unmap    = mmap(PROT_NONE, MAP_FIXED) over the page: reading it faults again
 """
@@ -34,6 +35,77 @@ class HostGroup(NamedTuple):
     stride: int
 
 
+# A growth must leave this much memory available: filling the host to the last page wakes
+# the kernel's OOM killer, which kills other processes too, instead of failing our call.
+MIN_HEADROOM = 256 << 20
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return None if text == "max" else int(text)
+
+
+def _cgroup_room() -> int | None:
+    """Bytes the process's memory cgroup (v2 or v1) and its ancestors can still charge:
+    min over the hierarchy of limit - usage + inactive file cache (reclaimable). None
+    when no limit applies or cgroups are not readable."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    candidates = []  # (mount root, cgroup path, limit file, usage file, inactive-file key in memory.stat)
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates.append(("/sys/fs/cgroup", path, "memory.max", "memory.current", "inactive_file"))
+        elif "memory" in controllers.split(","):
+            candidates.append(("/sys/fs/cgroup/memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                               "total_inactive_file"))
+    room = None
+    for root, path, limit_file, usage_file, inactive_key in candidates:
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the process's cgroup, then each ancestor
+            d = os.path.join(root, *parts[:depth])
+            limit, usage = _read_int(os.path.join(d, limit_file)), _read_int(os.path.join(d, usage_file))
+            if limit is None or usage is None or limit >= 1 << 60:  # no limit at this level
+                continue
+            inactive = 0
+            try:
+                with open(os.path.join(d, "memory.stat")) as f:
+                    for stat in f:
+                        key, _, value = stat.partition(" ")
+                        if key == inactive_key:
+                            inactive = int(value)
+            except OSError:
+                pass
+            level = max(0, limit - usage + inactive)
+            room = level if room is None else min(room, level)
+    return room
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process may still take without pushing the host or its cgroup
+    into the OOM killer: MemAvailable, bounded by the cgroup's room. None if unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    room = _cgroup_room()
+    if room is not None:
+        avail = room if avail is None else min(avail, room)
+    return avail
+
+
 def _map_count_limit() -> int | None:
     try:
         with open("/proc/sys/vm/max_map_count") as f:
@@ -52,6 +124,8 @@ def _num_mappings() -> int | None:
 
 class HostBackend(Backend):
     """Linux mmap/memfd backend. Page size: any multiple of the OS page size."""
+
+    default_memory_fraction = 0.5  # of available_memory() at init: the model and the rest need memory too
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,6 +162,13 @@ class HostBackend(Backend):
         stride = n * page_size
         nbytes = stride * num_buffers
         base = self._size
+        avail = self.free_memory()
+        if avail is not None and nbytes > avail - MIN_HEADROOM:  # refuse before touching memory
+            raise OutOfPhysicalMemoryError(
+                f"cannot create {n} page groups ({nbytes / 2**20:.1f} MiB) of host memory: only "
+                f"{max(0, avail) / 2**20:.1f} MiB is available (MemAvailable and the cgroup's memory limit), "
+                f"and vattn keeps {MIN_HEADROOM >> 20} MiB free; lower physical_memory, page_size or "
+                "max_batch_size, or free memory")
         try:
             if self._fd < 0:
                 self._fd = os.memfd_create("vattn-pages", os.MFD_CLOEXEC)
@@ -104,6 +185,9 @@ class HostBackend(Backend):
         self._size = base + nbytes
         self._live += n
         return [HostGroup(self._fd, base + i * page_size, stride) for i in range(n)]
+
+    def free_memory(self) -> int | None:
+        return available_memory()
 
     def _release(self, groups: list[HostGroup]) -> None:
         # The memfd (and its memory) goes when the last group is released.

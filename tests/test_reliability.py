@@ -1,0 +1,225 @@
+"""Reliability: memory shortages are refusals, not OOM kills; a shortage is not a new
+budget; reused pages can be cleared; the map-count limit reclaims first; many threads."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import vattn
+from tests.conftest import SMALL, check, fill
+from vattn.vmem import host
+from vattn.vmem.host import HostBackend
+
+KB, MB = 1 << 10, 1 << 20
+
+
+class TightHost(HostBackend):
+    """The host backend on a machine with `avail` bytes available (settable)."""
+
+    def __init__(self, avail: int) -> None:
+        super().__init__()
+        self.avail = avail
+
+    def free_memory(self) -> int:
+        return self.avail
+
+
+def test_host_default_budget_is_half_of_what_is_available():
+    avail = host.available_memory()
+    assert avail is not None and avail > 0
+    with vattn.KVCache(**SMALL, device="cpu", page_size=64 * KB) as c:
+        g = c.geometry
+        assert c.allocator.max_pages == min(g.pages_per_slot * 4, int(0.5 * avail) // g.group_bytes)
+    with vattn.KVCache(**SMALL, backend=TightHost(host.MIN_HEADROOM + 10 * MB), page_size=64 * KB) as c:
+        assert c.allocator.max_pages * c.geometry.group_bytes <= (host.MIN_HEADROOM + 10 * MB) // 2
+
+
+def test_over_large_growth_is_refused_before_any_memory_is_committed(monkeypatch):
+    # A budget far beyond the machine, and a request that needs more than it has: step must
+    # refuse before the memfd grows. The syscalls that commit memory are stubbed to fail the
+    # test instead of endangering the machine if the check were missing.
+    def forbidden(*args):
+        raise AssertionError(f"memory was committed: {args}")
+
+    monkeypatch.setattr(host.os, "posix_fallocate", forbidden)
+    monkeypatch.setattr(host.os, "ftruncate", forbidden)
+    avail = host.available_memory()
+    tokens = 1 << 20
+    with vattn.KVCache(num_layers=1, num_kv_heads=64, head_dim=128, max_batch_size=1, max_context_len=tokens,
+                       dtype="float32", device="cpu", page_size=2 * MB, physical_memory=64 << 40,
+                       prefetch=False) as c:
+        assert c.geometry.token_bytes_all * tokens > avail  # 64 GiB: more than this machine has
+        r = c.alloc_reqid()
+        res = c.step({r: tokens})
+        assert not res and res.failed == (r,) and res.out_of_memory
+        assert c.backend.num_pages_created == 0 and c.stats().num_created_pages == 0
+        c.allocator.check_invariants()
+
+
+def test_refused_growth_names_what_to_lower():
+    be = TightHost(host.MIN_HEADROOM + 1 * MB)
+    with pytest.raises(vattn.OutOfPhysicalMemoryError, match="lower physical_memory, page_size"):
+        be.create(16, 2, 64 * KB)  # 2 MiB > 1 MiB left above the headroom
+    assert be._size == 0
+    be.close()
+
+
+@pytest.mark.parametrize("page_size, match", [
+    (2**31, "over 1024 MiB"),
+    (8 * MB, "larger than a whole slot"),
+])
+def test_page_size_is_bounded(page_size, match):
+    with pytest.raises(vattn.InvalidConfigError, match=match):
+        vattn.KVCache(**SMALL, device="cpu", page_size=page_size)  # a slot is 512 x 128 B = 64 KiB
+
+
+def test_small_pages_up_to_2mib_are_allowed_on_small_slots():
+    with vattn.KVCache(**SMALL, device="cpu", page_size=2 * MB) as c:
+        r = c.alloc_reqid()
+        assert c.step({r: 10})
+
+
+def test_a_shortage_is_not_a_new_budget():
+    group = 2 * 2 * 4 * KB  # 2 layers x K/V x 4 KiB
+    be = TightHost(host.MIN_HEADROOM + 100 * MB)
+    with vattn.KVCache(**SMALL, backend=be, page_size=4 * KB, physical_memory=64 * group, prefetch=False) as c:
+        a = c.alloc_reqid()
+        assert c.step({a: 512})  # 16 page groups, one growth chunk
+        be.avail = host.MIN_HEADROOM  # the machine is full now
+        b = c.alloc_reqid()
+        res = c.step({a: 512, b: 512})
+        assert res.failed == (b,) and res.out_of_memory
+        assert c.allocator.max_pages == 64  # the budget did not shrink
+        c.allocator.check_invariants()
+        be.avail = host.MIN_HEADROOM + 100 * MB  # memory came back
+        res = c.step({a: 512, b: 512})
+        assert res and not res.out_of_memory
+        assert c.reserve_physical(48 * group) == 16  # and reserve_physical does not say "raise physical_memory"
+
+
+def test_background_shortage_caps_nothing():
+    be = TightHost(host.MIN_HEADROOM)
+    with vattn.KVCache(**SMALL, backend=be, page_size=4 * KB, physical_memory=64 * 4 * 4 * KB) as c:
+        a = c.alloc_reqid()
+        assert not c.step({a: 10})  # nothing can be created
+        c.synchronize()
+        be.avail = host.MIN_HEADROOM + 100 * MB
+        assert c.step({a: 10}) and c.allocator.max_pages == 64
+
+
+@pytest.mark.parametrize("reclaimed", [False, True])
+def test_zero_reused_pages(reclaimed):
+    # Without the option, a slot's next request reads the previous one's data where it has
+    # not written yet; with it, those positions read zero (through reuse of a freed slot and
+    # through pages reclaimed from another slot).
+    for zero in (False, True):
+        budget = dict(physical_memory=2 * 2 * 4 * KB) if reclaimed else {}
+        with vattn.KVCache(**SMALL, device="cpu", page_size=4 * KB, prefetch=False, zero_reused_pages=zero,
+                           **budget) as c:
+            a = c.alloc_reqid()
+            assert c.step({a: 32})  # one page of 32 tokens x 128 B
+            fill(c, a, 0, 32, 1)
+            c.free_reqid(a)
+            b = c.alloc_reqid()
+            if reclaimed:  # the other slot: a's page is reclaimed into it
+                b = c.alloc_reqid()
+                assert b != a
+            res = c.step({b: 16})
+            assert res and res.num_unmapped == int(reclaimed)
+            k = c.k_cache(1)[b, :32]
+            if zero:
+                assert not k.any() and not c.v_cache(0)[b, :32].any()
+            else:
+                assert k.abs().sum() > 0  # a's data
+            fill(c, b, 0, 16, 2)
+            assert c.step({b: 17})  # what b wrote is never cleared again
+            check(c, b, 16, 2)
+
+
+def test_zero_reused_pages_with_background_pre_mapping():
+    with vattn.KVCache(**SMALL, device="cpu", page_size=4 * KB, zero_reused_pages=True) as c:
+        for rnd in range(6):
+            reqs = [c.alloc_reqid() for _ in range(3)]
+            lens = {r: 40 + 17 * i + rnd for i, r in enumerate(reqs)}
+            assert c.step(lens)
+            for r, n in lens.items():
+                assert not c.k_cache(0)[r, :n].any()
+                fill(c, r, 0, n, rnd + 1)
+            c.synchronize()
+            for r, n in lens.items():
+                check(c, r, n, rnd + 1)
+                c.free_reqid(r)
+        c.allocator.check_invariants()
+
+
+def test_concurrent_alloc_step_free_from_many_threads():
+    # The contract: alloc_reqid, step (with a dict of the caller's own reqids), free_reqid,
+    # stats and reserve_physical may be called from any number of threads; a request's data
+    # is never touched by another thread's calls.
+    errors: list[BaseException] = []
+    with vattn.KVCache(**{**SMALL, "max_batch_size": 8}, device="cpu", page_size=4 * KB,
+                       physical_memory=40 * 2 * 2 * 4 * KB) as c:
+
+        def worker(tag: int) -> None:
+            try:
+                for it in range(40):
+                    try:
+                        r = c.alloc_reqid()
+                    except vattn.NoFreeSlotError:
+                        continue
+                    n = 0
+                    for _ in range(3):
+                        new = n + 13 + (tag * 7 + it) % 50
+                        if not c.step({r: new}):  # out of pages now: give up this request
+                            break
+                        fill(c, r, n, new, tag)
+                        n = new
+                        check(c, r, n, tag)
+                    c.stats()
+                    c.free_reqid(r)
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(t + 1,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        c.allocator.check_invariants()
+        assert c.num_free_reqids == 8
+
+
+def test_map_count_limit_reclaims_cached_pages_first():
+    # Interleave two slots until vm.max_map_count; then free one: its pages are cached
+    # (mapped) but reclaimable, so the other's next step gives them back and succeeds.
+    code = """
+    import vattn
+    c = vattn.KVCache(num_layers=32, num_kv_heads=1, head_dim=16, max_batch_size=2, max_context_len=1 << 16,
+                      dtype="float32", device="cpu", page_size=4096, prefetch=False)
+    a, b = c.alloc_reqid(), c.alloc_reqid()
+    n = 0
+    try:
+        while True:
+            n += 64
+            c.step({a: n, b: n})
+    except vattn.MapCountLimitError as e:
+        print("limit", n, flush=True)
+    c.free_reqid(b)
+    res = c.step({a: n})
+    assert res and res.num_unmapped > 0, res
+    c.allocator.check_invariants()
+    print("reclaimed", res.num_unmapped, flush=True)
+    c.close()
+    """
+    from tests.test_vmem_host import _run
+
+    limit = int(open("/proc/sys/vm/max_map_count").read())
+    if limit > 300_000:
+        pytest.skip(f"vm.max_map_count={limit} is too high to reach quickly")
+    p = _run(code)
+    assert p.returncode == 0, p.stderr
+    assert "limit" in p.stdout and "reclaimed" in p.stdout, p.stdout
