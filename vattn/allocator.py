@@ -545,18 +545,34 @@ class PageAllocator:
             self._cv.notify_all()
         if self._worker is not None:
             self._worker.join()
+        # Every page is given back even when a driver call fails on the way; the first
+        # error is raised at the end.
+        errors: list[Exception] = []
         with self._lock:
             g = self.geometry
-            fence = self.backend.fence()
-            if fence is not None:
-                self.backend.wait(fence)
+            try:
+                fence = self.backend.fence()
+                if fence is not None:
+                    self.backend.wait(fence)
+            except Exception as e:
+                errors.append(e)
             offsets = [g.page_offset(s, p) for s in range(self.num_slots) for p in range(len(self.slot_pages[s]))]
-            self.backend.unmap(self.bases, offsets, g.page_size)
+            for _ in range(2):  # once more if the unmap failed (a transient error)
+                try:
+                    self.backend.unmap(self.bases, offsets, g.page_size)
+                    break
+                except Exception as e:
+                    errors.append(e)
             groups = self.pool + [grp for pages in self.slot_pages for grp in pages]
             self.pool, self.slot_pages = [], [[] for _ in range(self.num_slots)]
             self.dirty.clear()
             self.dirty_slots.clear()
-            self.backend.release(groups)
+            try:
+                self.backend.release(groups)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _check_open(self) -> None:
         if self._closed:

@@ -181,5 +181,7 @@ def _zero_pages(buffers: list[torch.Tensor], page: int, offsets: list[int]) -> N
 
 
 def _close(allocator: PageAllocator, backend: Any) -> None:
-    allocator.close()
-    backend.close()
+    try:
+        allocator.close()
+    finally:
+        backend.close()
