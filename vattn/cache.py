@@ -75,8 +75,13 @@ class KVCache:
                                        background=config.background, prefetch=config.prefetch,
                                        zero_pages=functools.partial(_zero_pages, self._bytes, page_size)
                                        if config.zero_reused_pages else None)
-        # Release the memory even if the user forgets close(); the allocator holds no ref to self.
-        self._finalizer = weakref.finalize(self, _close, self.allocator, self.backend)
+        # The memory goes when this cache and its last tensor view are gone (or at close()):
+        # every view keeps the range alive, the range keeps `owner`, and the owner's finalizer
+        # unmaps and releases the pages before the range frees its address space. Neither
+        # the allocator nor the owner refers back to self or the range.
+        owner = _MemoryOwner()
+        self._range.keepalive = owner
+        self._finalizer = weakref.finalize(owner, _close, self.allocator, self.backend)
 
     def _make_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         g, c = self.geometry, self.config
@@ -170,6 +175,10 @@ class KVCache:
         return (f"KVCache(layers={c.num_layers}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
                 f"batch={c.max_batch_size}, context={c.max_context_len}, dtype={c.dtype}, "
                 f"device={c.device}, page_size={self.page_size}, layout={c.layout})")
+
+
+class _MemoryOwner:
+    """Stands for a cache's physical memory: its finalizer closes the allocator."""
 
 
 def _zero_pages(buffers: list[torch.Tensor], page: int, offsets: list[int]) -> None:
