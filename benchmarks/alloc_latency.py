@@ -69,7 +69,7 @@ def bench_map(device: str, pages: list[int], reps: int) -> list[dict]:
 def _one(group, b):
     """The page of buffer b of a group, as a one-buffer group (host or CUDA)."""
     if hasattr(group, "fd"):
-        return type(group)(group.fd, group.offset + b * group.stride, 0)
+        return group._replace(offset=group.offset + b * group.stride, stride=0, num_buffers=1)
     return (group[b],)
 
 

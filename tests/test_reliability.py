@@ -281,3 +281,21 @@ def test_forked_child_never_sees_the_cache():
     assert p.returncode == 0, (p.returncode, p.stdout, p.stderr)
     assert "child read" not in p.stdout
     assert "child signal 11" in p.stdout and "parent 3072.0" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("kw", [dict(zero_reused_pages=True), dict(background=False)])
+def test_forgotten_cache_is_released_by_gc_in_every_mode(kw):
+    import gc
+
+    from tests.test_vmem_host import _vattn_mappings
+
+    gc.collect()
+    base = _vattn_mappings()
+    c = vattn.KVCache(**SMALL, device="cpu", page_size=4096, **kw)
+    r = c.alloc_reqid()
+    assert c.step({r: 300})
+    c.fork(r, 100)
+    c.synchronize()
+    del c
+    gc.collect()
+    assert _vattn_mappings() == base

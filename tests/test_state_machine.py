@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vattn
-from tests.conftest import check, fill
+from tests.conftest import fill
 
 B, L, PAGE = 3, 256, 4096  # 1 layer x 1 head x 16 dims x fp32 = 64 B/token: 64 tokens a page, 4 pages a slot
 BUDGET = 6  # page groups
@@ -23,7 +23,10 @@ class CacheMachine(RuleBasedStateMachine):
                                    physical_memory=BUDGET * 2 * PAGE, background=self.background)
         self.g = self.cache.geometry
         self.lens: dict[int, int] = {}  # model: active reqid -> tokens written (and backed)
-        self.tags: dict[int, int] = {}
+        self.tags: dict[int, int] = {}  # the tag a request writes its own tokens with
+        self.segs: dict[int, list[tuple[int, int, int]]] = {}  # reqid -> (start, end, tag) it holds
+        self.pages: dict[int, list[int]] = {}  # reqid -> identity of each page (shared pages share one)
+        self.page_ids = iter(range(1 << 30))
         self.n = 0
 
     def teardown(self) -> None:
@@ -35,7 +38,7 @@ class CacheMachine(RuleBasedStateMachine):
         r = self.cache.alloc_reqid()
         assert 0 <= r < B and r not in self.lens
         self.n += 1
-        self.lens[r], self.tags[r] = 0, self.n
+        self.lens[r], self.tags[r], self.segs[r], self.pages[r] = 0, self.n, [], []
 
     @precondition(lambda self: len(self.lens) == B)
     @rule()
@@ -48,7 +51,7 @@ class CacheMachine(RuleBasedStateMachine):
     def free(self, data) -> None:
         r = data.draw(st.sampled_from(sorted(self.lens)))
         self.cache.free_reqid(r)
-        del self.lens[r], self.tags[r]
+        del self.lens[r], self.tags[r], self.segs[r], self.pages[r]
         with pytest.raises(vattn.UnknownReqIdError):
             self.cache.free_reqid(r)
 
@@ -58,14 +61,38 @@ class CacheMachine(RuleBasedStateMachine):
         for r, n in self.lens.items():
             if data.draw(st.booleans()):  # scheduled this iteration
                 new[r] = data.draw(st.integers(min_value=n, max_value=min(L, n + 200)))
-        need = sum(max(self.g.pages_for(new.get(r, 0)), self.g.pages_for(n)) for r, n in self.lens.items())
+        distinct = {p for r in self.lens for p in self.pages[r]}
+        grown = sum(max(0, self.g.pages_for(new.get(r, 0)) - len(self.pages[r])) for r in self.lens)
+        need = len(distinct) + grown
         res = self.cache.step(new)
         assert bool(res) == (need <= BUDGET), (new, self.lens, res)
         assert set(res.failed) <= {r for r, n in new.items() if self.g.pages_for(n) > self.g.pages_for(self.lens[r])}
         for r, n in new.items():
             if r not in res.failed:
                 fill(self.cache, r, self.lens[r], n, self.tags[r])
+                self.segs[r].append((self.lens[r], n, self.tags[r]))
                 self.lens[r] = n
+                while len(self.pages[r]) < self.g.pages_for(n):
+                    self.pages[r].append(next(self.page_ids))
+
+    @precondition(lambda self: len(self.lens) < B and any(self.lens.values()))
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        parent = data.draw(st.sampled_from(sorted(r for r, n in self.lens.items() if n)))
+        k = data.draw(st.integers(min_value=1, max_value=self.lens[parent]))
+        full = k * self.g.token_bytes // PAGE
+        partial = self.g.pages_for(k) - full
+        distinct = {p for r in self.lens for p in self.pages[r]}
+        try:
+            child = self.cache.fork(parent, k)
+        except vattn.OutOfPhysicalMemoryError:
+            assert partial and len(distinct) + 1 > BUDGET  # no page for the copy
+            return
+        assert child not in self.lens
+        self.n += 1
+        self.lens[child], self.tags[child] = k, self.n
+        self.segs[child] = [(a, min(b, k), t) for a, b, t in self.segs[parent] if a < k]
+        self.pages[child] = self.pages[parent][:full] + ([next(self.page_ids)] if partial else [])
 
     @rule(r=st.integers(min_value=-2, max_value=B + 2), n=st.integers(min_value=-3, max_value=L + 3))
     def bad_step(self, r, n) -> None:
@@ -80,8 +107,20 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def books_consistent_and_data_intact(self) -> None:
         self.cache.allocator.check_invariants()
-        for r, n in self.lens.items():
-            check(self.cache, r, n, self.tags[r])
+        for r, segs in self.segs.items():
+            for start, end, tag in segs:
+                check_range(self.cache, r, start, end, tag)
+
+
+def check_range(cache: vattn.KVCache, slot: int, start: int, end: int, tag: int) -> None:
+    """Tokens [start, end) of `slot` hold what `fill(cache, slot, start, end, tag)` wrote."""
+    import torch
+
+    pos = torch.arange(start, end, dtype=torch.float32)
+    for layer in range(cache.config.num_layers):
+        val = (tag * 1000 + layer * 100 + pos % 97)[:, None, None]
+        assert torch.equal(cache.k_cache(layer)[slot, start:end], val.expand(-1, 1, 16)), (slot, layer, start, end)
+        assert torch.equal(cache.v_cache(layer)[slot, start:end], -val.expand(-1, 1, 16)), (slot, layer, start, end)
 
 
 class SyncCacheMachine(CacheMachine):

@@ -1,10 +1,18 @@
 """The allocator core: slots, page groups and the physical pool. Plain Python books.
 
-Every page group is in exactly one place at any time:
+A slot's pages are a prefix `slot_pages[s]` of references to page groups. A group may be
+mapped into several slots at once (a fork shares the whole pages of a prefix); `refs`
+counts the slots that map each mapped group:
 
 ```
-created groups = pool (free, unmapped)  +  sum over slots of slot_pages[s] (mapped, a prefix)
+created groups = pool (free, unmapped) + distinct mapped groups + in flight (worker)
+sum of refs    = sum over slots of len(slot_pages[s])
 ```
+A shared group holds whole pages of tokens that every slot mapping it has already
+written: no slot ever writes into it. A slot's writable tail (from its length on) is in
+groups of its own; a new request in a freed slot that still maps shared groups gets its
+pages unmapped first. Unmapping a shared group from one slot frees nothing until the
+last slot lets go.
 
 A slot (reqid) is *active* between alloc_reqid and free_reqid and *free* otherwise. A free
 slot keeps its pages (deferred reclamation); pages move to another slot only when the pool
@@ -97,7 +105,8 @@ class PageAllocator:
 
     def __init__(self, geometry: Geometry, backend: Backend, bases: Sequence[int], *,
                  max_pages: int, background: bool, prefetch: bool,
-                 zero_pages: Callable[[list[int]], None] | None = None) -> None:
+                 zero_pages: Callable[[list[int]], None] | None = None,
+                 copy_pages: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
         self.geometry = geometry
         self.backend = backend
         self.bases = list(bases)
@@ -108,6 +117,9 @@ class PageAllocator:
 
         self.slot_pages: list[list[Any]] = [[] for _ in range(self.num_slots)]
         self.pool: list[Any] = []  # pop() hands out the lowest-offset group of a chunk first
+        self.refs: dict[Any, int] = {}  # mapped group -> number of slots mapping it
+        self.shared_slots: set[int] = set()  # slots that may map a group shared with another slot
+        self.copy_pages = copy_pages  # (src offset, dst offset) pairs: copy those pages in every buffer
         self.num_created = 0
         self.free_slots: set[int] = set(range(self.num_slots))
         self.alloc_seq: dict[int, int] = {}  # active slot -> allocation order (age)
@@ -172,6 +184,8 @@ class PageAllocator:
             if fence is not None:  # the kernels of the last iteration read these slots
                 for s in self.ran:
                     self.last_fence[s] = fence
+            if self.shared_slots:
+                self._unshare_new_owners(lens)
             result = self._back(lens)
             if self.dirty_slots:
                 self._zero_dirty([s for s, n in enumerate(lens) if n and s not in result.failed])
@@ -244,7 +258,7 @@ class PageAllocator:
             donors = []
             if sum(need[s] - len(self.slot_pages[s]) for s in order) > supply:  # only then look at other slots
                 donors = self._reclaimable(need)
-                supply += sum(k for _, k in donors)
+                supply += self._freeable(donors)
             served, failed = [], []
             for s in order:  # oldest first: the caller preempts the newest
                 missing = need[s] - len(self.slot_pages[s])
@@ -291,6 +305,7 @@ class PageAllocator:
             raise
         for s, grp in zip(takers, groups):
             self.slot_pages[s].append(grp)
+            self.refs[grp] = 1
         self._note_dirty(takers, groups)
         return len(groups)
 
@@ -325,18 +340,35 @@ class PageAllocator:
                 donors.append((s, len(self.slot_pages[s]) - keep))
         return donors
 
-    def _reclaim(self, donors: list[tuple[int, int]], count: int) -> int:
-        """Unmap `count` groups from the donors' tails into the pool."""
-        g = self.geometry
-        offsets, takes = [], []
+    def _freeable(self, donors: list[tuple[int, int]]) -> int:
+        """Groups that unmapping all the donors' (slot, last k pages) would free: those whose
+        every reference is among them (a group shared with a live slot frees nothing)."""
+        taken: dict[Any, int] = {}
         for s, k in donors:
-            take = min(k, count - len(offsets))
-            if take <= 0:
+            pages = self.slot_pages[s]
+            for grp in pages[len(pages) - k:]:
+                taken[grp] = taken.get(grp, 0) + 1
+        return sum(t == self.refs[grp] for grp, t in taken.items())
+
+    def _reclaim(self, donors: list[tuple[int, int]], count: int) -> int:
+        """Unmap the donors' tail pages until `count` groups went back to the pool (a group
+        shared with another slot only loses this slot's reference). Returns pages unmapped."""
+        g = self.geometry
+        offsets, takes, freed = [], [], 0
+        left: dict[Any, int] = {}  # references a group keeps after the unmaps planned so far
+        for s, k in donors:
+            if freed >= count:
                 break
+            pages = self.slot_pages[s]
+            n, take = len(pages), 0
+            while take < k and freed < count:
+                take += 1
+                grp = pages[n - take]
+                left[grp] = left.get(grp, self.refs[grp]) - 1
+                freed += left[grp] == 0
             if self.last_fence[s] is not None:  # never unmap under a kernel that may read it
                 self.backend.wait(self.last_fence[s])
                 self.last_fence[s] = None
-            n = len(self.slot_pages[s])
             offsets += [g.page_offset(s, p) for p in range(n - take, n)]
             takes.append((s, take))
         # Books change only after the unmap: if it fails, the pages stay booked to their slots
@@ -344,9 +376,30 @@ class PageAllocator:
         self.backend.unmap(self.bases, offsets, g.page_size)
         for s, take in takes:
             pages = self.slot_pages[s]
-            self.pool.extend(reversed(pages[len(pages) - take:]))
+            self._unref(reversed(pages[len(pages) - take:]))
             del pages[len(pages) - take:]
         return len(offsets)
+
+    def _unref(self, groups: Iterator[Any] | list[Any]) -> None:
+        """Drop one slot's reference to each group; a group nobody maps goes to the pool."""
+        for grp in groups:
+            left = self.refs[grp] - 1
+            if left:
+                self.refs[grp] = left
+            else:
+                del self.refs[grp]
+                self.pool.append(grp)
+
+    def _unshare_new_owners(self, lens: list[int]) -> None:
+        """A new request must not write into pages another slot shares: unmap every page of
+        a freshly allocated slot that still maps a shared group (it keeps nothing of them)."""
+        for s in list(self.shared_slots):
+            pages = self.slot_pages[s]
+            if not any(self.refs[grp] > 1 for grp in pages):
+                self.shared_slots.discard(s)
+            elif lens[s] and not self.max_lens[s]:
+                self._reclaim([(s, len(pages))], len(pages))
+                self.shared_slots.discard(s)
 
     def _grow(self, count: int, background: bool = False, limit: int | None = None) -> None:
         """Create at least `count` more groups (a chunk at a time) within `limit` (default:
@@ -389,6 +442,95 @@ class PageAllocator:
                 self.num_created = n
                 self.pool.extend(reversed(groups))
             return self.num_created - before
+
+    # ----------------------------------------------------------------- sharing ----
+    def fork(self, reqid: int, num_tokens: int) -> int:
+        """A new request (returned reqid) whose first `num_tokens` tokens are `reqid`'s.
+
+        The whole pages of those tokens are shared: the new slot maps the same physical
+        groups. The partly filled last page is copied into a fresh group (the only copy),
+        so both requests write from `num_tokens` on into pages of their own. Raises
+        NoFreeSlotError, or OutOfPhysicalMemoryError when no page is left for that copy."""
+        self._cancel = True
+        with self._lock:
+            self._check_open()
+            self._quiesce()
+            self._check_open()
+            parent = self._check_active(reqid)
+            num_tokens = self._index(num_tokens, "num_tokens")
+            if not 0 < num_tokens <= self.max_lens[parent]:
+                raise InvalidRequestError(
+                    f"num_tokens={num_tokens} must be in [1, {self.max_lens[parent]}]: the tokens reqid "
+                    f"{parent} has (its longest step length)")
+            if not self.free_slots:
+                raise NoFreeSlotError(f"all {self.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
+            g = self.geometry
+            full = num_tokens * g.token_bytes // g.page_size  # whole pages: shared
+            copy = g.pages_for(num_tokens) - full  # 1 if the last page is partly filled
+            if copy and self.copy_pages is None:
+                raise InvalidRequestError("this cache cannot copy pages; fork at a page boundary")
+            # The emptiest free slot, leaving the warm one (the worker pre-maps it) to alloc_reqid.
+            warm = self._warm_slot()
+            child = min(self.free_slots, key=lambda s: (s == warm, len(self.slot_pages[s]), s))
+            if self.slot_pages[child]:  # it keeps nothing of its earlier requests
+                self._reclaim([(child, len(self.slot_pages[child]))], len(self.slot_pages[child]))
+            fresh = []
+            if copy:
+                if not self.pool:
+                    try:
+                        self._grow(1)
+                    except OutOfPhysicalMemoryError:
+                        pass
+                if not self.pool:
+                    donors = [(s, k) for s, k in self._reclaimable({}) if s != child]
+                    self._reclaim(donors, 1)
+                if not self.pool:
+                    raise OutOfPhysicalMemoryError(
+                        f"no page left for the copy of reqid {parent}'s last partial page; free a request or "
+                        "raise physical_memory")
+                fresh = [self.pool.pop()]
+            shared = self.slot_pages[parent][:full]
+            groups = shared + fresh
+            offsets = [g.page_offset(child, p) for p in range(len(groups))]
+            try:
+                self.backend.map(self.bases, offsets, groups, g.page_size)
+            except BaseException:
+                self.pool.extend(fresh)  # the map was atomic: nothing of it happened
+                raise
+            if copy:
+                try:
+                    self.copy_pages([(g.page_offset(parent, full), g.page_offset(child, full))])
+                except BaseException:
+                    self.backend.unmap(self.bases, offsets, g.page_size)
+                    self.pool.extend(fresh)
+                    raise
+            for grp in shared:
+                self.refs[grp] += 1
+            self.refs.update(dict.fromkeys(fresh, 1))
+            self.dirty.difference_update(fresh)  # overwritten by the copy
+            self.slot_pages[child] = groups
+            if shared:
+                self.shared_slots.update((parent, child))
+            self.free_slots.remove(child)
+            self.alloc_seq[child] = next(self._counter)
+            self.max_lens[child] = num_tokens
+            return child
+
+    def trim(self) -> int:
+        """Give back now every page no live token needs (free slots, pre-mapped tails): unmap
+        and release them. Returns the page groups released."""
+        self._cancel = True
+        with self._lock:
+            self._check_open()
+            self._quiesce()
+            self._check_open()
+            donors = self._reclaimable({})
+            self._reclaim(donors, self.num_created)
+            groups, self.pool = self.pool, []
+            self.dirty.difference_update(groups)
+            self.backend.release(groups)
+            self.num_created -= len(groups)
+            return len(groups)
 
     # ------------------------------------------------------------- prefetching ----
     def _schedule_prefetch(self) -> None:
@@ -447,6 +589,7 @@ class PageAllocator:
                 finally:
                     self.in_flight = []
                 self.slot_pages[s].extend(groups)
+                self.refs.update(dict.fromkeys(groups, 1))
                 self._note_dirty([s] * n, groups)
 
     @contextlib.contextmanager
@@ -497,9 +640,9 @@ class PageAllocator:
         with self._lock:
             self._check_open()
             g = self.geometry
-            mapped = sum(len(p) for p in self.slot_pages)
-            holding = sum(g.pages_for(self.max_lens[s]) for s in self.alloc_seq)  # pages under live tokens
-            cached = mapped - holding
+            mapped = len(self.refs)  # distinct groups: a shared one is memory once
+            holding = {grp for s in self.alloc_seq for grp in self.slot_pages[s][:g.pages_for(self.max_lens[s])]}
+            cached = mapped - len(holding)  # pages under no live token
             spare = len(self.pool) + (self.max_pages - self.num_created) + cached
             return MemoryStats(
                 page_size=g.page_size,
@@ -519,9 +662,23 @@ class PageAllocator:
         """Assert the books are consistent (for tests and debugging)."""
         with self._lock:
             mapped = [grp for pages in self.slot_pages for grp in pages]
-            everywhere = mapped + self.pool + self.in_flight
+            counts: dict[Any, int] = {}
+            for grp in mapped:
+                counts[grp] = counts.get(grp, 0) + 1
+            assert counts == self.refs, "reference counts differ from the slots' pages"
+            everywhere = list(counts) + self.pool + self.in_flight
             assert len(everywhere) == self.num_created <= self.max_pages
-            assert len({id(x) for x in everywhere}) == self.num_created, "a group is in two places"
+            assert len(set(everywhere)) == self.num_created, "a group is in two places"
+            for s, pages in enumerate(self.slot_pages):
+                assert len(set(pages)) == len(pages), f"slot {s} maps a group twice"
+                if any(counts[grp] > 1 for grp in pages):
+                    assert s in self.shared_slots
+            for s in self.alloc_seq:  # the writable tail (from the length on) is the slot's own
+                if not self.max_lens[s]:  # not stepped yet: its first step unshares it
+                    continue
+                pages = self.slot_pages[s]
+                first_writable = self.max_lens[s] * self.geometry.token_bytes // self.geometry.page_size
+                assert all(counts[grp] == 1 for grp in pages[first_writable:]), f"slot {s} may write a shared page"
             assert self.free_slots.isdisjoint(self.alloc_seq)
             assert len(self.free_slots) + len(self.alloc_seq) == self.num_slots
             for s in self.alloc_seq:
@@ -563,8 +720,9 @@ class PageAllocator:
                     break
                 except Exception as e:
                     errors.append(e)
-            groups = self.pool + [grp for pages in self.slot_pages for grp in pages]
-            self.pool, self.slot_pages = [], [[] for _ in range(self.num_slots)]
+            groups = self.pool + list(self.refs)  # each group once, however many slots map it
+            self.pool, self.slot_pages, self.refs = [], [[] for _ in range(self.num_slots)], {}
+            self.shared_slots.clear()
             self.dirty.clear()
             self.dirty_slots.clear()
             try:

@@ -68,13 +68,13 @@ class KVCache:
         self._range = self.backend.reserve(g.buffer_bytes * g.num_buffers, page_size)
         bases = [self._range.addr + b * g.buffer_bytes for b in range(g.num_buffers)]
         self._k, self._v = self._make_views()
-        # uint8 views of each whole buffer: zero_reused_pages clears pages through them
-        self._bytes = [self.backend.tensor(self._range, b * g.buffer_bytes, (g.buffer_bytes,), (1,), torch.uint8)
-                       for b in range(g.num_buffers)] if config.zero_reused_pages else []
+        # uint8 views of each whole buffer: pages are copied (fork) and cleared through them
+        self._bytes = self._byte_views()
         self.allocator = PageAllocator(g, self.backend, bases, max_pages=max_pages,
                                        background=config.background, prefetch=config.prefetch,
-                                       zero_pages=functools.partial(_zero_pages, self._bytes, page_size)
-                                       if config.zero_reused_pages else None)
+                                       zero_pages=functools.partial(_zero_pages, weakref.ref(self))
+                                       if config.zero_reused_pages else None,
+                                       copy_pages=functools.partial(_copy_pages, weakref.ref(self)))
         # The memory goes when this cache and its last tensor view are gone (or at close()):
         # every view keeps the range alive, the range keeps `owner`, and the owner's finalizer
         # unmaps and releases the pages before the range frees its address space. Neither
@@ -82,6 +82,12 @@ class KVCache:
         owner = _MemoryOwner()
         self._range.keepalive = owner
         self._finalizer = weakref.finalize(owner, _close, self.allocator, self.backend)
+
+    def _byte_views(self) -> list[torch.Tensor]:
+        """One `[buffer_bytes]` uint8 view of each buffer (page copies and clears)."""
+        g = self.geometry
+        return [self.backend.tensor(self._range, b * g.buffer_bytes, (g.buffer_bytes,), (1,), torch.uint8)
+                for b in range(g.num_buffers)]
 
     def _make_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         g, c = self.geometry, self.config
@@ -141,6 +147,22 @@ class KVCache:
         """
         return self.allocator.step(seq_lens)
 
+    def fork(self, reqid: int, num_tokens: int) -> int:
+        """A new request whose first `num_tokens` tokens are `reqid`'s, without copying them:
+        its slot maps the same physical pages for every whole page of those tokens
+        (copy-on-write by construction: only the partly filled last page is copied, so
+        each request writes from `num_tokens` on into pages of its own). Returns the new
+        reqid; free it with `free_reqid` like any other. A shared page is unmapped only
+        when every slot that maps it let go. `num_tokens` must not exceed the longest
+        length `reqid` was stepped to. Raises NoFreeSlotError or OutOfPhysicalMemoryError."""
+        return self.allocator.fork(reqid, num_tokens)
+
+    def trim(self) -> int:
+        """Unmap and release now every physical page no live token needs (pages of free
+        slots and pages pre-mapped past a request's length): memory goes back to the
+        device or host. Returns the page groups released."""
+        return self.allocator.trim()
+
     # ---------------------------------------------------------------------- memory ----
     def reserve_physical(self, nbytes: int) -> int:
         """Create physical pages ahead of time until `nbytes` exist; returns page groups created."""
@@ -177,14 +199,26 @@ class KVCache:
                 f"device={c.device}, page_size={self.page_size}, layout={c.layout})")
 
 
+# The allocator reaches the byte views through a weak reference: it must hold nothing that
+# keeps the cache's memory alive (views -> range -> owner -> the finalizer that closes it).
+def _copy_pages(ref: weakref.ref, pairs: list[tuple[int, int]]) -> None:
+    """Copy the page at each src offset to its dst offset in every buffer (fork)."""
+    cache = ref()
+    page = cache.page_size
+    for buf in cache._bytes:  # [buffer_bytes] uint8 each
+        for src, dst in pairs:
+            buf[dst:dst + page].copy_(buf[src:src + page])
+
+
 class _MemoryOwner:
     """Stands for a cache's physical memory: its finalizer closes the allocator."""
 
 
-def _zero_pages(buffers: list[torch.Tensor], page: int, offsets: list[int]) -> None:
-    """Clear the pages at `offsets` (bytes into every buffer) for zero_reused_pages. A module
-    function: the allocator must hold no reference to the KVCache (its finalizer)."""
-    for buf in buffers:  # [buffer_bytes] uint8 each
+def _zero_pages(ref: weakref.ref, offsets: list[int]) -> None:
+    """Clear the pages at `offsets` (bytes into every buffer): zero_reused_pages."""
+    cache = ref()
+    page = cache.page_size
+    for buf in cache._bytes:  # [buffer_bytes] uint8 each
         for off in offsets:
             buf[off:off + page].zero_()
 

@@ -8,6 +8,7 @@ unmap    = mmap(PROT_NONE, MAP_FIXED) over the page: reading it faults again
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -28,11 +29,14 @@ from vattn.vmem.base import Backend
 
 
 class HostGroup(NamedTuple):
-    """Page b of the group lives in memfd `fd` at `offset + b * stride`."""
+    """Page b (of `num_buffers`, `page` bytes each) of the group lives in memfd `fd` at
+    `offset + b * stride`."""
 
     fd: int
     offset: int
     stride: int
+    page: int
+    num_buffers: int
 
 
 # A growth must leave this much memory available: filling the host to the last page wakes
@@ -104,6 +108,18 @@ def available_memory() -> int | None:
     if room is not None:
         avail = room if avail is None else min(avail, room)
     return avail
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give the memory of a released page back to the host (the file keeps its size)."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise BackendError("fallocate(PUNCH_HOLE)", e, errno.errorcode.get(e, "?"))
 
 
 def _map_count_limit() -> int | None:
@@ -184,16 +200,21 @@ class HostBackend(Backend):
             raise BackendError("memfd", e.errno or 0, errno.errorcode.get(e.errno or 0, "?")) from None
         self._size = base + nbytes
         self._live += n
-        return [HostGroup(self._fd, base + i * page_size, stride) for i in range(n)]
+        return [HostGroup(self._fd, base + i * page_size, stride, page_size, num_buffers) for i in range(n)]
 
     def free_memory(self) -> int | None:
         return available_memory()
 
     def _release(self, groups: list[HostGroup]) -> None:
-        # The memfd (and its memory) goes when the last group is released.
+        # The memfd (and its memory) goes when the last group is released; before that, the
+        # released pages' memory goes back to the host by punching holes into the file.
         self._live -= len(groups)
         if self._live == 0:
             self.close()
+            return
+        for grp in groups:
+            for b in range(grp.num_buffers):
+                _punch_hole(grp.fd, grp.offset + b * grp.stride, grp.page)
 
     def _map(self, bases: array, offsets: array, groups: list[HostGroup], page_size: int) -> None:
         fds = array("i", (g.fd for g in groups))
