@@ -9,7 +9,10 @@ Models (random weights made directly on the GPU in bf16; no checkpoint, no token
 For each batch size, `batch` prompts of `--prompt-len` random tokens, greedy, exactly
 `--max-tokens` new tokens (no EOS: the configs have none). Each system runs the batch twice,
 for 1 and for N new tokens, after a small warm-up; decode tokens/s = batch x (N - 1) /
-(t_N - t_1), which takes the prefill and fixed costs out. vattn runs with its default
+(t_N - t_1), which takes the prefill and fixed costs out; vattn and continuous batching
+also `decode_tok_s_in_run`: B x (N - 1) over the time, inside the N-token run, from the
+last first token to the last token (vattn's request metrics, generate_batch's token
+timestamps, generate's streamer calls). vattn runs with its default
 pages (the 2 MiB granularity) and prefills the whole batch in one iteration; transformers'
 continuous batching gets a cache sized for the batch and runs without CUDA graphs (like
 the other two; `--hf-cb-cuda-graphs` to allow them).
@@ -112,28 +115,31 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
 
         sampler.sample = capture
 
-        def run(n_new: int, prompts: list[list[int]]) -> tuple[float, list[list[int]], list[int], int]:
+        def run(n_new: int, prompts: list[list[int]]) -> tuple[float, list[list[int]], list[int], int, Any]:
             params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
             _sync(args.device)
             t0 = time.perf_counter()
             ids = [llm.add_request(p, params) for p in prompts]
-            done: dict[int, list[int]] = {}
+            done: dict[int, Any] = {}
             peak = 0
             while llm.has_unfinished():
                 for o in llm.step():
                     if o.finished:
-                        done[o.request_id] = o.token_ids
+                        done[o.request_id] = o
                 peak = max(peak, llm.memory_stats().mapped_bytes)
             _sync(args.device)
-            return time.perf_counter() - t0, [done[i] for i in ids], ids, peak
+            dt = time.perf_counter() - t0
+            window = (max(done[i].metrics.finished_time for i in ids)
+                      - max(done[i].metrics.first_token_time for i in ids))
+            return dt, [done[i].token_ids for i in ids], ids, peak, window
 
         run(2, prompts[:2])  # warm-up: kernels, the first-call check of the attention kernel
         first_logits.clear()
-        t1, _, _, _ = run(1, prompts)
+        t1 = run(1, prompts)[0]
         first_logits.clear()
         _reset_peak(args.device)
-        tn, tokens, ids, peak_mapped = run(N, prompts)
-        out.update(t1_s=t1, tN_s=tn, tokens=tokens, peak_reserved_GiB=_peak_reserved(args.device),
+        tn, tokens, ids, peak_mapped, window = run(N, prompts)
+        out.update(t1_s=t1, tN_s=tn, tokens=tokens, decode_window_s=window, peak_reserved_GiB=_peak_reserved(args.device),
                    peak_mapped_GiB=peak_mapped / GB, kernel=llm.runner.kernel.name, page_KiB=llm.cache.page_size // 1024,
                    first_logits=[first_logits[i] for i in ids])
         st = llm.memory_stats()  # all finished: pages stay with their free slots
@@ -166,19 +172,36 @@ def run_hf_generate(model: Any, prompts: list[list[int]], args: argparse.Namespa
     mask = torch.ones_like(ids)
     P = ids.shape[1]
 
-    def run(n_new: int, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, torch.Tensor]:
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        """Host time of each `put`: the prompt, then each step's new tokens (generate syncs every step)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def run(n_new: int, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, torch.Tensor, float | None]:
+        stamps = Stamps()
         _sync(args.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            seqs = model.generate(input_ids=ids, attention_mask=mask, generation_config=_gen_config(n_new))
+            seqs = model.generate(input_ids=ids, attention_mask=mask, generation_config=_gen_config(n_new),
+                                  streamer=stamps)
         _sync(args.device)
-        return time.perf_counter() - t0, seqs
+        window = stamps.times[-1] - stamps.times[1] if len(stamps.times) == n_new + 1 else None
+        return time.perf_counter() - t0, seqs, window
 
     run(2, ids[:2], mask[:2])
-    t1, _ = run(1, ids, mask)
+    t1 = run(1, ids, mask)[0]
     _reset_peak(args.device)
-    tn, seqs = run(args.max_tokens, ids, mask)
-    out = dict(system="hf_generate", t1_s=t1, tN_s=tn, tokens=seqs[:, P:].tolist(),
+    tn, seqs, window = run(args.max_tokens, ids, mask)
+    out = dict(system="hf_generate", t1_s=t1, tN_s=tn, tokens=seqs[:, P:].tolist(), decode_window_s=window,
                peak_reserved_GiB=_peak_reserved(args.device))
     with torch.inference_mode():  # the first token's logits, one forward with the model's own attention
         out["first_logits"] = list(model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1].float())
@@ -204,12 +227,12 @@ def _cb_config(B: int, P: int, N: int, cuda_graphs: bool) -> Any:
 def run_hf_cb(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     B, P, N = len(prompts), len(prompts[0]), args.max_tokens
 
-    def run(n_new: int, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+    def run(n_new: int, prompts: list[list[int]]) -> tuple[float, list[list[int]], float | None]:
         cfg = _cb_config(len(prompts), P, n_new, args.hf_cb_cuda_graphs)
         _sync(args.device)
         t0 = time.perf_counter()
         res = model.generate_batch(inputs=prompts, generation_config=_gen_config(n_new),
-                                   continuous_batching_config=cfg, progress_bar=False,
+                                   continuous_batching_config=cfg, record_timestamps=True, progress_bar=False,
                                    warmup=args.hf_cb_cuda_graphs)
         _sync(args.device)
         dt = time.perf_counter() - t0
@@ -217,18 +240,22 @@ def run_hf_cb(model: Any, prompts: list[list[int]], args: argparse.Namespace) ->
         errors = [o.error for o in outs if getattr(o, "error", None)]
         if len(outs) != len(prompts) or errors:
             raise RuntimeError(f"generate_batch returned {len(outs)} of {len(prompts)} results; errors: {errors[:3]}")
-        return dt, [list(o.generated_tokens) for o in outs]
+        stamps = [getattr(o, "timestamps", None) for o in outs]
+        window = None
+        if all(stamps):  # per-token host times: from the last first token to the last token
+            window = max(t[-1] for t in stamps) - max(t[0] for t in stamps)
+        return dt, [list(o.generated_tokens) for o in outs], window
 
     try:
         run(2, prompts[:2])
-        t1, _ = run(1, prompts)
+        t1 = run(1, prompts)[0]
         _reset_peak(args.device)
-        tn, tokens = run(N, prompts)
+        tn, tokens, window = run(N, prompts)
     finally:
         impl = getattr(model.config, "_attn_implementation", "") or ""
         if impl.startswith("paged"):  # generate_batch switches to a paged attention; put sdpa back
             model.set_attn_implementation("sdpa")
-    return dict(system="hf_continuous_batching", t1_s=t1, tN_s=tn, tokens=tokens,
+    return dict(system="hf_continuous_batching", t1_s=t1, tN_s=tn, tokens=tokens, decode_window_s=window,
                 peak_reserved_GiB=_peak_reserved(args.device))
 
 
@@ -280,10 +307,14 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
             logits[system] = r.pop("first_logits")
         dt = r["tN_s"] - r["t1_s"]
         r["decode_tok_s"] = B * (N - 1) / dt if dt > 0 else float("nan")
+        w = r.get("decode_window_s")  # the same, timed inside the N-token run (vattn, continuous batching)
+        r["decode_tok_s_in_run"] = B * (N - 1) / w if w else None
         r["total_tok_s"] = B * N / r["tN_s"]
         res["systems"][system] = r
-        print(f"  {name} B={B} {system:24s} decode {r['decode_tok_s']:9.1f} tok/s  (t1 {r['t1_s']:.2f} s, "
-              f"tN {r['tN_s']:.2f} s)", flush=True)
+        in_run = r["decode_tok_s_in_run"]
+        print(f"  {name} B={B} {system:24s} decode {r['decode_tok_s']:9.1f} tok/s"
+              + (f" ({in_run:.1f} in-run)" if in_run else "") + f"  (t1 {r['t1_s']:.2f} s, tN {r['tN_s']:.2f} s)",
+              flush=True)
     if "hf_generate" in tokens:
         for system in ("vattn", "hf_continuous_batching"):
             if system in tokens:
@@ -334,7 +365,7 @@ def main() -> None:
     env = environment(args.device)
 
     def payload(failures: list[str] | None = None) -> dict:
-        return {"env": env, "args": vars(args), "models": models_info, "results": results,
+        return {"env": env, "args": vars(args), "dtype": str(dtype).removeprefix("torch."), "models": models_info, "results": results,
                 "skipped": skipped, "failures": failures if failures is not None else ["(incomplete run)"]}
 
     for name in args.models:
@@ -370,11 +401,12 @@ def main() -> None:
     for r in results:
         for system, s in r["systems"].items():
             agree = r.get(f"{system}_vs_hf_generate", {})
-            rows.append([r["model"], r["batch"], system, s["decode_tok_s"], s["total_tok_s"],
+            rows.append([r["model"], r["batch"], system, s["decode_tok_s"], s.get("decode_tok_s_in_run") or "-",
+                         s["total_tok_s"],
                          s.get("peak_reserved_GiB") if s.get("peak_reserved_GiB") is not None else "-",
                          s.get("peak_mapped_GiB", "-"), agree.get("token_match", "-")])
     print(f"\ndecode throughput: prompt {args.prompt_len}, {args.max_tokens} new tokens, greedy")
-    print_table(["model", "B", "system", "decode tok/s", "total tok/s", "peak reserved GiB", "vattn mapped GiB",
+    print_table(["model", "B", "system", "decode tok/s", "in-run", "total tok/s", "peak reserved GiB", "vattn mapped GiB",
                  "token match vs generate"], rows)
     failures = []
     for r in results:

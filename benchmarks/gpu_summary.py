@@ -160,7 +160,8 @@ def _e2e(d: dict) -> str:
     for r in d.get("results", []):
         for system, s in r.get("systems", {}).items():
             agree = r.get(f"{system}_vs_hf_generate", {})
-            rows.append([r["model"], r["batch"], system, s.get("decode_tok_s"), s.get("total_tok_s"),
+            rows.append([r["model"], r["batch"], system, s.get("decode_tok_s"), s.get("decode_tok_s_in_run"),
+                         s.get("total_tok_s"),
                          s.get("peak_reserved_GiB"), s.get("peak_mapped_GiB"), agree.get("token_match"),
                          agree.get("prefix_match")])
         lg = r.get("first_token_logits_vattn_vs_hf")
@@ -171,16 +172,18 @@ def _e2e(d: dict) -> str:
         if v.get("after_finish"):
             f = v["after_finish"]
             c = v.get("after_close") or {}
-            notes.append(f"- {r['model']} B={r['batch']}: after finish {f['mapped_MiB']:.0f} MiB mapped, "
-                         f"{f['used_MiB']:.0f} MiB used, {f['cached_MiB']:.0f} MiB cached (deferred reclamation)"
-                         + (f"; close() freed {c['gpu_free_rose_MiB']:.0f} of {c['created_MiB']:.0f} MiB created: "
-                            f"{_fmt(c['pages_returned'])}" if c else ""))
+            notes.append(f"- {r['model']} B={r['batch']}: after finish {_fmt(f['mapped_MiB'])} MiB mapped, "
+                         f"{_fmt(f['used_MiB'])} MiB used, {_fmt(f['cached_MiB'])} MiB cached (deferred reclamation)"
+                         + (f"; close() freed {_fmt(c['gpu_free_rose_MiB'])} of {_fmt(c['created_MiB'])} MiB created: "
+                            f"pages returned {_fmt(c['pages_returned'])}" if c else ""))
         for system, e in r.get("errors", {}).items():
             notes.append(f"- ERROR {r['model']} B={r.get('batch')} {system}: {e}")
     models = ", ".join(f"{k}: {v['layers']} layers, {v['parameters'] / 1e9:.2f} B params"
                        for k, v in d.get("models", {}).items())
-    return "\n".join([f"prompt {a.get('prompt_len')} tokens, {a.get('max_tokens')} new tokens, greedy, bf16; {models}", "",
-                      table(["model", "B", "system", "decode tok/s", "total tok/s", "peak reserved GiB",
+    return "\n".join([f"prompt {a.get('prompt_len')} tokens, {a.get('max_tokens')} new tokens, greedy, "
+                      f"{d.get('dtype', '?')}, vattn layout {a.get('layout')}; {models}", "",
+                      table(["model", "B", "system", "decode tok/s", "in-run decode tok/s", "total tok/s",
+                             "peak reserved GiB",
                              "vattn mapped GiB", "token match vs generate", "prefix match"], rows)]
                      + notes + [f"- skipped {s}" for s in d.get("skipped", [])])
 
