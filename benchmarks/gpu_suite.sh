@@ -140,7 +140,7 @@ step install 30 150 "vattn\._C|Successfully|error" bash -c "$INSTALL"'
     exit $rc' "$PY"
 
 # -------------------------------------------------------------------- versions ----
-step versions 5 60 "^(GPU|torch) " bash -c '
+step versions 5 60 "^(device|torch) " bash -c '
     echo "python: $("$0" --version 2>&1) at $(command -v "$0")"
     if command -v nvidia-smi >/dev/null; then nvidia-smi; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv; else echo "nvidia-smi: not found"; fi
     command -v nvcc >/dev/null && nvcc --version | tail -n 2
@@ -156,12 +156,13 @@ for pkg in ("torch", "transformers", "triton", "cuda-python", "cuda-bindings", "
 print(f"torch {torch.__version__}, CUDA runtime {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
-    print(f"GPU {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}, {p.multi_processor_count} SMs")
     free, total = torch.cuda.mem_get_info()
-    print(f"GPU memory free {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
+    print(f"free GPU memory {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
     from vattn import _C
     _C.cuda_load()
     print(f"cuMemCreate granularity {_C.cuda_granularity(0) >> 20} MiB")
+    print(f"device {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}, "
+          f"{p.multi_processor_count} SMs, CUDA {torch.version.cuda}, torch {torch.__version__}")
 EOF
 ' "$PY" "$SAN"
 timeout 120 "$PY" benchmarks/gpu_summary.py "$OUT" --env "$([ $HAVE_CUDA = 1 ] && echo cuda || echo cpu)" >>"$LOG" 2>&1 \
