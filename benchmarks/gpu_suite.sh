@@ -3,6 +3,10 @@
 #
 #   bash benchmarks/gpu_suite.sh OUTDIR
 #
+# On a lent GPU machine (the device tool's `run`, timeout_s=600, files come back from $OUT):
+#   VATTN_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_suite.sh "$OUT"
+# (write the hash into the command: the copied tree there has no .git)
+#
 # Run from anywhere (it works in the repository root). One invocation on a bare GPU
 # machine does everything within VATTN_SUITE_BUDGET seconds (default 540): each step has
 # its own timeout, capped by what is left of the budget; a failing step is recorded and
