@@ -1,0 +1,459 @@
+"""End-to-end decode throughput: `vattn.LLM` against transformers' `generate` and its
+continuous batching (`generate_batch`), same device, model, weights and requests.
+
+Models (random weights made directly on the GPU in bf16; no checkpoint, no tokenizer):
+- `llama-3.2-1b`: hidden 2048, 16 layers, 32 heads, 8 KV heads x 64, intermediate 8192,
+  vocab 128256, tied embeddings;
+- `llama-3-8b`: hidden 4096, 32 layers (`--layers-8b`), 32 heads, 8 KV heads x 128,
+  intermediate 14336, vocab 128256.
+For each batch size, `batch` prompts of `--prompt-len` random tokens, greedy, exactly
+`--max-tokens` new tokens (no EOS: the configs have none). Each system runs the batch twice,
+for 1 and for N new tokens, after a small warm-up; decode tokens/s = batch x (N - 1) /
+(t_N - t_1), which takes the prefill and fixed costs out; vattn and continuous batching
+also `decode_tok_s_in_run`: B x (N - 1) over the time, inside the N-token run, from the
+last first token to the last token (vattn's request metrics, generate_batch's token
+timestamps, generate's streamer calls). vattn runs with its default
+pages (the 2 MiB granularity) and prefills the whole batch in one iteration; transformers'
+continuous batching gets a cache sized for the batch and runs without CUDA graphs (like
+the other two; `--hf-cb-cuda-graphs` to allow them).
+
+Also recorded: greedy agreement with `generate` (fraction of equal tokens, and of the common
+prefix), the max abs difference of the first token's logits (vattn's engine vs one
+transformers forward with SDPA), peak `torch.cuda.memory_reserved` per system, vattn's
+peak mapped bytes, and that vattn's pages come back: after the requests finish the pages
+stay mapped to their free slots (deferred reclamation, used bytes 0), and `close()` returns
+them to the GPU (free memory rises by the bytes of the pages created).
+
+`--device cpu` runs the same code with a tiny model (host backend, float32).
+
+    python benchmarks/gpu_e2e.py [--quick] [--out DIR] [--budget-s S] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from _common import environment, print_table, save
+
+MB, GB = 1 << 20, 1 << 30
+MODELS = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, tie_word_embeddings=False)
+
+
+def model_config(name: str, args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig
+
+    cuda = args.device.startswith("cuda")
+    shape = dict(MODELS[name]) if cuda else dict(TINY)
+    if cuda and name == "llama-3-8b" and args.layers_8b:
+        shape["num_hidden_layers"] = args.layers_8b
+    return LlamaConfig(vocab_size=128256 if cuda else 512, max_position_embeddings=8192 if cuda else 1024,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None, **shape)
+
+
+def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0) -> Any:
+    """Random weights made directly on `device` in `dtype` (no host copy)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+    return model.eval()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_reserved(device: str) -> float | None:
+    return torch.cuda.max_memory_reserved() / GB if device.startswith("cuda") else None
+
+
+def _free_bytes(device: str) -> int | None:
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+# ------------------------------------------------------------------------- vattn ----
+def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    from vattn import LLM, SamplingParams
+
+    B, P, N = len(prompts), len(prompts[0]), args.max_tokens
+    out: dict[str, Any] = {"system": "vattn"}
+    llm = LLM(model, device=args.device, dtype=dtype, max_batch_size=B, max_context_len=P + N,
+              max_num_batched_tokens=max(B * P, B), layout=args.layout, page_size=args.page_size)
+    try:
+        first_logits: dict[int, torch.Tensor] = {}
+        sampler = llm.runner.sampler
+        sample = sampler.sample
+
+        def capture(logits: torch.Tensor, request_ids: list[int], params: list) -> list[int]:
+            for i, rid in enumerate(request_ids):
+                if rid not in first_logits:
+                    first_logits[rid] = logits[i].detach().float().clone()  # [V], stays on the device
+            return sample(logits, request_ids, params)
+
+        sampler.sample = capture
+
+        def run(n_new: int, prompts: list[list[int]]) -> tuple[float, list[list[int]], list[int], int, Any]:
+            params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
+            _sync(args.device)
+            t0 = time.perf_counter()
+            ids = [llm.add_request(p, params) for p in prompts]
+            done: dict[int, Any] = {}
+            peak = 0
+            while llm.has_unfinished():
+                for o in llm.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                peak = max(peak, llm.memory_stats().mapped_bytes)
+            _sync(args.device)
+            dt = time.perf_counter() - t0
+            window = (max(done[i].metrics.finished_time for i in ids)
+                      - max(done[i].metrics.first_token_time for i in ids))
+            return dt, [done[i].token_ids for i in ids], ids, peak, window
+
+        run(2, prompts[:2])  # warm-up: kernels, the first-call check of the attention kernel
+        first_logits.clear()
+        t1 = run(1, prompts)[0]
+        first_logits.clear()
+        _reset_peak(args.device)
+        tn, tokens, ids, peak_mapped, window = run(N, prompts)
+        out.update(t1_s=t1, tN_s=tn, tokens=tokens, decode_window_s=window, peak_reserved_GiB=_peak_reserved(args.device),
+                   peak_mapped_GiB=peak_mapped / GB, kernel=llm.runner.kernel.name, page_KiB=llm.cache.page_size // 1024,
+                   first_logits=[first_logits[i] for i in ids])
+        st = llm.memory_stats()  # all finished: pages stay with their free slots
+        created = st.num_created_pages * st.group_bytes
+        out["after_finish"] = dict(mapped_MiB=st.mapped_bytes / MB, used_MiB=st.used_bytes / MB,
+                                   cached_MiB=st.num_cached_pages * st.group_bytes / MB, active=st.num_active,
+                                   created_MiB=created / MB)
+        free0 = _free_bytes(args.device)
+        llm.close()
+        free1 = _free_bytes(args.device)
+        if free0 is not None and free1 is not None:
+            released = free1 - free0
+            out["after_close"] = dict(gpu_free_rose_MiB=released / MB, created_MiB=created / MB,
+                                      pages_returned=abs(released - created) <= max(64 * MB, 0.05 * created))
+    finally:
+        _sync(args.device)
+        llm.close()
+    return out
+
+
+# ------------------------------------------------------------------ transformers ----
+def _gen_config(n_new: int) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def run_hf_generate(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    ids = torch.tensor(prompts, device=args.device)  # [B, P], equal lengths: no padding
+    mask = torch.ones_like(ids)
+    P = ids.shape[1]
+
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        """Host time of each `put`: the prompt, then each step's new tokens (generate syncs every step)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def run(n_new: int, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, torch.Tensor, float | None]:
+        stamps = Stamps()
+        _sync(args.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            seqs = model.generate(input_ids=ids, attention_mask=mask, generation_config=_gen_config(n_new),
+                                  streamer=stamps)
+        _sync(args.device)
+        window = stamps.times[-1] - stamps.times[1] if len(stamps.times) == n_new + 1 else None
+        return time.perf_counter() - t0, seqs, window
+
+    run(2, ids[:2], mask[:2])
+    t1 = run(1, ids, mask)[0]
+    _reset_peak(args.device)
+    tn, seqs, window = run(args.max_tokens, ids, mask)
+    out = dict(system="hf_generate", t1_s=t1, tN_s=tn, tokens=seqs[:, P:].tolist(), decode_window_s=window,
+               peak_reserved_GiB=_peak_reserved(args.device))
+    with torch.inference_mode():  # the first token's logits, one forward with the model's own attention
+        out["first_logits"] = list(model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1].float())
+    return out
+
+
+def _cb_config(B: int, P: int, N: int, cuda_graphs: bool) -> Any:
+    """A continuous-batching config sized for this batch (fields vary across transformers 5.x)."""
+    import dataclasses
+
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        from transformers.generation import ContinuousBatchingConfig
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    default = ContinuousBatchingConfig()
+    tokens_per_block = getattr(default, "page_size", None) or getattr(default, "block_size", None) or 256
+    want = dict(num_blocks=B * -(-(P + N) // tokens_per_block) + 8, max_batch_tokens=max(B * P, 256),
+                use_cuda_graph=cuda_graphs)
+    return ContinuousBatchingConfig(**{k: v for k, v in want.items() if k in names})
+
+
+def run_hf_cb(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    B, P, N = len(prompts), len(prompts[0]), args.max_tokens
+
+    def run(n_new: int, prompts: list[list[int]]) -> tuple[float, list[list[int]], float | None]:
+        cfg = _cb_config(len(prompts), P, n_new, args.hf_cb_cuda_graphs)
+        _sync(args.device)
+        t0 = time.perf_counter()
+        res = model.generate_batch(inputs=prompts, generation_config=_gen_config(n_new),
+                                   continuous_batching_config=cfg, record_timestamps=True, progress_bar=False,
+                                   warmup=args.hf_cb_cuda_graphs)
+        _sync(args.device)
+        dt = time.perf_counter() - t0
+        outs = list(res.values())
+        errors = [o.error for o in outs if getattr(o, "error", None)]
+        if len(outs) != len(prompts) or errors:
+            raise RuntimeError(f"generate_batch returned {len(outs)} of {len(prompts)} results; errors: {errors[:3]}")
+        stamps = [getattr(o, "timestamps", None) for o in outs]
+        window = None
+        if all(stamps):  # per-token host times: from the last first token to the last token
+            window = max(t[-1] for t in stamps) - max(t[0] for t in stamps)
+        return dt, [list(o.generated_tokens) for o in outs], window
+
+    try:
+        run(2, prompts[:2])
+        t1 = run(1, prompts)[0]
+        _reset_peak(args.device)
+        tn, tokens, window = run(N, prompts)
+    finally:
+        impl = getattr(model.config, "_attn_implementation", "") or ""
+        if impl.startswith("paged"):  # generate_batch switches to a paged attention; put sdpa back
+            model.set_attn_implementation("sdpa")
+    return dict(system="hf_continuous_batching", t1_s=t1, tN_s=tn, tokens=tokens, decode_window_s=window,
+                peak_reserved_GiB=_peak_reserved(args.device))
+
+
+# ------------------------------------------------------------------------ compare ----
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Fraction of equal tokens (position by position) and of the common prefix."""
+    eq = tot = pre = 0
+    for x, y in zip(a, b):
+        n = max(len(x), len(y))
+        tot += n
+        eq += sum(p == q for p, q in zip(x, y))
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        pre += k
+    return dict(token_match=eq / tot if tot else float("nan"), prefix_match=pre / tot if tot else float("nan"),
+                sequences_equal=sum(x == y for x, y in zip(a, b)), sequences=len(a))
+
+
+def logits_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    x = torch.stack([t.float().cpu() for t in a])
+    y = torch.stack([t.float().cpu() for t in b])
+    return dict(max_abs_diff=float((x - y).abs().max()), logits_abs_max=float(y.abs().max()),
+                argmax_equal=float((x.argmax(-1) == y.argmax(-1)).float().mean()))
+
+
+def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    gen = torch.Generator().manual_seed(B)
+    prompts = torch.randint(1, model.config.vocab_size, (B, args.prompt_len), generator=gen).tolist()
+    N = args.max_tokens
+    res: dict[str, Any] = dict(model=name, batch=B, prompt_len=args.prompt_len, max_tokens=N, systems={}, errors={})
+    runners = [("vattn", lambda: run_vattn(model, prompts, args, dtype)),
+               ("hf_generate", lambda: run_hf_generate(model, prompts, args))]
+    if not args.skip_hf_cb:
+        runners.append(("hf_continuous_batching", lambda: run_hf_cb(model, prompts, args)))
+    tokens, logits = {}, {}
+    for system, fn in runners:
+        try:
+            r = fn()
+        except Exception as e:
+            traceback.print_exc()
+            res["errors"][system] = f"{type(e).__name__}: {e}"
+            continue
+        finally:
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        tokens[system] = r.pop("tokens")
+        if "first_logits" in r:
+            logits[system] = r.pop("first_logits")
+        dt = r["tN_s"] - r["t1_s"]
+        r["decode_tok_s"] = B * (N - 1) / dt if dt > 0 else float("nan")
+        w = r.get("decode_window_s")  # the same, timed inside the N-token run (vattn, continuous batching)
+        r["decode_tok_s_in_run"] = B * (N - 1) / w if w else None
+        r["total_tok_s"] = B * N / r["tN_s"]
+        res["systems"][system] = r
+        in_run = r["decode_tok_s_in_run"]
+        print(f"  {name} B={B} {system:24s} decode {r['decode_tok_s']:9.1f} tok/s"
+              + (f" ({in_run:.1f} in-run)" if in_run else "") + f"  (t1 {r['t1_s']:.2f} s, tN {r['tN_s']:.2f} s)",
+              flush=True)
+    if "hf_generate" in tokens:
+        for system in ("vattn", "hf_continuous_batching"):
+            if system in tokens:
+                res[f"{system}_vs_hf_generate"] = agreement(tokens[system], tokens["hf_generate"])
+        if "vattn" in logits and "hf_generate" in logits:
+            res["first_token_logits_vattn_vs_hf"] = logits_diff(logits["vattn"], logits["hf_generate"])
+    res["tokens_sample"] = {s: t[0][:16] for s, t in tokens.items()}
+    return res
+
+
+# --------------------------------------------------------------------------- main ----
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a tiny run of the same code)")
+    ap.add_argument("--quick", action="store_true", help="fewer new tokens (the GPU suite)")
+    ap.add_argument("--out", default=None, help="folder for the JSON and PNG (default benchmarks/results/)")
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--batches", type=int, nargs="*", default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (N)")
+    ap.add_argument("--layers-8b", type=int, default=None, help="fewer layers for the 8B shape (memory or time)")
+    ap.add_argument("--layout", default="per-layer", choices=["per-layer", "fused"])
+    ap.add_argument("--page-size", type=int, default=None, help="bytes; default the backend's")
+    ap.add_argument("--skip-hf-cb", action="store_true", help="leave out transformers' generate_batch")
+    ap.add_argument("--hf-cb-cuda-graphs", action="store_true", help="let generate_batch use CUDA graphs (+ warm-up)")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no new (model, batch) after this many seconds")
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("gpu_e2e.py: skipped: no CUDA here (needs a GPU; --device cpu runs a tiny version)")
+        return
+    if cuda:
+        args.batches = args.batches or [1, 8, 32, 128]
+        args.prompt_len = args.prompt_len or 128
+        args.max_tokens = args.max_tokens or (32 if args.quick else 128)
+        dtype = torch.bfloat16
+    else:
+        args.batches = args.batches or [1, 3]
+        args.prompt_len = args.prompt_len or 12
+        args.max_tokens = args.max_tokens or 6
+        args.page_size = args.page_size or (16 << 10)
+        dtype = torch.float32
+    start = time.perf_counter()
+    results: list[dict] = []
+    skipped: list[str] = []
+    models_info: dict[str, Any] = {}
+    name_out = "gpu_e2e" if cuda else "gpu_e2e_cpu_check"
+    env = environment(args.device)
+
+    def payload(failures: list[str] | None = None) -> dict:
+        return {"env": env, "args": vars(args), "dtype": str(dtype).removeprefix("torch."), "models": models_info, "results": results,
+                "skipped": skipped, "failures": failures if failures is not None else ["(incomplete run)"]}
+
+    for name in args.models:
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            skipped.append(f"{name}: time budget spent")
+            continue
+        config = model_config(name, args)
+        t0 = time.perf_counter()
+        try:
+            model = build_model(config, args.device, dtype)
+        except Exception as e:
+            traceback.print_exc()
+            results.append(dict(model=name, errors={"build": f"{type(e).__name__}: {e}"}, systems={}))
+            continue
+        models_info[name] = dict(layers=config.num_hidden_layers, hidden=config.hidden_size,
+                                 parameters=sum(p.numel() for p in model.parameters()), build_s=time.perf_counter() - t0,
+                                 weights_GiB=sum(p.numel() * p.element_size() for p in model.parameters()) / GB)
+        print(f"model {name}: {models_info[name]['parameters'] / 1e9:.2f} B parameters, "
+              f"{config.num_hidden_layers} layers, built in {models_info[name]['build_s']:.1f} s", flush=True)
+        for B in args.batches:
+            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                skipped.append(f"{name} batch {B}: time budget spent")
+                continue
+            results.append(run_batch(name, model, B, args, dtype))
+            save(name_out, payload(), out=args.out)  # what is done so far survives a timeout
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    for s in skipped:
+        print("skipped", s)
+
+    rows = []
+    for r in results:
+        for system, s in r["systems"].items():
+            agree = r.get(f"{system}_vs_hf_generate", {})
+            rows.append([r["model"], r["batch"], system, s["decode_tok_s"], s.get("decode_tok_s_in_run") or "-",
+                         s["total_tok_s"],
+                         s.get("peak_reserved_GiB") if s.get("peak_reserved_GiB") is not None else "-",
+                         s.get("peak_mapped_GiB", "-"), agree.get("token_match", "-")])
+    print(f"\ndecode throughput: prompt {args.prompt_len}, {args.max_tokens} new tokens, greedy")
+    print_table(["model", "B", "system", "decode tok/s", "in-run", "total tok/s", "peak reserved GiB", "vattn mapped GiB",
+                 "token match vs generate"], rows)
+    failures = []
+    for r in results:
+        lg = r.get("first_token_logits_vattn_vs_hf")
+        if lg:
+            print(f"{r['model']} B={r['batch']}: first-token logits max |vattn - hf| {lg['max_abs_diff']:.4g} "
+                  f"(|logits| <= {lg['logits_abs_max']:.3g}), argmax equal {lg['argmax_equal']:.3f}")
+        v = r["systems"].get("vattn", {})
+        if v.get("after_close"):
+            c = v["after_close"]
+            print(f"{r['model']} B={r['batch']}: after finish {v['after_finish']['mapped_MiB']:.0f} MiB mapped, "
+                  f"{v['after_finish']['used_MiB']:.0f} MiB used; close() freed {c['gpu_free_rose_MiB']:.0f} of "
+                  f"{c['created_MiB']:.0f} MiB created: {'ok' if c['pages_returned'] else 'NOT RETURNED'}")
+            if not c["pages_returned"]:
+                failures.append(f"{r['model']} B={r['batch']}: pages not returned on close")
+        for system, e in r["errors"].items():
+            print(f"ERROR {r['model']} B={r.get('batch')} {system}: {e}")
+            failures.append(f"{r['model']} B={r.get('batch')} {system}: {e}")
+
+    save(name_out, payload(failures), _plot(results), out=args.out)
+    if failures:
+        raise SystemExit(1)
+
+
+def _plot(results: list[dict]) -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: no plot")
+        return None
+    models = sorted({r["model"] for r in results})
+    if not models:
+        return None
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        rs = [r for r in results if r["model"] == name]
+        for system, marker in (("vattn", "o"), ("hf_generate", "s"), ("hf_continuous_batching", "^")):
+            pts = [(r["batch"], r["systems"][system]["decode_tok_s"]) for r in rs if system in r["systems"]]
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, label=system)
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s", title=name)
+        ax.legend()
+    return fig
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# vattn's GPU suite: install, GPU tests (both CUDA drivers), benchmarks, compute-sanitizer.
+#
+#   bash benchmarks/gpu_suite.sh OUTDIR
+#
+# On a lent GPU machine (the device tool's `run`, timeout_s=600, files come back from $OUT):
+#   VATTN_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_suite.sh "$OUT"
+# (write the hash into the command: the copied tree there has no .git)
+#
+# Run from anywhere (it works in the repository root). One invocation on a bare GPU
+# machine does everything within VATTN_SUITE_BUDGET seconds (default 540): each step has
+# its own timeout, capped by what is left of the budget; a failing step is recorded and
+# the suite goes on. Without CUDA the GPU steps say "skipped: no CUDA" and the suite ends
+# in seconds. OUTDIR gets at most 8 files, flat:
+#   suite.log     every step's output
+#   summary.md    steps, environment and the key figures (also printed at the end)
+#   results.json  every benchmark's JSON (environment, arguments, raw numbers)
+#   *.png         one plot per benchmark (vmm_latency_cuda, alloc_latency_cuda,
+#                 gpu_kernels, gpu_overlap, gpu_e2e)
+# Exit code: 0 when every step that ran passed, 1 otherwise.
+#
+# Environment: PYTHON (default python3), VATTN_SUITE_BUDGET (seconds),
+# VATTN_COMMIT (recorded when the tree has no .git), VATTN_SUITE_FORCE_PIP=1 (pip
+# install -e even without CUDA; without CUDA the extension is built in place instead, so
+# a shared environment is not repointed), VATTN_SUITE_CPU_CHECKS=1 (without CUDA, run
+# the new benchmarks' tiny CPU versions).
+set -u -o pipefail
+
+OUT=${1:?usage: bash benchmarks/gpu_suite.sh OUTDIR}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG=$OUT/suite.log
+: >"$LOG"
+PY=${PYTHON:-python3}
+BUDGET=${VATTN_SUITE_BUDGET:-540}
+T0=$(date +%s)
+if [ -z "${VATTN_COMMIT:-}" ]; then
+    VATTN_COMMIT=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)
+fi
+export VATTN_COMMIT PYTHONUNBUFFERED=1 VATTN_BENCH_OUT=$OUT MPLBACKEND=Agg
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
+export TQDM_DISABLE=1
+
+FAILED=0
+PASSED=0
+SKIPPED=0
+
+say() { echo "$*" | tee -a "$LOG"; }
+elapsed() { echo $(( $(date +%s) - T0 )); }
+
+record() {  # NAME STATUS SECONDS TIMEOUT NOTE: results.json + summary.md (never fails the suite)
+    timeout 120 "$PY" benchmarks/gpu_summary.py "$OUT" --step "$1" --status "$2" --seconds "$3" \
+        --timeout "$4" --note "$5" >>"$LOG" 2>&1 || say "  (gpu_summary.py could not record step $1)"
+}
+
+skip() {  # NAME REASON
+    SKIPPED=$((SKIPPED + 1))
+    say "[$(elapsed)s] $1: skipped: $2"
+    record "$1" skipped 0 0 "$2"
+}
+
+# step NAME ESTIMATE TIMEOUT NOTE_PATTERN CMD...: run CMD under `timeout`, log its output.
+# NOTE_PATTERN: an extended regex; the last output line matching it goes into the summary.
+step() {
+    local name=$1 est=$2 limit=$3 pattern=$4
+    shift 4
+    local left=$((BUDGET - $(elapsed)))
+    if [ "$left" -lt 20 ]; then
+        skip "$name" "the suite's time budget (${BUDGET}s) is spent"
+        return
+    fi
+    [ "$limit" -gt $((left - 5)) ] && limit=$((left - 5))
+    local start_line
+    start_line=$(wc -l <"$LOG")
+    {
+        echo
+        echo "===== $name (estimate ${est}s, timeout ${limit}s) at $(elapsed)s: $*"
+    } >>"$LOG"
+    echo "[$(elapsed)s] $name: running (estimate ${est}s, timeout ${limit}s)"
+    local t=$SECONDS
+    timeout -k 15 "$limit" "$@" >>"$LOG" 2>&1 </dev/null
+    local rc=$? status note
+    local dt=$((SECONDS - t))
+    if [ $rc -eq 0 ]; then status=passed; PASSED=$((PASSED + 1))
+    elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status=timeout; FAILED=$((FAILED + 1))
+    else status=failed; FAILED=$((FAILED + 1)); fi
+    note=$(tail -n +$((start_line + 1)) "$LOG" | grep -aE "$pattern" | tail -n 1 | cut -c1-200 | tr -d '|')
+    [ $rc -ne 0 ] && note="rc=$rc${note:+; $note}"
+    say "[$(elapsed)s] $name: $status in ${dt}s${note:+ ($note)}"
+    echo "===== $name: $status (rc=$rc) in ${dt}s" >>"$LOG"
+    record "$name" "$status" "$dt" "$limit" "$note"
+}
+
+say "vattn GPU suite: repo $REPO, commit $VATTN_COMMIT, output $OUT, budget ${BUDGET}s, python $(command -v "$PY")"
+
+# ------------------------------------------------------------------ what is there ----
+HAVE_CUDA=0
+if timeout 90 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >>"$LOG" 2>&1; then
+    HAVE_CUDA=1
+fi
+SAN=$(command -v compute-sanitizer 2>/dev/null || true)
+if [ -z "$SAN" ]; then
+    for f in /usr/local/cuda*/bin/compute-sanitizer /usr/local/cuda*/compute-sanitizer/compute-sanitizer \
+             /opt/nvidia/*/compute-sanitizer /opt/nvidia/*/*/compute-sanitizer; do
+        if [ -x "$f" ]; then SAN=$f; break; fi
+    done
+fi
+# The estimate of each step (seconds) on an H100/H200; the timeout is capped by the budget left.
+say ""
+say "time budget (estimate / timeout, seconds), total budget ${BUDGET}s:"
+say "  install + import check     30 /  150"
+say "  versions                    5 /   60"
+say "  pytest -m gpu (cext)       60 /  150"
+say "  allocator suite cuda-python 40 / 120"
+say "  vmm_latency.py --quick     30 /   90"
+say "  gpu_kernels.py --quick     40 /  120"
+say "  gpu_overlap.py --quick     45 /  120"
+say "  gpu_e2e.py --quick         110 / 200"
+say "  alloc_latency.py --quick   30 /   90"
+say "  compute-sanitizer demo     75 /  150"
+say "  expected total            ~465 (the tail is skipped, not overrun, if earlier steps run long)"
+if [ $HAVE_CUDA = 1 ]; then say "CUDA: yes"; else say "CUDA: no (torch.cuda.is_available() is False): GPU steps are skipped"; fi
+say ""
+
+# --------------------------------------------------------------------- 1. install ----
+if [ $HAVE_CUDA = 1 ] || [ -n "${VATTN_SUITE_FORCE_PIP:-}" ]; then
+    INSTALL='"$0" -m pip install -e . --no-deps --no-build-isolation \
+             || { echo "pip install -e failed: building the extension in place instead"; "$0" setup.py build_ext --inplace; }'
+else
+    INSTALL='echo "no CUDA: building the extension in place (pip install -e is skipped here so that this machine'"'"'s environment is not repointed)"; "$0" setup.py build_ext --inplace'
+fi
+step install 30 150 "vattn\._C|Successfully|error" bash -c "$INSTALL"'
+    rc=$?
+    if ! "$0" -c "import vattn, vattn._C as C; print(\"import ok: vattn from\", vattn.__file__, \"; vattn._C from\", C.__file__)"; then
+        echo "################################################################"
+        echo "FATAL: import vattn._C FAILED: the C extension did not build for this Python."
+        echo "       The cext CUDA driver cannot work; only cuda-python can."
+        echo "################################################################"
+        exit 3
+    fi
+    exit $rc' "$PY"
+
+# -------------------------------------------------------------------- versions ----
+step versions 5 60 "^(device|torch) " bash -c '
+    echo "python: $("$0" --version 2>&1) at $(command -v "$0")"
+    if command -v nvidia-smi >/dev/null; then nvidia-smi; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv; else echo "nvidia-smi: not found"; fi
+    command -v nvcc >/dev/null && nvcc --version | tail -n 2
+    echo "compute-sanitizer: ${1:-not found}"
+    "$0" - <<'"'"'EOF'"'"'
+import importlib.metadata as md
+import torch
+for pkg in ("torch", "transformers", "triton", "cuda-python", "cuda-bindings", "flash-attn", "hypothesis", "pytest", "matplotlib", "numpy"):
+    try:
+        print(f"{pkg} {md.version(pkg)}")
+    except md.PackageNotFoundError:
+        print(f"{pkg} not installed")
+print(f"torch {torch.__version__}, CUDA runtime {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    free, total = torch.cuda.mem_get_info()
+    print(f"free GPU memory {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
+    from vattn import _C
+    _C.cuda_load()
+    print(f"cuMemCreate granularity {_C.cuda_granularity(0) >> 20} MiB")
+    print(f"device {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}, "
+          f"{p.multi_processor_count} SMs, CUDA {torch.version.cuda}, torch {torch.__version__}")
+EOF
+' "$PY" "$SAN"
+timeout 120 "$PY" benchmarks/gpu_summary.py "$OUT" --env "$([ $HAVE_CUDA = 1 ] && echo cuda || echo cpu)" >>"$LOG" 2>&1 \
+    || say "  (could not record the environment)"
+
+# ----------------------------------------------------------------------- 2. tests ----
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o faulthandler_timeout=90 --durations=5)
+TESTS_PAT="passed|failed|error|no tests ran"
+if [ $HAVE_CUDA = 1 ]; then
+    step pytest_gpu_cext 60 150 "$TESTS_PAT" env VATTN_CUDA_DRIVER=cext "${PYTEST[@]}" -m gpu tests
+    step pytest_alloc_cuda_python 40 120 "$TESTS_PAT" env VATTN_CUDA_DRIVER=cuda-python "${PYTEST[@]}" -m gpu \
+        tests/test_allocator.py tests/test_fences.py tests/test_state_machine.py
+else
+    skip pytest_gpu_cext "no CUDA"
+    skip pytest_alloc_cuda_python "no CUDA"
+fi
+
+# ------------------------------------------------------------------ 3. benchmarks ----
+left() { echo $((BUDGET - $(elapsed))); }
+if [ $HAVE_CUDA = 1 ]; then
+    step vmm_latency 30 90 "^cext|^cuda-python|wrote|Error" "$PY" benchmarks/vmm_latency.py --device cuda:0 --quick
+    step gpu_kernels 40 120 "within_2pct|wrote|Error" "$PY" benchmarks/gpu_kernels.py --quick --out "$OUT" \
+        --budget-s $(( $(left) > 120 ? 90 : $(left) - 30 ))
+    step gpu_overlap 45 120 "background/premapped mean|wrote|Error" "$PY" benchmarks/gpu_overlap.py --quick --out "$OUT"
+    # gpu_e2e leaves ~120 s for the two steps after it; it starts no new case after --budget-s
+    E2E_LIMIT=$(( $(left) - 120 < 200 ? $(left) - 120 : 200 ))
+    step gpu_e2e 110 $(( E2E_LIMIT > 30 ? E2E_LIMIT : 30 )) "pages|wrote|Error" "$PY" benchmarks/gpu_e2e.py --quick \
+        --out "$OUT" --budget-s $(( E2E_LIMIT - 50 > 20 ? E2E_LIMIT - 50 : 20 ))
+    step alloc_latency 30 90 "^background|wrote|Error" "$PY" benchmarks/alloc_latency.py --device cuda --quick
+else
+    for s in vmm_latency gpu_kernels gpu_overlap gpu_e2e alloc_latency; do skip "$s" "no CUDA"; done
+    if [ -n "${VATTN_SUITE_CPU_CHECKS:-}" ]; then  # the new scripts' tiny CPU versions (harness checks)
+        step gpu_kernels_cpu 20 120 "equal|wrote|Error" "$PY" benchmarks/gpu_kernels.py --device cpu --out "$OUT"
+        step gpu_overlap_cpu 20 120 "premapped mean|wrote|Error" "$PY" benchmarks/gpu_overlap.py --device cpu --out "$OUT"
+        step gpu_e2e_cpu 20 120 "first-token|wrote|Error" "$PY" benchmarks/gpu_e2e.py --device cpu --out "$OUT"
+    fi
+fi
+
+# ------------------------------------------------------------- 4. compute-sanitizer ----
+if [ $HAVE_CUDA = 0 ]; then
+    skip compute_sanitizer "no CUDA"
+elif [ -z "$SAN" ]; then
+    skip compute_sanitizer "compute-sanitizer not found (PATH, /usr/local/cuda*/bin, /opt/nvidia)"
+else
+    # memcheck on a short engine run: a tiny model, 4 requests, the CUDA backend (cext driver).
+    # API errors are left out (--report-api-errors no): vattn checks every driver call itself,
+    # and torch's polling calls would be counted; memory access errors fail the step.
+    step compute_sanitizer 75 150 "ERROR SUMMARY|Error" "$SAN" --tool memcheck --report-api-errors no \
+        --error-exitcode 99 --print-limit 20 --target-processes all \
+        "$PY" -m vattn demo --requests 4 --device cuda
+fi
+
+# ------------------------------------------------------------------------- done ----
+timeout 120 "$PY" benchmarks/gpu_summary.py "$OUT" >>"$LOG" 2>&1 || true
+say ""
+say "suite finished in $(elapsed)s: $PASSED passed, $FAILED failed, $SKIPPED skipped; files in $OUT:"
+ls -la "$OUT" | tee -a "$LOG"
+echo
+cat "$OUT/summary.md"
+[ $FAILED -eq 0 ]
