@@ -33,6 +33,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 LOG=$OUT/suite.log
 : >"$LOG"
+rm -f "$OUT/results.json" "$OUT/summary.md"  # a rerun into the same OUTDIR starts afresh
 PY=${PYTHON:-python3}
 BUDGET=${VATTN_SUITE_BUDGET:-540}
 T0=$(date +%s)
