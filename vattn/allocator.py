@@ -29,13 +29,13 @@ iteration's fence (`ran` is not cleared by free_reqid).
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
-from vattn.config import Geometry
 from vattn.errors import (
     ClosedError,
     ContextLengthError,
@@ -45,7 +45,10 @@ from vattn.errors import (
     OutOfPhysicalMemoryError,
     UnknownReqIdError,
 )
-from vattn.vmem.base import Backend
+
+if TYPE_CHECKING:  # the books import no torch: sizes are ints by the time they get here
+    from vattn.config import Geometry
+    from vattn.vmem.base import Backend
 
 _GROW_CHUNK = 16  # groups created per pool growth at least (fewer memfds / cuMemCreate batches)
 _WORKER_BATCH = 16  # groups the worker maps per lock hold
@@ -100,8 +103,92 @@ class MemoryStats:
         return self.fragmentation_bytes / self.active_bytes if self.active_bytes else 0.0
 
 
+@dataclass
+class StepPlan:
+    """What a `step` will do, computed from the books alone (no backend call): who is
+    served, who fails, how many groups to create, which pages to reclaim and from whom.
+    Executing it is `_execute`; swapping, tensor parallelism and servers that reserve
+    per request hook in between."""
+
+    lens: dict[int, int]  # slot -> length to back, every active slot of the step
+    served: list[int]  # slots that get pages now, oldest request first
+    failed: list[int]  # slots that cannot be backed: the caller preempts them
+    need: dict[int, int]  # served slot -> pages it must have
+    num_new: int  # groups the served slots take from the pool
+    grow: int  # groups to create first
+    donors: list[tuple[int, int]]  # (slot, tail pages that may be unmapped), in the order to take them
+    limit: int  # groups this step may have in all (the budget, or what exists after a refusal)
+
+
+class Premapper:
+    """The background pre-mapping worker: one thread that carries out the job `step`
+    submits (map pool pages into slots that the next iteration will want), batch by batch.
+
+    It shares the allocator's lock: it holds it to plan and commit each batch but drops
+    it around the driver call. `quiesce` (lock held) stops the job after the batch in
+    flight and waits for it; `cancel` may be set without the lock (a caller that wants the
+    lock soon tells the worker to stop early).
+    """
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.alloc = allocator
+        self.cv = threading.Condition(allocator._lock)
+        self.job: list[tuple[int, int]] = []  # (slot, target pages)
+        self.busy = False
+        self.cancel = False
+        self.thread: threading.Thread | None = None
+
+    def submit(self, job: list[tuple[int, int]]) -> None:
+        """Start `job` on the worker thread (lock held)."""
+        self.job, self.cancel, self.busy = job, False, True
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="vattn-premap", daemon=True)
+            self.thread.start()
+        self.cv.notify_all()
+
+    def quiesce(self) -> None:
+        """Stop the job after its current batch and wait for it (lock held)."""
+        self.cancel = True
+        while self.busy:
+            self.cv.wait()
+
+    def wait(self) -> None:
+        """Wait until the job is done, without stopping it (lock held)."""
+        while self.busy:
+            self.cv.wait()
+
+    @property
+    def stopped(self) -> bool:
+        return self.cancel or self.alloc._closed
+
+    def is_worker(self) -> bool:
+        return self.thread is not None and threading.current_thread() is self.thread
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+    def _loop(self) -> None:
+        with self.cv:
+            while not self.alloc._closed:
+                if not self.busy:
+                    self.cv.wait()
+                    continue
+                try:
+                    self.alloc._run_job(self.job, background=True)
+                except Exception as e:  # step() will meet the same error synchronously
+                    self.alloc._record_worker_error(e)
+                self.job, self.busy = [], False
+                self.cv.notify_all()
+
+
 class PageAllocator:
-    """Books and page movement for one cache. Used through `vattn.KVCache`."""
+    """Books and page movement for one cache. Used through `vattn.KVCache`.
+
+    Cost grows with the work, not the capacity: a `step` that maps nothing touches only
+    the requests it names (one pass over them), and the slot `alloc_reqid` hands out next
+    comes from a heap.
+    """
 
     def __init__(self, geometry: Geometry, backend: Backend, bases: Sequence[int], *,
                  max_pages: int, background: bool, prefetch: bool,
@@ -110,40 +197,38 @@ class PageAllocator:
         self.geometry = geometry
         self.backend = backend
         self.bases = list(bases)
-        self.num_slots = geometry.config.max_batch_size
+        self.num_slots = n = geometry.config.max_batch_size
+        self.max_len = geometry.config.max_context_len
         self.max_pages = max_pages  # budget of groups
         self.background = background
         self.prefetch = prefetch
 
-        self.slot_pages: list[list[Any]] = [[] for _ in range(self.num_slots)]
+        self.slot_pages: list[list[Any]] = [[] for _ in range(n)]
+        self.cap = [0] * n  # tokens the slot's mapped pages hold (kept with slot_pages)
         self.pool: list[Any] = []  # pop() hands out the lowest-offset group of a chunk first
         self.refs: dict[Any, int] = {}  # mapped group -> number of slots mapping it
         self.shared_slots: set[int] = set()  # slots that may map a group shared with another slot
-        self.copy_pages = copy_pages  # (src offset, dst offset) pairs: copy those pages in every buffer
         self.num_created = 0
-        self.free_slots: set[int] = set(range(self.num_slots))
+        self.free_slots: set[int] = set(range(n))
+        self._warm_heap = [(0, s) for s in range(n)]  # (-pages, slot) of free slots; stale entries skipped
         self.alloc_seq: dict[int, int] = {}  # active slot -> allocation order (age)
-        self.seq_lens = [0] * self.num_slots  # lengths of the latest step (0 once freed)
-        self.ran: set[int] = set()  # slots the latest step backed: the iteration after it reads them
-        self.max_lens = [0] * self.num_slots  # longest length since alloc: pages below it hold data
-        self.last_fence: list[Any] = [None] * self.num_slots
+        self.ran: dict[int, int] = {}  # the latest step's lengths: the iteration after it reads these slots
+        self.max_lens = [0] * n  # longest length since alloc: pages below it hold data
+        self.last_fence: list[Any] = [None] * n
         self.eager_tokens = 0.0  # running mean of new requests' first lengths
         self._counter = itertools.count()
         # zero_reused_pages: groups holding data of a request that no longer owns them, and the
         # slots that hold such groups; `step` clears them before the slot's request runs.
         self.zero_pages = zero_pages
+        self.copy_pages = copy_pages  # (src offset, dst offset) pairs: copy those pages in every buffer
         self.dirty: set[Any] = set()
         self.dirty_slots: set[int] = set()
 
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
-        self._job: list[tuple[int, int]] = []  # (slot, target pages) for the worker
         self.in_flight: list[Any] = []  # groups the worker is mapping right now (lock released)
-        self._busy = False
-        self._cancel = False
         self._closed = False
         self.worker_error: BaseException | None = None
-        self._worker: threading.Thread | None = None
+        self.premapper = Premapper(self)
 
     # ------------------------------------------------------------------ slots ----
     def alloc_reqid(self) -> int:
@@ -163,48 +248,67 @@ class PageAllocator:
             slot = self._check_active(reqid)
             del self.alloc_seq[slot]
             self.free_slots.add(slot)
-            self.seq_lens[slot] = self.max_lens[slot] = 0
+            self.max_lens[slot] = 0
+            self._pages_changed(slot)
             if self.zero_pages is not None and self.slot_pages[slot]:  # the next owner must not read them
                 self.dirty.update(self.slot_pages[slot])
                 self.dirty_slots.add(slot)
 
     def _warm_slot(self) -> int:
         """The free slot alloc_reqid hands out next: most pages mapped, then lowest index."""
-        return max(self.free_slots, key=lambda s: (len(self.slot_pages[s]), -s))
+        heap, pages, free = self._warm_heap, self.slot_pages, self.free_slots
+        while True:
+            neg, s = heap[0]
+            if s in free and -neg == len(pages[s]):
+                return s
+            heapq.heappop(heap)
+
+    def _pages_changed(self, slot: int) -> None:
+        """Keep the derived figures of `slot` in step with `slot_pages[slot]`."""
+        g = self.geometry
+        self.cap[slot] = len(self.slot_pages[slot]) * g.page_size // g.token_bytes
+        if slot in self.free_slots:
+            heap = self._warm_heap
+            if len(heap) > 4 * self.num_slots + 64:  # drop the stale entries now and then
+                heap[:] = [(-len(self.slot_pages[s]), s) for s in self.free_slots]
+                heapq.heapify(heap)
+            heapq.heappush(heap, (-len(self.slot_pages[slot]), slot))
 
     # ------------------------------------------------------------------- step ----
     def step(self, seq_lens: Sequence[int] | Mapping[int, int]) -> StepResult:
-        self._cancel = True  # before taking the lock: the worker stops at its next batch
+        self.premapper.cancel = True  # before taking the lock: the worker stops at its next batch
         with self._lock:
             self._check_open()
-            self._quiesce()
+            self.premapper.quiesce()
             self._check_open()  # close() may have run while we waited
-            lens = self._normalize(seq_lens)
+            lens, short, edge = self._normalize(seq_lens)
             fence = self.backend.fence()
             if fence is not None:  # the kernels of the last iteration read these slots
                 for s in self.ran:
                     self.last_fence[s] = fence
-            if self.shared_slots:
-                self._unshare_new_owners(lens)
-            result = self._back(lens)
-            if self.dirty_slots:
-                self._zero_dirty([s for s, n in enumerate(lens) if n and s not in result.failed])
-            for s, n in enumerate(lens):
-                if n and not self.max_lens[s] and s not in result.failed:  # a new request's first length
-                    self.eager_tokens = n if not self.eager_tokens else 0.8 * self.eager_tokens + 0.2 * n
+            if self.shared_slots and self._unshare_new_owners(lens):
+                short, edge = self._short(lens)
+            result = self._back(lens, short) if short else StepResult()
             for s in result.failed:  # not backed: this iteration will not run them
-                lens[s] = 0
-            self.seq_lens = lens
-            self.ran = {s for s, n in enumerate(lens) if n}
-            for s in self.ran:
-                self.max_lens[s] = max(self.max_lens[s], lens[s])
+                del lens[s]
+            if self.dirty_slots:
+                self._zero_dirty(lens)
+            ml = self.max_lens
+            for s, n in lens.items():
+                m = ml[s]
+                if n > m:
+                    if not m:  # a new request's first length
+                        self.eager_tokens = n if not self.eager_tokens else 0.8 * self.eager_tokens + 0.2 * n
+                    ml[s] = n
+            self.ran = lens
             if result and self.prefetch:
-                self._schedule_prefetch()
+                self._schedule_prefetch(edge if not short else None)
             return result
 
-    def _normalize(self, seq_lens: Sequence[int] | Mapping[int, int]) -> list[int]:
+    def _normalize(self, seq_lens: Sequence[int] | Mapping[int, int]) -> tuple[dict[int, int], list[int], list[int]]:
+        """One pass over `seq_lens`: the active slots' lengths, the slots short of pages now,
+        and those whose next token needs a page. Raises (changing nothing) on a bad entry."""
         if isinstance(seq_lens, Mapping):
-            lens = [0] * self.num_slots
             items = seq_lens.items()
         elif isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__len__"):
             raise InvalidRequestError(
@@ -215,24 +319,43 @@ class PageAllocator:
                 raise InvalidRequestError(
                     f"seq_lens has {len(seq_lens)} entries; give one per slot (max_batch_size="
                     f"{self.num_slots}) or a dict reqid -> length")
-            lens = [0] * self.num_slots
             items = enumerate(seq_lens)
-        max_len = self.geometry.config.max_context_len
-        for reqid, n in items:
-            slot = self._index(reqid, "reqid")
-            if not 0 <= slot < self.num_slots:
-                raise UnknownReqIdError(f"reqid {slot} is out of range [0, {self.num_slots})")
-            n = self._index(n, f"seq_lens[{reqid}]")
-            if n < 0:
-                raise InvalidRequestError(f"seq_lens[{reqid}] = {n} is negative")
-            if n > max_len:
-                raise ContextLengthError(
-                    f"seq_lens[{reqid}] = {n} exceeds max_context_len = {max_len}; "
-                    "stop the request or init with a larger max_context_len")
-            if n and slot not in self.alloc_seq:
-                raise UnknownReqIdError(f"reqid {slot} has length {n} but is not allocated; call alloc_reqid() first")
-            lens[slot] = n
-        return lens
+        cap, active, max_len, num_slots = self.cap, self.alloc_seq, self.max_len, self.num_slots
+        lens: dict[int, int] = {}
+        short: list[int] = []
+        edge: list[int] = []
+        for r, n in items:
+            if type(r) is not int:
+                r = self._index(r, "reqid")
+            if type(n) is not int:
+                n = self._index(n, f"seq_lens[{r}]")
+            if not 0 < n <= max_len or r not in active:
+                if n == 0 and 0 <= r < num_slots:
+                    continue  # inactive, as in the list form
+                self._bad_length(r, n)
+            lens[r] = n
+            c = cap[r]
+            if n > c:
+                short.append(r)
+            elif n == c:
+                edge.append(r)
+        return lens, short, edge
+
+    def _bad_length(self, slot: int, n: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise UnknownReqIdError(f"reqid {slot} is out of range [0, {self.num_slots})")
+        if n < 0:
+            raise InvalidRequestError(f"seq_lens[{slot}] = {n} is negative")
+        if n > self.max_len:
+            raise ContextLengthError(
+                f"seq_lens[{slot}] = {n} exceeds max_context_len = {self.max_len}; "
+                "stop the request or init with a larger max_context_len")
+        raise UnknownReqIdError(f"reqid {slot} has length {n} but is not allocated; call alloc_reqid() first")
+
+    def _short(self, lens: dict[int, int]) -> tuple[list[int], list[int]]:
+        """(slots short of pages now, slots whose next token needs a page)."""
+        cap = self.cap
+        return [s for s, n in lens.items() if n > cap[s]], [s for s, n in lens.items() if n == cap[s]]
 
     @staticmethod
     def _index(v: Any, what: str) -> int:
@@ -247,47 +370,58 @@ class PageAllocator:
             raise UnknownReqIdError(f"reqid {slot} is {state}")
         return slot
 
-    def _back(self, lens: list[int]) -> StepResult:
-        """Map what `lens` needs now: pool, then new pages, then pages reclaimed from others."""
-        g = self.geometry
-        limit = self.max_pages  # groups this call may have: the budget, or what exists if the device refuses more
+    def _back(self, lens: dict[int, int], short: list[int]) -> StepResult:
+        """Plan, create what the plan needs, and carry it out. A device that refuses new
+        pages is a shortage now (the budget stays): plan again with what exists."""
+        limit = self.max_pages
         while True:
-            need = {s: g.pages_for(n) for s, n in enumerate(lens) if n}
-            order = sorted((s for s in need if need[s] > len(self.slot_pages[s])), key=self.alloc_seq.__getitem__)
-            supply = len(self.pool) + (limit - self.num_created)
-            donors = []
-            if sum(need[s] - len(self.slot_pages[s]) for s in order) > supply:  # only then look at other slots
-                donors = self._reclaimable(need)
-                supply += self._freeable(donors)
-            served, failed = [], []
-            for s in order:  # oldest first: the caller preempts the newest
-                missing = need[s] - len(self.slot_pages[s])
-                (served if missing <= supply else failed).append(s)
-                if missing <= supply:
-                    supply -= missing
-            total = sum(need[s] - len(self.slot_pages[s]) for s in served)
-            short = total - len(self.pool)
+            plan = self._plan(lens, short, limit)
             try:
-                if short > 0:
-                    self._grow(short, limit=limit)
+                if plan.grow > 0:
+                    self._grow(plan.grow, limit=limit)
             except OutOfPhysicalMemoryError:
-                # A shortage now (the budget stays): plan again with what exists.
                 limit = self.num_created
                 continue
-            break
-        short = total - len(self.pool)
-        num_unmapped = self._reclaim(donors, short) if short > 0 else 0
+            return self._execute(plan)
+
+    def _plan(self, lens: dict[int, int], short: list[int], limit: int) -> StepPlan:
+        """Who is served (oldest first: the caller preempts the newest) from the pool, new
+        pages within `limit`, and pages reclaimed from free slots and pre-mapped tails."""
+        g, pages = self.geometry, self.slot_pages
+        need = {s: g.pages_for(lens[s]) for s in short}
+        order = sorted(short, key=self.alloc_seq.__getitem__)
+        supply = len(self.pool) + (limit - self.num_created)
+        donors: list[tuple[int, int]] = []
+        if sum(need[s] - len(pages[s]) for s in order) > supply:  # only then look at other slots
+            donors = self._reclaimable(lens)
+            supply += self._freeable(donors)
+        served, failed, num_new = [], [], 0
+        for s in order:
+            missing = need[s] - len(pages[s])
+            if missing <= supply:
+                served.append(s)
+                supply -= missing
+                num_new += missing
+            else:
+                failed.append(s)
+        grow = min(num_new - len(self.pool), limit - self.num_created)
+        return StepPlan(lens, served, failed, {s: need[s] for s in served}, num_new, grow, donors, limit)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        """Reclaim what the pool lacks after growing, then map (one atomic backend call)."""
+        short = plan.num_new - len(self.pool)
+        num_unmapped = self._reclaim(plan.donors, short) if short > 0 else 0
         try:
-            num_mapped = self._map_slots(served, need)
+            num_mapped = self._map_slots(plan.served, plan.need)
         except MapCountLimitError:
             # Every mapped page is a VMA on the host: give back the cached ones (free slots,
             # pre-mapped tails) and try once more before failing.
-            freed = self._reclaim(self._reclaimable(need), self.num_created)
+            freed = self._reclaim(self._reclaimable(plan.lens), self.num_created)
             if not freed:
                 raise
             num_unmapped += freed
-            num_mapped = self._map_slots(served, need)
-        return StepResult(tuple(failed), num_mapped, num_unmapped, out_of_memory=limit < self.max_pages)
+            num_mapped = self._map_slots(plan.served, plan.need)
+        return StepResult(tuple(plan.failed), num_mapped, num_unmapped, out_of_memory=plan.limit < self.max_pages)
 
     def _map_slots(self, slots: list[int], need: dict[int, int]) -> int:
         """Map pool groups into `slots` up to `need` pages each, in one backend call (atomic)."""
@@ -306,6 +440,8 @@ class PageAllocator:
         for s, grp in zip(takers, groups):
             self.slot_pages[s].append(grp)
             self.refs[grp] = 1
+        for s in slots:
+            self._pages_changed(s)
         self._note_dirty(takers, groups)
         return len(groups)
 
@@ -314,7 +450,7 @@ class PageAllocator:
         if self.dirty:
             self.dirty_slots.update(s for s, grp in zip(slots, groups) if grp in self.dirty)
 
-    def _zero_dirty(self, slots: list[int]) -> None:
+    def _zero_dirty(self, slots: Iterator[int] | dict[int, int]) -> None:
         """Clear the pages of `slots` that hold an earlier request's data (zero_reused_pages)."""
         g = self.geometry
         offsets = []
@@ -328,17 +464,19 @@ class PageAllocator:
         if offsets:
             self.zero_pages(offsets)
 
-    def _reclaimable(self, need: dict[int, int]) -> list[tuple[int, int]]:
+    def _reclaimable(self, lens: dict[int, int]) -> list[tuple[int, int]]:
         """(slot, pages) that may be taken, in the order to take them: free slots with
-        fewest pages first (the warm slot last), then pre-mapped tails of active slots."""
+        fewest pages first (the warm slot last), then pre-mapped tails of active slots
+        (past both the step's length and the longest length written)."""
         g = self.geometry
         free = sorted((s for s in self.free_slots if self.slot_pages[s]), key=lambda s: (len(self.slot_pages[s]), s))
         donors = [(s, len(self.slot_pages[s])) for s in free]
         for s in sorted(self.alloc_seq):
-            keep = max(need.get(s, 0), g.pages_for(self.max_lens[s]))
+            keep = g.pages_for(max(lens.get(s, 0), self.max_lens[s]))
             if len(self.slot_pages[s]) > keep:
                 donors.append((s, len(self.slot_pages[s]) - keep))
         return donors
+
 
     def _freeable(self, donors: list[tuple[int, int]]) -> int:
         """Groups that unmapping all the donors' (slot, last k pages) would free: those whose
@@ -378,6 +516,7 @@ class PageAllocator:
             pages = self.slot_pages[s]
             self._unref(reversed(pages[len(pages) - take:]))
             del pages[len(pages) - take:]
+            self._pages_changed(s)
         return len(offsets)
 
     def _unref(self, groups: Iterator[Any] | list[Any]) -> None:
@@ -390,16 +529,20 @@ class PageAllocator:
                 del self.refs[grp]
                 self.pool.append(grp)
 
-    def _unshare_new_owners(self, lens: list[int]) -> None:
+    def _unshare_new_owners(self, lens: dict[int, int]) -> bool:
         """A new request must not write into pages another slot shares: unmap every page of
-        a freshly allocated slot that still maps a shared group (it keeps nothing of them)."""
+        a freshly allocated slot that still maps a shared group (it keeps nothing of them).
+        Returns whether any page was unmapped."""
+        changed = False
         for s in list(self.shared_slots):
             pages = self.slot_pages[s]
             if not any(self.refs[grp] > 1 for grp in pages):
                 self.shared_slots.discard(s)
-            elif lens[s] and not self.max_lens[s]:
+            elif s in lens and not self.max_lens[s]:
                 self._reclaim([(s, len(pages))], len(pages))
                 self.shared_slots.discard(s)
+                changed = True
+        return changed
 
     def _grow(self, count: int, background: bool = False, limit: int | None = None) -> None:
         """Create at least `count` more groups (a chunk at a time) within `limit` (default:
@@ -427,10 +570,10 @@ class PageAllocator:
         if nbytes < 0:
             raise InvalidRequestError(f"nbytes must be >= 0, got {nbytes}")
         n = -(-nbytes // self.geometry.group_bytes)
-        self._cancel = True
+        self.premapper.cancel = True
         with self._lock:
             self._check_open()
-            self._quiesce()
+            self.premapper.quiesce()
             self._check_open()
             if n > self.max_pages:
                 raise OutOfPhysicalMemoryError(
@@ -451,10 +594,10 @@ class PageAllocator:
         groups. The partly filled last page is copied into a fresh group (the only copy),
         so both requests write from `num_tokens` on into pages of their own. Raises
         NoFreeSlotError, or OutOfPhysicalMemoryError when no page is left for that copy."""
-        self._cancel = True
+        self.premapper.cancel = True
         with self._lock:
             self._check_open()
-            self._quiesce()
+            self.premapper.quiesce()
             self._check_open()
             parent = self._check_active(reqid)
             num_tokens = self._index(num_tokens, "num_tokens")
@@ -512,6 +655,7 @@ class PageAllocator:
             if shared:
                 self.shared_slots.update((parent, child))
             self.free_slots.remove(child)
+            self._pages_changed(child)
             self.alloc_seq[child] = next(self._counter)
             self.max_lens[child] = num_tokens
             return child
@@ -519,10 +663,10 @@ class PageAllocator:
     def trim(self) -> int:
         """Give back now every page no live token needs (free slots, pre-mapped tails): unmap
         and release them. Returns the page groups released."""
-        self._cancel = True
+        self.premapper.cancel = True
         with self._lock:
             self._check_open()
-            self._quiesce()
+            self.premapper.quiesce()
             self._check_open()
             donors = self._reclaimable({})
             self._reclaim(donors, self.num_created)
@@ -533,12 +677,14 @@ class PageAllocator:
             return len(groups)
 
     # ------------------------------------------------------------- prefetching ----
-    def _schedule_prefetch(self) -> None:
+    def _schedule_prefetch(self, edge: list[int] | None) -> None:
         """Plan what the next iteration will want: one more token for every running
-        request (decode growth), then pages for the request that gets the warm slot."""
-        g = self.geometry
-        max_len = g.config.max_context_len
-        job = [(s, g.pages_for(min(n + 1, max_len))) for s, n in enumerate(self.seq_lens) if n]
+        request whose next token needs a page (`edge`; None: find them), then pages for
+        the request that gets the warm slot. Hand it to the worker (or do it now)."""
+        g, max_len, lens = self.geometry, self.max_len, self.ran
+        if edge is None:
+            edge = self._short(lens)[1]
+        job = [(s, g.pages_for(min(lens[s] + 1, max_len))) for s in edge]
         if self.free_slots and self.eager_tokens:
             job.append((self._warm_slot(), g.pages_for(min(int(self.eager_tokens), max_len))))
         job = [(s, t) for s, t in job if t > len(self.slot_pages[s])]
@@ -550,11 +696,7 @@ class PageAllocator:
             except Exception as e:  # pre-mapping is best effort; the next step maps on demand
                 self._record_worker_error(e)
             return
-        self._job, self._cancel, self._busy = job, False, True
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._worker_loop, name="vattn-premap", daemon=True)
-            self._worker.start()
-        self._cv.notify_all()
+        self.premapper.submit(job)
 
     def _run_job(self, job: list[tuple[int, int]], background: bool = False) -> None:
         """Map pool (or newly created) pages into the job's slots; never reclaims.
@@ -564,7 +706,7 @@ class PageAllocator:
         the worker first), and the batch's groups sit in `in_flight` until committed."""
         g = self.geometry
         for s, target in job:
-            while not (background and (self._cancel or self._closed)):
+            while not (background and self.premapper.stopped):
                 have = len(self.slot_pages[s])
                 n = min(target - have, _WORKER_BATCH)
                 if n <= 0:
@@ -575,7 +717,7 @@ class PageAllocator:
                     except OutOfPhysicalMemoryError:
                         pass  # a shortage now: pre-map what the pool has; step tries again later
                     n = min(n, len(self.pool))
-                    if n == 0 or (background and (self._cancel or self._closed)):
+                    if n == 0 or (background and self.premapper.stopped):
                         return
                 groups = [self.pool.pop() for _ in range(n)]
                 offsets = [g.page_offset(s, have + i) for i in range(n)]
@@ -590,6 +732,7 @@ class PageAllocator:
                     self.in_flight = []
                 self.slot_pages[s].extend(groups)
                 self.refs.update(dict.fromkeys(groups, 1))
+                self._pages_changed(s)
                 self._note_dirty([s] * n, groups)
 
     @contextlib.contextmanager
@@ -610,30 +753,10 @@ class PageAllocator:
                           RuntimeWarning, stacklevel=2)
         self.worker_error = e
 
-    def _worker_loop(self) -> None:
-        with self._cv:
-            while not self._closed:
-                if not self._busy:
-                    self._cv.wait()
-                    continue
-                try:
-                    self._run_job(self._job, background=True)
-                except Exception as e:  # step() will meet the same error synchronously
-                    self._record_worker_error(e)
-                self._job, self._busy = [], False
-                self._cv.notify_all()
-
-    def _quiesce(self) -> None:
-        """Stop the worker's job after its current batch and wait for it (lock held)."""
-        self._cancel = True
-        while self._busy:
-            self._cv.wait()
-
     def synchronize(self) -> None:
         """Wait until the background pre-mapping of the last step is done."""
         with self._lock:
-            while self._busy:
-                self._cv.wait()
+            self.premapper.wait()
 
     # ------------------------------------------------------------------ figures ----
     def stats(self) -> MemoryStats:
@@ -688,20 +811,19 @@ class PageAllocator:
     # ------------------------------------------------------------------ closing ----
     def close(self) -> None:
         """Stop the worker, unmap and release every page (after the device finished)."""
-        if self._worker is not None and threading.current_thread() is self._worker:
+        if self.premapper.is_worker():
             # The garbage collector ran the cache's finalizer on the worker thread, which
             # cannot join itself (and may hold the lock): close from another thread.
             threading.Thread(target=self.close, name="vattn-close", daemon=True).start()
             return
-        self._cancel = True
+        self.premapper.cancel = True
         with self._lock:
             if self._closed:
                 return
-            self._quiesce()
+            self.premapper.quiesce()
             self._closed = True
-            self._cv.notify_all()
-        if self._worker is not None:
-            self._worker.join()
+            self.premapper.cv.notify_all()
+        self.premapper.join()
         # Every page is given back even when a driver call fails on the way; the first
         # error is raised at the end.
         errors: list[Exception] = []
@@ -722,6 +844,7 @@ class PageAllocator:
                     errors.append(e)
             groups = self.pool + list(self.refs)  # each group once, however many slots map it
             self.pool, self.slot_pages, self.refs = [], [[] for _ in range(self.num_slots)], {}
+            self.cap = [0] * self.num_slots
             self.shared_slots.clear()
             self.dirty.clear()
             self.dirty_slots.clear()
