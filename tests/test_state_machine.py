@@ -27,6 +27,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.segs: dict[int, list[tuple[int, int, int]]] = {}  # reqid -> (start, end, tag) it holds
         self.pages: dict[int, list[int]] = {}  # reqid -> identity of each page (shared pages share one)
         self.page_ids = iter(range(1 << 30))
+        self.pinned: list[tuple[list, list, list]] = []  # (handles, segments they hold, page ids)
         self.n = 0
 
     def teardown(self) -> None:
@@ -93,6 +94,28 @@ class CacheMachine(RuleBasedStateMachine):
         self.lens[child], self.tags[child] = k, self.n
         self.segs[child] = [(a, min(b, k), t) for a, b, t in self.segs[parent] if a < k]
         self.pages[child] = self.pages[parent][:full] + ([next(self.page_ids)] if partial else [])
+
+    @precondition(lambda self: any(n >= 64 for n in self.lens.values()))
+    @rule(data=st.data())
+    def pin(self, data) -> None:
+        r = data.draw(st.sampled_from(sorted(r for r, n in self.lens.items() if n >= 64)))
+        k = data.draw(st.integers(min_value=1, max_value=self.lens[r] * self.g.token_bytes // PAGE))
+        handles = self.cache.pin(r, k)
+        end = k * PAGE // self.g.token_bytes
+        self.pinned.append((handles, [(a, min(b, end), t) for a, b, t in self.segs[r] if a < end], self.pages[r][:k]))
+
+    @precondition(lambda self: self.pinned and len(self.lens) < B)
+    @rule(data=st.data())
+    def map_pinned(self, data) -> None:
+        handles, segs, ids = data.draw(st.sampled_from(self.pinned))
+        self.alloc()
+        r = max(self.lens, key=self.tags.__getitem__)  # the one alloc() just made
+        n = self.cache.map_pinned(r, handles)
+        k = n * self.g.token_bytes // PAGE
+        assert n % (PAGE // self.g.token_bytes) == 0 and k <= len(handles)
+        self.lens[r] = n
+        self.segs[r] = [(a, min(b, n), t) for a, b, t in segs if a < n]
+        self.pages[r] = ids[:k]
 
     @rule(r=st.integers(min_value=-2, max_value=B + 2), n=st.integers(min_value=-3, max_value=L + 3))
     def bad_step(self, r, n) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+from collections import OrderedDict
 import itertools
 import threading
 import warnings
@@ -88,6 +89,7 @@ class MemoryStats:
     used_bytes: int  # bytes holding tokens of active requests
     free_tokens: int  # tokens that still fit (pool, budget and cached pages)
     num_active: int
+    num_pinned_pages: int = 0  # kept for the prefix cache (mapped in a slot or not)
 
     @property
     def fragmentation_bytes(self) -> int:
@@ -206,7 +208,12 @@ class PageAllocator:
         self.slot_pages: list[list[Any]] = [[] for _ in range(n)]
         self.cap = [0] * n  # tokens the slot's mapped pages hold (kept with slot_pages)
         self.pool: list[Any] = []  # pop() hands out the lowest-offset group of a chunk first
-        self.refs: dict[Any, int] = {}  # mapped group -> number of slots mapping it
+        self.refs: dict[Any, int] = {}  # group -> slots mapping it + 1 if pinned
+        # Pinned groups (the prefix cache's pages), least recently used first: a pin is one
+        # more reference, so a pinned group outlives the slots that mapped it (its data stays
+        # in physical memory, unmapped) until it is evicted under memory pressure or trim().
+        self.pins: OrderedDict[Any, int] = OrderedDict()  # group -> generation of its pin
+        self._generation = itertools.count(1)
         self.shared_slots: set[int] = set()  # slots that may map a group shared with another slot
         self.num_created = 0
         self.free_slots: set[int] = set(range(n))
@@ -394,7 +401,7 @@ class PageAllocator:
         donors: list[tuple[int, int]] = []
         if sum(need[s] - len(pages[s]) for s in order) > supply:  # only then look at other slots
             donors = self._reclaimable(lens)
-            supply += self._freeable(donors)
+            supply += self._freeable(donors)  # pinned pages included: evicted after the donors
         served, failed, num_new = [], [], 0
         for s in order:
             missing = need[s] - len(pages[s])
@@ -411,6 +418,8 @@ class PageAllocator:
         """Reclaim what the pool lacks after growing, then map (one atomic backend call)."""
         short = plan.num_new - len(self.pool)
         num_unmapped = self._reclaim(plan.donors, short) if short > 0 else 0
+        if plan.num_new > len(self.pool):  # the donors were not enough: evict prefix-cache pages
+            self._evict(plan.num_new - len(self.pool))
         try:
             num_mapped = self._map_slots(plan.served, plan.need)
         except MapCountLimitError:
@@ -479,14 +488,17 @@ class PageAllocator:
 
 
     def _freeable(self, donors: list[tuple[int, int]]) -> int:
-        """Groups that unmapping all the donors' (slot, last k pages) would free: those whose
-        every reference is among them (a group shared with a live slot frees nothing)."""
+        """Groups that unmapping all the donors' (slot, last k pages) and evicting pins would
+        free: those whose every reference is among them (a group a live slot maps beyond
+        the donors' tails frees nothing)."""
         taken: dict[Any, int] = {}
         for s, k in donors:
             pages = self.slot_pages[s]
             for grp in pages[len(pages) - k:]:
                 taken[grp] = taken.get(grp, 0) + 1
-        return sum(t == self.refs[grp] for grp, t in taken.items())
+        pins, refs = self.pins, self.refs
+        return (sum(t + (grp in pins) == refs[grp] for grp, t in taken.items())
+                + sum(refs[grp] == 1 for grp in pins))  # pinned, mapped nowhere
 
     def _reclaim(self, donors: list[tuple[int, int]], count: int) -> int:
         """Unmap the donors' tail pages until `count` groups went back to the pool (a group
@@ -628,6 +640,8 @@ class PageAllocator:
                     donors = [(s, k) for s, k in self._reclaimable({}) if s != child]
                     self._reclaim(donors, 1)
                 if not self.pool:
+                    self._evict(1)
+                if not self.pool:
                     raise OutOfPhysicalMemoryError(
                         f"no page left for the copy of reqid {parent}'s last partial page; free a request or "
                         "raise physical_memory")
@@ -661,8 +675,8 @@ class PageAllocator:
             return child
 
     def trim(self) -> int:
-        """Give back now every page no live token needs (free slots, pre-mapped tails): unmap
-        and release them. Returns the page groups released."""
+        """Give back now every page no live token needs (free slots, pre-mapped tails, pinned
+        prefix pages no slot maps): unmap and release them. Returns the page groups released."""
         self.premapper.cancel = True
         with self._lock:
             self._check_open()
@@ -670,11 +684,100 @@ class PageAllocator:
             self._check_open()
             donors = self._reclaimable({})
             self._reclaim(donors, self.num_created)
+            self._evict(len(self.pins))
             groups, self.pool = self.pool, []
             self.dirty.difference_update(groups)
             self.backend.release(groups)
             self.num_created -= len(groups)
             return len(groups)
+
+    def pin(self, reqid: int, num_pages: int) -> list[tuple[Any, int]]:
+        """Keep the first `num_pages` pages of `reqid` (whole pages of tokens it wrote) after
+        the request ends, for the prefix cache. Returns one handle per page; a page already
+        pinned keeps its handle (and becomes the most recently used)."""
+        with self._lock:
+            self._check_open()
+            slot = self._check_active(reqid)
+            num_pages = self._index(num_pages, "num_pages")
+            full = self.max_lens[slot] * self.geometry.token_bytes // self.geometry.page_size
+            if not 0 <= num_pages <= full:
+                raise InvalidRequestError(
+                    f"num_pages={num_pages}: reqid {slot} has {full} whole pages of tokens to pin")
+            handles = []
+            for grp in self.slot_pages[slot][:num_pages]:
+                gen = self.pins.get(grp)
+                if gen is None:
+                    gen = self.pins[grp] = next(self._generation)
+                    self.refs[grp] += 1
+                else:
+                    self.pins.move_to_end(grp)
+                handles.append((grp, gen))
+            if handles:
+                self.shared_slots.add(slot)  # its pinned pages are shared with the prefix cache
+            return handles
+
+    def num_pinned(self, handles: Sequence[tuple[Any, int]]) -> int:
+        """How many of `handles`, from the first, are still pinned (not evicted); marks them
+        most recently used."""
+        with self._lock:
+            n = 0
+            for grp, gen in handles:
+                if self.pins.get(grp) != gen:
+                    break
+                self.pins.move_to_end(grp)
+                n += 1
+            return n
+
+    def map_pinned(self, reqid: int, handles: Sequence[tuple[Any, int]]) -> int:
+        """Map pinned pages as the first pages of a request that has not run yet (its slot
+        keeps nothing of earlier requests) and count their tokens as written. Returns the
+        number of tokens mapped: the leading handles that are still pinned."""
+        self.premapper.cancel = True
+        with self._lock:
+            self._check_open()
+            self.premapper.quiesce()
+            self._check_open()
+            slot = self._check_active(reqid)
+            g = self.geometry
+            if g.page_size % g.token_bytes:
+                raise InvalidRequestError(
+                    f"a page of {g.page_size} bytes does not hold a whole number of {g.token_bytes}-byte "
+                    "tokens; pick a page size that does to map pinned pages")
+            if self.max_lens[slot]:
+                raise InvalidRequestError(f"reqid {slot} has run already; map pinned pages before its first step")
+            groups = []
+            for grp, gen in handles:
+                if self.pins.get(grp) != gen:
+                    break
+                groups.append(grp)
+            if not groups:
+                return 0
+            pages = self.slot_pages[slot]
+            if pages:  # a reused slot: drop its pages first
+                self._reclaim([(slot, len(pages))], len(pages))
+            self.backend.map(self.bases, [g.page_offset(slot, p) for p in range(len(groups))], groups, g.page_size)
+            for grp in groups:
+                self.refs[grp] += 1
+                self.pins.move_to_end(grp)
+            self.slot_pages[slot] = list(groups)
+            self.shared_slots.add(slot)
+            self.max_lens[slot] = len(groups) * g.page_size // g.token_bytes
+            self._pages_changed(slot)
+            return self.max_lens[slot]
+
+    def _evict(self, count: int) -> int:
+        """Unpin up to `count` pinned groups that no slot maps, least recently used first;
+        they go to the pool. Returns how many."""
+        refs, victims = self.refs, []
+        for grp in self.pins:
+            if len(victims) >= count:
+                break
+            if refs[grp] == 1:
+                victims.append(grp)
+        for grp in victims:
+            del self.pins[grp]
+        self._unref(victims)
+        return len(victims)
 
     # ------------------------------------------------------------- prefetching ----
     def _schedule_prefetch(self, edge: list[int] | None) -> None:
@@ -763,9 +866,11 @@ class PageAllocator:
         with self._lock:
             self._check_open()
             g = self.geometry
-            mapped = len(self.refs)  # distinct groups: a shared one is memory once
+            refs, pins = self.refs, self.pins
+            pin_only = sum(refs[grp] == 1 for grp in pins)
+            mapped = len(refs) - pin_only  # distinct groups mapped in a slot: a shared one is memory once
             holding = {grp for s in self.alloc_seq for grp in self.slot_pages[s][:g.pages_for(self.max_lens[s])]}
-            cached = mapped - len(holding)  # pages under no live token
+            cached = len(refs) - len(holding)  # pages under no live token (pinned ones too)
             spare = len(self.pool) + (self.max_pages - self.num_created) + cached
             return MemoryStats(
                 page_size=g.page_size,
@@ -779,6 +884,7 @@ class PageAllocator:
                 used_bytes=sum(self.max_lens[s] for s in self.alloc_seq) * g.token_bytes_all,
                 free_tokens=spare * g.page_size // g.token_bytes,
                 num_active=len(self.alloc_seq),
+                num_pinned_pages=len(pins),
             )
 
     def check_invariants(self) -> None:
@@ -788,7 +894,9 @@ class PageAllocator:
             counts: dict[Any, int] = {}
             for grp in mapped:
                 counts[grp] = counts.get(grp, 0) + 1
-            assert counts == self.refs, "reference counts differ from the slots' pages"
+            for grp in self.pins:
+                counts[grp] = counts.get(grp, 0) + 1
+            assert counts == self.refs, "reference counts differ from the slots' pages and the pins"
             everywhere = list(counts) + self.pool + self.in_flight
             assert len(everywhere) == self.num_created <= self.max_pages
             assert len(set(everywhere)) == self.num_created, "a group is in two places"
@@ -845,6 +953,7 @@ class PageAllocator:
             groups = self.pool + list(self.refs)  # each group once, however many slots map it
             self.pool, self.slot_pages, self.refs = [], [[] for _ in range(self.num_slots)], {}
             self.cap = [0] * self.num_slots
+            self.pins.clear()
             self.shared_slots.clear()
             self.dirty.clear()
             self.dirty_slots.clear()

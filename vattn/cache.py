@@ -157,6 +157,19 @@ class KVCache:
         length `reqid` was stepped to. Raises NoFreeSlotError or OutOfPhysicalMemoryError."""
         return self.allocator.fork(reqid, num_tokens)
 
+    def pin(self, reqid: int, num_pages: int) -> list:
+        """Keep the first `num_pages` whole pages of `reqid` after it ends (the prefix
+        cache's pages): a pinned page stays in physical memory, unmapped once no slot maps
+        it, until memory runs short (least recently used first) or `trim()`. Returns one
+        opaque handle per page, for `map_pinned`."""
+        return self.allocator.pin(reqid, num_pages)
+
+    def map_pinned(self, reqid: int, handles: Sequence) -> int:
+        """Map pinned pages (handles from `pin`) as the first pages of `reqid` before its
+        first step: no copy, and their tokens need no prefill. Stops at the first handle
+        that was evicted. Returns the number of tokens now in the slot."""
+        return self.allocator.map_pinned(reqid, handles)
+
     def trim(self) -> int:
         """Unmap and release now every physical page no live token needs (pages of free
         slots and pages pre-mapped past a request's length): memory goes back to the

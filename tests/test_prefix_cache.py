@@ -1,0 +1,99 @@
+"""Prefix caching on vattn pages: pinned pages outlive their request, map into a new
+request's slot without a copy, and are evicted least recently used first under pressure."""
+from __future__ import annotations
+
+import pytest
+
+import vattn
+from tests.conftest import check, fill
+from vattn.prefix_cache import PrefixCache
+
+KB = 1 << 10
+TPP = 32  # SMALL geometry: 128 B a token, 4 KiB pages
+
+
+def test_a_second_request_maps_the_cached_prefix(make_cache):
+    c = make_cache(page_size=4 * KB, prefetch=False)
+    pc = PrefixCache(c, salt="model-a")
+    prompt = list(range(100))  # 3 whole pages + 4 tokens
+    a = c.alloc_reqid()
+    assert pc.map_prefix(a, prompt) == 0  # a miss
+    assert c.step({a: 100})
+    fill(c, a, 0, 100, 1)
+    pc.insert(a, prompt)
+    c.free_reqid(a)
+    b = c.alloc_reqid()
+    d = c.alloc_reqid()  # another slot than a's
+    assert d != a
+    mapped = c.backend.num_pages_mapped
+    assert pc.map_prefix(d, prompt + [7, 8]) == 3 * TPP
+    assert c.backend.num_pages_mapped == mapped + 3  # mapped, not copied
+    check(c, d, 3 * TPP, 1)  # a's K/V, read through d's own contiguous row
+    assert c.step({d: 110})
+    fill(c, d, 96, 110, 2)  # d computes only the rest
+    check(c, d, 96, 1)
+    assert pc.hit_rate == pytest.approx(96 / (100 + 102))
+    c.free_reqid(b)
+    c.allocator.check_invariants()
+
+
+def test_prefix_of_a_running_request_is_shared_and_never_written(make_cache):
+    c = make_cache(page_size=4 * KB, prefetch=False)
+    pc = PrefixCache(c)
+    prompt = list(range(64))
+    a = c.alloc_reqid()
+    assert c.step({a: 64})
+    fill(c, a, 0, 64, 1)
+    pc.insert(a, prompt)
+    b = c.alloc_reqid()
+    assert pc.map_prefix(b, prompt) == 32  # one token is left to compute: one page of two
+    assert pc.map_prefix(c.alloc_reqid(), prompt + [1]) == 64
+    assert c.step({a: 80, b: 40})
+    fill(c, a, 64, 80, 1)
+    fill(c, b, 32, 40, 2)  # b's second page is its own
+    check(c, a, 80, 1)
+    c.allocator.check_invariants()
+    assert c.stats().num_pinned_pages == 2
+
+
+def test_pinned_pages_are_evicted_lru_under_pressure_and_by_trim(make_cache):
+    group = 2 * 2 * 4 * KB
+    c = make_cache(page_size=4 * KB, prefetch=False, physical_memory=4 * group)  # 4 groups
+    pc = PrefixCache(c)
+    p1, p2 = list(range(32)), list(range(1000, 1032))
+    for prompt, tag in ((p1, 1), (p2, 2)):
+        r = c.alloc_reqid()
+        assert c.step({r: 32})
+        fill(c, r, 0, 32, tag)
+        pc.insert(r, prompt)
+        c.free_reqid(r)
+    st = c.stats()
+    assert st.num_pinned_pages == 2
+    x = c.alloc_reqid()
+    assert c.step({x: 96})  # three groups: free slots' pages, then the oldest pin
+    c.allocator.check_invariants()
+    assert c.stats().num_pinned_pages <= 1
+    y = c.alloc_reqid()
+    hit = pc.map_prefix(y, p2 + [5])
+    if hit:  # p2 was the most recently used: it survived, with its data
+        check(c, y, 32, 2)
+    c.free_reqid(y)
+    c.free_reqid(x)
+    assert c.trim() > 0
+    assert c.stats().num_pinned_pages == 0
+    z = c.alloc_reqid()
+    assert pc.map_prefix(z, p2 + [5]) == 0  # evicted entries are misses, never stale data
+    c.allocator.check_invariants()
+
+
+def test_pin_and_map_errors(make_cache):
+    c = make_cache(page_size=4 * KB, prefetch=False)
+    a = c.alloc_reqid()
+    assert c.step({a: 40})
+    with pytest.raises(vattn.InvalidRequestError, match="whole pages"):
+        c.pin(a, 2)
+    h = c.pin(a, 1)
+    with pytest.raises(vattn.InvalidRequestError, match="has run"):
+        c.map_pinned(a, h)
+    with pytest.raises(vattn.InvalidConfigError, match="whole tokens"):
+        PrefixCache(make_cache(page_size=4 * KB, head_dim=24))  # 192 B tokens
