@@ -222,6 +222,7 @@ class PageAllocator:
         self.ran: dict[int, int] = {}  # the latest step's lengths: the iteration after it reads these slots
         self.max_lens = [0] * n  # longest length since alloc: pages below it hold data
         self.last_fence: list[Any] = [None] * n
+        self.epoch = [0] * n  # changes when a slot's data may change hands (new owner, pages taken)
         self.eager_tokens = 0.0  # running mean of new requests' first lengths
         self._counter = itertools.count()
         # zero_reused_pages: groups holding data of a request that no longer owns them, and the
@@ -245,9 +246,14 @@ class PageAllocator:
                 raise NoFreeSlotError(
                     f"all {self.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
             slot = self._warm_slot()
-            self.free_slots.remove(slot)
-            self.alloc_seq[slot] = next(self._counter)
+            self._take(slot)
             return slot
+
+    def _take(self, slot: int) -> None:
+        """Hand free `slot` to a new request."""
+        self.free_slots.remove(slot)
+        self.alloc_seq[slot] = next(self._counter)
+        self.epoch[slot] += 1
 
     def free_reqid(self, reqid: int) -> None:
         with self._lock:
@@ -521,6 +527,7 @@ class PageAllocator:
                 self.last_fence[s] = None
             offsets += [g.page_offset(s, p) for p in range(n - take, n)]
             takes.append((s, take))
+            self.epoch[s] += 1
         # Books change only after the unmap: if it fails, the pages stay booked to their slots
         # (perhaps unreadable now, but never handed to another slot while still mapped).
         self.backend.unmap(self.bases, offsets, g.page_size)
@@ -598,6 +605,67 @@ class PageAllocator:
                 self.pool.extend(reversed(groups))
             return self.num_created - before
 
+    def _fence_ran(self) -> None:
+        """Record a fence for the slots the last iteration read: calls between iterations
+        that may unmap pages (fork, map_pinned, trim, resume) must wait for that iteration."""
+        fence = self.backend.fence()
+        if fence is not None:
+            for s in self.ran:
+                self.last_fence[s] = fence
+
+    # ----------------------------------------------------------------- swapping ----
+    def park(self, reqid: int) -> tuple[int, int]:
+        """`free_reqid`, remembering (slot, epoch): while the slot stays untouched (no new
+        owner, no page taken), `resume` gets it back with its data, with no copy."""
+        with self._lock:
+            slot = self._check_active(reqid)
+        self.free_reqid(slot)
+        with self._lock:
+            if self.zero_pages is not None:  # its own data: nothing to clear if it comes back
+                self.dirty_slots.discard(slot)
+            return slot, self.epoch[slot]
+
+    def resume(self, slot: int, epoch: int, num_tokens: int) -> tuple[int, bool]:
+        """A slot for a parked request of `num_tokens` tokens: its own slot, untouched since
+        `park` (returns (slot, False): the data is there), or a new one with pages mapped
+        for the tokens (returns (slot, True): copy the data in). Raises NoFreeSlotError or
+        OutOfPhysicalMemoryError and changes nothing when it cannot."""
+        self.premapper.cancel = True
+        with self._lock:
+            self._check_open()
+            self.premapper.quiesce()
+            self._check_open()
+            num_tokens = self._index(num_tokens, "num_tokens")
+            if not 0 < num_tokens <= self.max_len:
+                raise InvalidRequestError(f"num_tokens={num_tokens} must be in [1, {self.max_len}]")
+            if not self.free_slots:
+                raise NoFreeSlotError(f"all {self.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
+            if slot in self.free_slots and self.epoch[slot] == epoch and self.cap[slot] >= num_tokens:
+                self._take(slot)
+                self.dirty.difference_update(self.slot_pages[slot][:self.geometry.pages_for(num_tokens)])
+                self.max_lens[slot] = num_tokens
+                return slot, False
+            self._fence_ran()
+            new = self._warm_slot()
+            self._take(new)
+            try:
+                result = self._back({new: num_tokens}, [new]) if self.cap[new] < num_tokens else StepResult()
+            except BaseException:
+                self._untake(new)
+                raise
+            if not result:
+                self._untake(new)
+                raise OutOfPhysicalMemoryError(
+                    f"no pages for the {num_tokens} tokens of a swapped-out request; free requests or raise "
+                    "physical_memory")
+            self.max_lens[new] = num_tokens
+            return new, True
+
+    def _untake(self, slot: int) -> None:
+        del self.alloc_seq[slot]
+        self.free_slots.add(slot)
+        self._pages_changed(slot)
+
     # ----------------------------------------------------------------- sharing ----
     def fork(self, reqid: int, num_tokens: int) -> int:
         """A new request (returned reqid) whose first `num_tokens` tokens are `reqid`'s.
@@ -617,6 +685,7 @@ class PageAllocator:
                 raise InvalidRequestError(
                     f"num_tokens={num_tokens} must be in [1, {self.max_lens[parent]}]: the tokens reqid "
                     f"{parent} has (its longest step length)")
+            self._fence_ran()
             if not self.free_slots:
                 raise NoFreeSlotError(f"all {self.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
             g = self.geometry
@@ -668,9 +737,8 @@ class PageAllocator:
             self.slot_pages[child] = groups
             if shared:
                 self.shared_slots.update((parent, child))
-            self.free_slots.remove(child)
+            self._take(child)
             self._pages_changed(child)
-            self.alloc_seq[child] = next(self._counter)
             self.max_lens[child] = num_tokens
             return child
 
@@ -682,6 +750,7 @@ class PageAllocator:
             self._check_open()
             self.premapper.quiesce()
             self._check_open()
+            self._fence_ran()
             donors = self._reclaimable({})
             self._reclaim(donors, self.num_created)
             self._evict(len(self.pins))
@@ -745,6 +814,7 @@ class PageAllocator:
                     "tokens; pick a page size that does to map pinned pages")
             if self.max_lens[slot]:
                 raise InvalidRequestError(f"reqid {slot} has run already; map pinned pages before its first step")
+            self._fence_ran()
             groups = []
             for grp, gen in handles:
                 if self.pins.get(grp) != gen:

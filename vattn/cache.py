@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -12,6 +13,24 @@ from vattn.config import CacheConfig, Geometry, as_int
 from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
 from vattn.vmem import make_backend
 from vattn.vmem.base import Backend
+
+
+SWAP_CHUNK = 256 << 20  # host buffers of a swapped-out request: never one buffer over this
+
+
+@dataclass
+class SwapHandle:
+    """A swapped-out request: its tokens in host memory, and where it was."""
+
+    slot: int
+    epoch: int
+    num_tokens: int
+    host: list[list[torch.Tensor]]  # per buffer, chunks of its first num_tokens tokens (uint8)
+    copied_in: bool | None = None  # after swap_in: whether the data had to be copied back
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for chunks in self.host for t in chunks)
 
 
 class KVCache:
@@ -169,6 +188,46 @@ class KVCache:
         first step: no copy, and their tokens need no prefill. Stops at the first handle
         that was evicted. Returns the number of tokens now in the slot."""
         return self.allocator.map_pinned(reqid, handles)
+
+    def swap_out(self, reqid: int, num_tokens: int) -> SwapHandle:
+        """Preempt `reqid` by swapping: copy its first `num_tokens` tokens (K and V of every
+        layer) to host memory (pinned on CUDA, in chunks of at most 256 MiB), then free its
+        slot. The slot keeps its pages (deferred reclamation): `swap_in` takes it back with
+        no copy at all while nobody else took the slot or its pages."""
+        g = self.geometry
+        num_tokens = as_int(num_tokens, "num_tokens", InvalidRequestError)
+        slot = self.allocator._check_active(reqid)
+        if not 0 < num_tokens <= self.allocator.max_lens[slot]:
+            raise InvalidRequestError(
+                f"num_tokens={num_tokens} must be in [1, {self.allocator.max_lens[slot]}]: the tokens reqid {slot} has")
+        nbytes, start = num_tokens * g.token_bytes, g.page_offset(slot, 0)
+        pin = self.backend.device.type == "cuda"
+        host = []
+        for buf in self._bytes:  # the slot's row is contiguous in every buffer
+            chunks = []
+            for off in range(0, nbytes, SWAP_CHUNK):
+                n = min(SWAP_CHUNK, nbytes - off)
+                dst = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+                dst.copy_(buf[start + off:start + off + n], non_blocking=pin)
+                chunks.append(dst)
+            host.append(chunks)
+        slot, epoch = self.allocator.park(slot)
+        return SwapHandle(slot, epoch, num_tokens, host)
+
+    def swap_in(self, handle: SwapHandle) -> int:
+        """Bring a swapped-out request back; returns its (new) reqid. No copy when its old
+        slot is untouched; otherwise pages are mapped and its tokens copied back. Raises
+        NoFreeSlotError or OutOfPhysicalMemoryError (nothing changed: try again later)."""
+        slot, copy = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens)
+        if copy:
+            start, pin = self.geometry.page_offset(slot, 0), self.backend.device.type == "cuda"
+            for buf, chunks in zip(self._bytes, handle.host):
+                off = start
+                for src in chunks:
+                    buf[off:off + src.numel()].copy_(src, non_blocking=pin)
+                    off += src.numel()
+        handle.copied_in = copy
+        return slot
 
     def trim(self) -> int:
         """Unmap and release now every physical page no live token needs (pages of free
