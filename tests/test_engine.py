@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -111,6 +112,26 @@ def test_generate_batch_and_prompt_forms() -> None:
     assert hf_greedy(model, prompts()[0], MAX_TOKENS[0]) == list(ref[0])
 
 
+def test_numpy_and_tensor_integers_are_ints() -> None:
+    """Token ids, sampling and engine settings given as numpy integers or 0-d tensors."""
+    ref = reference()
+    with LLM(tiny_config(), seed=np.int64(0), page_size=np.int64(PAGE), max_batch_size=torch.tensor(4),
+             max_num_batched_tokens=np.int32(64)) as llm:
+        assert type(llm.config.max_batch_size) is int and type(llm.config.page_size) is int
+        p0, p1, p2, p3 = prompts()[:4]
+        forms = [[np.int64(t) for t in p0], np.array(p1, dtype=np.int32), [torch.tensor(t) for t in p2],
+                 torch.tensor(p3)]
+        params = [SamplingParams(temperature=0, max_tokens=np.int64(m)) for m in MAX_TOKENS[:4]]
+        outs = llm.generate(forms, params)
+        assert_matches(outs, ref[:4])
+        assert [o.prompt_token_ids for o in outs] == prompts()[:4]
+        assert all(type(t) is int for o in outs for t in o.prompt_token_ids)
+        one = llm.generate([np.uint8(t) for t in p1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS[1]))
+        assert len(one) == 1 and one[0].token_ids == list(ref[1])
+        two_d = llm.generate(np.array([p0[:4], p1[:4]]), SamplingParams(temperature=0, max_tokens=2))
+        assert [o.prompt_token_ids for o in two_d] == [p0[:4], p1[:4]]
+
+
 def test_online_steps_report_updates() -> None:
     with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4) as llm:
         assert llm.step() == [] and not llm.has_unfinished()
@@ -159,10 +180,19 @@ def test_bad_requests_leave_running_requests_intact() -> None:
             llm.add_request([1, "a"], params[0])
         with pytest.raises(InvalidRequestError, match="tokenizer"):
             llm.add_request("hello", params[0])
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(InvalidRequestError, match="must be a SamplingParams, got dict"):
             llm.add_request(ps[0], {"max_tokens": 3})
+        with pytest.raises(InvalidRequestError, match="sampling_params must be a SamplingParams .*got dict"):
+            llm.generate(ps[:2], {"max_tokens": 3})
         with pytest.raises(InvalidRequestError, match="sampling_params"):
             llm.generate(ps[:2], [params[0]])
+        for bad in (None, 5, 2.5, {1: [1, 2]}, {1, 2}, torch.tensor(3), b"abc"):
+            with pytest.raises(InvalidRequestError, match="prompts must be a string, a list of token ids"):
+                llm.generate(bad)
+        for bad in ([[1, 2], None], [torch.ones(2, 2, dtype=torch.long)], [[1, 2.0]], [[True, 2]],
+                    [[torch.tensor([1]), 2]]):
+            with pytest.raises(InvalidRequestError, match="prompt"):
+                llm.generate(bad)
         with pytest.raises(ContextLengthError):  # one bad prompt: none of the batch is queued
             llm.generate([ps[5], ps[4]], [params[5], SamplingParams(max_tokens=100)])
         assert llm.scheduler.num_unfinished == n

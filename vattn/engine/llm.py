@@ -10,12 +10,15 @@ with LLM("path/to/checkpoint", max_batch_size=8, page_size=64 << 10) as llm:
 """
 from __future__ import annotations
 
+import operator
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 from typing import Sequence as Seq
 
 import torch
 
+from vattn.engine.checks import is_int
 from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import ModelRunner, load_model
 from vattn.engine.sampling_params import SamplingParams
@@ -79,13 +82,7 @@ class LLM:
         queued. Requests added online before keep running meanwhile; their final outputs
         are returned by the next step()."""
         prompt_list = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise InvalidRequestError(
-                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts")
+        params_list = _as_params_list(sampling_params, len(prompt_list))
         seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params_list)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -148,7 +145,9 @@ class LLM:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+                + (" (write SamplingParams(**d))" if isinstance(params, Mapping) else ""))
         text, ids = self._tokenize(prompt)
         if len(ids) + params.max_tokens > self.max_context_len:
             raise ContextLengthError(
@@ -165,18 +164,18 @@ class LLM:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
             return prompt, list(self.tokenizer.encode(prompt))
-        if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a tensor or array
+        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:  # a tensor or array
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
-            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
-        if not ids:
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         vocab = self.runner.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt if not is_int(t) or not 0 <= operator.index(t) < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
-        return None, ids
+        return None, [operator.index(t) for t in prompt]
 
     def _postprocess(self, batch: SchedulerOutput, tokens: dict[int, int]) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -225,14 +224,35 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a string, token ids) or a sequence of prompts -> a list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
-    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
+    if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) in (1, 2):  # a tensor or array
         prompts = prompts.tolist()
+    if (isinstance(prompts, (bytes, Mapping, set, frozenset)) or not isinstance(prompts, Iterable)
+            or getattr(prompts, "ndim", None) == 0):
+        raise InvalidRequestError(
+            "prompts must be a string, a list of token ids, or a list of those; "
+            f"got {type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if prompts and all(is_int(t) for t in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
+
+
+def _as_params_list(sampling_params: Any, n: int) -> list[Any]:
+    """None, one SamplingParams for every prompt, or one per prompt -> a list of n."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Iterable):
+        raise InvalidRequestError(
+            "sampling_params must be a SamplingParams or a list of them (one per prompt); got "
+            f"{type(sampling_params).__name__}"
+            + (" (write SamplingParams(**d))" if isinstance(sampling_params, Mapping) else ""))
+    params = list(sampling_params)
+    if len(params) != n:
+        raise InvalidRequestError(f"got {len(params)} sampling_params for {n} prompts; give one per prompt")
+    return params
 
 
 def _eos_token_ids(model: Any) -> frozenset[int]:

@@ -18,6 +18,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Protocol
 
+from vattn.engine.checks import as_int
 from vattn.engine.sequence import FinishReason, Sequence, SequenceStatus
 from vattn.errors import InvalidConfigError
 
@@ -51,9 +52,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise InvalidConfigError(f"{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, as_int(getattr(self, name), name, InvalidConfigError, low=1))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
