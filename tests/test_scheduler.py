@@ -47,7 +47,7 @@ def test_scheduler_preempts_newest_and_aborts_what_cannot_fit_alone() -> None:
     fake_advance(out)
     kv.capacity = 11
     out = sched.schedule()  # c is admitted again, then c and b (newest first) are preempted,
-    assert out.preempted == [c, b] and out.aborted == [a] and out.scheduled == []  # a alone (12) does not fit
+    assert out.preempted == [c, b] and out.finished == [a] and out.scheduled == []  # a alone (12) does not fit
     assert c.num_preemptions == 1 and b.num_preemptions == 1  # c had nothing computed this time
     assert a.finish_reason == "error" and a.status is SequenceStatus.FINISHED
     assert sched.waiting == [b, c] and sched.running == []
