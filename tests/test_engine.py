@@ -319,9 +319,20 @@ def test_run_demo_small() -> None:
 
     r = run_demo(num_requests=6, seed=0, device="cpu", max_batch_size=4, max_prompt=48, max_output=24,
                  physical_memory=1 << 20, page_size=PAGE, show_progress=False, verbose=False)
-    assert r["num_requests"] == 6 and r["num_errors"] == 0
+    assert r["num_requests"] == 6 and r["num_errors"] == 0 and r["errors"] == []
     assert r["output_tokens"] > 0 and r["output_throughput_tok_s"] > 0
     assert r["kv_mapped_mib_peak"] >= r["kv_used_mib_peak"] > 0
     for key in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "num_preemptions",
                 "kv_fragmentation_pct_mean"):
         assert key in r
+
+
+def test_demo_and_workload_need_at_least_one_request() -> None:
+    from vattn.engine.demo import run_demo
+    from vattn.workload import synthetic_requests
+
+    for n in (0, -1):
+        with pytest.raises(InvalidConfigError, match="positive int"):
+            run_demo(num_requests=n, device="cpu", show_progress=False, verbose=False)
+        with pytest.raises(InvalidConfigError, match="positive int"):
+            synthetic_requests(n, 1024)
