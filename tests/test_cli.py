@@ -1,12 +1,14 @@
 """The `vattn` command: the README's main job and `generate`."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from vattn.cli import main
+from vattn.cli import build_parser, main
 
 
 def test_demo_synthetic(capsys):
@@ -41,3 +43,47 @@ def test_generate_from_checkpoint_dir(tmp_path, capsys):
 def test_generate_errors_are_messages_not_tracebacks(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt-ids", "1"]) == 2
     assert "not a local checkpoint directory" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import vattn
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"vattn {vattn.__version__}"
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--synthetic", "--requests", "0"], ["demo", "--requests", "-1"], ["demo", "--requests", "x"],
+    ["demo", "--page-size", "0"], ["demo", "--physical-memory", "-5"], ["demo", "--synthetic", "--max-batch-size", "0"],
+    ["demo", "--synthetic", "--max-context-len", "1.5"], ["generate", "--model", "m", "--max-tokens", "0"],
+    ["generate", "--model", "m", "--dtype", "int8"],
+], ids=" ".join)
+def test_bad_numbers_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err
+    assert "expected a positive integer" in err or "invalid choice" in err
+
+
+def test_every_option_has_help():
+    def walk(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from ((f"{name} {opt}", a) for opt, a in walk(sub))
+            elif action.option_strings:
+                yield "/".join(action.option_strings), action
+
+    missing = [name for name, action in walk(build_parser()) if not action.help]
+    assert not missing, f"options without help: {missing}"
+
+
+def test_engine_demo_with_failed_requests_exits_non_zero_and_says_why(capsys):
+    # 600 kB of KV pages: requests longer than about 150 tokens cannot fit even alone
+    code = main(["demo", "--requests", "6", "--device", "cpu", "--physical-memory", "600000"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "requests failed" in captured.err and "raise physical_memory" in captured.err
+    assert "requests (errors)" in captured.out

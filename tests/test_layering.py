@@ -23,4 +23,5 @@ def test_books_import_no_torch(module):
     # vattn modules it imports at run time must be torch-free too (type-only imports aside)
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vattn"):
-            assert node.module in ("vattn.errors", "vattn.engine.sequence", "vattn.engine.sampling_params"), node.module
+            assert node.module in ("vattn.errors", "vattn.checks", "vattn.engine.sequence",
+                                   "vattn.engine.sampling_params"), node.module

@@ -37,6 +37,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
+from vattn.checks import as_int
 from vattn.errors import (
     ClosedError,
     ContextLengthError,
@@ -372,9 +373,7 @@ class PageAllocator:
 
     @staticmethod
     def _index(v: Any, what: str) -> int:
-        if isinstance(v, bool) or not hasattr(v, "__index__"):
-            raise InvalidRequestError(f"{what} must be an int, got {v!r}")
-        return v.__index__()
+        return as_int(v, what, InvalidRequestError)
 
     def _check_active(self, reqid: Any) -> int:
         slot = self._index(reqid, "reqid")

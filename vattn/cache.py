@@ -9,7 +9,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from vattn.allocator import MemoryStats, PageAllocator, StepResult
-from vattn.config import CacheConfig, Geometry, as_int
+from vattn.checks import as_int
+from vattn.config import CacheConfig, Geometry
 from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
 from vattn.vmem import make_backend
 from vattn.vmem.base import Backend
@@ -135,12 +136,7 @@ class KVCache:
         return self._v[self._layer(layer)]
 
     def _layer(self, layer: int) -> int:
-        try:
-            index = as_int(layer, "layer", InvalidRequestError)
-        except InvalidRequestError:
-            index = -1
-        if not 0 <= index < self.config.num_layers:
-            raise InvalidRequestError(f"layer must be an int in [0, {self.config.num_layers}), got {layer!r}")
+        index = as_int(layer, "layer", InvalidRequestError, low=0, high=self.config.num_layers - 1)
         if not self._k:
             raise ClosedError("this cache was closed; create a new one with vattn.init()")
         return index

@@ -23,7 +23,7 @@ def _synthetic_demo(args: argparse.Namespace) -> int:
     device = args.device or default_device()
     page = args.page_size or (None if device.startswith("cuda") else 64 << 10)
     reqs = synthetic_requests(args.requests, args.max_context_len, seed=args.seed)
-    with vattn.KVCache(num_layers=8, num_kv_heads=4, head_dim=64, max_batch_size=args.max_batch_size,
+    with vattn.KVCache(num_layers=8, num_kv_heads=4, head_dim=64, max_batch_size=args.max_batch_size or 16,
                        max_context_len=args.max_context_len, dtype="float16", device=device, page_size=page,
                        layout=args.layout, physical_memory=args.physical_memory) as cache:
         with tqdm(total=len(reqs), desc="requests", unit="req", disable=not sys.stderr.isatty()) as bar:
@@ -34,7 +34,8 @@ def _synthetic_demo(args: argparse.Namespace) -> int:
         ("requests / iterations", f"{s['requests']} / {s['iterations']}"),
         ("K/V tokens written", f"{s['tokens_written']:,}"),
         ("preemptions", str(s["preemptions"])),
-        ("step latency p50 / p99 / max", f"{s['step_ms_p50']:.3f} / {s['step_ms_p99']:.3f} / {s['step_ms_max']:.3f} ms"),
+        ("step latency p50 / p99 / max",
+         f"{s['step_ms_p50']:.3f} / {s['step_ms_p99']:.3f} / {s['step_ms_max']:.3f} ms"),
         ("peak mapped / peak used", f"{s['peak_mapped_MiB']:.1f} / {s['peak_used_MiB']:.1f} MiB"),
         ("mean internal fragmentation", f"{100 * s['mean_fragmentation']:.1f} %"),
         ("page groups mapped / unmapped", f"{s['pages_mapped']} / {s['pages_unmapped']}"),
@@ -48,42 +49,68 @@ def _synthetic_demo(args: argparse.Namespace) -> int:
 def _engine_demo(args: argparse.Namespace) -> int:
     from vattn.engine.demo import run_demo
 
-    run_demo(num_requests=args.requests, seed=args.seed, device=args.device, page_size=args.page_size,
-             layout=args.layout, physical_memory=args.physical_memory)
+    r = run_demo(num_requests=args.requests, seed=args.seed, device=args.device, page_size=args.page_size,
+                 layout=args.layout, physical_memory=args.physical_memory,
+                 max_batch_size=args.max_batch_size or 8)
+    if r["num_errors"]:
+        print(f"vattn: error: {r['num_errors']} of {r['num_requests']} requests failed:", file=sys.stderr)
+        for message in r["errors"][:3]:
+            print(f"  {message}", file=sys.stderr)
+        if len(r["errors"]) > 3:
+            print(f"  ... and {len(r['errors']) - 3} more", file=sys.stderr)
+        return 1
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    import vattn
+
     p = argparse.ArgumentParser(prog="vattn", description="vAttention-style KV-cache memory manager")
+    p.add_argument("--version", action="version", version=f"vattn {vattn.__version__}",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="serve a few dozen requests on a tiny built-in model and print figures")
-    d.add_argument("--synthetic", action="store_true", help="drive the allocator alone with synthetic requests (no model)")
-    d.add_argument("--requests", type=int, default=32)
-    d.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("demo", help="serve a few dozen requests on a tiny built-in model and print figures",
+                       description="Serve requests on a tiny built-in model (or, with --synthetic, drive the "
+                       "allocator alone) and print figures. Exits 1 if any request failed.")
+    d.add_argument("--synthetic", action="store_true",
+                   help="drive the allocator alone with synthetic requests (no model)")
+    d.add_argument("--requests", type=_positive_int, default=32, help="number of requests (default: 32)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the request mix and the model weights (default: 0)")
     d.add_argument("--device", default=None, help="cpu (host backend) or cuda[:N]; default: cuda if available")
-    d.add_argument("--page-size", type=int, default=None, help="bytes; default: 64 KiB on the host, the GPU's granularity on CUDA")
-    d.add_argument("--layout", choices=["per-layer", "fused"], default="per-layer")
-    d.add_argument("--physical-memory", type=int, default=None, help="cap on physical page memory, bytes")
-    d.add_argument("--max-batch-size", type=int, default=16, help="(--synthetic) slots")
-    d.add_argument("--max-context-len", type=int, default=4096, help="(--synthetic) tokens per slot")
+    d.add_argument("--page-size", type=_positive_int, default=None,
+                   help="bytes; default: 64 KiB on the host, the GPU's granularity on CUDA")
+    d.add_argument("--layout", choices=["per-layer", "fused"], default="per-layer",
+                   help="one K and one V buffer per layer, or one of each for all layers (default: per-layer)")
+    d.add_argument("--physical-memory", type=_positive_int, default=None,
+                   help="cap on physical KV page memory, bytes (default: no cap)")
+    d.add_argument("--max-batch-size", type=_positive_int, default=None,
+                   help="cache slots (default: 8 for the model demo, 16 with --synthetic)")
+    d.add_argument("--max-context-len", type=_positive_int, default=4096,
+                   help="(--synthetic) tokens per slot (default: 4096)")
 
-    g = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint")
+    g = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint",
+                       description="Generate from a local Hugging Face checkpoint; prints one line per prompt.")
     g.add_argument("--model", required=True, help="a local checkpoint directory")
     g.add_argument("--prompt", action="append", default=[], help="text (needs the checkpoint's tokenizer); repeatable")
     g.add_argument("--prompt-ids", action="append", default=[], type=_token_ids,
                    help="comma-separated token ids, e.g. 1,15,27; repeatable")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", default=None)
-    g.add_argument("--page-size", type=int, default=None)
-    g.add_argument("--layout", choices=["per-layer", "fused"], default="per-layer")
+    g.add_argument("--max-tokens", type=_positive_int, default=32, help="tokens to generate at most (default: 32)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine's generator)")
+    g.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
+    g.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                   help="model and cache dtype (default: float32 on CPU, the checkpoint's half type on CUDA)")
+    g.add_argument("--page-size", type=_positive_int, default=None, help="bytes (default: the backend's)")
+    g.add_argument("--layout", choices=["per-layer", "fused"], default="per-layer",
+                   help="KV cache layout (default: per-layer)")
+    return p
 
-    args = p.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from vattn.errors import VattnError
 
     try:
@@ -93,6 +120,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VattnError as e:
         print(f"vattn: error: {e}", file=sys.stderr)
         return 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _token_ids(text: str) -> list[int]:

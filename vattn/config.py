@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
+from vattn.checks import as_int
 from vattn.errors import InvalidConfigError
 
 LAYOUTS = ("per-layer", "fused")
@@ -50,25 +50,8 @@ MAX_PAGE_SIZE = 1 << 30
 SMALL_PAGE_SIZE = 2 << 20
 
 
-def as_int(value: object, what: str, error: type[Exception] = InvalidConfigError) -> int:
-    """`value` as a plain int: ints and integer-like objects (numpy integers, 0-d integer
-    tensors) through `__index__`; bools, floats and strings raise `error`."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise error(f"{what} must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:  # e.g. a tensor with more than one element, or a float tensor
-        raise error(f"{what} must be an int, got {value!r}") from None
-
-
 def _positive_int(name: str, value: object) -> int:
-    try:
-        v = as_int(value, name)
-    except InvalidConfigError:
-        v = 0
-    if v <= 0:
-        raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
-    return v
+    return as_int(value, name, InvalidConfigError, low=1, what="a positive int")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vattn.cache import KVCache
+from vattn.checks import as_int
 from vattn.errors import InvalidConfigError
 
 
@@ -66,6 +67,7 @@ class WorkloadReport:
 
 def synthetic_requests(n: int, max_context_len: int, seed: int = 0, arrivals_per_iter: float = 0.5) -> list[_Req]:
     """Mixed lengths: log-normal prompts and outputs, clipped to fit max_context_len."""
+    n = as_int(n, "the number of requests", InvalidConfigError, low=1)
     rng = random.Random(seed)
     reqs, t = [], 0.0
     for i in range(n):
@@ -80,6 +82,7 @@ def trace_requests(path: str, n: int, max_context_len: int, seed: int = 0,
                    arrivals_per_iter: float = 0.5) -> list[_Req]:
     """The first `n` rows of a trace CSV with `num_prefill_tokens` and `num_decode_tokens`
     columns (rows longer than max_context_len are clipped), Poisson arrivals."""
+    n = as_int(n, "the number of requests", InvalidConfigError, low=1)
     rng = random.Random(seed)
     reqs, t = [], 0.0
     with open(path, newline="") as f:
@@ -100,6 +103,8 @@ def _next_lens(running: list[_Req]) -> dict[int, int]:
 
 def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, progress: Any = None) -> WorkloadReport:
     """Serve `requests` on `cache` with continuous batching; returns figures and step latencies."""
+    if not requests:
+        raise InvalidConfigError("no requests to serve; give at least one")
     c = cache.config
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     waiting: deque[_Req] = deque()

@@ -7,17 +7,20 @@ import torch
 
 from vattn.attention import KERNELS
 from vattn.config import LAYOUTS, parse_dtype
+from vattn.checks import SEED_MAX, SEED_MIN, as_int
 from vattn.engine.scheduler import SchedulerConfig
 from vattn.errors import InvalidConfigError
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_positive(name: str, value: object, optional: bool = False) -> None:
+def _positive(config: EngineConfig, name: str, optional: bool = False) -> None:
+    """Check a positive-int field and store it as a Python int."""
+    value = getattr(config, name)
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidConfigError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+    what = "a positive int" + (" or None" if optional else "")
+    object.__setattr__(config, name, as_int(value, name, InvalidConfigError, low=1, what=what))
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class EngineConfig:
     model's own; else float32 on CPU, and on CUDA the checkpoint's float16/bfloat16 or float16), max_num_seqs (None:
     max_batch_size), max_num_batched_tokens (token budget per iteration = the prefill chunk
     size), seed (random weights of a model built from a config, and sampling without a
-    per-request seed), attention (kernel: None = automatic, or one of
+    per-request seed; an int in [-2**63, 2**64 - 1]), attention (kernel: None = automatic, or one of
     'flash_attn' | 'torch_flash' | 'sdpa').
     """
 
@@ -51,11 +54,10 @@ class EngineConfig:
     attention: str | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("max_batch_size", self.max_batch_size)
-        _check_positive("max_context_len", self.max_context_len, optional=True)
-        _check_positive("page_size", self.page_size, optional=True)
-        _check_positive("physical_memory", self.physical_memory, optional=True)
-        _check_positive("max_num_seqs", self.max_num_seqs, optional=True)
+        _positive(self, "max_batch_size")
+        for name in ("max_context_len", "page_size", "physical_memory", "max_num_seqs"):
+            _positive(self, name, optional=True)
+        _positive(self, "max_num_batched_tokens")
         if self.layout not in LAYOUTS:
             raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         for name in ("background", "prefetch"):
@@ -75,8 +77,8 @@ class EngineConfig:
             if dtype not in MODEL_DTYPES:
                 raise InvalidConfigError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
             object.__setattr__(self, "dtype", dtype)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise InvalidConfigError(f"seed must be an int, got {self.seed!r}")
+        object.__setattr__(self, "seed", as_int(self.seed, "seed", InvalidConfigError, low=SEED_MIN, high=SEED_MAX,
+                                                what="an int in [-2**63, 2**64 - 1] (what torch.manual_seed takes)"))
         if self.attention is not None and self.attention not in KERNELS:
             raise InvalidConfigError(f"attention must be None or one of {KERNELS}, got {self.attention!r}")
         if self.max_num_seqs is not None and self.max_num_seqs > self.max_batch_size:

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from vattn.checks import as_int
 from vattn.engine.llm import LLM
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.sequence import RequestOutput
+from vattn.errors import InvalidConfigError
 
 MIB = 1 << 20
 
@@ -43,7 +45,9 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
              show_progress: bool = True, verbose: bool = True) -> dict[str, Any]:
     """Run `num_requests` requests through the engine and return the figures as a dict
     (also printed as a table when `verbose`). Requests arrive 0 .. 2 * arrivals_per_step
-    per iteration; half decode greedily, half sample with a per-request seed."""
+    per iteration; half decode greedily, half sample with a per-request seed. The result's
+    "num_errors" counts requests that finished with an error; "errors" lists their messages."""
+    num_requests = as_int(num_requests, "num_requests", InvalidConfigError, low=1)
     device = device or default_device()
     rng = random.Random(seed)
     dtype = torch.float32 if device == "cpu" else torch.float16
@@ -108,6 +112,7 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
         "page_size": page,
         "num_requests": len(finished),
         "num_errors": sum(o.finish_reason == "error" for o in finished),
+        "errors": [o.error for o in finished if o.finish_reason == "error"],
         "iterations": iterations,
         "wall_s": wall,
         "prompt_tokens": prompt_tokens,

@@ -6,22 +6,30 @@ with LLM("path/to/checkpoint", max_batch_size=8, page_size=64 << 10) as llm:
     rid = llm.add_request([5, 6, 7], SamplingParams(max_tokens=8))   # online use
     while llm.has_unfinished():
         for out in llm.step(): ...
+    llm.abort_request(rid)                                           # a client went away
 ```
 """
 from __future__ import annotations
 
+import logging
+import operator
+import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 from typing import Sequence as Seq
 
 import torch
 
+from vattn.checks import is_int
 from vattn.engine.config import EngineConfig
-from vattn.engine.model_runner import ModelRunner, load_model
+from vattn.engine.model_runner import ModelRunner, RunOutput, load_model
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
 from vattn.engine.sequence import FinishReason, RequestMetrics, RequestOutput, Sequence
 from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -34,6 +42,24 @@ class LLM:
     `tokenizer`: overrides the checkpoint's; string prompts need one.
     `**config`: see `EngineConfig` (the cache's arguments by `vattn.init`'s names plus
     device, dtype, max_num_seqs, max_num_batched_tokens, seed, attention).
+
+    Failures never poison the engine:
+    - Bad input raises `InvalidRequestError` / `ContextLengthError` from add_request or
+      generate before anything is queued (`SamplingParams` checks its own values).
+    - A failure inside an iteration finishes the requests it belongs to with
+      finish_reason "error" and `error` saying why, frees their slots, and the engine keeps
+      serving the others: a request whose sampling raises fails alone; when the model's
+      forward raises, each request of the batch is retried alone at once and fails only if
+      it fails alone too (`ModelRunner.run`); when the cache's `step` raises, the
+      iteration's requests recompute and fail only when that happens twice in a row
+      (`Scheduler`).
+    - A request that cannot fit into physical_memory even alone finishes with "error".
+    - If `generate` is interrupted (KeyboardInterrupt, ...), its own requests are
+      aborted; the final outputs of other requests are kept for the next `step()`.
+
+    Threads: add_request, abort_request and step may be called from different threads
+    (one lock; abort_request waits for the iteration in flight). generate steps the engine
+    itself: run one generate at a time, and abort its requests from another thread.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, **config: Any) -> None:
@@ -48,28 +74,48 @@ class LLM:
         self.max_context_len = self.runner.max_context_len
         self.eos_token_ids = _eos_token_ids(loaded.model)
         self._next_id = 0
-        self._unclaimed: list[RequestOutput] = []  # finished outputs generate() read for others
+        self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
+        self._lock = threading.Lock()
         self._closed = False
 
     # ----------------------------------------------------------------- requests ----
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Raises InvalidRequestError (bad prompt or
         params) or ContextLengthError before anything is queued."""
-        seq = self._make_sequence(prompt, params)
-        self.scheduler.add(seq)
-        return seq.request_id
+        with self._lock:
+            seq = self._make_sequence(prompt, params)
+            self.scheduler.add(seq)
+            return seq.request_id
+
+    def abort_request(self, request_id: int | Iterable[int]) -> list[int]:
+        """Stop requests (one id or several), waiting or running: each finishes with
+        finish_reason "abort" and the tokens it has, and its slot is free at once. Their
+        final outputs are returned by the next `step()` (and by `generate`, for its own).
+        Ids of requests that already finished, or that this engine never issued, are
+        ignored: a client may go away just as its request finishes. Returns the ids it
+        aborted. Raises InvalidRequestError for an id that is not an int."""
+        ids = [request_id] if is_int(request_id) else _as_id_list(request_id)
+        with self._lock:
+            self._check_open()
+            seqs = self.scheduler.abort(ids)
+            self._report_finished(seqs)
+        return [seq.request_id for seq in seqs]
 
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running."""
-        return self.scheduler.has_unfinished()
+        """Whether any request is waiting or running, or has a final output that step()
+        has not returned yet."""
+        return self.scheduler.has_unfinished() or bool(self._unclaimed)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run the model -> postprocess. Returns the outputs of
-        the requests that got a token or finished in it."""
-        self._check_open()
-        batch = self.scheduler.schedule()
-        tokens = self.runner.run(batch.scheduled) if batch.scheduled else {}
-        return self._postprocess(batch, tokens)
+        the requests that got a token or finished in it (and final outputs not returned
+        yet: aborts, those generate() read for others)."""
+        with self._lock:
+            self._check_open()
+            batch = self.scheduler.schedule()
+            self._report_finished(batch.finished)  # before the run: kept even if it is interrupted
+            output = self.runner.run(batch.scheduled)
+            return self._postprocess(batch, output)
 
     def generate(self, prompts: str | Seq[int] | Iterable[str | Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -77,18 +123,14 @@ class LLM:
         """Generate for every prompt (a string, a list of token ids, or a list of those) and
         return the final outputs in prompt order. Every prompt is checked before any is
         queued. Requests added online before keep running meanwhile; their final outputs
-        are returned by the next step()."""
+        are returned by the next step(). If this call raises after queueing (an interrupt),
+        its requests are aborted and the engine stays usable."""
         prompt_list = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise InvalidRequestError(
-                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts")
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params_list)]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        with self._lock:
+            seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params_list)]
+            for seq in seqs:
+                self.scheduler.add(seq)
         pending = {seq.request_id for seq in seqs}
         results: dict[int, RequestOutput] = {}
         bar = None
@@ -105,7 +147,15 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
                     elif out.finished:
-                        self._unclaimed.append(out)
+                        with self._lock:
+                            self._unclaimed.append(out)
+        except BaseException:
+            with self._lock:  # nobody will read these requests' outputs: stop them, drop theirs
+                if not self._closed:
+                    for seq in self.scheduler.abort(pending):
+                        self.runner.release(seq.request_id)
+                self._unclaimed = [o for o in self._unclaimed if o.request_id not in pending]
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -128,9 +178,10 @@ class LLM:
     # ------------------------------------------------------------------ closing ----
     def close(self) -> None:
         """Release the cache and give the model back its attention implementation. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self.runner.close()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.runner.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -148,7 +199,9 @@ class LLM:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+                + (" (write SamplingParams(**d))" if isinstance(params, Mapping) else ""))
         text, ids = self._tokenize(prompt)
         if len(ids) + params.max_tokens > self.max_context_len:
             raise ContextLengthError(
@@ -165,31 +218,41 @@ class LLM:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
             return prompt, list(self.tokenizer.encode(prompt))
-        if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a tensor or array
+        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:  # a tensor or array
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
-            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
-        if not ids:
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         vocab = self.runner.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt if not is_int(t) or not 0 <= operator.index(t) < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
-        return None, ids
+        return None, [operator.index(t) for t in prompt]
 
-    def _postprocess(self, batch: SchedulerOutput, tokens: dict[int, int]) -> list[RequestOutput]:
+    def _report_finished(self, seqs: list[Sequence]) -> None:
+        """Forget the sampling state of sequences finished outside postprocess (errors while
+        scheduling, aborts) and keep their final outputs for the next step()."""
         now = time.perf_counter()
-        outputs = self._unclaimed
-        self._unclaimed = []
-        for seq in batch.aborted:
+        for seq in seqs:
             seq.finished_time = now
             self.runner.release(seq.request_id)
-            outputs.append(self._output(seq))
+            self._unclaimed.append(self._output(seq))
+
+    def _postprocess(self, batch: SchedulerOutput, output: RunOutput) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs, self._unclaimed = self._unclaimed, []
         for item in batch.scheduled:
             seq = item.seq
+            error = output.errors.get(seq.request_id)
+            if error is not None:
+                self._finish(seq, "error", now, error)
+                outputs.append(self._output(seq))
+                continue
             seq.num_computed_tokens += item.num_new_tokens
-            token = tokens.get(seq.request_id)
+            seq.num_failures = 0
+            token = output.tokens.get(seq.request_id)
             if token is None:  # a prompt chunk that does not reach the end yet
                 continue
             seq.token_ids.append(token)
@@ -197,11 +260,14 @@ class LLM:
                 seq.first_token_time = now
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                seq.finished_time = now
-                self.scheduler.finish(seq, reason)
-                self.runner.release(seq.request_id)
+                self._finish(seq, reason, now)
             outputs.append(self._output(seq))
         return outputs
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float, error: str | None = None) -> None:
+        seq.finished_time = now
+        self.scheduler.finish(seq, reason, error=error)
+        self.runner.release(seq.request_id)
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
@@ -215,7 +281,10 @@ class LLM:
         out_ids = seq.output_token_ids
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+            try:
+                text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+            except Exception:  # noqa: BLE001 - a tokenizer bug must not lose the tokens
+                logger.warning("vattn: the tokenizer could not decode request %d", seq.request_id, exc_info=True)
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=list(seq.prompt_token_ids),
             token_ids=out_ids, text=text, finished=seq.is_finished, finish_reason=seq.finish_reason,
@@ -225,14 +294,45 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a string, token ids) or a sequence of prompts -> a list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
-    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
+    if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) in (1, 2):  # a tensor or array
         prompts = prompts.tolist()
+    if (isinstance(prompts, (bytes, Mapping, set, frozenset)) or not isinstance(prompts, Iterable)
+            or getattr(prompts, "ndim", None) == 0):
+        raise InvalidRequestError(
+            "prompts must be a string, a list of token ids, or a list of those; "
+            f"got {type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if prompts and all(is_int(t) for t in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
+
+
+def _as_id_list(request_ids: Any) -> list[int]:
+    if isinstance(request_ids, (str, bytes, Mapping)) or not isinstance(request_ids, Iterable):
+        raise InvalidRequestError(f"request_id must be an int or a list of ints, got {type(request_ids).__name__}")
+    ids = list(request_ids)
+    bad = [i for i in ids if not is_int(i)]
+    if bad:
+        raise InvalidRequestError(f"request ids must be ints, got {bad[:5]}")
+    return [operator.index(i) for i in ids]
+
+
+def _as_params_list(sampling_params: Any, n: int) -> list[Any]:
+    """None, one SamplingParams for every prompt, or one per prompt -> a list of n."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Iterable):
+        raise InvalidRequestError(
+            "sampling_params must be a SamplingParams or a list of them (one per prompt); got "
+            f"{type(sampling_params).__name__}"
+            + (" (write SamplingParams(**d))" if isinstance(sampling_params, Mapping) else ""))
+    params = list(sampling_params)
+    if len(params) != n:
+        raise InvalidRequestError(f"got {len(params)} sampling_params for {n} prompts; give one per prompt")
+    return params
 
 
 def _eos_token_ids(model: Any) -> frozenset[int]:

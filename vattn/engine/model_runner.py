@@ -6,10 +6,15 @@ unchanged, and each attention layer goes through the "vattn" attention function
 (`vattn.integrations.hf`), which reads this iteration's `AttentionMetadata` from the
 forward context. Logits are computed only for the last token of each sequence that
 samples this iteration (`logits_to_keep`).
+
+Failures (see `ModelRunner.run`): one request's sampling that raises fails that request
+only; a forward that raises cannot be pinned on one request, so every sequence of the
+batch is run again alone, and only those that fail alone fail.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from typing import Any, NamedTuple
 
@@ -23,6 +28,15 @@ from vattn.engine.scheduler import ScheduledSequence
 from vattn.errors import InvalidConfigError
 
 MAX_DEFAULT_CONTEXT = 4096
+
+logger = logging.getLogger(__name__)
+
+
+class RunOutput(NamedTuple):
+    """What one iteration produced, by request id."""
+
+    tokens: dict[int, int]  # the sampled token of every sequence whose computed tokens reached its end
+    errors: dict[int, str]  # why a sequence failed (it finishes with "error"); its tokens are not computed
 
 
 class LoadedModel(NamedTuple):
@@ -100,27 +114,39 @@ class Sampler:
     def release(self, request_id: int) -> None:
         self.generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]) -> list[int]:
-        """logits `[S, V]` -> one token per row."""
+    def sample(self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]) -> RunOutput:
+        """logits `[S, V]` -> one token per row. A row whose sampling raises (e.g. NaN
+        logits) is reported in `errors`; the other rows keep their tokens."""
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)  # [S]: greedy rows are done
+        greedy = logits.argmax(dim=-1).tolist()  # [S]: greedy rows are done
+        tokens: dict[int, int] = {}
+        errors: dict[int, str] = {}
         for i, (rid, p) in enumerate(zip(request_ids, params)):
             if p.greedy:
+                tokens[rid] = greedy[i]
                 continue
-            x = logits[i] / p.temperature  # [V]
-            if p.top_k > 0 and p.top_k < x.numel():
-                kth = torch.topk(x, p.top_k).values[-1]
-                x = x.masked_fill(x < kth, float("-inf"))
-            if p.top_p < 1.0:
-                sorted_x, order = torch.sort(x, descending=True)  # [V]
-                sorted_p = sorted_x.softmax(-1)
-                drop_sorted = sorted_p.cumsum(-1) - sorted_p >= p.top_p  # mass before it already >= top_p
-                drop = torch.empty_like(drop_sorted)
-                drop[order] = drop_sorted
-                x = x.masked_fill(drop, float("-inf"))
-            probs = x.softmax(-1)
-            tokens[i] = torch.multinomial(probs, 1, generator=self.generator(rid, p))[0]
-        return tokens.tolist()
+            try:
+                tokens[rid] = self.sample_one(logits[i], rid, p)
+            except Exception as e:  # noqa: BLE001 - this request fails, not the batch
+                logger.warning("vattn: sampling request %d failed", rid, exc_info=True)
+                errors[rid] = f"sampling request {rid} failed: {type(e).__name__}: {e}"
+        return RunOutput(tokens, errors)
+
+    def sample_one(self, logits: torch.Tensor, request_id: int, p: SamplingParams) -> int:
+        """logits `[V]` of one sequence -> its next token, with temperature, top-k, top-p."""
+        x = logits / p.temperature  # [V]
+        if p.top_k > 0 and p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)  # [V]
+            sorted_p = sorted_x.softmax(-1)
+            drop_sorted = sorted_p.cumsum(-1) - sorted_p >= p.top_p  # mass before it already >= top_p
+            drop = torch.empty_like(drop_sorted)
+            drop[order] = drop_sorted
+            x = x.masked_fill(drop, float("-inf"))
+        probs = x.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator(request_id, p))[0])
 
 
 class ModelRunner:
@@ -158,10 +184,44 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.previous_attention = use_vattn_attention(self.model)
 
+    def run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
+        """One forward over the batch, then sampling. Returns the sampled token of every
+        sequence whose computed tokens reach its end this iteration, and the sequences that
+        failed.
+
+        Never raises an `Exception` for a failure inside the iteration:
+        - a sequence whose sampling raises is in `errors`; the others keep their tokens;
+        - when the batch's forward (or the batch-wide part of sampling) raises, nothing of
+          it is kept and every sequence of the batch is run again alone, at once; those
+          whose solo run raises too are in `errors`, the others continue with their solo
+          results. Every sequence thus gets two tries, and one bad request cannot fail the
+          others. K/V written by a failed run sits at the positions the retry writes again
+          (nothing is committed until the engine's postprocess), so retrying is sound.
+        """
+        if not scheduled:
+            return RunOutput({}, {})
+        try:
+            return self._run(scheduled)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            logger.warning("vattn: the forward of a batch of %d sequences failed (%s: %s); "
+                           "running each alone", len(scheduled), type(e).__name__, e)
+        tokens: dict[int, int] = {}
+        errors: dict[int, str] = {}
+        for item in scheduled:
+            rid = item.seq.request_id
+            try:
+                out = self._run([item])
+            except Exception as e:  # noqa: BLE001
+                logger.warning("vattn: request %d failed when run alone", rid, exc_info=True)
+                errors[rid] = (f"the model's forward raised for request {rid} in its batch of {len(scheduled)} "
+                               f"and again when it ran alone: {type(e).__name__}: {e}")
+                continue
+            tokens.update(out.tokens)
+            errors.update(out.errors)
+        return RunOutput(tokens, errors)
+
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSequence]) -> dict[int, int]:
-        """One forward over the batch. Returns request id -> sampled token for every
-        sequence whose computed tokens reach its end this iteration."""
+    def _run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
         batch = sorted(scheduled, key=lambda s: s.seq.slot)  # slot-ascending for the varlen kernel
         input_ids: list[int] = []
         sample_rows: list[int] = []
@@ -180,9 +240,8 @@ class ModelRunner:
             logits = self.model(input_ids=ids, position_ids=meta.positions[None], use_cache=False,
                                 logits_to_keep=keep).logits[0]  # [S, V]
         if not sampling:
-            return {}
-        tokens = self.sampler.sample(logits, [s.request_id for s in sampling], [s.params for s in sampling])
-        return {seq.request_id: tok for seq, tok in zip(sampling, tokens)}
+            return RunOutput({}, {})
+        return self.sampler.sample(logits, [s.request_id for s in sampling], [s.params for s in sampling])
 
     def release(self, request_id: int) -> None:
         """Forget a finished request's sampling state."""

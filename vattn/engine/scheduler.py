@@ -11,15 +11,29 @@ Every iteration:
    freed; it goes back to the waiting queue keeping its generated tokens and recomputes
    prompt + generated as a prefill later) and step is tried again. A sequence that cannot
    be backed even when it runs alone is finished with finish_reason "error".
+
+When `kv.step` raises (a `BackendError`, the host's mapping limit, ...), the failure
+belongs to no one request: the iteration runs nothing, and every sequence it had
+scheduled is sent back to the waiting queue like a preempted one (it keeps its generated
+tokens and recomputes). A sequence whose iteration fails that way `MAX_FAILURES` times in
+a row finishes with "error" and the cache's message; one that completes an iteration
+starts counting again. The cache's books stay consistent through such a failure (its
+`step` changes nothing it cannot undo), so the engine keeps serving.
 """
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Protocol
+from typing import Iterable, Mapping, NamedTuple, Protocol
 
+from vattn.checks import as_int
 from vattn.engine.sequence import FinishReason, Sequence, SequenceStatus
 from vattn.errors import InvalidConfigError
+
+logger = logging.getLogger(__name__)
+
+MAX_FAILURES = 2  # failed iterations in a row after which a sequence finishes with "error"
 
 
 class StepOutcome(Protocol):
@@ -51,9 +65,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise InvalidConfigError(f"{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, as_int(getattr(self, name), name, InvalidConfigError, low=1))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
@@ -67,8 +79,8 @@ class ScheduledSequence(NamedTuple):
 
 class SchedulerOutput(NamedTuple):
     scheduled: list[ScheduledSequence]  # backed by the cache: run these
-    preempted: list[Sequence]  # sent back to the waiting queue this iteration
-    aborted: list[Sequence]  # finished with "error": cannot fit even alone
+    preempted: list[Sequence]  # sent back to the waiting queue this iteration (memory or a failed step)
+    finished: list[Sequence]  # finished with "error": cannot fit even alone, or the cache failed again
 
     @property
     def num_batched_tokens(self) -> int:
@@ -120,9 +132,15 @@ class Scheduler:
             budget -= n
 
         preempted: list[Sequence] = []
-        aborted: list[Sequence] = []
+        finished: list[Sequence] = []
         while plan:
-            if self.kv.step({s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in plan}):
+            try:
+                backed = self.kv.step({s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in plan})
+            except Exception as e:  # noqa: BLE001 - any cache failure: see the module docstring
+                self._fail([s.seq for s in plan], e, preempted, finished)
+                plan = []
+                break
+            if backed:
                 break
             victim = max(self.running, key=lambda s: s.request_id)  # the newest request
             if len(self.running) == 1:  # then it is the whole plan
@@ -131,18 +149,47 @@ class Scheduler:
                     f"request {victim.request_id} needs {need} "
                     "tokens of KV cache, more than the physical memory can hold even when it runs "
                     "alone; raise physical_memory or lower max_tokens / the prompt length"))
-                aborted.append(victim)
+                finished.append(victim)
             else:
                 self.preempt(victim)
                 preempted.append(victim)
             plan = [s for s in plan if s.seq is not victim]
-        return SchedulerOutput(plan, preempted, aborted)
+        return SchedulerOutput(plan, preempted, finished)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s slot and queue it for recomputation (it keeps its generated tokens)."""
+    def _fail(self, seqs: list[Sequence], error: Exception, preempted: list[Sequence],
+              finished: list[Sequence]) -> None:
+        """The cache could not back an iteration of `seqs`: requeue them, or finish those
+        that failed MAX_FAILURES times in a row."""
+        logger.warning("vattn: the KV cache failed to back an iteration of requests %s (%s: %s); "
+                       "they recompute, or finish with an error after %d failures in a row",
+                       [s.request_id for s in seqs], type(error).__name__, error, MAX_FAILURES)
+        for seq in seqs:
+            seq.num_failures += 1
+            if seq.num_failures >= MAX_FAILURES:
+                self.finish(seq, "error", error=(
+                    f"the KV cache failed {seq.num_failures} times in a row to back an iteration of "
+                    f"request {seq.request_id}: {type(error).__name__}: {error}"))
+                finished.append(seq)
+            else:
+                self.preempt(seq, count=False)
+                preempted.append(seq)
+
+    def abort(self, request_ids: Iterable[int]) -> list[Sequence]:
+        """Finish the waiting or running sequences with these ids ("abort") and free their
+        slots. Ids of no unfinished sequence are skipped. Returns the sequences finished."""
+        wanted = set(request_ids)
+        seqs = sorted((s for s in self.running + self.waiting if s.request_id in wanted),
+                      key=lambda s: s.request_id)
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs
+
+    def preempt(self, seq: Sequence, count: bool = True) -> None:
+        """Free `seq`'s slot and queue it for recomputation (it keeps its generated tokens).
+        `count`: a preemption for memory (counted in num_preemptions)."""
         self.running.remove(seq)
         self.kv.free_reqid(seq.slot)
-        if seq.num_computed_tokens:  # one never computed was only admitted too early
+        if count and seq.num_computed_tokens:  # one never computed was only admitted too early
             seq.num_preemptions += 1
             self.num_preemptions += 1
         seq.slot, seq.num_computed_tokens = None, 0

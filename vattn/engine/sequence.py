@@ -19,7 +19,7 @@ from typing import Literal
 
 from vattn.engine.sampling_params import SamplingParams
 
-FinishReason = Literal["stop", "length", "error"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class SequenceStatus(enum.Enum):
@@ -44,6 +44,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        self.num_failures = 0  # iterations in a row that failed in the cache (see Scheduler)
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
@@ -109,8 +110,9 @@ class RequestOutput:
     """A request's state after a step: its generated tokens so far, or final ones.
 
     `finish_reason`: "stop" (an end-of-sequence or stop token, kept as the last token),
-    "length" (max_tokens reached), "error" (the request could not continue; `error` says
-    why, e.g. it does not fit into physical_memory even alone), None while running.
+    "length" (max_tokens reached), "abort" (`LLM.abort_request`), "error" (the request
+    could not continue; `error` says why: it does not fit into physical_memory even alone,
+    its sampling or its forward failed, see `LLM`), None while running.
     `num_preemptions`: how often the request lost its KV cache to make room for older
     requests and recomputed it (a request only admitted and sent back before it ran any
     token does not count).

@@ -1,0 +1,105 @@
+"""The scheduler alone, on a fake cache: budgets, chunked prefill, preemption, random workloads."""
+from __future__ import annotations
+
+import pytest
+from helpers import FakeKV, fake_advance, make_seq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vattn.engine.scheduler import Scheduler, SchedulerConfig
+from vattn.engine.sequence import SequenceStatus
+from vattn.errors import InvalidConfigError
+
+
+def test_scheduler_decodes_first_then_prefill_chunks() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), FakeKV(4))
+    a, b = make_seq(0, 5), make_seq(1, 6)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 5), (b, 6)]
+    fake_advance(out)
+    long = make_seq(2, 100)
+    sched.add(long)
+    for i in range(7):  # two decodes every iteration, the long prompt in chunks of 14
+        out = sched.schedule()
+        assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1), (long, 14)]
+        assert long.num_computed_tokens == 14 * i
+        fake_advance(out)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1), (long, 2)]
+    assert sched.kv.steps[-1] == {a.slot: a.num_tokens, b.slot: b.num_tokens, long.slot: 100}
+
+
+def test_scheduler_preempts_newest_and_aborts_what_cannot_fit_alone() -> None:
+    kv = FakeKV(4, capacity=30)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    a, b, c = make_seq(0, 10), make_seq(1, 10), make_seq(2, 9)
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [a, b, c]
+    fake_advance(out)  # 11 + 11 + 10 tokens > 30: the next step must preempt c
+    out = sched.schedule()
+    assert out.preempted == [c] and [s.seq for s in out.scheduled] == [a, b]
+    assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.num_tokens == 10
+    assert c.num_preemptions == 1 and c.slot is None and sched.waiting == [c]
+    fake_advance(out)
+    kv.capacity = 11
+    out = sched.schedule()  # c is admitted again, then c and b (newest first) are preempted,
+    assert out.preempted == [c, b] and out.finished == [a] and out.scheduled == []  # a alone (12) does not fit
+    assert c.num_preemptions == 1 and b.num_preemptions == 1  # c had nothing computed this time
+    assert a.finish_reason == "error" and a.status is SequenceStatus.FINISHED
+    assert sched.waiting == [b, c] and sched.running == []
+    assert sorted(kv.free) == [0, 1, 2, 3]
+
+
+def test_scheduler_respects_max_num_seqs_and_slots() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), FakeKV(3))
+    seqs = [make_seq(i, 4) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == seqs[:2]
+    fake_advance(out)
+    sched.finish(seqs[0], "length")
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [seqs[1], seqs[2]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=10),
+       slots=st.integers(1, 4), budget=st.integers(4, 48), capacity=st.integers(20, 120))
+def test_scheduler_random_workloads_finish(lens: list, slots: int, budget: int, capacity: int) -> None:
+    """Any workload ends: every request gets its tokens or (too big even alone) an error;
+    the budget and the slots hold every iteration and no slot leaks."""
+    kv = FakeKV(slots, capacity)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=min(slots, budget), max_num_batched_tokens=budget), kv)
+    seqs = [make_seq(i, n, m) for i, (n, m, _) in enumerate(lens)]
+    it = 0
+    while any(not s.is_finished for s in seqs):
+        for s, (_, _, arrival) in zip(seqs, lens):
+            if arrival == it:
+                sched.add(s)
+        out = sched.schedule()
+        assert out.num_batched_tokens <= budget and len(sched.running) <= slots
+        fake_advance(out)
+        for s in out.scheduled:
+            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
+                sched.finish(s.seq, "length")
+        it += 1
+        assert it < 2000
+    for s in seqs:
+        if s.finish_reason == "error":
+            assert s.num_prompt_tokens + s.params.max_tokens > capacity
+        else:
+            assert s.num_output_tokens == s.params.max_tokens
+    assert sorted(kv.free) == list(range(slots)) and not sched.has_unfinished()
+
+
+def test_scheduler_config_validation() -> None:
+    with pytest.raises(InvalidConfigError):
+        SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=8)
+    with pytest.raises(InvalidConfigError):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+
