@@ -17,8 +17,8 @@ belongs to no one request: the iteration runs nothing, and every sequence it had
 scheduled is sent back to the waiting queue like a preempted one (it keeps its generated
 tokens and recomputes). A sequence whose iteration fails that way `MAX_FAILURES` times in
 a row finishes with "error" and the cache's message; one that completes an iteration
-starts counting again. The cache's books stay consistent through such a failure (its
-`step` changes nothing it cannot undo), so the engine keeps serving.
+starts counting again. The cache keeps its books consistent when its `step` raises (a
+failed map changes nothing; see `vattn.allocator`), so the engine keeps serving.
 """
 from __future__ import annotations
 
