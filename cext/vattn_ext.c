@@ -2,7 +2,8 @@
  *
  * Host (Linux):  reserve address space (mmap PROT_NONE | MAP_NORESERVE), map pages of a
  *                memfd (created in Python) with MAP_FIXED | MAP_SHARED, unmap by
- *                re-reserving the range.
+ *                re-reserving the range. Every mapping is MADV_DONTFORK: a forked child
+ *                (DataLoader workers, multiprocessing) never sees the cache's pages.
  * CUDA:          the driver's VMM calls, resolved at run time with dlopen("libcuda.so.1"),
  *                so this file builds and imports on machines with no CUDA at all.
  * Both:          batched map/unmap of page groups (one page of one slot in all buffers)
@@ -44,6 +45,7 @@ typedef struct {
   uint64_t size;
   int kind;
   int device_id;
+  PyObject *keepalive; /* released first in dealloc, while the range is still reserved */
 } RangeObject;
 
 static PyObject *DriverError; /* args: (call, code, name) */
@@ -103,7 +105,26 @@ static PyObject *raise_driver(const char *call, CUresult rc) {
 
 static CUresult ensure_ctx(int dev, const char **call);
 
+static int Range_traverse(RangeObject *self, visitproc visit, void *arg) {
+  Py_VISIT(self->keepalive);
+  return 0;
+}
+
+static int Range_clear(RangeObject *self) {
+  Py_CLEAR(self->keepalive);
+  return 0;
+}
+
 static void Range_dealloc(RangeObject *self) {
+  PyObject_GC_UnTrack(self);
+  if (self->keepalive) {
+    /* The owner goes first: its finalizer may unmap pages of this range, which is still
+     * reserved. It may run Python code, so keep any exception that is being raised. */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    Py_CLEAR(self->keepalive);
+    PyErr_Restore(type, value, tb);
+  }
   if (self->size) {
     if (self->kind == KIND_HOST) {
       munmap((void *)(uintptr_t)self->addr, self->size);
@@ -229,28 +250,49 @@ static PyMethodDef Range_methods[] = {
 
 static PyObject *Range_get_addr(RangeObject *s, void *c) { return PyLong_FromUnsignedLongLong(s->addr); }
 static PyObject *Range_get_size(RangeObject *s, void *c) { return PyLong_FromUnsignedLongLong(s->size); }
+static PyObject *Range_get_keepalive(RangeObject *s, void *c) {
+  PyObject *v = s->keepalive ? s->keepalive : Py_None;
+  Py_INCREF(v);
+  return v;
+}
+static int Range_set_keepalive(RangeObject *s, PyObject *v, void *c) {
+  PyObject *old = s->keepalive;
+  s->keepalive = (v == NULL || v == Py_None) ? NULL : v; /* `del r.keepalive` means None */
+  Py_XINCREF(s->keepalive);
+  Py_XDECREF(old);
+  return 0;
+}
 static PyGetSetDef Range_getset[] = {
     {"addr", (getter)Range_get_addr, NULL, "first byte of the range", NULL},
     {"size", (getter)Range_get_size, NULL, "length in bytes", NULL},
+    {"keepalive", (getter)Range_get_keepalive, (setter)Range_set_keepalive,
+     "one object the range keeps alive (None by default), released before the range is freed: "
+     "an owner whose finalizer unmaps the range's pages runs while the range is still reserved. "
+     "Cycles through it are collected by the garbage collector.",
+     NULL},
     {NULL}};
 
 static PyTypeObject RangeType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "vattn._C.Range",
     .tp_basicsize = sizeof(RangeObject),
     .tp_dealloc = (destructor)Range_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_traverse = (traverseproc)Range_traverse,
+    .tp_clear = (inquiry)Range_clear,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "A reserved virtual address range; freed when the last reference (tensors included) goes.",
     .tp_methods = Range_methods,
     .tp_getset = Range_getset,
 };
 
 static PyObject *new_range(uint64_t addr, uint64_t size, int kind, int device_id) {
-  RangeObject *r = PyObject_New(RangeObject, &RangeType);
+  RangeObject *r = PyObject_GC_New(RangeObject, &RangeType);
   if (!r) return NULL;
   r->addr = addr;
   r->size = size;
   r->kind = kind;
   r->device_id = device_id;
+  r->keepalive = NULL;
+  PyObject_GC_Track(r);
   return (PyObject *)r;
 }
 
@@ -283,10 +325,13 @@ static int get_u64s(Py_buffer *b, Py_ssize_t *n, const char *what) {
 #define MAP_FIXED_NOREPLACE 0x100000
 #endif
 
+/* Keep a new mapping out of forked children (a fresh mmap does not inherit the flag). */
+static int dontfork(void *p, uint64_t len) { return madvise(p, len, MADV_DONTFORK) ? errno : 0; }
+
 static int host_rereserve(uint64_t addr, uint64_t len) {
   void *want = (void *)(uintptr_t)addr;
   void *p = mmap(want, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-  if (p != MAP_FAILED) return 0;
+  if (p != MAP_FAILED) return dontfork(p, len);
   if (errno != ENOMEM) return errno;
   /* At vm.max_map_count the in-place replacement can fail; munmap (which frees the
    * mapping's VMA) then reserve the hole again. NOREPLACE: never clobber a mapping that
@@ -298,7 +343,7 @@ static int host_rereserve(uint64_t addr, uint64_t len) {
     munmap(p, len);
     return EEXIST;
   }
-  return 0;
+  return dontfork(p, len);
 }
 
 static PyObject *host_reserve(PyObject *m, PyObject *args) {
@@ -310,6 +355,12 @@ static PyObject *host_reserve(PyObject *m, PyObject *args) {
   }
   void *p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
+  int e = dontfork(p, size);
+  if (e) {
+    munmap(p, size);
+    errno = e;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
   PyObject *r = new_range((uint64_t)(uintptr_t)p, size, KIND_HOST, 0);
   if (!r) munmap(p, size);
   return r;
@@ -346,8 +397,8 @@ static PyObject *host_map(PyObject *m, PyObject *args) {
         j++;
       void *p = mmap((void *)(uintptr_t)(bases[b] + offs[i]), (j - i) * page, PROT_READ | PROT_WRITE,
                      MAP_SHARED | MAP_FIXED, fds[i], (off_t)(foffs[i] + b * fstr[i]));
-      if (p == MAP_FAILED) {
-        err = errno;
+      if (p == MAP_FAILED || (err = dontfork(p, (j - i) * page))) {
+        if (p == MAP_FAILED) err = errno;
         done_b = b;
         break;
       }

@@ -207,3 +207,17 @@ def test_array_inputs_are_accepted():
     groups = be.create(1, 1, GRAN)
     be.map(array("Q", [1 << 40]), array("Q", [0]), groups, GRAN)
     assert drv.mapped == {1 << 40: groups[0][0]}
+
+
+def test_range_drops_keepalive_before_it_is_freed():
+    be, drv = _backend()
+    rng = be.reserve(8 * GRAN, GRAN)
+
+    class Owner:  # its finalizer would unmap the pages: the range must still be reserved
+        def __del__(self):
+            drv.calls.append(("owner",))
+
+    rng.keepalive = Owner()
+    del rng
+    names = [c[0] for c in drv.calls]
+    assert names.index("owner") < names.index("cuMemAddressFree")

@@ -232,3 +232,92 @@ def test_close_while_another_thread_steps():
     t.join(timeout=30)
     assert outcome == ["closed"]
     assert _vattn_mappings() == base  # nothing a late step mapped survived close
+
+
+def test_range_keepalive_goes_before_the_range():
+    rng = _C.host_reserve(1 << 16)
+    addr = rng.addr
+    assert rng.keepalive is None
+    seen = []
+
+    class Owner:  # stands for the cache's owner, whose finalizer unmaps the pages
+        def __del__(self):
+            seen.append(_reserved_bytes(addr))
+
+    rng.keepalive = Owner()
+    assert isinstance(rng.keepalive, Owner)
+    del rng
+    assert seen and seen[0] >= 1 << 16  # the owner ran while the range was still reserved
+    assert _reserved_bytes(addr) == 0
+
+
+def test_range_keepalive_can_be_reset_and_cycles_are_collected():
+    rng = _C.host_reserve(1 << 16)
+    rng.keepalive = [1]
+    rng.keepalive = None
+    assert rng.keepalive is None
+    rng.keepalive = 5
+    del rng.keepalive
+    assert rng.keepalive is None
+
+    seen = []
+
+    class Owner:
+        def __del__(self):
+            seen.append(_reserved_bytes(addr))
+
+    owner = Owner()
+    owner.rng, addr = rng, rng.addr  # owner -> range -> owner: only the collector frees it
+    rng.keepalive = owner
+    del owner, rng
+    gc.collect()
+    assert seen and seen[0] >= 1 << 16
+    assert _reserved_bytes(addr) == 0
+
+
+def _vma_flags(lo: int, hi: int) -> list[set[str]]:
+    """VmFlags of every mapping overlapping [lo, hi) (/proc/self/smaps)."""
+    flags, inside = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = a < hi and b > lo
+            elif inside and head == "VmFlags:":
+                flags.append(set(line.split()[1:]))
+    return flags
+
+
+def test_every_host_mapping_is_kept_out_of_forked_children():
+    # MADV_DONTFORK ("dc") on the reservation, on mapped pages and on pages unmapped again.
+    # 128 B a token: 320 tokens fill the budget of 10 page groups
+    with vattn.KVCache(**SMALL, device="cpu", page_size=4096, prefetch=False, physical_memory=10 * 4 * 4096) as c:
+        lo = c._range.addr
+        hi = lo + c._range.size
+        r = c.alloc_reqid()
+        assert c.step({r: 320})
+        c.free_reqid(r)
+        assert c.alloc_reqid() == r  # the warm slot keeps its pages; the next one must take them
+        assert c.step({c.alloc_reqid(): 100}).num_unmapped == 4
+        flags = _vma_flags(lo, hi)
+        assert len(flags) > 3 and all("dc" in f for f in flags), flags
+
+
+def test_forked_child_cannot_read_the_cache():
+    code = PRELUDE + """
+import ctypes, os, signal
+c.k_cache(0)[r, :64] = 7.0
+addr = c.k_cache(0)[r].data_ptr()
+pid = os.fork()
+if pid == 0:
+    os.write(1, f"child read {ctypes.c_float.from_address(addr).value}\\n".encode())
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exited", flush=True)
+print("parent", float(c.k_cache(0)[r, :64].sum()), flush=True)
+"""
+    p = _run(code)
+    assert p.returncode == 0, p.stderr
+    assert f"child {int(signal.SIGSEGV)}" in p.stdout and "child read" not in p.stdout, p.stdout
+    assert "parent 7168.0" in p.stdout, p.stdout

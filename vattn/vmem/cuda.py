@@ -100,12 +100,18 @@ def _runs(offsets: Sequence[int], page: int) -> list[tuple[int, int]]:
 
 
 class _PyRange:
-    """A reserved device range; freed when the last tensor (or owner) lets go."""
+    """A reserved device range; freed when the last tensor (or owner) lets go.
+
+    `keepalive`: one object kept alive by the range and dropped first when the range goes,
+    while it is still reserved (an owner whose finalizer unmaps the pages), as on `_C.Range`.
+    """
 
     def __init__(self, drv: _PyDriver, addr: int, size: int) -> None:
         self._drv, self.addr, self.size = drv, addr, size
+        self.keepalive: Any = None
 
     def __del__(self) -> None:
+        self.keepalive = None  # the owner unmaps first; the range is freed after
         try:
             self._drv.free_range(self.addr, self.size)
         except Exception:  # interpreter shutdown: the driver frees it with the context
