@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vattn
-from tests.conftest import check, fill
+from tests import fake_cuda
+from tests.conftest import check, fill, new_cache
 
 B, L, PAGE = 3, 256, 4096  # 1 layer x 1 head x 16 dims x fp32 = 64 B/token: 64 tokens a page, 4 pages a slot
 BUDGET = 6  # page groups
@@ -15,12 +16,14 @@ BUDGET = 6  # page groups
 
 class CacheMachine(RuleBasedStateMachine):
     background = True
+    device = "cpu"
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = vattn.KVCache(num_layers=1, num_kv_heads=1, head_dim=16, max_batch_size=B, max_context_len=L,
-                                   dtype="float32", device="cpu", page_size=PAGE,
-                                   physical_memory=BUDGET * 2 * PAGE, background=self.background)
+        self.live_before = fake_cuda.load().live() if self.device == "fakecuda" else None
+        self.cache = new_cache(self.device, num_layers=1, num_kv_heads=1, head_dim=16, max_batch_size=B,
+                               max_context_len=L, page_size=PAGE, physical_memory=BUDGET * 2 * PAGE,
+                               background=self.background)
         self.g = self.cache.geometry
         self.lens: dict[int, int] = {}  # model: active reqid -> tokens written (and backed)
         self.tags: dict[int, int] = {}
@@ -28,6 +31,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.cache.close()
+        if self.device == "fakecuda":  # every example leaves the driver clean
+            del self.cache  # and with it the range: the machine holds no view
+            fake_cuda.load().assert_clean(self.live_before)
 
     @precondition(lambda self: len(self.lens) < B)
     @rule()
@@ -88,7 +94,19 @@ class SyncCacheMachine(CacheMachine):
     background = False
 
 
+class FakeCudaCacheMachine(CacheMachine):  # the CUDA backend on tests/fake_cuda's driver
+    device = "fakecuda"
+
+
+class FakeCudaSyncCacheMachine(SyncCacheMachine):
+    device = "fakecuda"
+
+
 TestBackground = CacheMachine.TestCase
 TestBackground.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestSync = SyncCacheMachine.TestCase
 TestSync.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestFakeCudaBackground = pytest.mark.usefixtures("fake_cuda")(FakeCudaCacheMachine.TestCase)
+TestFakeCudaBackground.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestFakeCudaSync = pytest.mark.usefixtures("fake_cuda")(FakeCudaSyncCacheMachine.TestCase)
+TestFakeCudaSync.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)

@@ -6,9 +6,9 @@ map      = cuMemMap + cuMemSetAccess        (one SetAccess per contiguous run pe
 unmap    = cuMemUnmap                       (the range stays reserved)
 close    = cuMemRelease / cuMemAddressFree
 
-Two drivers with one interface: the C extension (`vattn._C`, dlopen of libcuda.so.1, one
-call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`), which works
-without the extension. Every call runs in the device's primary context, the one PyTorch
+Two drivers with one interface: the C extension (`vattn._C`, dlopen of libcuda.so.1 or of
+a given path, one call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`),
+which works without the extension. Every call runs in the device's primary context, the one PyTorch
 uses, made current on the calling thread first (the pre-mapping worker is another thread).
 
 Ordering against kernels: `fence()` records a CUDA event on the current stream; the
@@ -49,15 +49,15 @@ def _raise(call: str, code: int, name: str) -> None:
 
 
 class _CextDriver:
-    """The driver calls through vattn._C (dlopen of libcuda.so.1)."""
+    """The driver calls through vattn._C (dlopen of `libcuda`, default libcuda.so.1)."""
 
     name = "cext"
 
-    def __init__(self, dev: int) -> None:
+    def __init__(self, dev: int, libcuda: str | None = None) -> None:
         from vattn import _C
 
         self._C, self.dev = _C, dev
-        _C.cuda_load()
+        self.d = _C.cuda_load(libcuda)
 
     def _call(self, fn, *args):
         try:
@@ -66,25 +66,26 @@ class _CextDriver:
             _raise(*e.args)
 
     def granularity(self) -> int:
-        return self._call(self._C.cuda_granularity, self.dev)
+        return self._call(self.d.granularity, self.dev)
 
     def reserve(self, size: int, align: int) -> Any:
-        return self._call(self._C.cuda_reserve, size, align, self.dev)
+        return self._call(self.d.reserve, size, align, self.dev)
 
-    def tensor(self, rng, offset, shape, strides, dtype, code, bits) -> torch.Tensor:
-        return torch.from_dlpack(rng.dlpack(offset, tuple(shape), tuple(strides), code, bits))
+    def tensor(self, rng, offset, shape, strides, code, bits, device_type, device_id) -> torch.Tensor:
+        return torch.from_dlpack(self._C.dlpack(rng, offset, tuple(shape), tuple(strides), code, bits,
+                                                device_type, device_id))
 
     def create(self, n: int, size: int) -> list[int]:
-        return self._call(self._C.cuda_create, n, size, self.dev)
+        return self._call(self.d.create, n, size, self.dev)
 
     def release(self, handles: Sequence[int]) -> None:
-        self._call(self._C.cuda_release, array("Q", handles))
+        self._call(self.d.release, array("Q", handles))
 
     def map(self, bases: array, offsets: array, handles: Sequence[int], page: int) -> None:
-        self._call(self._C.cuda_map, bases, offsets, array("Q", handles), page, self.dev)
+        self._call(self.d.map, bases, offsets, array("Q", handles), page, self.dev)
 
     def unmap(self, bases: array, offsets: array, page: int) -> None:
-        self._call(self._C.cuda_unmap, bases, offsets, page, self.dev)
+        self._call(self.d.unmap, bases, offsets, page, self.dev)
 
 
 def _runs(offsets: Sequence[int], page: int) -> list[tuple[int, int]]:
@@ -174,11 +175,11 @@ class _PyDriver:
         self._ctx_current()
         self._check("cuMemAddressFree", self.d.cuMemAddressFree(addr, size))
 
-    def tensor(self, rng, offset, shape, strides, dtype, code, bits) -> torch.Tensor:
+    def tensor(self, rng, offset, shape, strides, code, bits, device_type, device_id) -> torch.Tensor:
         # DLPack (not __cuda_array_interface__): torch then does not ask the driver about a
         # pointer that is reserved but not mapped yet.
         return torch.from_dlpack(dlpack.to_capsule(rng, rng.addr + offset, shape, strides, code, bits,
-                                                   dlpack.KDL_CUDA, self.dev))
+                                                   device_type, device_id))
 
     def create(self, n: int, size: int) -> list[int]:
         self._ctx_current()
@@ -221,13 +222,25 @@ class _PyDriver:
 
 
 class CudaBackend(Backend):
-    """CUDA driver VMM backend. A page group is `num_buffers` handles of `page_size` bytes."""
+    """CUDA driver VMM backend. A page group is `num_buffers` handles of `page_size` bytes.
 
-    def __init__(self, device_index: int, driver: str = "auto", _driver_module: Any = None) -> None:
+    `driver`: "cext" (vattn._C), "cuda-python", or "auto": the extension, then cuda-python
+    when the extension cannot load the driver (the environment variable VATTN_CUDA_DRIVER
+    picks one for "auto"). The other arguments are seams for tests and unusual installs:
+    - `libcuda`: the driver library the extension loads (default: libcuda.so.1 from the
+      loader's search path; the tests pass tests/fake_cuda's library);
+    - `driver_module`: what the cuda-python path uses instead of `cuda.bindings.driver`;
+    - `host_memory=True`: the driver's memory is host memory (the tests' fake drivers).
+      torch.cuda is not touched, views are CPU tensors, fences are no-ops and there is no
+      default budget. Build the cache with `KVCache(backend=..., device="cpu")`.
+    """
+
+    def __init__(self, device_index: int = 0, driver: str = "auto", *, libcuda: str | None = None,
+                 driver_module: Any = None, host_memory: bool = False) -> None:
         super().__init__()
         if driver not in CUDA_DRIVERS:
             raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {driver!r}")
-        if _driver_module is None:
+        if not host_memory:
             if not torch.cuda.is_available():
                 raise InvalidConfigError(
                     "device='cuda' needs a CUDA GPU and driver, and torch.cuda.is_available() is False; "
@@ -237,21 +250,22 @@ class CudaBackend(Backend):
             torch.cuda.init()
             torch.zeros(1, device=torch.device("cuda", device_index))  # PyTorch's primary context exists now
         self.index = device_index
-        self.device = torch.device("cuda", device_index)
-        self.drv = self._open(driver, _driver_module)
+        self.host_memory = host_memory
+        self.device = torch.device("cpu") if host_memory else torch.device("cuda", device_index)
+        self.drv = self._open(driver, libcuda, driver_module)
         self.granularity = self.drv.granularity()
         self.default_page_size = self.granularity
 
-    def _open(self, driver: str, module: Any) -> _CextDriver | _PyDriver:
+    def _open(self, driver: str, libcuda: str | None, module: Any) -> _CextDriver | _PyDriver:
         driver = os.environ.get("VATTN_CUDA_DRIVER", driver) if driver == "auto" else driver
-        if module is not None or driver == "cuda-python":
+        if driver == "cuda-python":
             return _PyDriver(self.index, module)
         try:
-            return _CextDriver(self.index)
+            return _CextDriver(self.index, libcuda)
         except (ImportError, OSError, AttributeError) as e:
             if driver == "cext":
                 raise InvalidConfigError(f"cuda_driver='cext' but the C extension cannot load the driver: {e}") from None
-            return _PyDriver(self.index)
+            return _PyDriver(self.index, module)
 
     def check_page_size(self, page_size: int) -> None:
         if page_size % self.granularity:
@@ -266,7 +280,8 @@ class CudaBackend(Backend):
 
     def tensor(self, rng, offset, shape, strides, dtype) -> torch.Tensor:
         code, bits = self.dlpack_type(dtype)
-        return self.drv.tensor(rng, offset, shape, strides, dtype, code, bits)
+        device = (dlpack.KDL_CPU, 0) if self.host_memory else (dlpack.KDL_CUDA, self.index)
+        return self.drv.tensor(rng, offset, shape, strides, code, bits, *device)
 
     def _create(self, n: int, num_buffers: int, page_size: int) -> list[tuple[int, ...]]:
         flat = self.drv.create(n * num_buffers, page_size)
@@ -282,6 +297,8 @@ class CudaBackend(Backend):
         self.drv.unmap(bases, offsets, page_size)
 
     def fence(self) -> Any:
+        if self.host_memory:  # no device work to wait for
+            return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
@@ -289,5 +306,5 @@ class CudaBackend(Backend):
     def wait(self, fence: Any) -> None:
         fence.synchronize()
 
-    def free_memory(self) -> int:
-        return torch.cuda.mem_get_info(self.device)[0]
+    def free_memory(self) -> int | None:
+        return None if self.host_memory else torch.cuda.mem_get_info(self.device)[0]
