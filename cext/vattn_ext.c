@@ -678,14 +678,21 @@ static PyObject *Driver_create(DriverObject *d, PyObject *args) {
   return out;
 }
 
-/* release(handles): every handle, then the first error. */
+/* release(handles, dev): every handle, then the first error. In the device's context like
+ * every other call: close() may run on any thread (the GC's finalizer, vattn-close). */
 static PyObject *Driver_release(DriverObject *d, PyObject *args) {
   Py_buffer hb;
-  if (!PyArg_ParseTuple(args, "y*", &hb)) return NULL;
+  int dev;
+  if (!PyArg_ParseTuple(args, "y*i", &hb, &dev)) return NULL;
   PyObject *ret = NULL;
   Py_ssize_t n;
   if (get_u64s(&hb, &n, "handles")) goto out;
-  CUresult rc = 0, first = 0;
+  const char *call = "cuMemRelease";
+  CUresult rc = ensure_ctx(d, dev, &call), first = 0;
+  if (rc) {
+    raise_driver(d, call, rc);
+    goto out;
+  }
   const CUmemHandle *h = hb.buf;
   Py_BEGIN_ALLOW_THREADS
   for (Py_ssize_t i = 0; i < n; i++)
@@ -809,7 +816,7 @@ static PyMethodDef Driver_methods[] = {
     {"granularity", (PyCFunction)Driver_granularity, METH_VARARGS, "granularity(device) -> bytes"},
     {"reserve", (PyCFunction)Driver_reserve, METH_VARARGS, "reserve(size, alignment, device) -> Range"},
     {"create", (PyCFunction)Driver_create, METH_VARARGS, "create(n, size, device) -> [handle]; all or nothing"},
-    {"release", (PyCFunction)Driver_release, METH_VARARGS, "release(handles)"},
+    {"release", (PyCFunction)Driver_release, METH_VARARGS, "release(handles, device)"},
     {"map", (PyCFunction)Driver_map, METH_VARARGS, "map(bases, offsets, handles, page_size, device); atomic"},
     {"unmap", (PyCFunction)Driver_unmap, METH_VARARGS, "unmap(bases, offsets, page_size, device)"},
     {NULL}};

@@ -139,6 +139,35 @@ def test_fake_rules_before_init_access_and_environment(fake_cuda):
 
 # ------------------------------------------------------------- vattn on the fake ----
 
+def _in_thread(fn, *args):
+    """Run fn on a new thread (no context current there); its exception or None."""
+    out = []
+
+    def run():
+        try:
+            fn(*args)
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_release_and_close_on_a_thread_without_a_context(fake_cuda, make):
+    be = fake_cuda.backend()
+    groups = be.create(2, 2, be.granularity)
+    assert _in_thread(be.release, groups) is None
+    # A cache closed by another thread (the GC's finalizer, vattn-close): its pages are
+    # created but not mapped, so close() only releases them.
+    cache = make(page_size=4 * KB, prefetch=False)
+    assert cache.reserve_physical(4 * cache.geometry.group_bytes) == 4
+    assert _in_thread(cache.close) is None
+    assert fake_cuda.num_handles == 0 and fake_cuda.num_violations == 0
+
+
 def test_range_owner_unmaps_before_the_range_is_freed(fake_cuda):
     be = fake_cuda.backend()
     g = be.granularity
@@ -258,4 +287,4 @@ def test_extension_loads_the_fake_beside_the_default_driver(fake_cuda):
     with pytest.raises(_C.DriverError):
         d.reserve(64 * KB, 0, 7)  # the fake has two devices
     with pytest.raises(TypeError):
-        d.release(array("i", [1]))
+        d.release(array("i", [1]), 0)

@@ -79,7 +79,7 @@ class _CextDriver:
         return self._call(self.d.create, n, size, self.dev)
 
     def release(self, handles: Sequence[int]) -> None:
-        self._call(self.d.release, array("Q", handles))
+        self._call(self.d.release, array("Q", handles), self.dev)
 
     def map(self, bases: array, offsets: array, handles: Sequence[int], page: int) -> None:
         self._call(self.d.map, bases, offsets, array("Q", handles), page, self.dev)
