@@ -13,6 +13,10 @@
  *
  * A batched map is atomic: if any page fails, every page this call mapped is
  * unmapped again before the error is raised, so the caller's books never lie.
+ *
+ * Contexts: every CUDA call runs in the device's primary context (the one PyTorch uses),
+ * made current on the calling thread for the call only; the caller's context is current
+ * again afterwards, so torch.cuda.current_device() never changes under the caller.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -103,8 +107,16 @@ static PyObject *raise_driver(DriverObject *d, const char *call, CUresult rc) {
   return NULL;
 }
 
-/* Make the device's primary context (the one PyTorch uses) current on this thread. */
-static CUresult ensure_ctx(DriverObject *d, int dev, const char **call) {
+/* The device's primary context current on this thread for one call; ctx_leave puts the
+ * caller's context (another device's, or none) back. Called with the GIL held. */
+typedef struct {
+  CUcontext prev;
+  int switched;
+} CtxScope;
+
+static CUresult ctx_enter(DriverObject *d, int dev, CtxScope *s, const char **call) {
+  s->prev = NULL;
+  s->switched = 0;
   if (dev < 0 || dev >= MAX_DEVICES) {
     *call = "cuDeviceGet";
     return CUDA_ERROR_INVALID_DEVICE;
@@ -115,10 +127,17 @@ static CUresult ensure_ctx(DriverObject *d, int dev, const char **call) {
     if ((rc = d->DeviceGet(&cd, dev))) { *call = "cuDeviceGet"; return rc; }
     if ((rc = d->DevicePrimaryCtxRetain(&d->primary_ctx[dev], cd))) { *call = "cuDevicePrimaryCtxRetain"; return rc; }
   }
-  CUcontext cur = NULL;
-  d->CtxGetCurrent(&cur);
-  if (cur != d->primary_ctx[dev] && (rc = d->CtxSetCurrent(d->primary_ctx[dev]))) { *call = "cuCtxSetCurrent"; return rc; }
+  if ((rc = d->CtxGetCurrent(&s->prev))) { *call = "cuCtxGetCurrent"; return rc; }
+  if (s->prev != d->primary_ctx[dev]) {
+    if ((rc = d->CtxSetCurrent(d->primary_ctx[dev]))) { *call = "cuCtxSetCurrent"; return rc; }
+    s->switched = 1;
+  }
   return 0;
+}
+
+/* Never fails the call: the work is done (or undone) by now, and the books follow it. */
+static void ctx_leave(DriverObject *d, CtxScope *s) {
+  if (s->switched) d->CtxSetCurrent(s->prev);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -161,8 +180,13 @@ static void Range_dealloc(RangeObject *self) {
     if (self->kind == KIND_HOST) {
       munmap((void *)(uintptr_t)self->addr, self->size);
     } else if (self->driver) {
+      DriverObject *d = self->driver;
+      CtxScope scope;
       const char *call;
-      if (!ensure_ctx(self->driver, self->device_id, &call)) self->driver->MemAddressFree((CUdeviceptr)self->addr, self->size);
+      if (!ctx_enter(d, self->device_id, &scope, &call)) {
+        d->MemAddressFree((CUdeviceptr)self->addr, self->size);
+        ctx_leave(d, &scope);
+      }
     }
   }
   Py_CLEAR(self->driver);
@@ -611,13 +635,16 @@ static void device_prop(CUmemAllocationProp *p, int dev) {
 static PyObject *Driver_granularity(DriverObject *d, PyObject *args) {
   int dev;
   if (!PyArg_ParseTuple(args, "i", &dev)) return NULL;
+  CtxScope scope;
   const char *call;
-  CUresult rc = ensure_ctx(d, dev, &call);
+  CUresult rc = ctx_enter(d, dev, &scope, &call);
   if (rc) return raise_driver(d, call, rc);
   CUmemAllocationProp p;
   device_prop(&p, dev);
   size_t g = 0;
-  if ((rc = d->MemGetAllocationGranularity(&g, &p, 0))) return raise_driver(d, "cuMemGetAllocationGranularity", rc);
+  rc = d->MemGetAllocationGranularity(&g, &p, 0);
+  ctx_leave(d, &scope);
+  if (rc) return raise_driver(d, "cuMemGetAllocationGranularity", rc);
   return PyLong_FromSize_t(g);
 }
 
@@ -625,16 +652,18 @@ static PyObject *Driver_reserve(DriverObject *d, PyObject *args) {
   unsigned long long size, align;
   int dev;
   if (!PyArg_ParseTuple(args, "O&O&i", to_u64, &size, to_u64, &align, &dev)) return NULL;
+  CtxScope scope;
   const char *call;
-  CUresult rc = ensure_ctx(d, dev, &call);
+  CUresult rc = ctx_enter(d, dev, &scope, &call);
   if (rc) return raise_driver(d, call, rc);
   CUdeviceptr p = 0;
   Py_BEGIN_ALLOW_THREADS
   rc = d->MemAddressReserve(&p, size, align, 0, 0);
   Py_END_ALLOW_THREADS
+  PyObject *r = rc ? NULL : new_range(p, size, KIND_CUDA, dev, d);
+  if (!rc && !r) d->MemAddressFree(p, size);
+  ctx_leave(d, &scope);
   if (rc) return raise_driver(d, "cuMemAddressReserve", rc);
-  PyObject *r = new_range(p, size, KIND_CUDA, dev, d);
-  if (!r) d->MemAddressFree(p, size);
   return r;
 }
 
@@ -650,8 +679,9 @@ static PyObject *Driver_create(DriverObject *d, PyObject *args) {
   }
   CUmemHandle *h = PyMem_RawCalloc(n ? n : 1, sizeof(CUmemHandle));
   if (!h) return PyErr_NoMemory();
+  CtxScope scope;
   const char *call = "cuMemCreate";
-  CUresult rc = ensure_ctx(d, dev, &call);
+  CUresult rc = ctx_enter(d, dev, &scope, &call);
   if (rc) {
     PyMem_RawFree(h);
     return raise_driver(d, call, rc);
@@ -673,6 +703,7 @@ static PyObject *Driver_create(DriverObject *d, PyObject *args) {
   }
   if (!rc && !out)
     for (Py_ssize_t k = 0; k < n; k++) d->MemRelease(h[k]); /* nobody holds them: give them back */
+  ctx_leave(d, &scope);
   PyMem_RawFree(h);
   if (rc) return raise_driver(d, "cuMemCreate", rc);
   return out;
@@ -687,8 +718,9 @@ static PyObject *Driver_release(DriverObject *d, PyObject *args) {
   PyObject *ret = NULL;
   Py_ssize_t n;
   if (get_u64s(&hb, &n, "handles")) goto out;
+  CtxScope scope;
   const char *call = "cuMemRelease";
-  CUresult rc = ensure_ctx(d, dev, &call), first = 0;
+  CUresult rc = ctx_enter(d, dev, &scope, &call), first = 0;
   if (rc) {
     raise_driver(d, call, rc);
     goto out;
@@ -698,6 +730,7 @@ static PyObject *Driver_release(DriverObject *d, PyObject *args) {
   for (Py_ssize_t i = 0; i < n; i++)
     if ((rc = d->MemRelease(h[i])) && !first) first = rc;
   Py_END_ALLOW_THREADS
+  ctx_leave(d, &scope);
   if (first) {
     raise_driver(d, "cuMemRelease", first);
     goto out;
@@ -725,8 +758,9 @@ static PyObject *Driver_map(DriverObject *d, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "map: need one handle per group per buffer");
     goto out;
   }
+  CtxScope scope;
   const char *call = "cuMemMap";
-  CUresult rc = ensure_ctx(d, dev, &call);
+  CUresult rc = ctx_enter(d, dev, &scope, &call);
   if (rc) {
     raise_driver(d, call, rc);
     goto out;
@@ -761,6 +795,7 @@ static PyObject *Driver_map(DriverObject *d, PyObject *args) {
       for (Py_ssize_t i = 0; i < (b < mapped_b ? n : mapped_i); i++) d->MemUnmap(bases[b] + offs[i], page);
   }
   Py_END_ALLOW_THREADS
+  ctx_leave(d, &scope);
   if (rc) {
     raise_driver(d, call, rc);
     goto out;
@@ -783,8 +818,9 @@ static PyObject *Driver_unmap(DriverObject *d, PyObject *args) {
   PyObject *ret = NULL;
   Py_ssize_t nb, n;
   if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets")) goto out;
+  CtxScope scope;
   const char *call = "cuMemUnmap";
-  CUresult rc = ensure_ctx(d, dev, &call), first = 0;
+  CUresult rc = ctx_enter(d, dev, &scope, &call), first = 0;
   if (rc) {
     raise_driver(d, call, rc);
     goto out;
@@ -800,6 +836,7 @@ static PyObject *Driver_unmap(DriverObject *d, PyObject *args) {
     }
   }
   Py_END_ALLOW_THREADS
+  ctx_leave(d, &scope);
   if (first) {
     raise_driver(d, "cuMemUnmap", first);
     goto out;
@@ -830,7 +867,8 @@ static PyTypeObject DriverType = {
     .tp_basicsize = sizeof(DriverObject),
     .tp_dealloc = (destructor)Driver_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "One loaded CUDA driver (see cuda_load). Every call runs in the device's primary context.",
+    .tp_doc = "One loaded CUDA driver (see cuda_load). Every call runs in the device's primary context and "
+              "leaves the caller's context current afterwards.",
     .tp_methods = Driver_methods,
     .tp_members = Driver_members,
 };

@@ -253,3 +253,18 @@ def test_range_drops_keepalive_before_it_is_freed():
     del rng
     names = [c[0] for c in drv.calls]
     assert names.index("owner") < names.index("cuMemAddressFree")
+
+
+def test_calls_leave_the_callers_context_current():
+    be, drv = _backend()
+    for before in (CTX[1], 0):  # another device's context (multi-GPU), or none (a new thread)
+        drv.cuCtxSetCurrent(before)
+        rng = be.reserve(8 * GRAN, GRAN)
+        groups = be.create(2, 1, GRAN)
+        be.map([rng.addr], [0, GRAN], groups, GRAN)
+        assert drv.current() == before
+        be.unmap([rng.addr], [0, GRAN], GRAN)
+        be.release(groups)
+        del rng
+        assert drv.current() == before
+    assert not drv.handles and not drv.mapped

@@ -156,6 +156,24 @@ def _in_thread(fn, *args):
     return out[0]
 
 
+def test_every_call_leaves_the_callers_context_current(fake_cuda):
+    for start in (1, None):  # another device's context (multi-GPU), or none (a new thread)
+        fake_cuda.set_current(start)
+        before = fake_cuda.current_context()
+        be = fake_cuda.backend()  # cuda_load and cuMemGetAllocationGranularity
+        g = be.granularity
+        rng = be.reserve(4 * g, g)
+        groups = be.create(2, 2, g)
+        be.map([rng.addr, rng.addr + 2 * g], [0, g], groups, g)
+        assert fake_cuda.current_context() == before
+        be.unmap([rng.addr, rng.addr + 2 * g], [0, g], g)
+        be.release(groups)
+        del rng  # cuMemAddressFree in the range's dealloc
+        assert fake_cuda.current_context() == before
+        assert fake_cuda.calls("cuCtxSetCurrent") > 0
+    assert fake_cuda.num_reservations == 0
+
+
 def test_release_and_close_on_a_thread_without_a_context(fake_cuda, make):
     be = fake_cuda.backend()
     groups = be.create(2, 2, be.granularity)
@@ -239,6 +257,7 @@ def _workload(cache, steps: int, seed: int) -> list[Exception]:
     ("cuMemMap", 3, 999, vattn.BackendError),
     ("cuMemMap", 30, 999, vattn.BackendError),
     ("cuMemSetAccess", 5, 999, vattn.BackendError),
+    ("cuCtxGetCurrent", 9, 999, vattn.BackendError),  # the context switch itself
 ])
 def test_a_failing_driver_call_keeps_the_books_and_leaks_nothing(fake_cuda, make, call, ordinal, code, error):
     # Pre-mapping is on (synchronous, so the run is deterministic): a failure there is the

@@ -8,8 +8,10 @@ close    = cuMemRelease / cuMemAddressFree
 
 Two drivers with one interface: the C extension (`vattn._C`, dlopen of libcuda.so.1 or of
 a given path, one call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`),
-which works without the extension. Every call runs in the device's primary context, the one PyTorch
-uses, made current on the calling thread first (the pre-mapping worker is another thread).
+which works without the extension. Every call runs in the device's primary context, the one
+PyTorch uses, made current on the calling thread for the call only (the pre-mapping worker
+is another thread): the caller's own context is current again afterwards, so
+`torch.cuda.current_device()` never changes.
 
 Ordering against kernels: `fence()` records a CUDA event on the current stream; the
 allocator records one at the start of every `step` for the slots the previous iteration
@@ -17,15 +19,13 @@ used, and `wait()`s on a slot's event before unmapping any of its pages, so a pa
 never unmapped under a kernel that may still read it. The event covers the current stream
 of the thread that calls `step`: an engine that reads the cache on other streams must
 make the current stream wait for them before `step`.
-
-`ensure_ctx` (C) and `_ctx_current` (cuda-python) make the device's primary context
-current on the calling thread, replacing whatever context was current there.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from array import array
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -158,22 +158,33 @@ class _PyDriver:
             _raise(call, code, name.decode() if isinstance(name, bytes) else str(name))
         return ret
 
-    def _ctx_current(self) -> None:
+    @contextlib.contextmanager
+    def _in_ctx(self) -> Iterator[None]:
+        """The device's primary context current on this thread for the block; the caller's after."""
+        prev = self._check("cuCtxGetCurrent", self.d.cuCtxGetCurrent())[1]
+        if int(prev) == int(self._ctx):
+            yield
+            return
         self._check("cuCtxSetCurrent", self.d.cuCtxSetCurrent(self._ctx))
+        try:
+            yield
+        finally:
+            self.d.cuCtxSetCurrent(prev)  # never fails the call: the books follow what was done
 
     def granularity(self) -> int:
-        self._ctx_current()
         flag = self.d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        return int(self._check("cuMemGetAllocationGranularity", self.d.cuMemGetAllocationGranularity(self._prop, flag))[1])
+        with self._in_ctx():
+            ret = self.d.cuMemGetAllocationGranularity(self._prop, flag)
+        return int(self._check("cuMemGetAllocationGranularity", ret)[1])
 
     def reserve(self, size: int, align: int) -> _PyRange:
-        self._ctx_current()
-        ptr = self._check("cuMemAddressReserve", self.d.cuMemAddressReserve(size, align, 0, 0))[1]
+        with self._in_ctx():
+            ptr = self._check("cuMemAddressReserve", self.d.cuMemAddressReserve(size, align, 0, 0))[1]
         return _PyRange(self, int(ptr), size)
 
     def free_range(self, addr: int, size: int) -> None:
-        self._ctx_current()
-        self._check("cuMemAddressFree", self.d.cuMemAddressFree(addr, size))
+        with self._in_ctx():
+            self._check("cuMemAddressFree", self.d.cuMemAddressFree(addr, size))
 
     def tensor(self, rng, offset, shape, strides, code, bits, device_type, device_id) -> torch.Tensor:
         # DLPack (not __cuda_array_interface__): torch then does not ask the driver about a
@@ -182,43 +193,44 @@ class _PyDriver:
                                                    device_type, device_id))
 
     def create(self, n: int, size: int) -> list[int]:
-        self._ctx_current()
         handles: list[Any] = []
-        try:
-            for _ in range(n):
-                handles.append(self._check("cuMemCreate", self.d.cuMemCreate(size, self._prop, 0))[1])
-        except BaseException:
-            for h in handles:
-                self.d.cuMemRelease(h)
-            raise
+        with self._in_ctx():
+            try:
+                for _ in range(n):
+                    handles.append(self._check("cuMemCreate", self.d.cuMemCreate(size, self._prop, 0))[1])
+            except BaseException:
+                for h in handles:
+                    self.d.cuMemRelease(h)
+                raise
         return [int(h) for h in handles]
 
     def release(self, handles: Sequence[int]) -> None:
-        self._ctx_current()
-        rets = [self.d.cuMemRelease(h) for h in handles]  # release all, then report the first error
+        with self._in_ctx():
+            rets = [self.d.cuMemRelease(h) for h in handles]  # release all, then report the first error
         for ret in rets:
             self._check("cuMemRelease", ret)
 
     def map(self, bases: array, offsets: array, handles: Sequence[int], page: int) -> None:
-        self._ctx_current()
         nb, done = len(bases), []
-        try:
-            for b, base in enumerate(bases):
-                for i, off in enumerate(offsets):
-                    self._check("cuMemMap", self.d.cuMemMap(base + off, page, 0, handles[i * nb + b], 0))
-                    done.append(base + off)
-                for i, k in _runs(offsets, page):  # one SetAccess per contiguous run
-                    self._check("cuMemSetAccess", self.d.cuMemSetAccess(base + offsets[i], k * page, [self._access], 1))
-        except BaseException:  # atomic: undo what this call mapped
-            for addr in done:
-                self.d.cuMemUnmap(addr, page)
-            raise
+        with self._in_ctx():
+            try:
+                for b, base in enumerate(bases):
+                    for i, off in enumerate(offsets):
+                        self._check("cuMemMap", self.d.cuMemMap(base + off, page, 0, handles[i * nb + b], 0))
+                        done.append(base + off)
+                    for i, k in _runs(offsets, page):  # one SetAccess per contiguous run
+                        self._check("cuMemSetAccess",
+                                    self.d.cuMemSetAccess(base + offsets[i], k * page, [self._access], 1))
+            except BaseException:  # atomic: undo what this call mapped
+                for addr in done:
+                    self.d.cuMemUnmap(addr, page)
+                raise
 
     def unmap(self, bases: array, offsets: array, page: int) -> None:
-        self._ctx_current()
-        for base in bases:
-            for i, k in _runs(offsets, page):
-                self._check("cuMemUnmap", self.d.cuMemUnmap(base + offsets[i], k * page))
+        with self._in_ctx():
+            for base in bases:
+                for i, k in _runs(offsets, page):
+                    self._check("cuMemUnmap", self.d.cuMemUnmap(base + offsets[i], k * page))
 
 
 class CudaBackend(Backend):
