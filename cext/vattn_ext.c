@@ -65,7 +65,11 @@ typedef struct {
 } CUmemAllocationProp;
 typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 
-enum { CUDA_ERROR_INVALID_DEVICE = 101 };
+#if PY_VERSION_HEX < 0x030D0000
+#define Py_IsFinalizing _Py_IsFinalizing
+#endif
+
+enum { CUDA_ERROR_DEINITIALIZED = 4, CUDA_ERROR_INVALID_DEVICE = 101 };
 
 #define MAX_DEVICES 64
 
@@ -166,30 +170,41 @@ static int Range_clear(RangeObject *self) {
   return 0;
 }
 
+/* cuMemAddressFree in the device's context. If the driver refuses (pages still mapped: an
+ * owner that never unmapped them), the address space leaks with a warning; it is never
+ * handed back with pages behind it. Called with the GIL held and no exception pending. */
+static void range_free_cuda(RangeObject *self) {
+  DriverObject *d = self->driver;
+  CtxScope scope;
+  const char *call = "cuMemAddressFree";
+  CUresult rc = ctx_enter(d, self->device_id, &scope, &call);
+  if (!rc) {
+    rc = d->MemAddressFree((CUdeviceptr)self->addr, self->size);
+    ctx_leave(d, &scope);
+  }
+  if (rc && rc != CUDA_ERROR_DEINITIALIZED && !Py_IsFinalizing()) { /* at exit the driver frees it all */
+    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                         "vattn: %s failed with %s (%d) for a CUDA range of %llu bytes at %p; its address "
+                         "space leaks (were pages still mapped in it?)",
+                         call, error_name(d, rc), (int)rc, (unsigned long long)self->size,
+                         (void *)(uintptr_t)self->addr) < 0)
+      PyErr_WriteUnraisable((PyObject *)self);
+  }
+}
+
 static void Range_dealloc(RangeObject *self) {
   PyObject_GC_UnTrack(self);
-  if (self->keepalive) {
-    /* The owner goes first: its finalizer may unmap pages of this range, which is still
-     * reserved. It may run Python code, so keep any exception that is being raised. */
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    Py_CLEAR(self->keepalive);
-    PyErr_Restore(type, value, tb);
-  }
+  /* The owner goes first: its finalizer may unmap pages of this range, which is still
+   * reserved. It may run Python code, so keep any exception that is being raised. */
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  Py_CLEAR(self->keepalive);
   if (self->size) {
-    if (self->kind == KIND_HOST) {
-      munmap((void *)(uintptr_t)self->addr, self->size);
-    } else if (self->driver) {
-      DriverObject *d = self->driver;
-      CtxScope scope;
-      const char *call;
-      if (!ctx_enter(d, self->device_id, &scope, &call)) {
-        d->MemAddressFree((CUdeviceptr)self->addr, self->size);
-        ctx_leave(d, &scope);
-      }
-    }
+    if (self->kind == KIND_HOST) munmap((void *)(uintptr_t)self->addr, self->size);
+    else if (self->driver) range_free_cuda(self);
   }
   Py_CLEAR(self->driver);
+  PyErr_Restore(type, value, tb);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

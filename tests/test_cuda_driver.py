@@ -268,3 +268,11 @@ def test_calls_leave_the_callers_context_current():
         del rng
         assert drv.current() == before
     assert not drv.handles and not drv.mapped
+
+
+def test_range_dropped_with_pages_mapped_warns_and_is_not_freed():
+    be, drv = _backend()
+    rng = be.reserve(8 * GRAN, GRAN)
+    be.map([rng.addr], [0], be.create(1, 1, GRAN), GRAN)
+    with pytest.warns(RuntimeWarning, match=r"cuMemAddressFree failed with CUDA_ERROR_INVALID_VALUE .*still mapped"):
+        del rng

@@ -6,6 +6,7 @@ the range's lifetime, and a failure injected into each driver call.
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
 import subprocess
@@ -204,16 +205,35 @@ def test_range_owner_unmaps_before_the_range_is_freed(fake_cuda):
     assert fake_cuda.num_reservations == 0 and fake_cuda.num_mappings == 0
 
 
+def test_range_dropped_with_pages_mapped_warns_and_keeps_its_address_space(fake_cuda, drv):
+    be = fake_cuda.backend()
+    g = be.granularity
+    rng = be.reserve(4 * g, g)
+    addr = rng.addr
+    groups = be.create(1, 1, g)
+    be.map([addr], [0], groups, g)
+    with pytest.warns(RuntimeWarning, match=r"cuMemAddressFree failed with CUDA_ERROR_ILLEGAL_STATE .*still mapped"):
+        del rng
+        gc.collect()
+    assert fake_cuda.num_reservations == 1  # never freed with a page behind it
+    be.unmap([addr], [0], g)
+    be.release(groups)
+    assert drv.free(addr, 4 * g) == 0
+    fake_cuda.reset()  # the refused cuMemAddressFree was counted
+
+
 def test_cache_tensors_are_host_views_of_the_fake(fake_cuda, make):
+    handles, mappings, _ = fake_cuda.live()
     cache = make(page_size=64 * KB)
     assert cache.k_cache(0).device.type == "cpu" and cache.backend.drv.name == "cext"
     r = cache.alloc_reqid()
     assert cache.step({r: 100})
     fill(cache, r, 0, 100, 1)
     check(cache, r, 100, 1)
-    assert fake_cuda.num_mappings == cache.geometry.num_buffers * cache.stats().num_mapped_pages
+    cache.synchronize()
+    assert fake_cuda.num_mappings - mappings == cache.geometry.num_buffers * cache.stats().num_mapped_pages
     cache.close()
-    assert fake_cuda.num_mappings == 0 and fake_cuda.num_handles == 0
+    assert fake_cuda.live()[:2] == (handles, mappings)
 
 
 def _workload(cache, steps: int, seed: int) -> list[Exception]:

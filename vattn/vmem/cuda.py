@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import warnings
 from array import array
 from typing import Any, Iterator, Sequence
 
@@ -115,8 +117,10 @@ class _PyRange:
         self.keepalive = None  # the owner unmaps first; the range is freed after
         try:
             self._drv.free_range(self.addr, self.size)
-        except Exception:  # interpreter shutdown: the driver frees it with the context
-            pass
+        except Exception as e:  # never freed with pages behind it: it leaks, loudly
+            if not sys.is_finalizing():  # at exit the driver frees it with the context
+                warnings.warn(f"vattn: {e} for a CUDA range of {self.size} bytes at {self.addr:#x}; its address "
+                              "space leaks (were pages still mapped in it?)", RuntimeWarning, stacklevel=2)
 
 
 class _PyDriver:
