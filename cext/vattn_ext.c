@@ -218,10 +218,15 @@ typedef struct {
   int64_t dims[16];
 } Export;
 
+/* Torch calls this when the last view dies, on any thread and maybe while an exception
+ * is being raised (a tensor freed during unwinding): keep that exception. */
 static void export_deleter(DLManagedTensor *m) {
   Export *e = (Export *)m->manager_ctx;
   PyGILState_STATE g = PyGILState_Ensure();
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
   Py_XDECREF(e->owner);
+  PyErr_Restore(type, value, tb);
   PyGILState_Release(g);
   PyMem_RawFree(e);
 }
@@ -899,7 +904,7 @@ static PyMethodDef methods[] = {
     {"dlpack", dlpack_export, METH_VARARGS,
      "dlpack(owner, offset, shape, strides, code, bits, device_type, device_id) -> DLPack capsule viewing "
      "owner.addr + offset (no copy; the view must lie inside owner.size bytes). The capsule and the tensor "
-     "keep `owner` alive."},
+     "keep `owner` alive; the deleter and the capsule's destructor are safe with an exception pending."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "vattn._C", "vattn virtual-memory primitives", -1, methods};

@@ -7,11 +7,10 @@ unmap    = cuMemUnmap                       (the range stays reserved)
 close    = cuMemRelease / cuMemAddressFree
 
 Two drivers with one interface: the C extension (`vattn._C`, dlopen of libcuda.so.1 or of
-a given path, one call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`),
-which works without the extension. Every call runs in the device's primary context, the one
-PyTorch uses, made current on the calling thread for the call only (the pre-mapping worker
-is another thread): the caller's own context is current again afterwards, so
-`torch.cuda.current_device()` never changes.
+a given path, one call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`).
+Every call runs in the device's primary context, the one PyTorch uses, made current on the
+calling thread for the call only (the pre-mapping worker is another thread): the caller's
+own context is current again afterwards, so `torch.cuda.current_device()` never changes.
 
 Ordering against kernels: `fence()` records a CUDA event on the current stream; the
 allocator records one at the start of every `step` for the slots the previous iteration
@@ -19,6 +18,8 @@ used, and `wait()`s on a slot's event before unmapping any of its pages, so a pa
 never unmapped under a kernel that may still read it. The event covers the current stream
 of the thread that calls `step`: an engine that reads the cache on other streams must
 make the current stream wait for them before `step`.
+
+Tensors are DLPack views made by `vattn._C.dlpack`, on both paths (see `dlpack.py`).
 """
 from __future__ import annotations
 
@@ -72,10 +73,6 @@ class _CextDriver:
 
     def reserve(self, size: int, align: int) -> Any:
         return self._call(self.d.reserve, size, align, self.dev)
-
-    def tensor(self, rng, offset, shape, strides, code, bits, device_type, device_id) -> torch.Tensor:
-        return torch.from_dlpack(self._C.dlpack(rng, offset, tuple(shape), tuple(strides), code, bits,
-                                                device_type, device_id))
 
     def create(self, n: int, size: int) -> list[int]:
         return self._call(self.d.create, n, size, self.dev)
@@ -190,12 +187,6 @@ class _PyDriver:
         with self._in_ctx():
             self._check("cuMemAddressFree", self.d.cuMemAddressFree(addr, size))
 
-    def tensor(self, rng, offset, shape, strides, code, bits, device_type, device_id) -> torch.Tensor:
-        # DLPack (not __cuda_array_interface__): torch then does not ask the driver about a
-        # pointer that is reserved but not mapped yet.
-        return torch.from_dlpack(dlpack.to_capsule(rng, rng.addr + offset, shape, strides, code, bits,
-                                                   device_type, device_id))
-
     def create(self, n: int, size: int) -> list[int]:
         handles: list[Any] = []
         with self._in_ctx():
@@ -297,7 +288,7 @@ class CudaBackend(Backend):
     def tensor(self, rng, offset, shape, strides, dtype) -> torch.Tensor:
         code, bits = self.dlpack_type(dtype)
         device = (dlpack.KDL_CPU, 0) if self.host_memory else (dlpack.KDL_CUDA, self.index)
-        return self.drv.tensor(rng, offset, shape, strides, code, bits, *device)
+        return torch.from_dlpack(dlpack.to_capsule(rng, offset, shape, strides, code, bits, *device))
 
     def _create(self, n: int, num_buffers: int, page_size: int) -> list[tuple[int, ...]]:
         flat = self.drv.create(n * num_buffers, page_size)
