@@ -276,3 +276,47 @@ def test_range_dropped_with_pages_mapped_warns_and_is_not_freed():
     be.map([rng.addr], [0], be.create(1, 1, GRAN), GRAN)
     with pytest.warns(RuntimeWarning, match=r"cuMemAddressFree failed with CUDA_ERROR_INVALID_VALUE .*still mapped"):
         del rng
+
+
+class _NoLibcuda(FakeDriver):
+    """cuda-python installed, but it cannot find libcuda (cuda-pathfinder raises on first use)."""
+
+    class DynamicLibNotFoundError(RuntimeError):
+        pass
+
+    def cuInit(self, flags):
+        raise self.DynamicLibNotFoundError("Failure finding libcuda.so: no candidate found")
+
+
+def test_cuda_python_without_libcuda_is_a_vattn_error():
+    with pytest.raises(vattn.InvalidConfigError, match=r"cuda-python cannot load the CUDA driver "
+                                                        r"\(DynamicLibNotFoundError: Failure finding libcuda"):
+        CudaBackend(0, "cuda-python", driver_module=_NoLibcuda(), host_memory=True)
+
+
+def test_cuinit_failure_is_a_vattn_error(fake_cuda):
+    fake_cuda.set_fail("cuInit", 1, int(CUresult.CUDA_ERROR_NO_DEVICE))
+    with pytest.raises(vattn.BackendError, match=r"cuInit failed with CUDA_ERROR_NO_DEVICE \(100\).*nvidia-smi"):
+        CudaBackend(0, "cext", libcuda=fake_cuda.path, host_memory=True)
+    with pytest.raises(vattn.BackendError, match=r"cuInit failed with CUDA_ERROR_NO_DEVICE \(100\)"):
+        CudaBackend(0, "cuda-python", driver_module=FakeDriver(fail={"cuInit": 1}), host_memory=True)
+
+
+def test_missing_libcuda_is_a_vattn_error(tmp_path):
+    with pytest.raises(vattn.InvalidConfigError, match=r"cannot load .*libcuda.so.1.*install the NVIDIA driver"):
+        CudaBackend(0, "cext", libcuda=str(tmp_path / "libcuda.so.1"), host_memory=True)
+
+
+def test_auto_falls_back_to_cuda_python(fake_cuda):
+    fake_cuda.set_fail("cuInit", 1, int(CUresult.CUDA_ERROR_NO_DEVICE))
+    be = CudaBackend(0, "auto", libcuda=fake_cuda.path, driver_module=FakeDriver(), host_memory=True)
+    assert be.drv.name == "cuda-python" and be.granularity == GRAN
+    fake_cuda.reset()
+    assert CudaBackend(0, "auto", libcuda=fake_cuda.path, driver_module=FakeDriver(), host_memory=True).drv.name == "cext"
+
+
+def test_auto_with_both_paths_failing_names_both(tmp_path):
+    with pytest.raises(vattn.InvalidConfigError) as e:
+        CudaBackend(0, "auto", libcuda=str(tmp_path / "libcuda.so.1"), driver_module=_NoLibcuda(), host_memory=True)
+    msg = str(e.value)
+    assert "C extension: the CUDA driver cannot be loaded" in msg and "cuda-python: cuda-python cannot load" in msg

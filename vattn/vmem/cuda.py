@@ -8,9 +8,10 @@ close    = cuMemRelease / cuMemAddressFree
 
 Two drivers with one interface: the C extension (`vattn._C`, dlopen of libcuda.so.1 or of
 a given path, one call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`).
-Every call runs in the device's primary context, the one PyTorch uses, made current on the
-calling thread for the call only (the pre-mapping worker is another thread): the caller's
-own context is current again afterwards, so `torch.cuda.current_device()` never changes.
+With `cuda_driver="auto"` vattn takes the extension and falls back to cuda-python. Every call
+runs in the device's primary context, the one PyTorch uses, made current on the calling
+thread for the call only (the pre-mapping worker is another thread): the caller's own
+context is current again afterwards, so `torch.cuda.current_device()` never changes.
 
 Ordering against kernels: `fence()` records a CUDA event on the current stream; the
 allocator records one at the start of every `step` for the slots the previous iteration
@@ -33,7 +34,13 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from vattn.config import CUDA_DRIVERS
-from vattn.errors import BackendError, InvalidConfigError, OutOfPhysicalMemoryError, OutOfVirtualMemoryError
+from vattn.errors import (
+    BackendError,
+    InvalidConfigError,
+    OutOfPhysicalMemoryError,
+    OutOfVirtualMemoryError,
+    VattnError,
+)
 from vattn.vmem import dlpack
 from vattn.vmem.base import Backend
 
@@ -57,10 +64,22 @@ class _CextDriver:
     name = "cext"
 
     def __init__(self, dev: int, libcuda: str | None = None) -> None:
-        from vattn import _C
-
+        try:
+            from vattn import _C
+        except ImportError as e:
+            raise InvalidConfigError(
+                f"the C extension vattn._C cannot be imported ({e}); reinstall vattn with a C compiler "
+                "(pip install -e .)") from None
         self._C, self.dev = _C, dev
-        self.d = _C.cuda_load(libcuda)
+        try:
+            self.d = _C.cuda_load(libcuda)
+        except OSError as e:
+            raise InvalidConfigError(
+                f"the CUDA driver cannot be loaded: {e}; install the NVIDIA driver, or use device='cpu'") from None
+        except _C.DriverError as e:
+            call, code, name = e.args
+            raise BackendError(call, code, name, "the CUDA driver is installed but does not start; check that "
+                               "nvidia-smi sees the GPU, or use device='cpu'") from None
 
     def _call(self, fn, *args):
         try:
@@ -139,7 +158,13 @@ class _PyDriver:
                         "extension and use cuda_driver='cext')") from None
         self.d, self.dev = driver, dev
         self._ok = driver.CUresult.CUDA_SUCCESS
-        self._check("cuInit", driver.cuInit(0))
+        try:
+            ret = driver.cuInit(0)  # cuda-python loads libcuda here (cuda-pathfinder)
+        except Exception as e:  # DynamicLibNotFoundError, RuntimeError, OSError, ...
+            raise InvalidConfigError(
+                f"cuda-python cannot load the CUDA driver ({type(e).__name__}: {e}); install the NVIDIA "
+                "driver, or use device='cpu'") from None
+        self._check("cuInit", ret)
         _, cudev = self._check("cuDeviceGet", driver.cuDeviceGet(dev))
         _, self._ctx = self._check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(cudev))
         self._prop = driver.CUmemAllocationProp()
@@ -269,10 +294,15 @@ class CudaBackend(Backend):
             return _PyDriver(self.index, module)
         try:
             return _CextDriver(self.index, libcuda)
-        except (ImportError, OSError, AttributeError) as e:
+        except VattnError as e:
             if driver == "cext":
-                raise InvalidConfigError(f"cuda_driver='cext' but the C extension cannot load the driver: {e}") from None
+                raise
+            cext_error = e
+        try:
             return _PyDriver(self.index, module)
+        except VattnError as e:
+            raise InvalidConfigError(
+                f"neither CUDA driver path works. The C extension: {cext_error}. cuda-python: {e}") from None
 
     def check_page_size(self, page_size: int) -> None:
         if page_size % self.granularity:
