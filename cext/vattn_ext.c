@@ -188,7 +188,7 @@ static void range_free_cuda(RangeObject *self) {
                          "space leaks (were pages still mapped in it?)",
                          call, error_name(d, rc), (int)rc, (unsigned long long)self->size,
                          (void *)(uintptr_t)self->addr) < 0)
-      PyErr_WriteUnraisable((PyObject *)self);
+      PyErr_WriteUnraisable(NULL); /* warnings are errors: report it, never raise from a dealloc */
   }
 }
 

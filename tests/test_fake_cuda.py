@@ -114,6 +114,20 @@ def test_fake_memory_cap_and_injected_failures(fake_cuda, drv):
     assert fake_cuda.num_violations == 0
 
 
+def test_fake_granularity_is_settable_while_nothing_lives(fake_cuda, drv):
+    rc, h = drv.create(drv.gran)
+    with pytest.raises(ValueError):
+        fake_cuda.set_granularity(2 << 20)
+    assert drv.release(h) == 0
+    fake_cuda.set_granularity(2 << 20)
+    try:
+        assert fake_cuda.backend().granularity == 2 << 20
+        assert drv.create(drv.gran)[0] == INVALID_VALUE  # 64 KiB is no multiple of 2 MiB now
+    finally:
+        fake_cuda.set_granularity(64 * KB)
+    fake_cuda.reset()
+
+
 def test_fake_rules_before_init_access_and_environment(fake_cuda):
     # A fresh process: a call before cuInit, failures injected through the environment, and
     # a page that is mapped but not accessible yet (reading it faults).

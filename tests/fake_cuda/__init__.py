@@ -8,7 +8,7 @@ compiler it returns None (the fixtures skip).
     fake = load()
     backend = fake.backend()                       # CudaBackend(cext) on the fake, CPU views
     cache = vattn.KVCache(backend=backend, device="cpu", ...)
-    fake.set_fail("cuMemMap", 3)                   # the 3rd cuMemMap from now fails
+    fake.set_fail("cuMemMap", 3)                   # the 3rd cuMemMap since the last reset fails
     fake.assert_clean()                            # nothing live, no rule broken
 """
 from __future__ import annotations
@@ -22,7 +22,6 @@ import subprocess
 import tempfile
 
 CUDA_ERROR_UNKNOWN = 999
-NUM_DEVICES = 2  # FAKE_NUM_DEVICES in fake_cuda.c
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "fake_cuda.c")
 
@@ -59,7 +58,13 @@ class FakeCuda:
         """cuMemCreate fails with CUDA_ERROR_OUT_OF_MEMORY past `nbytes` live (None: no cap)."""
         self.lib.fake_cuda_set_memory_limit(nbytes or 0)
 
+    def set_granularity(self, nbytes: int) -> None:
+        """The granularity (default 64 KiB); only while nothing is reserved or created."""
+        if self.lib.fake_cuda_set_granularity(nbytes):
+            raise ValueError(f"cannot set the granularity to {nbytes} now")
+
     def calls(self, call: str) -> int:
+        """Calls of `call` since the last reset."""
         return self.lib.fake_cuda_calls(call.encode())
 
     # -- state ------------------------------------------------------------------------
