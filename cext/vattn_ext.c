@@ -4,16 +4,23 @@
  *                memfd (created in Python) with MAP_FIXED | MAP_SHARED, unmap by
  *                re-reserving the range. Every mapping is MADV_DONTFORK: a forked child
  *                (DataLoader workers, multiprocessing) never sees the cache's pages.
- * CUDA:          the driver's VMM calls, resolved at run time with dlopen("libcuda.so.1"),
- *                so this file builds and imports on machines with no CUDA at all.
+ * CUDA:          the driver's VMM calls, resolved at run time with dlopen of libcuda.so.1
+ *                (or of a path the caller gives: the tests' fake driver), so this file
+ *                builds and imports on machines with no CUDA at all. Each `cuda_load()`
+ *                returns a CudaDriver object that carries its own function table.
  * Both:          batched map/unmap of page groups (one page of one slot in all buffers)
  *                with the GIL released, and DLPack export of a reserved range.
  *
  * A batched map is atomic: if any page fails, every page this call mapped is
  * unmapped again before the error is raised, so the caller's books never lie.
+ *
+ * Contexts: every CUDA call runs in the device's primary context (the one PyTorch uses),
+ * made current on the calling thread for the call only; the caller's context is current
+ * again afterwards, so torch.cuda.current_device() never changes under the caller.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -34,23 +41,10 @@ static int to_u64(PyObject *o, void *out) {
 }
 
 /* ------------------------------------------------------------------------- */
-/* Range: a reserved virtual address range, kept alive by exported tensors.   */
+/* CUDA driver types and the table of one loaded driver                       */
 /* ------------------------------------------------------------------------- */
 
-enum { KIND_HOST = 0, KIND_CUDA = 1 };
-
-typedef struct {
-  PyObject_HEAD
-  uint64_t addr;
-  uint64_t size;
-  int kind;
-  int device_id;
-  PyObject *keepalive; /* released first in dealloc, while the range is still reserved */
-} RangeObject;
-
-static PyObject *DriverError; /* args: (call, code, name) */
-
-/* CUDA driver types (ABI-stable parts of cuda.h, declared here so no toolkit is needed). */
+/* ABI-stable parts of cuda.h, declared here so no toolkit is needed. */
 typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
@@ -71,8 +65,18 @@ typedef struct {
 } CUmemAllocationProp;
 typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 
-static struct {
+#if PY_VERSION_HEX < 0x030D0000
+#define Py_IsFinalizing _Py_IsFinalizing
+#endif
+
+enum { CUDA_ERROR_DEINITIALIZED = 4, CUDA_ERROR_INVALID_DEVICE = 101 };
+
+#define MAX_DEVICES 64
+
+typedef struct {
+  PyObject_HEAD
   void *lib;
+  PyObject *path; /* str: what was dlopen()ed */
   CUresult (*Init)(unsigned int);
   CUresult (*DeviceGet)(CUdevice *, int);
   CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
@@ -87,15 +91,19 @@ static struct {
   CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemHandle, unsigned long long);
   CUresult (*MemUnmap)(CUdeviceptr, size_t);
   CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-} cu;
+  CUcontext primary_ctx[MAX_DEVICES]; /* retained once, kept for the life of the object */
+} DriverObject;
 
-#define MAX_DEVICES 64
-static CUcontext primary_ctx[MAX_DEVICES];
+static PyObject *DriverError; /* args: (call, code, name) */
 
-static PyObject *raise_driver(const char *call, CUresult rc) {
-  const char *name = "CUDA_ERROR_UNKNOWN";
-  if (cu.GetErrorName) cu.GetErrorName(rc, &name);
-  PyObject *args = Py_BuildValue("(sis)", call, (int)rc, name ? name : "?");
+static const char *error_name(DriverObject *d, CUresult rc) {
+  const char *name = NULL;
+  if (d->GetErrorName(rc, &name) || !name) name = "CUDA_ERROR_UNKNOWN";
+  return name;
+}
+
+static PyObject *raise_driver(DriverObject *d, const char *call, CUresult rc) {
+  PyObject *args = Py_BuildValue("(sis)", call, (int)rc, error_name(d, rc));
   if (args) {
     PyErr_SetObject(DriverError, args);
     Py_DECREF(args);
@@ -103,7 +111,54 @@ static PyObject *raise_driver(const char *call, CUresult rc) {
   return NULL;
 }
 
-static CUresult ensure_ctx(int dev, const char **call);
+/* The device's primary context current on this thread for one call; ctx_leave puts the
+ * caller's context (another device's, or none) back. Called with the GIL held. */
+typedef struct {
+  CUcontext prev;
+  int switched;
+} CtxScope;
+
+static CUresult ctx_enter(DriverObject *d, int dev, CtxScope *s, const char **call) {
+  s->prev = NULL;
+  s->switched = 0;
+  if (dev < 0 || dev >= MAX_DEVICES) {
+    *call = "cuDeviceGet";
+    return CUDA_ERROR_INVALID_DEVICE;
+  }
+  CUresult rc;
+  if (!d->primary_ctx[dev]) {
+    CUdevice cd;
+    if ((rc = d->DeviceGet(&cd, dev))) { *call = "cuDeviceGet"; return rc; }
+    if ((rc = d->DevicePrimaryCtxRetain(&d->primary_ctx[dev], cd))) { *call = "cuDevicePrimaryCtxRetain"; return rc; }
+  }
+  if ((rc = d->CtxGetCurrent(&s->prev))) { *call = "cuCtxGetCurrent"; return rc; }
+  if (s->prev != d->primary_ctx[dev]) {
+    if ((rc = d->CtxSetCurrent(d->primary_ctx[dev]))) { *call = "cuCtxSetCurrent"; return rc; }
+    s->switched = 1;
+  }
+  return 0;
+}
+
+/* Never fails the call: the work is done (or undone) by now, and the books follow it. */
+static void ctx_leave(DriverObject *d, CtxScope *s) {
+  if (s->switched) d->CtxSetCurrent(s->prev);
+}
+
+/* ------------------------------------------------------------------------- */
+/* Range: a reserved virtual address range, kept alive by exported tensors.   */
+/* ------------------------------------------------------------------------- */
+
+enum { KIND_HOST = 0, KIND_CUDA = 1 };
+
+typedef struct {
+  PyObject_HEAD
+  uint64_t addr;
+  uint64_t size;
+  int kind;
+  int device_id;
+  DriverObject *driver; /* CUDA: the driver that reserved it (kept loaded while the range lives) */
+  PyObject *keepalive;  /* released first in dealloc, while the range is still reserved */
+} RangeObject;
 
 static int Range_traverse(RangeObject *self, visitproc visit, void *arg) {
   Py_VISIT(self->keepalive);
@@ -115,37 +170,63 @@ static int Range_clear(RangeObject *self) {
   return 0;
 }
 
+/* cuMemAddressFree in the device's context. If the driver refuses (pages still mapped: an
+ * owner that never unmapped them), the address space leaks with a warning; it is never
+ * handed back with pages behind it. Called with the GIL held and no exception pending. */
+static void range_free_cuda(RangeObject *self) {
+  DriverObject *d = self->driver;
+  CtxScope scope;
+  const char *call = "cuMemAddressFree";
+  CUresult rc = ctx_enter(d, self->device_id, &scope, &call);
+  if (!rc) {
+    rc = d->MemAddressFree((CUdeviceptr)self->addr, self->size);
+    ctx_leave(d, &scope);
+  }
+  if (rc && rc != CUDA_ERROR_DEINITIALIZED && !Py_IsFinalizing()) { /* at exit the driver frees it all */
+    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                         "vattn: %s failed with %s (%d) for a CUDA range of %llu bytes at %p; its address "
+                         "space leaks (were pages still mapped in it?)",
+                         call, error_name(d, rc), (int)rc, (unsigned long long)self->size,
+                         (void *)(uintptr_t)self->addr) < 0)
+      PyErr_WriteUnraisable(NULL); /* warnings are errors: report it, never raise from a dealloc */
+  }
+}
+
 static void Range_dealloc(RangeObject *self) {
   PyObject_GC_UnTrack(self);
-  if (self->keepalive) {
-    /* The owner goes first: its finalizer may unmap pages of this range, which is still
-     * reserved. It may run Python code, so keep any exception that is being raised. */
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    Py_CLEAR(self->keepalive);
-    PyErr_Restore(type, value, tb);
-  }
+  /* The owner goes first: its finalizer may unmap pages of this range, which is still
+   * reserved. It may run Python code, so keep any exception that is being raised. */
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  Py_CLEAR(self->keepalive);
   if (self->size) {
-    if (self->kind == KIND_HOST) {
-      munmap((void *)(uintptr_t)self->addr, self->size);
-    } else if (cu.MemAddressFree) {
-      const char *call;
-      if (!ensure_ctx(self->device_id, &call)) cu.MemAddressFree((CUdeviceptr)self->addr, self->size);
-    }
+    if (self->kind == KIND_HOST) munmap((void *)(uintptr_t)self->addr, self->size);
+    else if (self->driver) range_free_cuda(self);
   }
+  Py_CLEAR(self->driver);
+  PyErr_Restore(type, value, tb);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* ------------------------------------------------------------------------- */
+/* DLPack export                                                              */
+/* ------------------------------------------------------------------------- */
+
 typedef struct {
   DLManagedTensor managed;
-  PyObject *owner; /* the Range: the address space lives as long as any tensor */
+  PyObject *owner; /* the reservation: the address space lives as long as any tensor */
   int64_t dims[16];
 } Export;
 
+/* Torch calls this when the last view dies, on any thread and maybe while an exception
+ * is being raised (a tensor freed during unwinding): keep that exception. */
 static void export_deleter(DLManagedTensor *m) {
   Export *e = (Export *)m->manager_ctx;
   PyGILState_STATE g = PyGILState_Ensure();
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
   Py_XDECREF(e->owner);
+  PyErr_Restore(type, value, tb);
   PyGILState_Release(g);
   PyMem_RawFree(e);
 }
@@ -182,14 +263,11 @@ static int read_i64_tuple(PyObject *seq, int64_t *out, int max, const char *what
   return (int)n;
 }
 
-/* Range.dlpack(offset, shape, strides, code, bits) -> "dltensor" capsule.
- * offset in bytes from the range start; strides in elements. The view must lie inside the range. */
-static PyObject *Range_dlpack(RangeObject *self, PyObject *args) {
-  unsigned long long offset;
-  PyObject *shape_obj, *strides_obj;
-  int code, bits;
-  if (!PyArg_ParseTuple(args, "O&OOii", to_u64, &offset, &shape_obj, &strides_obj, &code, &bits)) return NULL;
-  if (!self->size) {
+/* A "dltensor" capsule viewing base + offset of [base, base + size), owned by `owner`.
+ * Strides in elements. The view must lie inside the range. */
+static PyObject *export_view(PyObject *owner, uint64_t base, uint64_t size, uint64_t offset, PyObject *shape_obj,
+                             PyObject *strides_obj, int code, int bits, int device_type, int device_id) {
+  if (!size) {
     PyErr_SetString(PyExc_ValueError, "range was released");
     return NULL;
   }
@@ -218,15 +296,15 @@ static PyObject *Range_dlpack(RangeObject *self, PyObject *args) {
   overflow |= __builtin_add_overflow(last, 1, &end);
   overflow |= __builtin_mul_overflow(end, (uint64_t)(bits / 8), &end);
   overflow |= __builtin_add_overflow(end, offset, &end);
-  if (overflow || end > self->size) {
+  if (overflow || end > size) {
     PyMem_RawFree(e);
     PyErr_SetString(PyExc_ValueError, "view extends past the end of the reserved range");
     return NULL;
   }
   DLTensor *t = &e->managed.dl_tensor;
-  t->data = (void *)(uintptr_t)(self->addr + offset);
-  t->device.device_type = self->kind == KIND_HOST ? kDLCPU : kDLCUDA;
-  t->device.device_id = self->kind == KIND_HOST ? 0 : self->device_id;
+  t->data = (void *)(uintptr_t)(base + offset);
+  t->device.device_type = device_type;
+  t->device.device_id = device_id;
   t->ndim = nd;
   t->dtype.code = (uint8_t)code;
   t->dtype.bits = (uint8_t)bits;
@@ -236,11 +314,42 @@ static PyObject *Range_dlpack(RangeObject *self, PyObject *args) {
   t->byte_offset = 0;
   e->managed.manager_ctx = e;
   e->managed.deleter = export_deleter;
-  Py_INCREF(self);
-  e->owner = (PyObject *)self;
+  Py_INCREF(owner);
+  e->owner = owner;
   PyObject *cap = PyCapsule_New(&e->managed, "dltensor", capsule_destructor);
   if (!cap) export_deleter(&e->managed);
   return cap;
+}
+
+/* Range.dlpack(offset, shape, strides, code, bits) -> "dltensor" capsule on the range's device. */
+static PyObject *Range_dlpack(RangeObject *self, PyObject *args) {
+  unsigned long long offset;
+  PyObject *shape_obj, *strides_obj;
+  int code, bits;
+  if (!PyArg_ParseTuple(args, "O&OOii", to_u64, &offset, &shape_obj, &strides_obj, &code, &bits)) return NULL;
+  int host = self->kind == KIND_HOST;
+  return export_view((PyObject *)self, self->addr, self->size, offset, shape_obj, strides_obj, code, bits,
+                     host ? kDLCPU : kDLCUDA, host ? 0 : self->device_id);
+}
+
+/* dlpack(owner, offset, shape, strides, code, bits, device_type, device_id) -> "dltensor" capsule
+ * viewing owner.addr + offset on the given device, for any owner with .addr and .size. */
+static PyObject *dlpack_export(PyObject *m, PyObject *args) {
+  PyObject *owner, *shape_obj, *strides_obj;
+  unsigned long long offset, base, size;
+  int code, bits, device_type, device_id;
+  if (!PyArg_ParseTuple(args, "OO&OOiiii", &owner, to_u64, &offset, &shape_obj, &strides_obj, &code, &bits,
+                        &device_type, &device_id))
+    return NULL;
+  PyObject *a = PyObject_GetAttrString(owner, "addr");
+  int ok = a && to_u64(a, &base);
+  Py_XDECREF(a);
+  if (!ok) return NULL;
+  PyObject *s = PyObject_GetAttrString(owner, "size");
+  ok = s && to_u64(s, &size);
+  Py_XDECREF(s);
+  if (!ok) return NULL;
+  return export_view(owner, base, size, offset, shape_obj, strides_obj, code, bits, device_type, device_id);
 }
 
 static PyMethodDef Range_methods[] = {
@@ -284,13 +393,15 @@ static PyTypeObject RangeType = {
     .tp_getset = Range_getset,
 };
 
-static PyObject *new_range(uint64_t addr, uint64_t size, int kind, int device_id) {
+static PyObject *new_range(uint64_t addr, uint64_t size, int kind, int device_id, DriverObject *driver) {
   RangeObject *r = PyObject_GC_New(RangeObject, &RangeType);
   if (!r) return NULL;
   r->addr = addr;
   r->size = size;
   r->kind = kind;
   r->device_id = device_id;
+  Py_XINCREF(driver);
+  r->driver = driver;
   r->keepalive = NULL;
   PyObject_GC_Track(r);
   return (PyObject *)r;
@@ -361,7 +472,7 @@ static PyObject *host_reserve(PyObject *m, PyObject *args) {
     errno = e;
     return PyErr_SetFromErrno(PyExc_OSError);
   }
-  PyObject *r = new_range((uint64_t)(uintptr_t)p, size, KIND_HOST, 0);
+  PyObject *r = new_range((uint64_t)(uintptr_t)p, size, KIND_HOST, 0, NULL);
   if (!r) munmap(p, size);
   return r;
 }
@@ -462,26 +573,42 @@ out:
 }
 
 /* ------------------------------------------------------------------------- */
-/* CUDA backend (driver API through dlopen)                                   */
+/* CUDA backend: the driver API through dlopen, one CudaDriver per load        */
 /* ------------------------------------------------------------------------- */
+
+static PyTypeObject DriverType;
 
 #define LOAD(field, sym)                                  \
   do {                                                    \
-    *(void **)(&cu.field) = dlsym(cu.lib, sym);           \
-    if (!cu.field) {                                      \
+    *(void **)(&d->field) = dlsym(d->lib, sym);           \
+    if (!d->field) {                                      \
       missing = sym;                                      \
       goto fail;                                          \
     }                                                     \
   } while (0)
 
-/* cuda_load() -> None; raises OSError when libcuda.so.1 or a symbol is missing. */
-static PyObject *cuda_load(PyObject *m, PyObject *noargs) {
-  if (cu.lib) Py_RETURN_NONE;
-  const char *missing = NULL;
-  cu.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (!cu.lib) {
-    PyErr_Format(PyExc_OSError, "cannot load libcuda.so.1 (no NVIDIA driver?): %s", dlerror());
+/* cuda_load(path=None) -> CudaDriver: dlopen `path` (default: libcuda.so.1 from the loader's
+ * search path) and cuInit. OSError when the library or a symbol is missing; DriverError
+ * when cuInit fails. The library is never unloaded. */
+static PyObject *cuda_load(PyObject *m, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"path", NULL};
+  PyObject *path_obj = Py_None, *path_bytes = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:cuda_load", kwlist, &path_obj)) return NULL;
+  if (path_obj != Py_None && !PyUnicode_FSConverter(path_obj, &path_bytes)) return NULL;
+  const char *path = path_bytes ? PyBytes_AS_STRING(path_bytes) : "libcuda.so.1";
+  DriverObject *d = PyObject_New(DriverObject, &DriverType);
+  if (!d) {
+    Py_XDECREF(path_bytes);
     return NULL;
+  }
+  memset((char *)d + sizeof(PyObject), 0, sizeof(DriverObject) - sizeof(PyObject));
+  d->path = PyUnicode_DecodeFSDefault(path);
+  if (!d->path) goto error;
+  const char *missing = NULL;
+  d->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!d->lib) {
+    PyErr_Format(PyExc_OSError, "cannot load %s (no NVIDIA driver?): %s", path, dlerror());
+    goto error;
   }
   LOAD(Init, "cuInit");
   LOAD(DeviceGet, "cuDeviceGet");
@@ -497,40 +624,25 @@ static PyObject *cuda_load(PyObject *m, PyObject *noargs) {
   LOAD(MemMap, "cuMemMap");
   LOAD(MemUnmap, "cuMemUnmap");
   LOAD(MemSetAccess, "cuMemSetAccess");
-  CUresult rc = cu.Init(0);
+  CUresult rc = d->Init(0);
   if (rc) {
-    raise_driver("cuInit", rc);
-    memset(&cu, 0, sizeof(cu));
-    return NULL;
+    raise_driver(d, "cuInit", rc);
+    goto error;
   }
-  Py_RETURN_NONE;
+  Py_XDECREF(path_bytes);
+  return (PyObject *)d;
 fail:
-  dlclose(cu.lib);
-  memset(&cu, 0, sizeof(cu));
-  PyErr_Format(PyExc_OSError, "libcuda.so.1 lacks %s (driver too old for the VMM API)", missing);
+  PyErr_Format(PyExc_OSError, "%s lacks %s (driver too old for the VMM API)", path, missing);
+error:
+  Py_XDECREF(path_bytes);
+  Py_DECREF(d);
   return NULL;
 }
 
-/* Make the device's primary context (the one PyTorch uses) current on this thread. */
-static CUresult ensure_ctx(int dev, const char **call) {
-  if (!cu.lib) {
-    *call = "cuda_load";
-    return 3; /* CUDA_ERROR_NOT_INITIALIZED */
-  }
-  if (dev < 0 || dev >= MAX_DEVICES) {
-    *call = "cuDeviceGet";
-    return 101; /* CUDA_ERROR_INVALID_DEVICE */
-  }
-  CUresult rc;
-  if (!primary_ctx[dev]) {
-    CUdevice d;
-    if ((rc = cu.DeviceGet(&d, dev))) { *call = "cuDeviceGet"; return rc; }
-    if ((rc = cu.DevicePrimaryCtxRetain(&primary_ctx[dev], d))) { *call = "cuDevicePrimaryCtxRetain"; return rc; }
-  }
-  CUcontext cur = NULL;
-  cu.CtxGetCurrent(&cur);
-  if (cur != primary_ctx[dev] && (rc = cu.CtxSetCurrent(primary_ctx[dev]))) { *call = "cuCtxSetCurrent"; return rc; }
-  return 0;
+static void Driver_dealloc(DriverObject *d) {
+  /* No dlclose: a driver must not be unloaded under contexts that others may still use. */
+  Py_XDECREF(d->path);
+  PyObject_Free(d);
 }
 
 static void device_prop(CUmemAllocationProp *p, int dev) {
@@ -540,38 +652,43 @@ static void device_prop(CUmemAllocationProp *p, int dev) {
   p->location.id = dev;
 }
 
-static PyObject *cuda_granularity(PyObject *m, PyObject *args) {
+static PyObject *Driver_granularity(DriverObject *d, PyObject *args) {
   int dev;
   if (!PyArg_ParseTuple(args, "i", &dev)) return NULL;
+  CtxScope scope;
   const char *call;
-  CUresult rc = ensure_ctx(dev, &call);
-  if (rc) return raise_driver(call, rc);
+  CUresult rc = ctx_enter(d, dev, &scope, &call);
+  if (rc) return raise_driver(d, call, rc);
   CUmemAllocationProp p;
   device_prop(&p, dev);
   size_t g = 0;
-  if ((rc = cu.MemGetAllocationGranularity(&g, &p, 0))) return raise_driver("cuMemGetAllocationGranularity", rc);
+  rc = d->MemGetAllocationGranularity(&g, &p, 0);
+  ctx_leave(d, &scope);
+  if (rc) return raise_driver(d, "cuMemGetAllocationGranularity", rc);
   return PyLong_FromSize_t(g);
 }
 
-static PyObject *cuda_reserve(PyObject *m, PyObject *args) {
+static PyObject *Driver_reserve(DriverObject *d, PyObject *args) {
   unsigned long long size, align;
   int dev;
   if (!PyArg_ParseTuple(args, "O&O&i", to_u64, &size, to_u64, &align, &dev)) return NULL;
+  CtxScope scope;
   const char *call;
-  CUresult rc = ensure_ctx(dev, &call);
-  if (rc) return raise_driver(call, rc);
+  CUresult rc = ctx_enter(d, dev, &scope, &call);
+  if (rc) return raise_driver(d, call, rc);
   CUdeviceptr p = 0;
   Py_BEGIN_ALLOW_THREADS
-  rc = cu.MemAddressReserve(&p, size, align, 0, 0);
+  rc = d->MemAddressReserve(&p, size, align, 0, 0);
   Py_END_ALLOW_THREADS
-  if (rc) return raise_driver("cuMemAddressReserve", rc);
-  PyObject *r = new_range(p, size, KIND_CUDA, dev);
-  if (!r) cu.MemAddressFree(p, size);
+  PyObject *r = rc ? NULL : new_range(p, size, KIND_CUDA, dev, d);
+  if (!rc && !r) d->MemAddressFree(p, size);
+  ctx_leave(d, &scope);
+  if (rc) return raise_driver(d, "cuMemAddressReserve", rc);
   return r;
 }
 
-/* cuda_create(n, size, dev) -> list of n handles; all or nothing. */
-static PyObject *cuda_create(PyObject *m, PyObject *args) {
+/* create(n, size, dev) -> list of n handles; all or nothing. */
+static PyObject *Driver_create(DriverObject *d, PyObject *args) {
   Py_ssize_t n;
   unsigned long long size;
   int dev;
@@ -580,60 +697,76 @@ static PyObject *cuda_create(PyObject *m, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "n must be >= 0");
     return NULL;
   }
-  const char *call;
-  CUresult rc = ensure_ctx(dev, &call);
-  if (rc) return raise_driver(call, rc);
   CUmemHandle *h = PyMem_RawCalloc(n ? n : 1, sizeof(CUmemHandle));
   if (!h) return PyErr_NoMemory();
+  CtxScope scope;
+  const char *call = "cuMemCreate";
+  CUresult rc = ctx_enter(d, dev, &scope, &call);
+  if (rc) {
+    PyMem_RawFree(h);
+    return raise_driver(d, call, rc);
+  }
   CUmemAllocationProp p;
   device_prop(&p, dev);
   Py_ssize_t i = 0;
   Py_BEGIN_ALLOW_THREADS
   for (; i < n; i++)
-    if ((rc = cu.MemCreate(&h[i], size, &p, 0))) break;
+    if ((rc = d->MemCreate(&h[i], size, &p, 0))) break;
   if (rc)
-    for (Py_ssize_t k = 0; k < i; k++) cu.MemRelease(h[k]);
+    for (Py_ssize_t k = 0; k < i; k++) d->MemRelease(h[k]);
   Py_END_ALLOW_THREADS
-  if (rc) {
-    PyMem_RawFree(h);
-    return raise_driver("cuMemCreate", rc);
-  }
-  PyObject *out = PyList_New(n);
+  PyObject *out = rc ? NULL : PyList_New(n);
   for (Py_ssize_t k = 0; out && k < n; k++) {
     PyObject *v = PyLong_FromUnsignedLongLong(h[k]);
     if (!v) Py_CLEAR(out);
     else PyList_SET_ITEM(out, k, v);
   }
-  if (!out)
-    for (Py_ssize_t k = 0; k < n; k++) cu.MemRelease(h[k]); /* nobody holds them: give them back */
+  if (!rc && !out)
+    for (Py_ssize_t k = 0; k < n; k++) d->MemRelease(h[k]); /* nobody holds them: give them back */
+  ctx_leave(d, &scope);
   PyMem_RawFree(h);
+  if (rc) return raise_driver(d, "cuMemCreate", rc);
   return out;
 }
 
-static PyObject *cuda_release(PyObject *m, PyObject *args) {
+/* release(handles, dev): every handle, then the first error. In the device's context like
+ * every other call: close() may run on any thread (the GC's finalizer, vattn-close). */
+static PyObject *Driver_release(DriverObject *d, PyObject *args) {
   Py_buffer hb;
-  if (!PyArg_ParseTuple(args, "y*", &hb)) return NULL;
+  int dev;
+  if (!PyArg_ParseTuple(args, "y*i", &hb, &dev)) return NULL;
+  PyObject *ret = NULL;
   Py_ssize_t n;
-  if (get_u64s(&hb, &n, "handles")) {
-    PyBuffer_Release(&hb);
-    return NULL;
+  if (get_u64s(&hb, &n, "handles")) goto out;
+  CtxScope scope;
+  const char *call = "cuMemRelease";
+  CUresult rc = ctx_enter(d, dev, &scope, &call), first = 0;
+  if (rc) {
+    raise_driver(d, call, rc);
+    goto out;
   }
   const CUmemHandle *h = hb.buf;
-  CUresult rc = 0, first = 0;
   Py_BEGIN_ALLOW_THREADS
   for (Py_ssize_t i = 0; i < n; i++)
-    if ((rc = cu.MemRelease(h[i])) && !first) first = rc;
+    if ((rc = d->MemRelease(h[i])) && !first) first = rc;
   Py_END_ALLOW_THREADS
+  ctx_leave(d, &scope);
+  if (first) {
+    raise_driver(d, "cuMemRelease", first);
+    goto out;
+  }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
   PyBuffer_Release(&hb);
-  if (first) return raise_driver("cuMemRelease", first);
-  Py_RETURN_NONE;
+  return ret;
 }
 
-/* cuda_map(bases, offsets, handles, page_size, dev)
+/* map(bases, offsets, handles, page_size, dev)
  * Group i: handles[i * nbuf + b] mapped at bases[b] + offsets[i]. Access is then set
  * once per buffer per run of contiguous offsets (one cuMemSetAccess per run, not per page).
  * Atomic: on failure everything mapped here is unmapped again. */
-static PyObject *cuda_map(PyObject *m, PyObject *args) {
+static PyObject *Driver_map(DriverObject *d, PyObject *args) {
   Py_buffer bb, ob, hb;
   unsigned long long page;
   int dev;
@@ -642,13 +775,14 @@ static PyObject *cuda_map(PyObject *m, PyObject *args) {
   Py_ssize_t nb, n, nh;
   if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets") || get_u64s(&hb, &nh, "handles")) goto out;
   if (nh != n * nb) {
-    PyErr_SetString(PyExc_ValueError, "cuda_map: need one handle per group per buffer");
+    PyErr_SetString(PyExc_ValueError, "map: need one handle per group per buffer");
     goto out;
   }
+  CtxScope scope;
   const char *call = "cuMemMap";
-  CUresult rc = ensure_ctx(dev, &call);
+  CUresult rc = ctx_enter(d, dev, &scope, &call);
   if (rc) {
-    raise_driver(call, rc);
+    raise_driver(d, call, rc);
     goto out;
   }
   const uint64_t *bases = bb.buf, *offs = ob.buf;
@@ -663,7 +797,7 @@ static PyObject *cuda_map(PyObject *m, PyObject *args) {
   for (Py_ssize_t b = 0; b < nb && !rc; b++) {
     Py_ssize_t i = 0;
     for (; i < n; i++) {
-      if ((rc = cu.MemMap(bases[b] + offs[i], page, 0, h[i * nb + b], 0))) {
+      if ((rc = d->MemMap(bases[b] + offs[i], page, 0, h[i * nb + b], 0))) {
         call = "cuMemMap";
         break;
       }
@@ -672,17 +806,18 @@ static PyObject *cuda_map(PyObject *m, PyObject *args) {
     mapped_i = i;
     for (Py_ssize_t s = 0; s < i && !rc;) { /* one cuMemSetAccess per contiguous run */
       Py_ssize_t e = run_end(offs, s, i, page);
-      if ((rc = cu.MemSetAccess(bases[b] + offs[s], (e - s) * page, &acc, 1))) call = "cuMemSetAccess";
+      if ((rc = d->MemSetAccess(bases[b] + offs[s], (e - s) * page, &acc, 1))) call = "cuMemSetAccess";
       s = e;
     }
   }
   if (rc) {
     for (Py_ssize_t b = 0; b <= mapped_b; b++)
-      for (Py_ssize_t i = 0; i < (b < mapped_b ? n : mapped_i); i++) cu.MemUnmap(bases[b] + offs[i], page);
+      for (Py_ssize_t i = 0; i < (b < mapped_b ? n : mapped_i); i++) d->MemUnmap(bases[b] + offs[i], page);
   }
   Py_END_ALLOW_THREADS
+  ctx_leave(d, &scope);
   if (rc) {
-    raise_driver(call, rc);
+    raise_driver(d, call, rc);
     goto out;
   }
   ret = Py_None;
@@ -694,8 +829,8 @@ out:
   return ret;
 }
 
-/* cuda_unmap(bases, offsets, page_size, dev): one cuMemUnmap per contiguous run. */
-static PyObject *cuda_unmap(PyObject *m, PyObject *args) {
+/* unmap(bases, offsets, page_size, dev): one cuMemUnmap per contiguous run. */
+static PyObject *Driver_unmap(DriverObject *d, PyObject *args) {
   Py_buffer bb, ob;
   unsigned long long page;
   int dev;
@@ -703,10 +838,11 @@ static PyObject *cuda_unmap(PyObject *m, PyObject *args) {
   PyObject *ret = NULL;
   Py_ssize_t nb, n;
   if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets")) goto out;
+  CtxScope scope;
   const char *call = "cuMemUnmap";
-  CUresult rc = ensure_ctx(dev, &call), first = 0;
+  CUresult rc = ctx_enter(d, dev, &scope, &call), first = 0;
   if (rc) {
-    raise_driver(call, rc);
+    raise_driver(d, call, rc);
     goto out;
   }
   const uint64_t *bases = bb.buf, *offs = ob.buf;
@@ -715,13 +851,14 @@ static PyObject *cuda_unmap(PyObject *m, PyObject *args) {
     Py_ssize_t i = 0;
     while (i < n) {
       Py_ssize_t j = run_end(offs, i, n, page);
-      if ((rc = cu.MemUnmap(bases[b] + offs[i], (j - i) * page)) && !first) first = rc;
+      if ((rc = d->MemUnmap(bases[b] + offs[i], (j - i) * page)) && !first) first = rc;
       i = j;
     }
   }
   Py_END_ALLOW_THREADS
+  ctx_leave(d, &scope);
   if (first) {
-    raise_driver("cuMemUnmap", first);
+    raise_driver(d, "cuMemUnmap", first);
     goto out;
   }
   ret = Py_None;
@@ -732,25 +869,48 @@ out:
   return ret;
 }
 
+static PyMethodDef Driver_methods[] = {
+    {"granularity", (PyCFunction)Driver_granularity, METH_VARARGS, "granularity(device) -> bytes"},
+    {"reserve", (PyCFunction)Driver_reserve, METH_VARARGS, "reserve(size, alignment, device) -> Range"},
+    {"create", (PyCFunction)Driver_create, METH_VARARGS, "create(n, size, device) -> [handle]; all or nothing"},
+    {"release", (PyCFunction)Driver_release, METH_VARARGS, "release(handles, device)"},
+    {"map", (PyCFunction)Driver_map, METH_VARARGS, "map(bases, offsets, handles, page_size, device); atomic"},
+    {"unmap", (PyCFunction)Driver_unmap, METH_VARARGS, "unmap(bases, offsets, page_size, device)"},
+    {NULL}};
+
+static PyMemberDef Driver_members[] = {
+    {"path", T_OBJECT, offsetof(DriverObject, path), READONLY, "the library that was loaded"},
+    {NULL}};
+
+static PyTypeObject DriverType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "vattn._C.CudaDriver",
+    .tp_basicsize = sizeof(DriverObject),
+    .tp_dealloc = (destructor)Driver_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One loaded CUDA driver (see cuda_load). Every call runs in the device's primary context and "
+              "leaves the caller's context current afterwards.",
+    .tp_methods = Driver_methods,
+    .tp_members = Driver_members,
+};
+
 /* ------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
     {"host_reserve", host_reserve, METH_VARARGS, "host_reserve(size) -> Range (PROT_NONE, MAP_NORESERVE)"},
     {"host_map", host_map, METH_VARARGS, "host_map(bases, offsets, fds, file_offsets, file_strides, page_size)"},
     {"host_unmap", host_unmap, METH_VARARGS, "host_unmap(bases, offsets, page_size)"},
-    {"cuda_load", cuda_load, METH_NOARGS, "cuda_load(): dlopen libcuda.so.1 and cuInit"},
-    {"cuda_granularity", cuda_granularity, METH_VARARGS, "cuda_granularity(device) -> bytes"},
-    {"cuda_reserve", cuda_reserve, METH_VARARGS, "cuda_reserve(size, alignment, device) -> Range"},
-    {"cuda_create", cuda_create, METH_VARARGS, "cuda_create(n, size, device) -> [handle]"},
-    {"cuda_release", cuda_release, METH_VARARGS, "cuda_release(handles)"},
-    {"cuda_map", cuda_map, METH_VARARGS, "cuda_map(bases, offsets, handles, page_size, device)"},
-    {"cuda_unmap", cuda_unmap, METH_VARARGS, "cuda_unmap(bases, offsets, page_size, device)"},
+    {"cuda_load", (PyCFunction)(void (*)(void))cuda_load, METH_VARARGS | METH_KEYWORDS,
+     "cuda_load(path=None) -> CudaDriver: dlopen the driver (default libcuda.so.1) and cuInit"},
+    {"dlpack", dlpack_export, METH_VARARGS,
+     "dlpack(owner, offset, shape, strides, code, bits, device_type, device_id) -> DLPack capsule viewing "
+     "owner.addr + offset (no copy; the view must lie inside owner.size bytes). The capsule and the tensor "
+     "keep `owner` alive; the deleter and the capsule's destructor are safe with an exception pending."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "vattn._C", "vattn virtual-memory primitives", -1, methods};
 
 PyMODINIT_FUNC PyInit__C(void) {
-  if (PyType_Ready(&RangeType) < 0) return NULL;
+  if (PyType_Ready(&RangeType) < 0 || PyType_Ready(&DriverType) < 0) return NULL;
   PyObject *mod = PyModule_Create(&moduledef);
   if (!mod) return NULL;
   DriverError = PyErr_NewException("vattn._C.DriverError", PyExc_RuntimeError, NULL);
@@ -759,7 +919,9 @@ PyMODINIT_FUNC PyInit__C(void) {
     return NULL;
   }
   Py_INCREF(&RangeType);
+  Py_INCREF(&DriverType);
   if (PyModule_AddObject(mod, "Range", (PyObject *)&RangeType) < 0 ||
+      PyModule_AddObject(mod, "CudaDriver", (PyObject *)&DriverType) < 0 ||
       PyModule_AddObject(mod, "DriverError", DriverError) < 0) {
     Py_DECREF(mod);
     return NULL;

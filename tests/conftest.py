@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
+# Many tiny kernels: torch's second intra-op thread often stalls 4-24 ms waking up on small
+# machines (CI has 2 CPUs), which made the suite 3-5x slower and taught us nothing.
+torch.set_num_threads(1)
+
 import vattn
+from tests import fake_cuda as fake_cuda_lib
 
 
 def cuda_ok() -> bool:
@@ -19,27 +26,52 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# "fakecuda": the CUDA backend (C extension path) on tests/fake_cuda's strict fake driver,
+# host memory behind it, so the CUDA code runs and its data is checked on any machine.
 DEVICES = [
     pytest.param("cpu", id="host"),
+    pytest.param("fakecuda", id="fakecuda"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
 
 
+@pytest.fixture(scope="session")
+def fake_cuda_session() -> fake_cuda_lib.FakeCuda:
+    fake = fake_cuda_lib.load()
+    if fake is None:
+        pytest.skip("the fake CUDA driver needs a C compiler (cc)")
+    return fake
+
+
+@pytest.fixture
+def fake_cuda(fake_cuda_session) -> fake_cuda_lib.FakeCuda:
+    """The fake driver, reset; after the test nothing may be left live and no rule broken."""
+    fake_cuda_session.reset()
+    fake_cuda_session.set_current(None)  # as on a new thread
+    before = fake_cuda_session.live()  # (0, 0, 0) unless an earlier test leaked (and failed for it)
+    yield fake_cuda_session
+    try:
+        if fake_cuda_session.live() != before:
+            gc.collect()  # a range goes with its last tensor view, which a cycle may hold
+        fake_cuda_session.assert_clean(before)
+    finally:
+        fake_cuda_session.reset()
+        fake_cuda_session.set_current(None)
+
+
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
+    if request.param == "fakecuda":
+        request.getfixturevalue("fake_cuda")
     return request.param
 
 
 SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=16, max_batch_size=4, max_context_len=512, dtype="float32")
 
 
-def _scale_for_cuda(args: dict) -> None:
-    """Run a host-sized test on the GPU: pages grow to the granularity and tokens grow by
-    the same factor (more KV heads), so tokens per page and page counts stay the same."""
-    from vattn import _C
-
-    _C.cuda_load()
-    gran = _C.cuda_granularity(0)
+def _scale_to_granularity(args: dict, gran: int) -> None:
+    """Run a host-sized test on CUDA: pages grow to the granularity and tokens grow by the
+    same factor (more KV heads), so tokens per page and page counts stay the same."""
     page = args.get("page_size") or gran
     if page < gran:
         assert gran % page == 0
@@ -50,16 +82,28 @@ def _scale_for_cuda(args: dict) -> None:
             args["physical_memory"] *= factor
 
 
+def new_cache(device: str, **kw) -> vattn.KVCache:
+    """A cache with SMALL defaults on `device`: "cpu" (host), "fakecuda" or "cuda"."""
+    args = {**SMALL, **kw}
+    if device == "cpu":
+        return vattn.KVCache(**args, device="cpu")
+    if device == "fakecuda":
+        backend = fake_cuda_lib.load().backend()
+        _scale_to_granularity(args, backend.granularity)
+        return vattn.KVCache(**args, backend=backend, device="cpu")
+    from vattn import _C
+
+    _scale_to_granularity(args, _C.cuda_load().granularity(0))
+    return vattn.KVCache(**args, device="cuda")
+
+
 @pytest.fixture
 def make_cache(device):
     """Build caches with small defaults on the parametrized device; closed after the test."""
     made: list[vattn.KVCache] = []
 
     def make(**kw) -> vattn.KVCache:
-        args = {**SMALL, "device": device, **kw}
-        if device == "cuda":
-            _scale_for_cuda(args)
-        cache = vattn.KVCache(**args)
+        cache = new_cache(device, **kw)
         made.append(cache)
         return cache
 

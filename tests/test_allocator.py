@@ -43,7 +43,7 @@ def test_data_survives_steps_frees_and_reuse(make_cache, layout, page_size):
 
 
 def test_views_are_strided_slices_of_one_slot(make_cache, device):
-    if device == "cuda":
+    if device != "cpu":
         pytest.skip("checks host-sized strides")
     cache = make_cache(layout="fused", page_size=4 * KB, max_context_len=100)
     g = cache.geometry
@@ -250,7 +250,7 @@ def test_several_instances_in_one_process(make_cache):
 
 
 def test_module_level_api(device):
-    if device == "cuda":
+    if device != "cpu":
         pytest.skip("covered by KVCache tests")
     vattn.close()
     with pytest.raises(vattn.NotInitializedError):

@@ -7,6 +7,7 @@ name the call and the CUresult, and no leaked handles when cuMemCreate runs out 
 from __future__ import annotations
 
 import enum
+import threading
 from array import array
 from types import SimpleNamespace
 
@@ -22,6 +23,11 @@ class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NO_DEVICE = 100
+    CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+CTX = [0x1000, 0x2000]  # the primary contexts of devices 0 and 1 (ints, like int(CUcontext))
 
 
 class FakeDriver:
@@ -41,6 +47,7 @@ class FakeDriver:
         self.mapped: dict[int, int] = {}  # page address -> handle
         self.access: set[int] = set()
         self.next_handle = 100
+        self.tls = threading.local()  # the current context, per thread
 
     @staticmethod
     def CUmemAllocationProp():
@@ -55,8 +62,19 @@ class FakeDriver:
         n = sum(c[0] == name for c in self.calls)
         return self.fail.get(name) == n
 
+    def _vmm(self, name, *args, fail=CUresult.CUDA_ERROR_INVALID_VALUE) -> int:
+        """Record a VMM call; the error it must return: `fail` when injected, INVALID_CONTEXT
+        when the device's context is not current on this thread (vattn must make it so)."""
+        if self._rec(name, *args):
+            return fail
+        return CUresult.CUDA_ERROR_INVALID_CONTEXT if self.current() != CTX[0] else 0
+
+    def current(self) -> int:
+        return getattr(self.tls, "ctx", 0)
+
     def cuInit(self, flags):
-        self._rec("cuInit", flags)
+        if self._rec("cuInit", flags):
+            return (CUresult.CUDA_ERROR_NO_DEVICE,)
         return (CUresult.CUDA_SUCCESS,)
 
     def cuDeviceGet(self, i):
@@ -65,57 +83,71 @@ class FakeDriver:
 
     def cuDevicePrimaryCtxRetain(self, dev):
         self._rec("cuDevicePrimaryCtxRetain", dev)
-        return CUresult.CUDA_SUCCESS, "ctx"
+        return CUresult.CUDA_SUCCESS, CTX[dev]
+
+    def cuCtxGetCurrent(self):
+        return CUresult.CUDA_SUCCESS, self.current()
 
     def cuCtxSetCurrent(self, ctx):
-        assert ctx == "ctx"
+        assert int(ctx) in (0, *CTX)
+        self.tls.ctx = int(ctx)
         return (CUresult.CUDA_SUCCESS,)
 
     def cuGetErrorName(self, code):
         return CUresult.CUDA_SUCCESS, CUresult(code).name.encode()
 
     def cuMemGetAllocationGranularity(self, prop, flag):
-        assert prop.location.type == 1 and prop.type == 1
+        assert prop.location.type == 1 and prop.type == 1 and self.current() == CTX[0]
         return CUresult.CUDA_SUCCESS, GRAN
 
     def cuMemAddressReserve(self, size, align, addr, flags):
-        self._rec("cuMemAddressReserve", size, align)
+        if err := self._vmm("cuMemAddressReserve", size, align):
+            return err, 0
         return CUresult.CUDA_SUCCESS, 1 << 40
 
     def cuMemAddressFree(self, ptr, size):
-        self._rec("cuMemAddressFree", ptr, size)
+        if err := self._vmm("cuMemAddressFree", ptr, size):
+            return (err,)
+        if any(ptr <= p < ptr + size for p in self.mapped):  # pages still mapped in it
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         return (CUresult.CUDA_SUCCESS,)
 
     def cuMemCreate(self, size, prop, flags):
-        if self._rec("cuMemCreate", size) or len(self.handles) >= self.max_handles:
+        if err := self._vmm("cuMemCreate", size, fail=CUresult.CUDA_ERROR_OUT_OF_MEMORY):
+            return err, 0
+        if len(self.handles) >= self.max_handles:
             return CUresult.CUDA_ERROR_OUT_OF_MEMORY, 0
         self.next_handle += 1
         self.handles.add(self.next_handle)
         return CUresult.CUDA_SUCCESS, self.next_handle
 
     def cuMemRelease(self, h):
-        self._rec("cuMemRelease", h)
+        if err := self._vmm("cuMemRelease", h):
+            return (err,)
         self.handles.remove(h)
         return (CUresult.CUDA_SUCCESS,)
 
     def cuMemMap(self, ptr, size, offset, h, flags):
-        if self._rec("cuMemMap", ptr, size, h) or ptr in self.mapped or h not in self.handles:
+        if err := self._vmm("cuMemMap", ptr, size, h):
+            return (err,)
+        if ptr in self.mapped or h not in self.handles:
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         assert size == GRAN and offset == 0
         self.mapped[ptr] = h
         return (CUresult.CUDA_SUCCESS,)
 
     def cuMemSetAccess(self, ptr, size, descs, count):
-        failing = self._rec("cuMemSetAccess", ptr, size)
+        err = self._vmm("cuMemSetAccess", ptr, size)
         assert count == 1 and descs[0].flags == 3 and descs[0].location.id == 0
         pages = range(ptr, ptr + size, GRAN)
-        if failing or not all(p in self.mapped for p in pages):
-            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        if err or not all(p in self.mapped for p in pages):
+            return (err or CUresult.CUDA_ERROR_INVALID_VALUE,)
         self.access.update(pages)
         return (CUresult.CUDA_SUCCESS,)
 
     def cuMemUnmap(self, ptr, size):
-        self._rec("cuMemUnmap", ptr, size)
+        if err := self._vmm("cuMemUnmap", ptr, size):
+            return (err,)
         for p in range(ptr, ptr + size, GRAN):
             if p not in self.mapped:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
@@ -126,7 +158,7 @@ class FakeDriver:
 
 def _backend(**kw) -> tuple[CudaBackend, FakeDriver]:
     drv = FakeDriver(**kw)
-    return CudaBackend(0, _driver_module=drv), drv
+    return CudaBackend(0, "cuda-python", driver_module=drv, host_memory=True), drv
 
 
 def test_granularity_and_page_size_check():
@@ -197,7 +229,7 @@ def test_reserve_and_free_range():
 
 def test_unknown_driver_name():
     with pytest.raises(vattn.InvalidConfigError, match="cuda_driver"):
-        CudaBackend(0, driver="nvml", _driver_module=FakeDriver())
+        CudaBackend(0, driver="nvml", driver_module=FakeDriver(), host_memory=True)
     with pytest.raises(vattn.InvalidConfigError, match="cuda_driver"):
         vattn.KVCache(num_layers=1, num_kv_heads=1, head_dim=8, max_batch_size=1, max_context_len=8, cuda_driver="x")
 
@@ -221,3 +253,70 @@ def test_range_drops_keepalive_before_it_is_freed():
     del rng
     names = [c[0] for c in drv.calls]
     assert names.index("owner") < names.index("cuMemAddressFree")
+
+
+def test_calls_leave_the_callers_context_current():
+    be, drv = _backend()
+    for before in (CTX[1], 0):  # another device's context (multi-GPU), or none (a new thread)
+        drv.cuCtxSetCurrent(before)
+        rng = be.reserve(8 * GRAN, GRAN)
+        groups = be.create(2, 1, GRAN)
+        be.map([rng.addr], [0, GRAN], groups, GRAN)
+        assert drv.current() == before
+        be.unmap([rng.addr], [0, GRAN], GRAN)
+        be.release(groups)
+        del rng
+        assert drv.current() == before
+    assert not drv.handles and not drv.mapped
+
+
+def test_range_dropped_with_pages_mapped_warns_and_is_not_freed():
+    be, drv = _backend()
+    rng = be.reserve(8 * GRAN, GRAN)
+    be.map([rng.addr], [0], be.create(1, 1, GRAN), GRAN)
+    with pytest.warns(RuntimeWarning, match=r"cuMemAddressFree failed with CUDA_ERROR_INVALID_VALUE .*still mapped"):
+        del rng
+
+
+class _NoLibcuda(FakeDriver):
+    """cuda-python installed, but it cannot find libcuda (cuda-pathfinder raises on first use)."""
+
+    class DynamicLibNotFoundError(RuntimeError):
+        pass
+
+    def cuInit(self, flags):
+        raise self.DynamicLibNotFoundError("Failure finding libcuda.so: no candidate found")
+
+
+def test_cuda_python_without_libcuda_is_a_vattn_error():
+    with pytest.raises(vattn.InvalidConfigError, match=r"cuda-python cannot load the CUDA driver "
+                                                        r"\(DynamicLibNotFoundError: Failure finding libcuda"):
+        CudaBackend(0, "cuda-python", driver_module=_NoLibcuda(), host_memory=True)
+
+
+def test_cuinit_failure_is_a_vattn_error(fake_cuda):
+    fake_cuda.set_fail("cuInit", 1, int(CUresult.CUDA_ERROR_NO_DEVICE))
+    with pytest.raises(vattn.BackendError, match=r"cuInit failed with CUDA_ERROR_NO_DEVICE \(100\).*nvidia-smi"):
+        CudaBackend(0, "cext", libcuda=fake_cuda.path, host_memory=True)
+    with pytest.raises(vattn.BackendError, match=r"cuInit failed with CUDA_ERROR_NO_DEVICE \(100\)"):
+        CudaBackend(0, "cuda-python", driver_module=FakeDriver(fail={"cuInit": 1}), host_memory=True)
+
+
+def test_missing_libcuda_is_a_vattn_error(tmp_path):
+    with pytest.raises(vattn.InvalidConfigError, match=r"cannot load .*libcuda.so.1.*install the NVIDIA driver"):
+        CudaBackend(0, "cext", libcuda=str(tmp_path / "libcuda.so.1"), host_memory=True)
+
+
+def test_auto_falls_back_to_cuda_python(fake_cuda):
+    fake_cuda.set_fail("cuInit", 1, int(CUresult.CUDA_ERROR_NO_DEVICE))
+    be = CudaBackend(0, "auto", libcuda=fake_cuda.path, driver_module=FakeDriver(), host_memory=True)
+    assert be.drv.name == "cuda-python" and be.granularity == GRAN
+    fake_cuda.reset()
+    assert CudaBackend(0, "auto", libcuda=fake_cuda.path, driver_module=FakeDriver(), host_memory=True).drv.name == "cext"
+
+
+def test_auto_with_both_paths_failing_names_both(tmp_path):
+    with pytest.raises(vattn.InvalidConfigError) as e:
+        CudaBackend(0, "auto", libcuda=str(tmp_path / "libcuda.so.1"), driver_module=_NoLibcuda(), host_memory=True)
+    msg = str(e.value)
+    assert "C extension: the CUDA driver cannot be loaded" in msg and "cuda-python: cuda-python cannot load" in msg

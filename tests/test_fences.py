@@ -3,14 +3,20 @@ iteration that may read it. The host has no asynchronous work, so a host backend
 hands out numbered fences and logs its calls shows the order the allocator keeps."""
 from __future__ import annotations
 
+import pytest
+
+from tests import fake_cuda
 from vattn.allocator import PageAllocator
 from vattn.config import CacheConfig, Geometry
+from vattn.vmem.cuda import CudaBackend
 from vattn.vmem.host import HostBackend
 
 
-class LoggingHost(HostBackend):
-    def __init__(self) -> None:
-        super().__init__()
+class Logging:
+    """Numbered fences and a log of fence / wait / unmap, over a real backend."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.log: list[tuple] = []
         self.n = 0
 
@@ -27,18 +33,44 @@ class LoggingHost(HostBackend):
         super()._unmap(bases, offsets, page_size)
 
 
-def _allocator(max_pages: int) -> tuple[PageAllocator, LoggingHost, object]:
-    cfg = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, max_batch_size=3, max_context_len=512,
-                      dtype="float32")
-    g = Geometry(cfg, 4096)  # 64 tokens a page
-    be = LoggingHost()
-    rng = be.reserve(g.buffer_bytes * g.num_buffers, 4096)
-    bases = [rng.addr + b * g.buffer_bytes for b in range(g.num_buffers)]
-    return PageAllocator(g, be, bases, max_pages=max_pages, background=False, prefetch=False), be, rng
+class LoggingHost(Logging, HostBackend):
+    pass
 
 
-def test_freed_slot_is_unmapped_after_its_last_iteration_fence():
-    a_, be, rng = _allocator(max_pages=4)
+class LoggingCuda(Logging, CudaBackend):
+    pass
+
+
+@pytest.fixture
+def allocator(device):
+    """make(max_pages) -> (PageAllocator, its logging backend): 64 tokens a page on every device."""
+    made = []
+
+    def make(max_pages: int) -> tuple[PageAllocator, Logging]:
+        if device == "cpu":
+            be = LoggingHost()
+        elif device == "fakecuda":
+            be = LoggingCuda(0, "cext", libcuda=fake_cuda.load().path, host_memory=True)
+        else:
+            be = LoggingCuda(0)
+        page = max(4096, be.granularity)
+        cfg = CacheConfig(num_layers=1, num_kv_heads=page // 4096, head_dim=16, max_batch_size=3,
+                          max_context_len=512, dtype="float32")
+        g = Geometry(cfg, page)  # 64 B a token per head: 64 tokens a page
+        rng = be.reserve(g.buffer_bytes * g.num_buffers, page)
+        bases = [rng.addr + b * g.buffer_bytes for b in range(g.num_buffers)]
+        a = PageAllocator(g, be, bases, max_pages=max_pages, background=False, prefetch=False)
+        made.append((a, rng))
+        return a, be
+
+    yield make
+    for a, _ in made:
+        a.close()
+    made.clear()  # the ranges go now, after their pages
+
+
+def test_freed_slot_is_unmapped_after_its_last_iteration_fence(allocator):
+    a_, be = allocator(max_pages=4)
     a, b = a_.alloc_reqid(), a_.alloc_reqid()
     assert a_.step({a: 192, b: 64})  # a: 3 pages, b: 1 page; iteration 1 reads both
     a_.free_reqid(a)  # a finished after iteration 1
@@ -52,8 +84,8 @@ def test_freed_slot_is_unmapped_after_its_last_iteration_fence():
     a_.close()
 
 
-def test_pre_mapped_tail_of_a_running_request_waits_too():
-    a_, be, rng = _allocator(max_pages=3)
+def test_pre_mapped_tail_of_a_running_request_waits_too(allocator):
+    a_, be = allocator(max_pages=3)
     a, b = a_.alloc_reqid(), a_.alloc_reqid()
     assert a_.step({a: 64})
     a_.free_reqid(a)

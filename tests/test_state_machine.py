@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import vattn
-from tests.conftest import fill
+from tests import fake_cuda
+from tests.conftest import fill, new_cache
 
 B, L, PAGE = 3, 256, 4096  # 1 layer x 1 head x 16 dims x fp32 = 64 B/token: 64 tokens a page, 4 pages a slot
 BUDGET = 6  # page groups
@@ -15,12 +16,14 @@ BUDGET = 6  # page groups
 
 class CacheMachine(RuleBasedStateMachine):
     background = True
+    device = "cpu"
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = vattn.KVCache(num_layers=1, num_kv_heads=1, head_dim=16, max_batch_size=B, max_context_len=L,
-                                   dtype="float32", device="cpu", page_size=PAGE,
-                                   physical_memory=BUDGET * 2 * PAGE, background=self.background)
+        self.live_before = fake_cuda.load().live() if self.device == "fakecuda" else None
+        self.cache = new_cache(self.device, num_layers=1, num_kv_heads=1, head_dim=16, max_batch_size=B,
+                               max_context_len=L, page_size=PAGE, physical_memory=BUDGET * 2 * PAGE,
+                               background=self.background)
         self.g = self.cache.geometry
         self.lens: dict[int, int] = {}  # model: active reqid -> tokens written (and backed)
         self.tags: dict[int, int] = {}  # the tag a request writes its own tokens with
@@ -32,6 +35,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.cache.close()
+        if self.device == "fakecuda":  # every example leaves the driver clean
+            del self.cache  # and with it the range: the machine holds no view
+            fake_cuda.load().assert_clean(self.live_before)
 
     @precondition(lambda self: len(self.lens) < B)
     @rule()
@@ -81,7 +87,7 @@ class CacheMachine(RuleBasedStateMachine):
     def fork(self, data) -> None:
         parent = data.draw(st.sampled_from(sorted(r for r, n in self.lens.items() if n)))
         k = data.draw(st.integers(min_value=1, max_value=self.lens[parent]))
-        full = k * self.g.token_bytes // PAGE
+        full = k * self.g.token_bytes // self.g.page_size
         partial = self.g.pages_for(k) - full
         distinct = {p for r in self.lens for p in self.pages[r]}
         try:
@@ -99,9 +105,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def pin(self, data) -> None:
         r = data.draw(st.sampled_from(sorted(r for r, n in self.lens.items() if n >= 64)))
-        k = data.draw(st.integers(min_value=1, max_value=self.lens[r] * self.g.token_bytes // PAGE))
+        k = data.draw(st.integers(min_value=1, max_value=self.lens[r] * self.g.token_bytes // self.g.page_size))
         handles = self.cache.pin(r, k)
-        end = k * PAGE // self.g.token_bytes
+        end = k * self.g.page_size // self.g.token_bytes
         self.pinned.append((handles, [(a, min(b, end), t) for a, b, t in self.segs[r] if a < end], self.pages[r][:k]))
 
     @precondition(lambda self: self.pinned and len(self.lens) < B)
@@ -111,8 +117,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.alloc()
         r = max(self.lens, key=self.tags.__getitem__)  # the one alloc() just made
         n = self.cache.map_pinned(r, handles)
-        k = n * self.g.token_bytes // PAGE
-        assert n % (PAGE // self.g.token_bytes) == 0 and k <= len(handles)
+        k = n * self.g.token_bytes // self.g.page_size
+        assert n % (self.g.page_size // self.g.token_bytes) == 0 and k <= len(handles)
         self.lens[r] = n
         self.segs[r] = [(a, min(b, n), t) for a, b, t in segs if a < n]
         self.pages[r] = ids[:k]
@@ -142,15 +148,28 @@ def check_range(cache: vattn.KVCache, slot: int, start: int, end: int, tag: int)
     pos = torch.arange(start, end, dtype=torch.float32)
     for layer in range(cache.config.num_layers):
         val = (tag * 1000 + layer * 100 + pos % 97)[:, None, None]
-        assert torch.equal(cache.k_cache(layer)[slot, start:end], val.expand(-1, 1, 16)), (slot, layer, start, end)
-        assert torch.equal(cache.v_cache(layer)[slot, start:end], -val.expand(-1, 1, 16)), (slot, layer, start, end)
+        k, v = cache.k_cache(layer)[slot, start:end], cache.v_cache(layer)[slot, start:end]
+        assert torch.equal(k, val.expand_as(k)), (slot, layer, start, end)
+        assert torch.equal(v, -val.expand_as(v)), (slot, layer, start, end)
 
 
 class SyncCacheMachine(CacheMachine):
     background = False
 
 
+class FakeCudaCacheMachine(CacheMachine):  # the CUDA backend on tests/fake_cuda's driver
+    device = "fakecuda"
+
+
+class FakeCudaSyncCacheMachine(SyncCacheMachine):
+    device = "fakecuda"
+
+
 TestBackground = CacheMachine.TestCase
 TestBackground.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestSync = SyncCacheMachine.TestCase
 TestSync.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestFakeCudaBackground = pytest.mark.usefixtures("fake_cuda")(FakeCudaCacheMachine.TestCase)
+TestFakeCudaBackground.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestFakeCudaSync = pytest.mark.usefixtures("fake_cuda")(FakeCudaSyncCacheMachine.TestCase)
+TestFakeCudaSync.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)

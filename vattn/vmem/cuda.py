@@ -6,10 +6,12 @@ map      = cuMemMap + cuMemSetAccess        (one SetAccess per contiguous run pe
 unmap    = cuMemUnmap                       (the range stays reserved)
 close    = cuMemRelease / cuMemAddressFree
 
-Two drivers with one interface: the C extension (`vattn._C`, dlopen of libcuda.so.1, one
-call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`), which works
-without the extension. Every call runs in the device's primary context, the one PyTorch
-uses, made current on the calling thread first (the pre-mapping worker is another thread).
+Two drivers with one interface: the C extension (`vattn._C`, dlopen of libcuda.so.1 or of
+a given path, one call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`).
+With `cuda_driver="auto"` vattn takes the extension and falls back to cuda-python. Every call
+runs in the device's primary context, the one PyTorch uses, made current on the calling
+thread for the call only (the pre-mapping worker is another thread): the caller's own
+context is current again afterwards, so `torch.cuda.current_device()` never changes.
 
 Ordering against kernels: `fence()` records a CUDA event on the current stream; the
 allocator records one at the start of every `step` for the slots the previous iteration
@@ -18,19 +20,27 @@ never unmapped under a kernel that may still read it. The event covers the curre
 of the thread that calls `step`: an engine that reads the cache on other streams must
 make the current stream wait for them before `step`.
 
-`ensure_ctx` (C) and `_ctx_current` (cuda-python) make the device's primary context
-current on the calling thread, replacing whatever context was current there.
+Tensors are DLPack views made by `vattn._C.dlpack`, on both paths (see `dlpack.py`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import warnings
 from array import array
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from vattn.config import CUDA_DRIVERS
-from vattn.errors import BackendError, InvalidConfigError, OutOfPhysicalMemoryError, OutOfVirtualMemoryError
+from vattn.errors import (
+    BackendError,
+    InvalidConfigError,
+    OutOfPhysicalMemoryError,
+    OutOfVirtualMemoryError,
+    VattnError,
+)
 from vattn.vmem import dlpack
 from vattn.vmem.base import Backend
 
@@ -49,15 +59,27 @@ def _raise(call: str, code: int, name: str) -> None:
 
 
 class _CextDriver:
-    """The driver calls through vattn._C (dlopen of libcuda.so.1)."""
+    """The driver calls through vattn._C (dlopen of `libcuda`, default libcuda.so.1)."""
 
     name = "cext"
 
-    def __init__(self, dev: int) -> None:
-        from vattn import _C
-
+    def __init__(self, dev: int, libcuda: str | None = None) -> None:
+        try:
+            from vattn import _C
+        except ImportError as e:
+            raise InvalidConfigError(
+                f"the C extension vattn._C cannot be imported ({e}); reinstall vattn with a C compiler "
+                "(pip install -e .)") from None
         self._C, self.dev = _C, dev
-        _C.cuda_load()
+        try:
+            self.d = _C.cuda_load(libcuda)
+        except OSError as e:
+            raise InvalidConfigError(
+                f"the CUDA driver cannot be loaded: {e}; install the NVIDIA driver, or use device='cpu'") from None
+        except _C.DriverError as e:
+            call, code, name = e.args
+            raise BackendError(call, code, name, "the CUDA driver is installed but does not start; check that "
+                               "nvidia-smi sees the GPU, or use device='cpu'") from None
 
     def _call(self, fn, *args):
         try:
@@ -66,25 +88,22 @@ class _CextDriver:
             _raise(*e.args)
 
     def granularity(self) -> int:
-        return self._call(self._C.cuda_granularity, self.dev)
+        return self._call(self.d.granularity, self.dev)
 
     def reserve(self, size: int, align: int) -> Any:
-        return self._call(self._C.cuda_reserve, size, align, self.dev)
-
-    def tensor(self, rng, offset, shape, strides, dtype, code, bits) -> torch.Tensor:
-        return torch.from_dlpack(rng.dlpack(offset, tuple(shape), tuple(strides), code, bits))
+        return self._call(self.d.reserve, size, align, self.dev)
 
     def create(self, n: int, size: int) -> list[int]:
-        return self._call(self._C.cuda_create, n, size, self.dev)
+        return self._call(self.d.create, n, size, self.dev)
 
     def release(self, handles: Sequence[int]) -> None:
-        self._call(self._C.cuda_release, array("Q", handles))
+        self._call(self.d.release, array("Q", handles), self.dev)
 
     def map(self, bases: array, offsets: array, handles: Sequence[int], page: int) -> None:
-        self._call(self._C.cuda_map, bases, offsets, array("Q", handles), page, self.dev)
+        self._call(self.d.map, bases, offsets, array("Q", handles), page, self.dev)
 
     def unmap(self, bases: array, offsets: array, page: int) -> None:
-        self._call(self._C.cuda_unmap, bases, offsets, page, self.dev)
+        self._call(self.d.unmap, bases, offsets, page, self.dev)
 
 
 def _runs(offsets: Sequence[int], page: int) -> list[tuple[int, int]]:
@@ -114,8 +133,10 @@ class _PyRange:
         self.keepalive = None  # the owner unmaps first; the range is freed after
         try:
             self._drv.free_range(self.addr, self.size)
-        except Exception:  # interpreter shutdown: the driver frees it with the context
-            pass
+        except Exception as e:  # never freed with pages behind it: it leaks, loudly
+            if not sys.is_finalizing():  # at exit the driver frees it with the context
+                warnings.warn(f"vattn: {e} for a CUDA range of {self.size} bytes at {self.addr:#x}; its address "
+                              "space leaks (were pages still mapped in it?)", RuntimeWarning, stacklevel=2)
 
 
 class _PyDriver:
@@ -137,7 +158,13 @@ class _PyDriver:
                         "extension and use cuda_driver='cext')") from None
         self.d, self.dev = driver, dev
         self._ok = driver.CUresult.CUDA_SUCCESS
-        self._check("cuInit", driver.cuInit(0))
+        try:
+            ret = driver.cuInit(0)  # cuda-python loads libcuda here (cuda-pathfinder)
+        except Exception as e:  # DynamicLibNotFoundError, RuntimeError, OSError, ...
+            raise InvalidConfigError(
+                f"cuda-python cannot load the CUDA driver ({type(e).__name__}: {e}); install the NVIDIA "
+                "driver, or use device='cpu'") from None
+        self._check("cuInit", ret)
         _, cudev = self._check("cuDeviceGet", driver.cuDeviceGet(dev))
         _, self._ctx = self._check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(cudev))
         self._prop = driver.CUmemAllocationProp()
@@ -157,77 +184,95 @@ class _PyDriver:
             _raise(call, code, name.decode() if isinstance(name, bytes) else str(name))
         return ret
 
-    def _ctx_current(self) -> None:
+    @contextlib.contextmanager
+    def _in_ctx(self) -> Iterator[None]:
+        """The device's primary context current on this thread for the block; the caller's after."""
+        prev = self._check("cuCtxGetCurrent", self.d.cuCtxGetCurrent())[1]
+        if int(prev) == int(self._ctx):
+            yield
+            return
         self._check("cuCtxSetCurrent", self.d.cuCtxSetCurrent(self._ctx))
+        try:
+            yield
+        finally:
+            self.d.cuCtxSetCurrent(prev)  # never fails the call: the books follow what was done
 
     def granularity(self) -> int:
-        self._ctx_current()
         flag = self.d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        return int(self._check("cuMemGetAllocationGranularity", self.d.cuMemGetAllocationGranularity(self._prop, flag))[1])
+        with self._in_ctx():
+            ret = self.d.cuMemGetAllocationGranularity(self._prop, flag)
+        return int(self._check("cuMemGetAllocationGranularity", ret)[1])
 
     def reserve(self, size: int, align: int) -> _PyRange:
-        self._ctx_current()
-        ptr = self._check("cuMemAddressReserve", self.d.cuMemAddressReserve(size, align, 0, 0))[1]
+        with self._in_ctx():
+            ptr = self._check("cuMemAddressReserve", self.d.cuMemAddressReserve(size, align, 0, 0))[1]
         return _PyRange(self, int(ptr), size)
 
     def free_range(self, addr: int, size: int) -> None:
-        self._ctx_current()
-        self._check("cuMemAddressFree", self.d.cuMemAddressFree(addr, size))
-
-    def tensor(self, rng, offset, shape, strides, dtype, code, bits) -> torch.Tensor:
-        # DLPack (not __cuda_array_interface__): torch then does not ask the driver about a
-        # pointer that is reserved but not mapped yet.
-        return torch.from_dlpack(dlpack.to_capsule(rng, rng.addr + offset, shape, strides, code, bits,
-                                                   dlpack.KDL_CUDA, self.dev))
+        with self._in_ctx():
+            self._check("cuMemAddressFree", self.d.cuMemAddressFree(addr, size))
 
     def create(self, n: int, size: int) -> list[int]:
-        self._ctx_current()
         handles: list[Any] = []
-        try:
-            for _ in range(n):
-                handles.append(self._check("cuMemCreate", self.d.cuMemCreate(size, self._prop, 0))[1])
-        except BaseException:
-            for h in handles:
-                self.d.cuMemRelease(h)
-            raise
+        with self._in_ctx():
+            try:
+                for _ in range(n):
+                    handles.append(self._check("cuMemCreate", self.d.cuMemCreate(size, self._prop, 0))[1])
+            except BaseException:
+                for h in handles:
+                    self.d.cuMemRelease(h)
+                raise
         return [int(h) for h in handles]
 
     def release(self, handles: Sequence[int]) -> None:
-        self._ctx_current()
-        rets = [self.d.cuMemRelease(h) for h in handles]  # release all, then report the first error
+        with self._in_ctx():
+            rets = [self.d.cuMemRelease(h) for h in handles]  # release all, then report the first error
         for ret in rets:
             self._check("cuMemRelease", ret)
 
     def map(self, bases: array, offsets: array, handles: Sequence[int], page: int) -> None:
-        self._ctx_current()
         nb, done = len(bases), []
-        try:
-            for b, base in enumerate(bases):
-                for i, off in enumerate(offsets):
-                    self._check("cuMemMap", self.d.cuMemMap(base + off, page, 0, handles[i * nb + b], 0))
-                    done.append(base + off)
-                for i, k in _runs(offsets, page):  # one SetAccess per contiguous run
-                    self._check("cuMemSetAccess", self.d.cuMemSetAccess(base + offsets[i], k * page, [self._access], 1))
-        except BaseException:  # atomic: undo what this call mapped
-            for addr in done:
-                self.d.cuMemUnmap(addr, page)
-            raise
+        with self._in_ctx():
+            try:
+                for b, base in enumerate(bases):
+                    for i, off in enumerate(offsets):
+                        self._check("cuMemMap", self.d.cuMemMap(base + off, page, 0, handles[i * nb + b], 0))
+                        done.append(base + off)
+                    for i, k in _runs(offsets, page):  # one SetAccess per contiguous run
+                        self._check("cuMemSetAccess",
+                                    self.d.cuMemSetAccess(base + offsets[i], k * page, [self._access], 1))
+            except BaseException:  # atomic: undo what this call mapped
+                for addr in done:
+                    self.d.cuMemUnmap(addr, page)
+                raise
 
     def unmap(self, bases: array, offsets: array, page: int) -> None:
-        self._ctx_current()
-        for base in bases:
-            for i, k in _runs(offsets, page):
-                self._check("cuMemUnmap", self.d.cuMemUnmap(base + offsets[i], k * page))
+        with self._in_ctx():
+            for base in bases:
+                for i, k in _runs(offsets, page):
+                    self._check("cuMemUnmap", self.d.cuMemUnmap(base + offsets[i], k * page))
 
 
 class CudaBackend(Backend):
-    """CUDA driver VMM backend. A page group is `num_buffers` handles of `page_size` bytes."""
+    """CUDA driver VMM backend. A page group is `num_buffers` handles of `page_size` bytes.
 
-    def __init__(self, device_index: int, driver: str = "auto", _driver_module: Any = None) -> None:
+    `driver`: "cext" (vattn._C), "cuda-python", or "auto": the extension, then cuda-python
+    when the extension cannot load the driver (the environment variable VATTN_CUDA_DRIVER
+    picks one for "auto"). The other arguments are seams for tests and unusual installs:
+    - `libcuda`: the driver library the extension loads (default: libcuda.so.1 from the
+      loader's search path; the tests pass tests/fake_cuda's library);
+    - `driver_module`: what the cuda-python path uses instead of `cuda.bindings.driver`;
+    - `host_memory=True`: the driver's memory is host memory (the tests' fake drivers).
+      torch.cuda is not touched, views are CPU tensors, fences are no-ops and there is no
+      default budget. Build the cache with `KVCache(backend=..., device="cpu")`.
+    """
+
+    def __init__(self, device_index: int = 0, driver: str = "auto", *, libcuda: str | None = None,
+                 driver_module: Any = None, host_memory: bool = False) -> None:
         super().__init__()
         if driver not in CUDA_DRIVERS:
             raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {driver!r}")
-        if _driver_module is None:
+        if not host_memory:
             if not torch.cuda.is_available():
                 raise InvalidConfigError(
                     "device='cuda' needs a CUDA GPU and driver, and torch.cuda.is_available() is False; "
@@ -237,21 +282,27 @@ class CudaBackend(Backend):
             torch.cuda.init()
             torch.zeros(1, device=torch.device("cuda", device_index))  # PyTorch's primary context exists now
         self.index = device_index
-        self.device = torch.device("cuda", device_index)
-        self.drv = self._open(driver, _driver_module)
+        self.host_memory = host_memory
+        self.device = torch.device("cpu") if host_memory else torch.device("cuda", device_index)
+        self.drv = self._open(driver, libcuda, driver_module)
         self.granularity = self.drv.granularity()
         self.default_page_size = self.granularity
 
-    def _open(self, driver: str, module: Any) -> _CextDriver | _PyDriver:
+    def _open(self, driver: str, libcuda: str | None, module: Any) -> _CextDriver | _PyDriver:
         driver = os.environ.get("VATTN_CUDA_DRIVER", driver) if driver == "auto" else driver
-        if module is not None or driver == "cuda-python":
+        if driver == "cuda-python":
             return _PyDriver(self.index, module)
         try:
-            return _CextDriver(self.index)
-        except (ImportError, OSError, AttributeError) as e:
+            return _CextDriver(self.index, libcuda)
+        except VattnError as e:
             if driver == "cext":
-                raise InvalidConfigError(f"cuda_driver='cext' but the C extension cannot load the driver: {e}") from None
-            return _PyDriver(self.index)
+                raise
+            cext_error = e
+        try:
+            return _PyDriver(self.index, module)
+        except VattnError as e:
+            raise InvalidConfigError(
+                f"neither CUDA driver path works. The C extension: {cext_error}. cuda-python: {e}") from None
 
     def check_page_size(self, page_size: int) -> None:
         if page_size % self.granularity:
@@ -266,7 +317,8 @@ class CudaBackend(Backend):
 
     def tensor(self, rng, offset, shape, strides, dtype) -> torch.Tensor:
         code, bits = self.dlpack_type(dtype)
-        return self.drv.tensor(rng, offset, shape, strides, dtype, code, bits)
+        device = (dlpack.KDL_CPU, 0) if self.host_memory else (dlpack.KDL_CUDA, self.index)
+        return torch.from_dlpack(dlpack.to_capsule(rng, offset, shape, strides, code, bits, *device))
 
     def _create(self, n: int, num_buffers: int, page_size: int) -> list[tuple[int, ...]]:
         flat = self.drv.create(n * num_buffers, page_size)
@@ -282,6 +334,8 @@ class CudaBackend(Backend):
         self.drv.unmap(bases, offsets, page_size)
 
     def fence(self) -> Any:
+        if self.host_memory:  # no device work to wait for
+            return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
@@ -289,5 +343,5 @@ class CudaBackend(Backend):
     def wait(self, fence: Any) -> None:
         fence.synchronize()
 
-    def free_memory(self) -> int:
-        return torch.cuda.mem_get_info(self.device)[0]
+    def free_memory(self) -> int | None:
+        return None if self.host_memory else torch.cuda.mem_get_info(self.device)[0]
