@@ -4,7 +4,8 @@ Bytes are the unit. A participant (an `ElasticPool`, later the slot API's alloca
 follows one protocol:
 
 ```
-token = budget.register(reclaim)      # reclaim(nbytes) -> bytes it gave back (may be 0)
+token = budget.register(reclaim, cached)   # reclaim(nbytes) -> bytes it gave back (may be 0);
+                                           # cached() -> bytes it could give back now
 ...
 if budget.try_take(n):                # before creating n bytes of physical pages
     create pages                      # on failure: budget.give(n)
@@ -35,6 +36,7 @@ from vattn.config import as_int
 from vattn.errors import InvalidConfigError, InvalidRequestError
 
 Reclaim = Callable[[int], int]
+Cached = Callable[[], int]
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class Budget:
         self._lock = threading.Lock()
         self._limit = _check_limit(limit)
         self._used = 0
-        self._participants: dict[int, Reclaim] = {}
+        self._participants: dict[int, tuple[Reclaim, Cached]] = {}
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ taking ----
@@ -114,14 +116,16 @@ class Budget:
             return BudgetStats(self._limit, self._used, len(self._participants))
 
     # ------------------------------------------------------------ participants ----
-    def register(self, reclaim: Reclaim | None = None) -> int:
+    def register(self, reclaim: Reclaim | None = None, cached: Cached | None = None) -> int:
         """Join the budget; `reclaim(nbytes) -> bytes given back` lets others ask for cached
-        pages when they are short. Returns the participant's token."""
-        if reclaim is not None and not callable(reclaim):
-            raise InvalidConfigError(f"reclaim must be callable or None, got {reclaim!r}")
+        pages when they are short, and `cached() -> bytes` says how much `reclaim` could give
+        now (it is called without locks: an estimate is fine). Returns the participant's token."""
+        for name, cb in (("reclaim", reclaim), ("cached", cached)):
+            if cb is not None and not callable(cb):
+                raise InvalidConfigError(f"{name} must be callable or None, got {cb!r}")
         with self._lock:
             token = next(self._ids)
-            self._participants[token] = reclaim if reclaim is not None else _nothing
+            self._participants[token] = (reclaim or _nothing, cached or _none_cached)
             return token
 
     def unregister(self, token: int) -> None:
@@ -135,18 +139,31 @@ class Budget:
         without holding any lock of your own."""
         n = _check_nbytes(nbytes)
         with self._lock:
-            others = [cb for t, cb in self._participants.items() if t != requester]
+            others = [cb for t, (cb, _) in self._participants.items() if t != requester]
         freed = 0
         for cb in others:  # no budget lock held: the callbacks take their own locks and call give()
-            avail = self.available()
-            if avail is not None and avail >= n:
+            with self._lock:
+                room = None if self._limit is None else self._limit - self._used  # negative over the limit
+            if room is not None and room >= n:
                 break
-            want = n if avail is None else n - avail
+            want = n if room is None else n - room
             try:
                 freed += max(0, int(cb(want)))
             except Exception:  # a participant that cannot give back just does not
                 pass
         return freed
+
+    def reclaimable(self, requester: int | None = None) -> int:
+        """Bytes the other participants say they could give back now (their `cached()`)."""
+        with self._lock:
+            others = [cached for t, (_, cached) in self._participants.items() if t != requester]
+        total = 0
+        for cached in others:
+            try:
+                total += max(0, int(cached()))
+            except Exception:
+                pass
+        return total
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -154,6 +171,10 @@ class Budget:
 
 
 def _nothing(nbytes: int) -> int:
+    return 0
+
+
+def _none_cached() -> int:
     return 0
 
 

@@ -136,7 +136,7 @@ class PoolStats:
     used_bytes: int  # blocks in use
     peak_mapped_bytes: int
     limit: int | None
-    available_blocks: int  # blocks alloc can surely give now without asking other pools (a lower bound)
+    available_blocks: int  # blocks alloc can give now, other pools' cached pages counted (see available_blocks())
 
     @property
     def num_free_blocks(self) -> int:
@@ -184,7 +184,7 @@ class _Books:
         self.peak_mapped = 0
         self.closed = False
         self.lock = threading.Lock()
-        self.token = budget.register(self.reclaim_for_budget) if budget is not None else None
+        self.token = budget.register(self.reclaim_for_budget, self.cached_bytes) if budget is not None else None
 
     # ---------------------------------------------------------------- geometry ----
     def pages_of(self, b: int) -> tuple[int, int]:
@@ -281,7 +281,7 @@ class _Books:
 
     # -------------------------------------------------------------- alloc/free ----
     def alloc(self, n: int | None, ids: list[int] | None) -> tuple[list[int] | None, int]:
-        """Lock held. Returns (block ids or None, bytes short in the shared budget)."""
+        """Lock held. Returns (block ids or None, bytes the shared budget could not give)."""
         self.check_open()
         count = n if ids is None else len(ids)
         if count > self.N - self.num_used:
@@ -298,20 +298,20 @@ class _Books:
                         planned.append(p)
                 self._use(b)
                 picked.append(b)
-            ok, short = self._back(planned)
+            ok, need = self._back(planned)
         except BaseException:
             self._undo(picked, planned)
             raise
         if not ok:
             self._undo(picked, planned)
-            return None, short
+            return None, need
         self.peak_mapped = max(self.peak_mapped, self.num_mapped)
         return picked, 0
 
     def _back(self, planned: list[int]) -> tuple[bool, int]:
         """Give physical groups to the planned pages: the pool's own cached pages first
-        (moved), then new ones within the limit and the budget. (False, bytes short in the
-        budget) when memory is short; then nothing was mapped or created."""
+        (moved), then new ones within the limit and the budget. (False, bytes the budget
+        could not give) when memory is short; then nothing was mapped or created."""
         k = len(planned)
         if not k:
             return True, 0
@@ -325,7 +325,7 @@ class _Books:
         new = k - reuse
         taken = new * self.G if self.budget is not None else 0
         if taken and not self.budget.try_take(taken):
-            return False, taken - (self.budget.available() or 0)
+            return False, taken  # the budget is asked to make this much free
         unmapped: list[Any] = []
         created: list[Any] = []
         try:
@@ -428,6 +428,10 @@ class _Books:
             except Exception:
                 return 0
 
+    def cached_bytes(self) -> int:
+        """The budget's estimate of what `reclaim_for_budget` could give (read without the lock)."""
+        return 0 if self.closed else len(self.cached) * self.G
+
     def set_limit(self, limit: int | None) -> None:
         self.check_open()
         self.limit = limit
@@ -437,14 +441,14 @@ class _Books:
 
     # ---------------------------------------------------------------- figures ----
     def available_blocks(self) -> int:
-        """Blocks alloc can surely give now without asking other pools (exact when blocks
-        and pages divide one another and no free block is partly mapped; a lower bound
-        otherwise)."""
+        """Blocks alloc can give now, counting the cached pages other pools of the budget
+        would give back (exact when blocks and pages divide one another, no free block is
+        partly mapped and nothing changes in between; a lower bound otherwise)."""
         room = self.M - self.num_mapped
         if self.limit is not None:
             room = min(room, max(0, self.limit_pages - self.num_mapped))
-        if self.budget is not None and (avail := self.budget.available()) is not None:
-            room = min(room, avail // self.G)
+        if self.budget is not None and (b := self.budget.stats()).limit is not None:
+            room = min(room, max(0, b.limit - b.used + self.budget.reclaimable(self.token)) // self.G)
         if self.P % self.B == 0:
             fresh = room * (self.P // self.B)
         else:
@@ -614,10 +618,10 @@ class ElasticPool:
                 if n == 0 or ids == []:
                     books.check_open()
                     return []
-                got, short = books.alloc(n, ids)
-            if got is not None or not short or attempt or books.budget is None:
+                got, need = books.alloc(n, ids)
+            if got is not None or not need or attempt or books.budget is None:
                 return got
-            books.budget.reclaim(short, requester=books.token)  # our lock is not held here
+            books.budget.reclaim(need, requester=books.token)  # our lock is not held here
         return None
 
     def free(self, ids: Iterable[int]) -> None:
@@ -659,7 +663,8 @@ class ElasticPool:
             return self._books.give_back() * self._books.G
 
     def available_blocks(self) -> int:
-        """Blocks `alloc` can surely give now without asking other pools (a lower bound)."""
+        """Blocks `alloc` can give now, counting the cached pages other pools of the same
+        budget would give back: the count a scheduler checks before it admits work."""
         with self._books.lock:
             self._books.check_open()
             return self._books.available_blocks()
