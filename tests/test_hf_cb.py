@@ -1,6 +1,11 @@
-"""transformers' continuous batching on vattn memory: `generate_batch` gives the same tokens as
-on transformers' own cache (greedy, tiny seeded Llama and Qwen2), memory follows the load,
-a memory limit makes requests wait instead of failing, two models share one budget."""
+"""transformers on vattn memory.
+
+- Continuous batching (`hf_cb`): `generate_batch` gives the same tokens as on transformers'
+  own cache (greedy, tiny seeded Llama and Qwen2), memory follows the load, a memory limit
+  makes requests wait instead of failing, two models share one budget.
+- `VAttnCache` (the slot API as a transformers `Cache`): `generate` with a padded batch
+  (greedy and beam search) gives the same tokens as the default cache.
+"""
 from __future__ import annotations
 
 import copy
@@ -18,11 +23,14 @@ from transformers.generation.continuous_batching import continuous_api  # noqa: 
 
 import vattn  # noqa: E402
 from vattn.integrations import hf_cb  # noqa: E402
+from vattn.integrations.hf import VAttnCache  # noqa: E402
 
 try:
     hf_cb.check_transformers()
+    CB_SKIP = ""
 except vattn.InvalidConfigError as e:  # pragma: no cover - another transformers
-    pytest.skip(str(e), allow_module_level=True)
+    CB_SKIP = str(e)
+needs_cb = pytest.mark.skipif(bool(CB_SKIP), reason=CB_SKIP)
 
 PAGE = 4096
 PROMPT_LENS = (5, 17, 33, 48, 70, 3)
@@ -60,6 +68,8 @@ def generate(model, persistent: bool = False, **cb) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def models():
+    if CB_SKIP:  # pragma: no cover
+        pytest.skip(CB_SKIP)
     ms = {f: tiny(f, seed) for seed, f in enumerate(FAMILIES)}
     refs = {f: generate(m) for f, m in ms.items()}  # transformers' own cache
     yield ms, refs
@@ -76,6 +86,7 @@ def cleanup(models):
     gc.collect()
 
 
+@needs_cb
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_same_tokens_and_memory_follows_the_load(models, family, cleanup):
     ms, refs = models
@@ -99,6 +110,7 @@ def test_same_tokens_and_memory_follows_the_load(models, family, cleanup):
     assert manager.batch_processor.cache.cache_tensor.data_ptr() == addr and cb.stats().peak_mapped_bytes > trash
 
 
+@needs_cb
 def test_memory_limit_makes_requests_wait(models, cleanup):
     ms, refs = models
     model = ms["llama"]
@@ -111,6 +123,7 @@ def test_memory_limit_makes_requests_wait(models, cleanup):
     assert cb.stats().mapped_bytes <= max(4 * SECTOR, s.used_bytes)
 
 
+@needs_cb
 def test_two_models_share_one_budget(models, cleanup):
     ms, refs = models
     budget = vattn.Budget(16 * SECTOR)
@@ -124,6 +137,7 @@ def test_two_models_share_one_budget(models, cleanup):
     assert budget.used <= 16 * SECTOR
 
 
+@needs_cb
 def test_models_not_enabled_keep_transformers_memory(models, cleanup):
     ms, refs = models
     cb = hf_cb.enable(ms["llama"], page_size=PAGE)
@@ -134,6 +148,7 @@ def test_models_not_enabled_keep_transformers_memory(models, cleanup):
     assert continuous_api.PagedAttentionCache is cache_mod.PagedAttentionCache  # nothing left installed
 
 
+@needs_cb
 def test_unknown_transformers_is_a_clear_error(models, monkeypatch):
     model = models[0]["llama"]
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.17.0")  # (the module may have been replaced)
@@ -145,6 +160,7 @@ def test_unknown_transformers_is_a_clear_error(models, monkeypatch):
         hf_cb.enable(model)
 
 
+@needs_cb
 @pytest.mark.parametrize("kw, match", [
     (dict(memory_limit=-1), "memory_limit"),
     (dict(memory_limit=1.5), "memory_limit"),
@@ -155,3 +171,49 @@ def test_bad_arguments(models, kw, match):
         hf_cb.enable(models[0]["llama"], **kw)
     with pytest.raises(vattn.InvalidConfigError, match="not a transformers model"):
         hf_cb.enable(object())
+
+
+# ----------------------------------------------------------------- VAttnCache ----
+def padded_batch(lens=(5, 17, 33, 3)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts and their attention mask."""
+    g = torch.Generator().manual_seed(2)
+    n = max(lens)
+    ids = torch.zeros(len(lens), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, k in enumerate(lens):
+        ids[i, n - k:] = torch.randint(3, 128, (k,), generator=g)
+        mask[i, n - k:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("beams", [1, 3])
+def test_vattn_cache_generates_like_the_default_cache(family, beams):
+    model = tiny(family)
+    ids, mask = padded_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, num_beams=beams, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    with VAttnCache(model.config, max_cache_len=64, page_size=PAGE) as cache:
+        out = model.generate(ids, past_key_values=cache, **kw)
+        assert torch.equal(out, ref)
+        s = cache.stats()
+        assert s.num_active == len(ids) * beams and s.mapped_bytes > 0
+        assert cache.get_seq_length() == ids.shape[1] + 12 - 1  # the last token is never fed back
+    assert cache.kv is None  # closed: memory given back
+
+
+def test_vattn_cache_errors():
+    model = tiny("llama")
+    ids, mask = padded_batch()
+    with VAttnCache(model.config, max_cache_len=40, page_size=PAGE) as cache:
+        with pytest.raises(vattn.ContextLengthError, match="max_cache_len"):
+            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20, do_sample=False,
+                           pad_token_id=0)
+    with VAttnCache(model.config, max_cache_len=64, page_size=PAGE, physical_memory=2 * 4 * PAGE) as cache:
+        with pytest.raises(vattn.OutOfPhysicalMemoryError, match="physical_memory"):
+            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
+                           pad_token_id=0)
+    with VAttnCache(model.config, max_cache_len=64, page_size=PAGE) as cache:
+        model(ids[:2], attention_mask=mask[:2], past_key_values=cache)
+        with pytest.raises(vattn.InvalidConfigError, match="batch of 2"):
+            model(ids, attention_mask=mask, past_key_values=cache)
