@@ -18,9 +18,10 @@ from vattn.vmem.host import HostBackend
 PAGE = 4096
 
 
-def make(num_blocks=64, block_floats=256, num_buffers=2, **kw) -> vattn.ElasticPool:
-    """A float32 pool: block_floats * 4 bytes per block in each buffer, 4 KiB pages."""
-    return vattn.ElasticPool(num_blocks, (block_floats,), "float32", num_buffers, page_size=PAGE, **kw)
+def make(num_blocks=64, block_floats=256, num_buffers=2, grow=1, **kw) -> vattn.ElasticPool:
+    """A float32 pool: block_floats * 4 bytes per block in each buffer, 4 KiB pages, pages
+    created one at a time unless `grow` says otherwise."""
+    return vattn.ElasticPool(num_blocks, (block_floats,), "float32", num_buffers, page_size=PAGE, grow=grow, **kw)
 
 
 def fill(pool: vattn.ElasticPool, ids, tag: int) -> None:
@@ -112,6 +113,27 @@ def test_take_specific_blocks(pool):
         pool.take([2])
     assert pool.alloc(1) in ([3], [0], [1], [8], [10], [11])
     pool.check_invariants()
+
+
+def test_pages_are_created_in_chunks_and_the_spare_ones_used_first():
+    budget = vattn.Budget()
+    with make(num_blocks=64, grow=4, budget=budget) as p:
+        p.alloc(1)
+        s = p.stats()
+        assert (s.num_mapped_pages, s.num_spare_pages) == (1, 3) and p.backend.num_pages_created == 4
+        assert budget.used == s.held_bytes == 4 * 2 * PAGE
+        p.alloc(15)  # three more pages, full: all spare, nothing created
+        s = p.stats()
+        assert (s.num_mapped_pages, s.num_spare_pages) == (4, 0) and p.backend.num_pages_created == 4
+        p.alloc(1)
+        assert p.stats().num_spare_pages == 3
+        assert p.trim() == 3 * 2 * PAGE  # the spare ones
+        assert p.stats().num_spare_pages == 0 and budget.used == 5 * 2 * PAGE
+    with make(num_blocks=64, grow=4, limit=2 * 2 * PAGE) as p:
+        p.alloc(1)
+        assert p.stats().held_bytes == 2 * 2 * PAGE  # the chunk stops at the limit
+        p.set_limit(1 * 2 * PAGE)
+        assert p.stats().num_spare_pages == 0
 
 
 # ------------------------------------------------------------------ limits ----
@@ -287,7 +309,7 @@ class Recording(FaultyBackend):
 
 def test_unmap_waits_for_the_fence_of_the_last_free_on_the_page():
     be = Recording(HostBackend())
-    with vattn.ElasticPool(16, (256,), "float32", 1, page_size=PAGE, backend=be) as p:
+    with vattn.ElasticPool(16, (256,), "float32", 1, page_size=PAGE, backend=be, grow=1) as p:
         a = p.alloc(8)  # pages 0 and 1
         p.free(a[:4])  # fence 1 on page 0
         p.free(a[4:6])  # fence 2 on page 1 (still in use)
@@ -408,7 +430,7 @@ def test_threads_alloc_and_free_concurrently():
     for p in pools:
         p.check_invariants()
         assert p.stats().num_used_blocks == 0
-    assert budget.used == sum(p.stats().mapped_bytes for p in pools)
+    assert budget.used == sum(p.stats().held_bytes for p in pools)
     for p in pools:
         p.close()
     assert budget.used == 0

@@ -70,7 +70,9 @@ class PoolConfig:
     `limit`: the initial memory limit (None: none but the device's). `sync`: what an
     unmap waits for: "stream" (the fences `free` recorded on the current stream) or
     "device" (also every stream of the device: for servers that read the cache on
-    streams of their own, e.g. transformers' continuous batching).
+    streams of their own, e.g. transformers' continuous batching). `grow`: page groups
+    created at least at a time (the extra ones stay spare until used, trimmed, or wanted
+    by the limit or the budget); default: up to 8, at most 16 MiB.
     """
 
     num_blocks: int
@@ -82,6 +84,7 @@ class PoolConfig:
     limit: int | None = None
     sync: str = "stream"
     cuda_driver: str = "auto"
+    grow: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_blocks", _positive("num_blocks", self.num_blocks))
@@ -113,6 +116,8 @@ class PoolConfig:
             raise InvalidConfigError(f"sync must be one of {SYNC_MODES}, got {self.sync!r}")
         if self.cuda_driver not in CUDA_DRIVERS:
             raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {self.cuda_driver!r}")
+        if self.grow is not None:
+            object.__setattr__(self, "grow", _positive("grow", self.grow))
 
     @property
     def block_bytes(self) -> int:
@@ -131,7 +136,8 @@ class PoolStats:
     num_used_blocks: int
     num_warm_blocks: int  # free blocks whose pages are all mapped (no mapping needed)
     num_mapped_pages: int
-    num_cached_pages: int  # mapped, no block in use on them: what trim() gives back
+    num_cached_pages: int  # mapped, no block in use on them: what trim() gives back (with the spare ones)
+    num_spare_pages: int  # created ahead, not mapped: handed out before creating more
     mapped_bytes: int
     used_bytes: int  # blocks in use
     peak_mapped_bytes: int
@@ -146,6 +152,11 @@ class PoolStats:
     def cached_bytes(self) -> int:
         return self.num_cached_pages * self.group_bytes
 
+    @property
+    def held_bytes(self) -> int:
+        """Physical bytes the pool holds (mapped and spare): what the limit bounds."""
+        return (self.num_mapped_pages + self.num_spare_pages) * self.group_bytes
+
 
 class _Books:
     """The pool's books and page movement. Holds no reference to the `ElasticPool` (its
@@ -153,8 +164,9 @@ class _Books:
     mapped; in `warm[first page]`) or *cold* (in `cold`, a lazy min-heap of block ids)."""
 
     def __init__(self, config: PoolConfig, backend: Backend, bases: list[int], page_size: int,
-                 budget: Budget | None) -> None:
+                 budget: Budget | None, grow: int) -> None:
         self.config = config
+        self.grow = grow  # groups created at least per creation (the rest kept spare)
         self.backend = backend
         self.bases = bases
         self.P = page_size
@@ -180,6 +192,7 @@ class _Books:
         self.cold = list(range(self.N))  # heap (lazy: stale entries are skipped when popped)
         self.cached: set[int] = set()  # mapped pages with no block in use
         self.fences: dict[int, Any] = {}  # page -> fence of the last free of a block on it
+        self.spare: list[Any] = []  # created, unmapped, no page: handed out before creating more
         self.unreleased: list[Any] = []  # unmapped groups whose release failed (retried at close)
         self.peak_mapped = 0
         self.closed = False
@@ -193,6 +206,11 @@ class _Books:
 
     def blocks_on(self, p: int) -> range:
         return range(p * self.P // self.B, min(self.N, ((p + 1) * self.P - 1) // self.B + 1))
+
+    @property
+    def num_held(self) -> int:
+        """Groups the pool holds: mapped and spare (what the limit bounds)."""
+        return self.num_mapped + len(self.spare)
 
     @property
     def limit_pages(self) -> int | None:
@@ -309,30 +327,56 @@ class _Books:
         return picked, 0
 
     def _back(self, planned: list[int]) -> tuple[bool, int]:
-        """Give physical groups to the planned pages: the pool's own cached pages first
-        (moved), then new ones within the limit and the budget. (False, bytes the budget
-        could not give) when memory is short; then nothing was mapped or created."""
+        """Give physical groups to the planned pages: spare groups first, then the pool's own
+        cached pages (moved), then new ones, created `grow` at a time within the limit and
+        the budget (the extra ones stay spare). (False, bytes the budget could not give) when
+        memory is short; then nothing was mapped and no new group is held."""
         k = len(planned)
         if not k:
             return True, 0
-        cached = sorted(self.cached, reverse=True)  # the pool's own free memory, highest pages first
         lp = self.limit_pages
-        must = 0 if lp is None else max(0, self.num_mapped - lp)  # pages to give back to stay in the limit
-        if must > len(cached):
+        cached = sorted(self.cached, reverse=True)  # the pool's own free memory, highest pages first
+        s = min(k, len(self.spare))
+        c = min(k - s, len(cached))
+        n = k - s - c  # groups to create
+        held = self.num_mapped - k + len(self.spare)  # groups held before this call
+        # groups to let go to stay within the limit: what is held after must fit
+        drop = 0 if lp is None else max(0, held + n - lp)
+        if drop > (len(self.spare) - s) + (len(cached) - c):
             return False, 0  # the pool's own limit: a miss
-        unmap = cached[:max(must, min(k, len(cached)))]
-        reuse = min(k, len(unmap))
-        new = k - reuse
-        taken = new * self.G if self.budget is not None else 0
-        if taken and not self.budget.try_take(taken):
-            return False, taken  # the budget is asked to make this much free
+        drop_spare = min(drop, len(self.spare) - s)
+        drop_cached = drop - drop_spare
+        extra = 0  # created beyond need, kept spare: fewer, larger creations
+        if n:
+            extra = max(0, self.grow - n)
+            if lp is not None:
+                extra = max(0, min(extra, lp - (held + n - drop)))
+        taken = 0
+        if n and self.budget is not None:
+            if extra and self.budget.try_take((n + extra) * self.G):
+                taken = (n + extra) * self.G
+            elif self.budget.try_take(n * self.G):
+                taken, extra = n * self.G, 0
+            else:
+                return False, n * self.G  # the budget is asked to make this much free
         unmapped: list[Any] = []
         created: list[Any] = []
         try:
-            unmapped = self._unmap(unmap)
-            if new:
-                created = self.backend.create(new, self.config.num_buffers, self.P)
-            self.backend.map(self.bases, [p * self.P for p in planned], unmapped[:reuse] + created, self.P)
+            unmapped = self._unmap(cached[:c + drop_cached])
+            if n:
+                try:
+                    created = self.backend.create(n + extra, self.config.num_buffers, self.P)
+                except OutOfPhysicalMemoryError:
+                    if not extra:
+                        raise
+                    if self.budget is not None:  # the chunk did not fit; what is needed may
+                        self.budget.give(extra * self.G)
+                        taken -= extra * self.G
+                    extra = 0
+                    created = self.backend.create(n, self.config.num_buffers, self.P)
+            spare = self.spare[len(self.spare) - s:]
+            groups = spare + unmapped[:c] + created[:n]
+            self.backend.map(self.bases, [p * self.P for p in planned], groups, self.P)
         except BaseException as e:
             # Nothing of the map happened (it is all or nothing): give back what this call holds.
             if not created and taken:
@@ -345,10 +389,16 @@ class _Books:
             if isinstance(e, OutOfPhysicalMemoryError):
                 return False, 0  # the device refused new pages now: a shortage, not an error
             raise
-        for p, g in zip(planned, unmapped[:reuse] + created):
+        del self.spare[len(self.spare) - s:]
+        for p, g in zip(planned, groups):
             self.groups[p] = g
+        self.spare.extend(created[n:])
+        let_go = unmapped[c:]
+        if drop_spare:
+            let_go += self.spare[-drop_spare:]
+            del self.spare[-drop_spare:]
         try:
-            self._release(unmapped[reuse:])  # pages over the limit
+            self._release(let_go)  # over the limit
         except Exception:
             pass
         return True, 0
@@ -369,9 +419,9 @@ class _Books:
         for b in ids:
             self._unuse(b, fence)
         lp = self.limit_pages
-        if lp is not None and self.num_mapped > lp and self.cached:  # over the limit: give back now
+        if lp is not None and self.num_held > lp and (self.cached or self.spare):  # over the limit: give back now
             try:
-                self.give_back(self.num_mapped - lp)
+                self.give_back(self.num_held - lp)
             except Exception as e:  # the blocks are freed; the pages stay cached until trim() or an alloc
                 warnings.warn(f"vattn: giving back pages over the pool's limit failed ({e}); "
                               "they stay mapped until trim()", RuntimeWarning, stacklevel=3)
@@ -409,14 +459,21 @@ class _Books:
             self.budget.give(len(groups) * self.G)
 
     def give_back(self, count: int | None = None) -> int:
-        """Unmap and release up to `count` cached pages (None: all). Returns pages given back."""
+        """Release up to `count` groups the pool holds but no block uses (None: all): spare
+        groups first, then cached pages (unmapped after their fences). Returns groups given back."""
+        n = len(self.spare) if count is None else min(max(0, count), len(self.spare))
+        spare = self.spare[len(self.spare) - n:]
+        del self.spare[len(self.spare) - n:]
+        try:
+            self._release(spare)
+        except Exception:
+            pass  # kept in `unreleased`
         pages = sorted(self.cached, reverse=True)
         if count is not None:
-            pages = pages[:max(0, count)]
-        if not pages:
-            return 0
-        self._release(self._unmap(pages))
-        return len(pages)
+            pages = pages[:max(0, count - n)]
+        if pages:
+            self._release(self._unmap(pages))
+        return n + len(pages)
 
     def reclaim_for_budget(self, nbytes: int) -> int:
         """The budget's callback: another pool is short of `nbytes`."""
@@ -430,25 +487,27 @@ class _Books:
 
     def cached_bytes(self) -> int:
         """The budget's estimate of what `reclaim_for_budget` could give (read without the lock)."""
-        return 0 if self.closed else len(self.cached) * self.G
+        return 0 if self.closed else (len(self.cached) + len(self.spare)) * self.G
 
     def set_limit(self, limit: int | None) -> None:
         self.check_open()
         self.limit = limit
         lp = self.limit_pages
-        if lp is not None and self.num_mapped > lp:
-            self.give_back(self.num_mapped - lp)
+        if lp is not None and self.num_held > lp:
+            self.give_back(self.num_held - lp)
 
     # ---------------------------------------------------------------- figures ----
     def available_blocks(self) -> int:
         """Blocks alloc can give now, counting the cached pages other pools of the budget
         would give back (exact when blocks and pages divide one another, no free block is
         partly mapped and nothing changes in between; a lower bound otherwise)."""
-        room = self.M - self.num_mapped
+        new = None  # groups that may be created
         if self.limit is not None:
-            room = min(room, max(0, self.limit_pages - self.num_mapped))
+            new = max(0, self.limit_pages - self.num_held)
         if self.budget is not None and (b := self.budget.stats()).limit is not None:
-            room = min(room, max(0, b.limit - b.used + self.budget.reclaimable(self.token)) // self.G)
+            more = max(0, b.limit - b.used + self.budget.reclaimable(self.token)) // self.G
+            new = more if new is None else min(new, more)
+        room = self.M - self.num_mapped if new is None else min(self.M - self.num_mapped, len(self.spare) + new)
         if self.P % self.B == 0:
             fresh = room * (self.P // self.B)
         else:
@@ -459,7 +518,7 @@ class _Books:
         return PoolStats(
             num_blocks=self.N, block_bytes=self.B * self.config.num_buffers, page_size=self.P, group_bytes=self.G,
             num_used_blocks=self.num_used, num_warm_blocks=self.num_warm, num_mapped_pages=self.num_mapped,
-            num_cached_pages=len(self.cached), mapped_bytes=self.num_mapped * self.G,
+            num_cached_pages=len(self.cached), num_spare_pages=len(self.spare), mapped_bytes=self.num_mapped * self.G,
             used_bytes=self.num_used * self.B * self.config.num_buffers, peak_mapped_bytes=self.peak_mapped * self.G,
             limit=self.limit, available_blocks=self.available_blocks())
 
@@ -486,7 +545,8 @@ class _Books:
         assert self.cached == {p for p in mapped if not users[p]}
         assert self.num_warm == sum(len(d) for d in self.warm.values())
         assert self.busy_warm == {p for p in self.warm if users[p]} and self.idle_warm == {p for p in self.warm if not users[p]}
-        assert len({id(self.groups[p]) for p in mapped}) == len(mapped), "a group is mapped twice"
+        held = [self.groups[p] for p in mapped] + self.spare + self.unreleased
+        assert len({id(g) for g in held}) == len(held), "a group is in two places"
 
     # ---------------------------------------------------------------- closing ----
     def check_open(self) -> None:
@@ -514,9 +574,9 @@ class _Books:
                     break
                 except Exception as e:
                     errors.append(e)
-            groups = [self.groups[p] for p in mapped] + self.unreleased
+            groups = [self.groups[p] for p in mapped] + self.spare + self.unreleased
             self.groups = [None] * self.M
-            self.unreleased = []
+            self.spare, self.unreleased = [], []
             self.num_mapped = 0
             self.cached.clear()
             try:
@@ -548,10 +608,11 @@ class ElasticPool:
     def __init__(self, num_blocks: int, block_shape: int | Sequence[int], dtype: torch.dtype | str = torch.float16,
                  num_buffers: int = 1, *, device: str | torch.device = "cpu", page_size: int | None = None,
                  limit: int | None = None, budget: Budget | None = None, sync: str = "stream",
-                 cuda_driver: str = "auto", backend: Backend | None = None) -> None:
-        """`backend`: a ready `vattn.vmem.Backend` instead of the one `device` names (tests)."""
+                 cuda_driver: str = "auto", grow: int | None = None, backend: Backend | None = None) -> None:
+        """See `PoolConfig` for the arguments. `backend`: a ready `vattn.vmem.Backend` instead of
+        the one `device` names (tests)."""
         self.config = c = PoolConfig(num_blocks, block_shape, dtype, num_buffers, device, page_size, limit, sync,
-                                     cuda_driver)
+                                     cuda_driver, grow)
         if budget is not None and not isinstance(budget, Budget):
             raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
         self.backend = backend if backend is not None else make_backend(torch.device(c.device), c.cuda_driver)
@@ -573,7 +634,9 @@ class ElasticPool:
             strides[d] = strides[d + 1] * shape[d + 1]
         self._buffers = [self.backend.tensor(self._range, i * buffer_bytes, shape, strides, c.dtype)
                          for i in range(c.num_buffers)]
-        self._books = _Books(c, self.backend, bases, page, budget)
+        group = page * c.num_buffers
+        grow = c.grow if c.grow is not None else max(1, min(8, (16 << 20) // group))
+        self._books = _Books(c, self.backend, bases, page, budget, grow)
         self._finalizer = weakref.finalize(self, _close, self._books, self.backend)
 
     # ----------------------------------------------------------------- tensors ----
@@ -657,7 +720,7 @@ class ElasticPool:
         return self._books.limit
 
     def trim(self) -> int:
-        """Give back every cached page now (waits for their fences). Returns bytes given back."""
+        """Give back every cached and spare page now (waits for the fences). Returns bytes given back."""
         with self._books.lock:
             self._books.check_open()
             return self._books.give_back() * self._books.G
