@@ -149,6 +149,18 @@ def test_models_not_enabled_keep_transformers_memory(models, cleanup):
 
 
 @needs_cb
+def test_enable_all_covers_every_model(models, cleanup):
+    ms, refs = models
+    cb = hf_cb.enable_all(page_size=PAGE, memory_limit=12 * SECTOR)
+    try:
+        assert generate(ms["qwen2"]) == refs["qwen2"]
+        assert cb.num_caches == 1
+    finally:
+        hf_cb.disable_all()
+    assert continuous_api.PagedAttentionCache is cache_mod.PagedAttentionCache
+
+
+@needs_cb
 def test_unknown_transformers_is_a_clear_error(models, monkeypatch):
     model = models[0]["llama"]
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.17.0")  # (the module may have been replaced)
@@ -217,3 +229,77 @@ def test_vattn_cache_errors():
         model(ids[:2], attention_mask=mask[:2], past_key_values=cache)
         with pytest.raises(vattn.InvalidConfigError, match="batch of 2"):
             model(ids, attention_mask=mask, past_key_values=cache)
+
+
+# -------------------------------------------------------------------- serving ----
+def char_checkpoint(path) -> str:
+    """A tiny seeded Llama with a character-level tokenizer and a chat template, saved locally."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(string.printable[:95])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    model = tiny("llama")
+    model.config.bos_token_id, model.config.eos_token_id = 1, 2
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def _post(url: str, body: dict) -> dict:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@needs_cb
+def test_serve_answers_over_http_from_vattn_memory(tmp_path):
+    import importlib.util
+    import socket
+    import time
+    import urllib.request
+
+    missing = [m for m in hf_cb.SERVING_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"transformers serve needs {missing} (pip install 'transformers[serving]')")
+    path = char_checkpoint(tmp_path / "ckpt")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = hf_cb.serve(path, port=port, device="cpu", num_blocks=64, page_size=PAGE, memory_limit=2 << 20,
+                         non_blocking=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        out = _post(base + "/v1/completions", {"model": path, "prompt": "hello world", "max_tokens": 12,
+                                               "temperature": 0})
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        ids = tok("hello world", return_tensors="pt").input_ids
+        ref = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+        assert out["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True)
+        assert server.vattn.num_caches >= 1 and server.vattn.stats().peak_mapped_bytes > 0
+        chat = _post(base + "/v1/chat/completions", {"model": path, "max_tokens": 8, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        server.kill_server()
+        hf_cb.disable_all()

@@ -36,7 +36,9 @@ per-layer K/V tensors and a `BlockManager`, a different design).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
+import os
 import threading
 import weakref
 from typing import Any
@@ -54,6 +56,7 @@ _lock = threading.RLock()
 _handles: dict[int, tuple[weakref.ref, ElasticCB]] = {}  # id(text config) -> (ref to it, handle)
 _installed: dict[str, Any] = {}  # what install() replaced
 _intercept = threading.local()  # the cache being built on this thread, and its pool
+_default: ElasticCB | None = None  # enable_all(): the handle of every model not enabled one by one
 
 
 # --------------------------------------------------------------- version guard ----
@@ -113,7 +116,7 @@ class ElasticCB:
     (one per `PagedAttentionCache` transformers builds; the last one is `pool`)."""
 
     def __init__(self, model: Any, memory_limit: int | None, budget: Budget | None, page_size: int | None) -> None:
-        self._model = weakref.ref(model)
+        self._model = weakref.ref(model) if model is not None else None
         self.memory_limit = memory_limit
         self.budget = budget
         self.page_size = page_size
@@ -159,6 +162,9 @@ class ElasticCB:
 
     def disable(self) -> None:
         """Later caches of this model use transformers' own memory again (live ones stay)."""
+        if self._model is None:
+            disable_all()
+            return
         model = self._model()
         if model is not None:
             disable(model)
@@ -206,6 +212,34 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
         return handle
 
 
+def enable_all(*, memory_limit: int | None = None, budget: Budget | None = None,
+               page_size: int | None = None) -> ElasticCB:
+    """Run the continuous batching of every model of this process on vattn memory (the
+    models `enable` was not called for share this one handle and its settings): for a
+    server that loads its models itself, like `transformers serve`. Undo with
+    `disable_all()`."""
+    global _default
+    check_transformers()
+    if budget is not None and not isinstance(budget, Budget):
+        raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)
+                                     or memory_limit < 0):
+        raise InvalidConfigError(f"memory_limit must be >= 0 bytes or None, got {memory_limit!r}")
+    with _lock:
+        install()
+        _default = ElasticCB(None, memory_limit, budget, page_size)
+        return _default
+
+
+def disable_all() -> None:
+    """Undo `enable_all` (models enabled one by one stay enabled)."""
+    global _default
+    with _lock:
+        _default = None
+        if not _handles:
+            uninstall()
+
+
 def disable(model: Any) -> None:
     """Later caches of `model` use transformers' own memory again (idempotent)."""
     config = model.config.get_text_config()
@@ -213,7 +247,7 @@ def disable(model: Any) -> None:
         entry = _handles.get(id(config))
         if entry is not None and entry[0]() is config:
             del _handles[id(config)]
-        if not _handles:
+        if not _handles and _default is None:
             uninstall()
 
 
@@ -225,7 +259,61 @@ def _forget(key: int) -> None:
 def _handle_for(config: Any) -> ElasticCB | None:
     with _lock:
         entry = _handles.get(id(config))
-        return entry[1] if entry is not None and entry[0]() is config else None
+        return entry[1] if entry is not None and entry[0]() is config else _default
+
+
+# ------------------------------------------------------------------- serving ----
+SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
+          page_size: int | None = None, device: str = "auto", num_blocks: int | None = None,
+          max_batch_tokens: int | None = None, log_level: str = "warning", non_blocking: bool = False) -> Any:
+    """`transformers serve` with continuous batching on vattn memory, for a local checkpoint
+    (offline): the OpenAI-compatible endpoints `/v1/chat/completions`, `/v1/completions`,
+    `/v1/models`, `/health`. Blocks until the server stops, unless `non_blocking` (then it
+    returns transformers' `Serve` object: `kill_server()` stops it). The memory limit is in
+    bytes of KV pages; `num_blocks` sizes transformers' (virtual) cache."""
+    missing = [m for m in SERVING_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
+                                 "pip install 'transformers[serving]'")
+    if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
+        raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
+    handle = enable_all(memory_limit=memory_limit, page_size=page_size)
+    from transformers.cli.serve import Serve
+
+    try:
+        server = Serve(force_model=os.path.abspath(model), continuous_batching=True, host=host, port=port,
+                       device=device, cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens,
+                       log_level=log_level, non_blocking=non_blocking)
+    except BaseException:
+        disable_all()
+        raise
+    server.vattn = handle
+    if not non_blocking:
+        disable_all()
+    return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m vattn.integrations.hf_cb --model DIR [--port N] [--memory-limit BYTES]`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="vattn serve", description=serve.__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="local checkpoint directory (config, weights, tokenizer)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--memory-limit", type=int, default=None, help="bytes of KV pages (default: no limit)")
+    ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--num-blocks", type=int, default=None, help="transformers' cache size in blocks (virtual)")
+    ap.add_argument("--max-batch-tokens", type=int, default=None)
+    ap.add_argument("--log-level", default="warning")
+    a = ap.parse_args(argv)
+    serve(a.model, host=a.host, port=a.port, memory_limit=a.memory_limit, page_size=a.page_size, device=a.device,
+          num_blocks=a.num_blocks, max_batch_tokens=a.max_batch_tokens, log_level=a.log_level)
 
 
 # ------------------------------------------------------------------ the hook ----
@@ -381,4 +469,9 @@ def _make_classes(cache_mod: Any, base: type) -> type:
     return PagedAttentionCache
 
 
-__all__ = ["SUPPORTED_VERSIONS", "ElasticCB", "enable", "disable", "check_transformers", "install", "uninstall"]
+__all__ = ["SUPPORTED_VERSIONS", "ElasticCB", "enable", "disable", "enable_all", "disable_all", "check_transformers",
+           "install", "uninstall", "serve", "main"]
+
+
+if __name__ == "__main__":
+    main()
