@@ -338,6 +338,13 @@ def test_budget_take_give_and_limit():
             b.set_limit(bad)
     with pytest.raises(vattn.InvalidConfigError):
         b.register(5)
+    with pytest.raises(vattn.InvalidConfigError):
+        b.register(None, 5)
+    t1, t2 = b.register(lambda n: 0, lambda: 100), b.register()
+    assert b.reclaimable(t2) == 100 and b.reclaimable(t1) == 0 and b.stats().num_participants == 2
+    b.unregister(t1)
+    b.unregister(t1)  # idempotent
+    assert b.reclaimable(t2) == 0
 
 
 def test_two_pools_share_one_budget():

@@ -34,7 +34,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -159,13 +159,14 @@ class PoolStats:
 
 
 class _Books:
-    """The pool's books and page movement. Holds no reference to the `ElasticPool` (its
-    finalizer) and none to torch tensors. Every free block is *warm* (all its pages
+    """The pool's books and page movement, plain Python. Holds no reference to the
+    `ElasticPool` (its finalizer) and none to torch tensors. Every free block is *warm* (all its pages
     mapped; in `warm[first page]`) or *cold* (in `cold`, a lazy min-heap of block ids)."""
 
     def __init__(self, config: PoolConfig, backend: Backend, bases: list[int], page_size: int,
-                 budget: Budget | None, grow: int) -> None:
+                 budget: Budget | None, grow: int, device_sync: Callable[[], None] | None = None) -> None:
         self.config = config
+        self.device_sync = device_sync  # sync="device": wait for every stream before an unmap
         self.grow = grow  # groups created at least per creation (the rest kept spare)
         self.backend = backend
         self.bases = bases
@@ -435,8 +436,8 @@ class _Books:
             if f is not None and id(f) not in seen:
                 seen.add(id(f))
                 self.backend.wait(f)
-        if self.config.sync == "device" and self.backend.device.type == "cuda":
-            torch.cuda.synchronize(self.backend.device)
+        if self.device_sync is not None:
+            self.device_sync()
 
     def _unmap(self, pages: list[int]) -> list[Any]:
         """Unmap cached pages (one call, after their fences); returns their groups."""
@@ -636,7 +637,9 @@ class ElasticPool:
                          for i in range(c.num_buffers)]
         group = page * c.num_buffers
         grow = c.grow if c.grow is not None else max(1, min(8, (16 << 20) // group))
-        self._books = _Books(c, self.backend, bases, page, budget, grow)
+        dev = self.backend.device
+        sync = (lambda: torch.cuda.synchronize(dev)) if c.sync == "device" and dev.type == "cuda" else None
+        self._books = _Books(c, self.backend, bases, page, budget, grow, sync)
         self._finalizer = weakref.finalize(self, _close, self._books, self.backend)
 
     # ----------------------------------------------------------------- tensors ----
