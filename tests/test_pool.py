@@ -136,6 +136,23 @@ def test_pages_are_created_in_chunks_and_the_spare_ones_used_first():
         assert p.stats().num_spare_pages == 0
 
 
+def test_pool_on_the_device(device):
+    # K and V of 2 layers, 16-token blocks of 8 x 128 fp16 (32 KiB): several blocks a page on
+    # both backends (64 KiB host pages, 2 MiB GPU pages); sync="device" as hf_cb uses it
+    with vattn.ElasticPool(256, (16, 8, 128), "float16", 4, device=device, sync="device") as p:
+        ids = p.alloc(5)
+        for i, buf in enumerate(p.buffers):
+            buf[ids] = float(i + 1)
+        p.free(ids[1:3])
+        more = p.alloc(3)
+        assert p.stats().num_mapped_pages == -(-(max(ids + more) + 1) * 32 * 1024 // p.page_size)
+        for i, buf in enumerate(p.buffers):
+            assert torch.all(buf[[ids[0], *ids[3:]]] == float(i + 1))
+        p.free([ids[0], *ids[3:]] + more)
+        assert p.trim() > 0 and p.stats().mapped_bytes == 0
+        p.check_invariants()
+
+
 # ------------------------------------------------------------------ limits ----
 def test_limit_refuses_and_changes_nothing():
     with make(limit=2 * 2 * PAGE) as p:  # two page groups

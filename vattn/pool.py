@@ -261,6 +261,8 @@ class _Books:
                 self._drop_warm(b)
                 heapq.heappush(self.cold, b)
             self.miss[b] += 1
+        if len(self.cold) > 4 * self.N + 64:  # too many stale entries: rebuild (sorted = a heap)
+            self.cold = [b for b in range(self.N) if not self.used[b] and self.miss[b]]
         return group
 
     def _use(self, b: int) -> None:
