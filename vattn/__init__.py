@@ -99,4 +99,8 @@ __all__ = [
     "k_cache", "v_cache", "close", "VattnError", "InvalidConfigError", "InvalidRequestError",
     "UnknownReqIdError", "ContextLengthError", "NoFreeSlotError", "OutOfVirtualMemoryError",
     "OutOfPhysicalMemoryError", "MapCountLimitError", "BackendError", "NotInitializedError", "ClosedError",
+    "ElasticPool", "PoolStats", "UnknownBlockError", "Budget",
 ]
+
+from vattn.budget import Budget  # noqa: E402  (elastic memory for servers with their own block tables)
+from vattn.pool import ElasticPool, PoolStats, UnknownBlockError  # noqa: E402

@@ -13,10 +13,13 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from vattn.attention import get_forward_context
-from vattn.errors import InvalidConfigError
+from vattn.cache import KVCache
+from vattn.config import as_int
+from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError
 
 ATTN_IMPLEMENTATION = "vattn"
 
@@ -76,5 +79,155 @@ def restore_attention(model: PreTrainedModel, implementation: str | None) -> Non
             pass
 
 
+class _VAttnLayer(CacheLayerMixin):
+    """One layer of a `VAttnCache`: its K/V live in the vattn cache's views of that layer."""
+
+    is_sliding = False
+
+    def __init__(self, owner: VAttnCache, layer: int) -> None:
+        super().__init__()
+        self.owner, self.layer = owner, layer
+        self.length = 0  # tokens cached for every row of the batch
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.owner._open(key_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """key/value: `[B, H, T, D]`. Writes them at this layer's positions of the batch's
+        slots and returns the whole history `[B, H, length, D]` (views, no copy)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        owner = self.owner
+        start, end = self.length, self.length + key_states.shape[-2]
+        if key_states.shape[0] != owner.batch_size:
+            raise InvalidConfigError(f"VAttnCache holds a batch of {owner.batch_size}, got key states for "
+                                     f"{key_states.shape[0]} rows; use one VAttnCache per batch")
+        owner._back(end)
+        k, v = owner.kv.k_cache(self.layer), owner.kv.v_cache(self.layer)  # [max_batch, max_len, H, D]
+        rows = slice(0, owner.batch_size)
+        k[rows, start:end] = key_states.transpose(1, 2)
+        v[rows, start:end] = value_states.transpose(1, 2)
+        self.length = end
+        self.keys, self.values = k[rows, :end].transpose(1, 2), v[rows, :end].transpose(1, 2)  # [B, H, end, D]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # like DynamicLayer: masks are sized by get_mask_sizes, not by a static length
+
+    def reset(self) -> None:
+        self.length = 0
+        self.keys = self.values = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise InvalidConfigError("crop() takes a negative number of tokens to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.length:
+            rows = slice(0, self.owner.batch_size)
+            idx = beam_idx.to(self.device)
+            for t in (self.owner.kv.k_cache(self.layer), self.owner.kv.v_cache(self.layer)):
+                t[rows, :self.length] = t[rows, :self.length].index_select(0, idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise InvalidConfigError("VAttnCache cannot grow its batch after the first forward (contrastive search, "
+                                 "num_return_sequences with an existing cache); use DynamicCache there")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise InvalidConfigError("VAttnCache cannot drop rows of its batch; use DynamicCache there")
+
+
+class VAttnCache(Cache):
+    """A transformers `Cache` whose K/V live in a vattn `KVCache` (the slot API): each row of
+    the batch is a slot, contiguous in virtual memory, backed by pages as it grows.
+
+    ```
+    cache = VAttnCache(model.config, max_cache_len=2048, page_size=64 << 10)
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+    cache.stats(); cache.close()    # or `with VAttnCache(...) as cache:`
+    ```
+    The vattn cache is built at the first forward from the key states' batch size, dtype
+    and device (`max_batch_size` reserves more rows). Full-attention models (Llama, Qwen2,
+    Mistral, ...); beam search works (rows are reordered in place); operations that change
+    the batch size after the first forward raise. One cache per `generate` call.
+    """
+
+    def __init__(self, config: Any, max_cache_len: int, *, max_batch_size: int | None = None,
+                 page_size: int | None = None, physical_memory: int | None = None, layout: str = "per-layer",
+                 background: bool = True) -> None:
+        text = config.get_text_config(decoder=True)
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unsupported:
+            raise InvalidConfigError(f"VAttnCache supports attention layers only, not {unsupported}")
+        self.max_cache_len = as_int(max_cache_len, "max_cache_len")
+        self.max_batch_size = None if max_batch_size is None else as_int(max_batch_size, "max_batch_size")
+        self._options = dict(page_size=page_size, physical_memory=physical_memory, layout=layout, background=background)
+        self.kv: KVCache | None = None
+        self.slots: list[int] = []
+        self.backed = 0  # tokens every slot has pages for
+        super().__init__(layers=[_VAttnLayer(self, i) for i in range(len(layer_types))])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.slots) if self.slots else -1
+
+    def _open(self, key_states: torch.Tensor) -> None:
+        """Build the vattn cache at the first forward: `[B, H, T, D]` key states."""
+        if self.kv is not None:
+            return
+        b, h, _, d = key_states.shape
+        self.kv = KVCache(num_layers=len(self.layers), num_kv_heads=h, head_dim=d,
+                          max_batch_size=self.max_batch_size or b, max_context_len=self.max_cache_len,
+                          dtype=key_states.dtype, device=str(key_states.device), **self._options)
+        self.slots = [self.kv.alloc_reqid() for _ in range(b)]
+        if self.slots != list(range(b)):  # a fresh cache hands out slots 0..B-1 in order
+            raise InvalidConfigError(f"VAttnCache expected slots 0..{b - 1}, got {self.slots}")
+
+    def _back(self, length: int) -> None:
+        """Make sure every row has pages for `length` tokens (the first layer of a forward maps)."""
+        if length <= self.backed:
+            return
+        if length > self.max_cache_len:
+            raise ContextLengthError(f"VAttnCache holds {self.max_cache_len} tokens a row and this forward needs "
+                                     f"{length}; create it with a larger max_cache_len")
+        res = self.kv.step({r: length for r in self.slots})
+        if not res:
+            raise OutOfPhysicalMemoryError(
+                f"vattn has no pages for {len(res.failed)} of {len(self.slots)} rows at {length} tokens; raise "
+                "physical_memory or generate a smaller batch")
+        self.backed = length
+
+    def stats(self) -> Any:
+        """The vattn cache's `MemoryStats` (None before the first forward)."""
+        return self.kv.stats() if self.kv is not None else None
+
+    def close(self) -> None:
+        """Release the vattn cache's memory (idempotent); the cache is empty afterwards."""
+        if self.kv is not None:
+            self.kv.close()
+            self.kv = None
+        self.slots, self.backed = [], 0
+        for layer in self.layers:
+            layer.reset()
+            layer.is_initialized = False
+
+    def __enter__(self) -> VAttnCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 __all__ = ["ATTN_IMPLEMENTATION", "vattn_attention_forward", "vattn_mask", "register",
-           "use_vattn_attention", "restore_attention"]
+           "use_vattn_attention", "restore_attention", "VAttnCache"]
