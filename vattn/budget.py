@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from vattn.config import as_int
+from vattn.checks import as_int
 from vattn.errors import InvalidConfigError, InvalidRequestError
 
 Reclaim = Callable[[int], int]
@@ -188,10 +188,7 @@ def _check_nbytes(nbytes: object) -> int:
 def _check_limit(limit: object) -> int | None:
     if limit is None:
         return None
-    n = as_int(limit, "limit")
-    if n < 0:
-        raise InvalidConfigError(f"limit must be >= 0 bytes or None, got {n}")
-    return n
+    return as_int(limit, "limit", InvalidConfigError, low=0, what=">= 0 bytes or None")
 
 
 __all__ = ["Budget", "BudgetStats"]

@@ -39,7 +39,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from vattn.budget import Budget
-from vattn.config import CUDA_DRIVERS, MAX_PAGE_SIZE, as_int, parse_dtype
+from vattn.checks import as_int
+from vattn.config import CUDA_DRIVERS, MAX_PAGE_SIZE, parse_dtype
 from vattn.errors import (
     ClosedError,
     InvalidConfigError,
@@ -778,20 +779,11 @@ def _close(books: _Books, backend: Backend) -> None:
 
 
 def _positive(name: str, value: object) -> int:
-    try:
-        v = as_int(value, name)
-    except InvalidConfigError:
-        v = 0
-    if v <= 0:
-        raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
-    return v
+    return as_int(value, name, InvalidConfigError, low=1, what="a positive int")
 
 
 def _limit(value: object) -> int:
-    v = as_int(value, "limit")
-    if v < 0:
-        raise InvalidConfigError(f"limit must be >= 0 bytes or None, got {v}")
-    return v
+    return as_int(value, "limit", InvalidConfigError, low=0, what=">= 0 bytes or None")
 
 
 __all__ = ["ElasticPool", "PoolConfig", "PoolStats", "UnknownBlockError", "SYNC_MODES"]

@@ -18,7 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from vattn.attention import get_forward_context
 from vattn.cache import KVCache
-from vattn.config import as_int
+from vattn.checks import as_int
 from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError
 
 ATTN_IMPLEMENTATION = "vattn"
@@ -170,8 +170,9 @@ class VAttnCache(Cache):
         unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unsupported:
             raise InvalidConfigError(f"VAttnCache supports attention layers only, not {unsupported}")
-        self.max_cache_len = as_int(max_cache_len, "max_cache_len")
-        self.max_batch_size = None if max_batch_size is None else as_int(max_batch_size, "max_batch_size")
+        self.max_cache_len = as_int(max_cache_len, "max_cache_len", InvalidConfigError, low=1)
+        self.max_batch_size = (None if max_batch_size is None
+                               else as_int(max_batch_size, "max_batch_size", InvalidConfigError, low=1))
         self._options = dict(page_size=page_size, physical_memory=physical_memory, layout=layout, background=background)
         self.kv: KVCache | None = None
         self.slots: list[int] = []
