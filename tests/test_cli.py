@@ -87,3 +87,13 @@ def test_engine_demo_with_failed_requests_exits_non_zero_and_says_why(capsys):
     assert code == 1
     assert "requests failed" in captured.err and "raise physical_memory" in captured.err
     assert "requests (errors)" in captured.out
+
+
+def test_serve_has_its_own_options(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0 and "--memory-limit" in capsys.readouterr().out
+    assert main(["serve", "--model", "/nonexistent-dir"]) == 2  # a message, not a traceback
+    assert "vattn: error:" in capsys.readouterr().err

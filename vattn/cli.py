@@ -106,12 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=_positive_int, default=None, help="bytes (default: the backend's)")
     g.add_argument("--layout", choices=["per-layer", "fused"], default="per-layer",
                    help="KV cache layout (default: per-layer)")
+
+    sub.add_parser("serve", add_help=False,
+                   help="transformers serve (OpenAI-compatible, continuous batching) on vattn memory; "
+                   "see vattn serve --help")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     from vattn.errors import VattnError
+
+    if argv[:1] == ["serve"]:  # its own parser: the options are transformers serve's
+        from vattn.integrations.hf_cb import main as serve_main
+
+        try:
+            serve_main(argv[1:])
+        except VattnError as e:
+            print(f"vattn: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    args = build_parser().parse_args(argv)
 
     try:
         if args.cmd == "demo":
