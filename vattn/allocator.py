@@ -290,11 +290,7 @@ class PageAllocator:
 
     # ------------------------------------------------------------------- step ----
     def step(self, seq_lens: Sequence[int] | Mapping[int, int]) -> StepResult:
-        self.premapper.cancel = True  # before taking the lock: the worker stops at its next batch
-        with self._lock:
-            self._check_open()
-            self.premapper.quiesce()
-            self._check_open()  # close() may have run while we waited
+        with self._quiet():
             lens, short, edge = self._normalize(seq_lens)
             fence = self.backend.fence()
             if fence is not None:  # the kernels of the last iteration read these slots
@@ -588,11 +584,7 @@ class PageAllocator:
         if nbytes < 0:
             raise InvalidRequestError(f"nbytes must be >= 0, got {nbytes}")
         n = -(-nbytes // self.geometry.group_bytes)
-        self.premapper.cancel = True
-        with self._lock:
-            self._check_open()
-            self.premapper.quiesce()
-            self._check_open()
+        with self._quiet():
             if n > self.max_pages:
                 raise OutOfPhysicalMemoryError(
                     f"{nbytes} bytes is {n} page groups, over the budget of {self.max_pages} "
@@ -629,11 +621,7 @@ class PageAllocator:
         `park` (returns (slot, False): the data is there), or a new one with pages mapped
         for the tokens (returns (slot, True): copy the data in). Raises NoFreeSlotError or
         OutOfPhysicalMemoryError and changes nothing when it cannot."""
-        self.premapper.cancel = True
-        with self._lock:
-            self._check_open()
-            self.premapper.quiesce()
-            self._check_open()
+        with self._quiet():
             num_tokens = self._index(num_tokens, "num_tokens")
             if not 0 < num_tokens <= self.max_len:
                 raise InvalidRequestError(f"num_tokens={num_tokens} must be in [1, {self.max_len}]")
@@ -673,11 +661,7 @@ class PageAllocator:
         groups. The partly filled last page is copied into a fresh group (the only copy),
         so both requests write from `num_tokens` on into pages of their own. Raises
         NoFreeSlotError, or OutOfPhysicalMemoryError when no page is left for that copy."""
-        self.premapper.cancel = True
-        with self._lock:
-            self._check_open()
-            self.premapper.quiesce()
-            self._check_open()
+        with self._quiet():
             parent = self._check_active(reqid)
             num_tokens = self._index(num_tokens, "num_tokens")
             if not 0 < num_tokens <= self.max_lens[parent]:
@@ -744,11 +728,7 @@ class PageAllocator:
     def trim(self) -> int:
         """Give back now every page no live token needs (free slots, pre-mapped tails, pinned
         prefix pages no slot maps): unmap and release them. Returns the page groups released."""
-        self.premapper.cancel = True
-        with self._lock:
-            self._check_open()
-            self.premapper.quiesce()
-            self._check_open()
+        with self._quiet():
             self._fence_ran()
             donors = self._reclaimable({})
             self._reclaim(donors, self.num_created)
@@ -800,11 +780,7 @@ class PageAllocator:
         """Map pinned pages as the first pages of a request that has not run yet (its slot
         keeps nothing of earlier requests) and count their tokens as written. Returns the
         number of tokens mapped: the leading handles that are still pinned."""
-        self.premapper.cancel = True
-        with self._lock:
-            self._check_open()
-            self.premapper.quiesce()
-            self._check_open()
+        with self._quiet():
             slot = self._check_active(reqid)
             g = self.geometry
             if g.page_size % g.token_bytes:
@@ -906,6 +882,17 @@ class PageAllocator:
                 self.refs.update(dict.fromkeys(groups, 1))
                 self._pages_changed(s)
                 self._note_dirty([s] * n, groups)
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Hold the lock with the worker stopped (after its batch in flight) and the cache
+        open: what every call that changes pages needs."""
+        self.premapper.cancel = True  # before taking the lock: the worker stops at its next batch
+        with self._lock:
+            self._check_open()
+            self.premapper.quiesce()
+            self._check_open()  # close() may have run while we waited
+            yield
 
     @contextlib.contextmanager
     def _unlocked(self, release: bool) -> Iterator[None]:
