@@ -204,7 +204,7 @@ def test_scheduler_requeues_then_fails_on_cache_errors() -> None:
     kv.broken = True
     out = sched.schedule()  # a, b decoding and c new: all go back to the queue
     assert out.scheduled == [] and out.finished == [] and out.preempted == [a, b, c]
-    assert sched.waiting == [a, b, c] and sorted(kv.free) == [0, 1, 2]
+    assert list(sched.waiting) == [a, b, c] and sorted(kv.free) == [0, 1, 2]
     assert a.num_computed_tokens == 0 and a.num_tokens == 6 and sched.num_preemptions == 0
     kv.broken = False
     out = sched.schedule()  # they recompute; a completed iteration resets the count
@@ -246,7 +246,7 @@ def test_an_interrupted_generate_keeps_other_requests_final_outputs(monkeypatch:
         fail_forward(llm, monkeypatch, lambda i, ids: small_seq.is_finished, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             llm.generate(ps[1:3], params[1:3])  # small finishes in this call, then the interrupt
-        assert llm.scheduler.running == [] and llm.scheduler.waiting == []
+        assert llm.scheduler.running == [] and not llm.scheduler.waiting
         assert llm.cache.num_free_reqids == llm.config.max_batch_size
         assert llm.has_unfinished()  # final outputs wait for the next step
         outs = {o.request_id: o for o in llm.step()}

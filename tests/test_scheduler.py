@@ -43,14 +43,14 @@ def test_scheduler_preempts_newest_and_aborts_what_cannot_fit_alone() -> None:
     out = sched.schedule()
     assert out.preempted == [c] and [s.seq for s in out.scheduled] == [a, b]
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.num_tokens == 10
-    assert c.num_preemptions == 1 and c.slot is None and sched.waiting == [c]
+    assert c.num_preemptions == 1 and c.slot is None and list(sched.waiting) == [c]
     fake_advance(out)
     kv.capacity = 11
     out = sched.schedule()  # c is admitted again, then c and b (newest first) are preempted,
     assert out.preempted == [c, b] and out.finished == [a] and out.scheduled == []  # a alone (12) does not fit
     assert c.num_preemptions == 1 and b.num_preemptions == 1  # c had nothing computed this time
     assert a.finish_reason == "error" and a.status is SequenceStatus.FINISHED
-    assert sched.waiting == [b, c] and sched.running == []
+    assert list(sched.waiting) == [b, c] and sched.running == []
     assert sorted(kv.free) == [0, 1, 2, 3]
 
 
@@ -103,3 +103,18 @@ def test_scheduler_config_validation() -> None:
     with pytest.raises(InvalidConfigError):
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
 
+
+
+def test_waiting_queue_keeps_request_order() -> None:
+    """New requests go to the back and preempted ones to the front in O(1); an id out of
+    order (a test's or a client's own numbering) is put in place."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), FakeKV(4))
+    for i in (3, 5, 9, 0, 7, 4):
+        sched.add(make_seq(i, 4))
+    assert [s.request_id for s in sched.waiting] == [0, 3, 4, 5, 7, 9]
+    out = sched.schedule()
+    fake_advance(out)
+    assert [s.seq.request_id for s in out.scheduled] == [0, 3, 4, 5]
+    for s in sorted(sched.running, key=lambda s: -s.request_id):  # newest first, as victims go
+        sched.preempt(s)
+    assert [s.request_id for s in sched.waiting] == [0, 3, 4, 5, 7, 9]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping, NamedTuple, Protocol
 
@@ -93,12 +94,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVSlots) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: list[Sequence] = []  # arrival order (request ids grow with arrival)
+        self.waiting: deque[Sequence] = deque()  # arrival order (request ids grow with arrival)
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
+        """Queue a new sequence (O(1): see `_enqueue`)."""
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq)
 
@@ -123,7 +124,7 @@ class Scheduler:
             budget -= n
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self.kv.num_free_reqids > 0):
-            seq = self.waiting.pop(0)
+            seq = self.waiting.popleft()
             seq.slot = self.kv.alloc_reqid()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -178,7 +179,7 @@ class Scheduler:
         """Finish the waiting or running sequences with these ids ("abort") and free their
         slots. Ids of no unfinished sequence are skipped. Returns the sequences finished."""
         wanted = set(request_ids)
-        seqs = sorted((s for s in self.running + self.waiting if s.request_id in wanted),
+        seqs = sorted((s for s in [*self.running, *self.waiting] if s.request_id in wanted),
                       key=lambda s: s.request_id)
         for seq in seqs:
             self.finish(seq, "abort")
@@ -208,5 +209,14 @@ class Scheduler:
         seq.finish_reason, seq.error = reason, error
 
     def _enqueue(self, seq: Sequence) -> None:
-        keys = [s.request_id for s in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, seq.request_id), seq)
+        """Keep `waiting` in arrival order, in O(1) for what happens all the time: a new
+        request is the newest (it goes to the back) and a preempted one is older than every
+        waiting one (it goes to the front: the victim is always the newest running sequence,
+        and admission takes the oldest waiting first). Anything else is put in place."""
+        waiting, key = self.waiting, seq.request_id
+        if not waiting or waiting[-1].request_id < key:
+            waiting.append(seq)
+        elif key < waiting[0].request_id:
+            waiting.appendleft(seq)
+        else:
+            waiting.insert(bisect.bisect(waiting, key, key=lambda s: s.request_id), seq)
