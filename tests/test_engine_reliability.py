@@ -199,7 +199,7 @@ def test_scheduler_requeues_then_fails_on_cache_errors() -> None:
     a, b, c = make_seq(0, 5), make_seq(1, 6), make_seq(2, 7)
     for s in (a, b):
         sched.add(s)
-    fake_advance(sched.schedule())
+    fake_advance(sched, sched.schedule())
     sched.add(c)
     kv.broken = True
     out = sched.schedule()  # a, b decoding and c new: all go back to the queue
@@ -208,10 +208,8 @@ def test_scheduler_requeues_then_fails_on_cache_errors() -> None:
     assert a.num_computed_tokens == 0 and a.num_tokens == 6 and sched.num_preemptions == 0
     kv.broken = False
     out = sched.schedule()  # they recompute; a completed iteration resets the count
-    fake_advance(out)
-    assert [s.seq for s in out.scheduled] == [a, b, c]
-    for s in (a, b, c):
-        s.num_failures = 0  # what the engine's postprocess does after a completed iteration
+    fake_advance(sched, out)  # a completed iteration resets the failure count
+    assert [s.seq for s in out.scheduled] == [a, b, c] and a.num_failures == 0
     kv.broken = True
     assert sched.schedule().preempted == [a, b, c]
     out = sched.schedule()
@@ -332,7 +330,7 @@ def test_finished_sequences_cannot_be_aborted_again() -> None:
     sched.add(a)
     sched.add(b)
     sched.schedule()
-    sched.finish(a, "length")
+    sched.finish(a, "length")  # as if it had reached max_tokens
     assert sched.abort([0, 1, 5]) == [b]
     assert a.finish_reason == "length" and b.finish_reason == "abort" and b.status is SequenceStatus.FINISHED
     assert sched.abort([1]) == [] and sorted(kv.free) == [0, 1]

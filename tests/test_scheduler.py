@@ -13,19 +13,19 @@ from vattn.errors import InvalidConfigError
 
 def test_scheduler_decodes_first_then_prefill_chunks() -> None:
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), FakeKV(4))
-    a, b = make_seq(0, 5), make_seq(1, 6)
+    a, b = make_seq(0, 5, max_tokens=20), make_seq(1, 6, max_tokens=20)
     sched.add(a)
     sched.add(b)
     out = sched.schedule()
     assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 5), (b, 6)]
-    fake_advance(out)
+    fake_advance(sched, out)
     long = make_seq(2, 100)
     sched.add(long)
     for i in range(7):  # two decodes every iteration, the long prompt in chunks of 14
         out = sched.schedule()
         assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1), (long, 14)]
         assert long.num_computed_tokens == 14 * i
-        fake_advance(out)
+        fake_advance(sched, out)
     out = sched.schedule()
     assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1), (long, 2)]
     assert sched.kv.steps[-1] == {a.slot: a.num_tokens, b.slot: b.num_tokens, long.slot: 100}
@@ -39,12 +39,12 @@ def test_scheduler_preempts_newest_and_aborts_what_cannot_fit_alone() -> None:
         sched.add(s)
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == [a, b, c]
-    fake_advance(out)  # 11 + 11 + 10 tokens > 30: the next step must preempt c
+    fake_advance(sched, out)  # 11 + 11 + 10 tokens > 30: the next step must preempt c
     out = sched.schedule()
     assert out.preempted == [c] and [s.seq for s in out.scheduled] == [a, b]
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.num_tokens == 10
     assert c.num_preemptions == 1 and c.slot is None and list(sched.waiting) == [c]
-    fake_advance(out)
+    fake_advance(sched, out)
     kv.capacity = 11
     out = sched.schedule()  # c is admitted again, then c and b (newest first) are preempted,
     assert out.preempted == [c, b] and out.finished == [a] and out.scheduled == []  # a alone (12) does not fit
@@ -61,7 +61,7 @@ def test_scheduler_respects_max_num_seqs_and_slots() -> None:
         sched.add(s)
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == seqs[:2]
-    fake_advance(out)
+    fake_advance(sched, out)
     sched.finish(seqs[0], "length")
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == [seqs[1], seqs[2]]
@@ -83,10 +83,7 @@ def test_scheduler_random_workloads_finish(lens: list, slots: int, budget: int, 
                 sched.add(s)
         out = sched.schedule()
         assert out.num_batched_tokens <= budget and len(sched.running) <= slots
-        fake_advance(out)
-        for s in out.scheduled:
-            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
-                sched.finish(s.seq, "length")
+        fake_advance(sched, out)  # finishes those that reach max_tokens
         it += 1
         assert it < 2000
     for s in seqs:
@@ -113,7 +110,7 @@ def test_waiting_queue_keeps_request_order() -> None:
         sched.add(make_seq(i, 4))
     assert [s.request_id for s in sched.waiting] == [0, 3, 4, 5, 7, 9]
     out = sched.schedule()
-    fake_advance(out)
+    fake_advance(sched, out)
     assert [s.seq.request_id for s in out.scheduled] == [0, 3, 4, 5]
     for s in sorted(sched.running, key=lambda s: -s.request_id):  # newest first, as victims go
         sched.preempt(s)

@@ -26,7 +26,7 @@ from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import ModelRunner, RunOutput, load_model
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
-from vattn.engine.sequence import FinishReason, RequestMetrics, RequestOutput, Sequence
+from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -70,9 +70,9 @@ class LLM:
         loaded = load_model(model, self.config, device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.dtype, device, self.config)
-        self.scheduler = Scheduler(self.config.scheduler_config(), self.runner.cache)
+        self.scheduler = Scheduler(self.config.scheduler_config(), self.runner.cache,
+                                   eos_token_ids=_eos_token_ids(loaded.model))
         self.max_context_len = self.runner.max_context_len
-        self.eos_token_ids = _eos_token_ids(loaded.model)
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
         self._lock = threading.Lock()
@@ -99,7 +99,7 @@ class LLM:
             self._check_open()
             seqs = self.scheduler.abort(ids)
             self._report_finished(seqs)
-        return [seq.request_id for seq in seqs]
+        return list(dict.fromkeys(seq.request_id for seq in seqs))
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running, or has a final output that step()
@@ -153,7 +153,7 @@ class LLM:
             with self._lock:  # nobody will read these requests' outputs: stop them, drop theirs
                 if not self._closed:
                     for seq in self.scheduler.abort(pending):
-                        self.runner.release(seq.request_id)
+                        self.runner.release(seq.seq_id)
                 self._unclaimed = [o for o in self._unclaimed if o.request_id not in pending]
             raise
         finally:
@@ -169,6 +169,15 @@ class LLM:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence tokens: a sample stops after one (unless ignore_eos)."""
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Iterable[int]) -> None:
+        self.scheduler.eos_token_ids = frozenset(ids)
 
     @property
     def cache(self):
@@ -232,65 +241,57 @@ class LLM:
         return None, [operator.index(t) for t in prompt]
 
     def _report_finished(self, seqs: list[Sequence]) -> None:
-        """Forget the sampling state of sequences finished outside postprocess (errors while
-        scheduling, aborts) and keep their final outputs for the next step()."""
-        now = time.perf_counter()
-        for seq in seqs:
-            seq.finished_time = now
-            self.runner.release(seq.request_id)
-            self._unclaimed.append(self._output(seq))
+        """Sequences finished outside postprocess (errors while scheduling, aborts): keep the
+        final output of each request they complete for the next step()."""
+        for samples in _requests_of(seqs):
+            if all(s.is_finished for s in samples):
+                self._release(samples)
+                self._unclaimed.append(self._output(samples))
 
     def _postprocess(self, batch: SchedulerOutput, output: RunOutput) -> list[RequestOutput]:
-        now = time.perf_counter()
+        changed = self.scheduler.postprocess(batch.scheduled, output.tokens, output.errors)
         outputs, self._unclaimed = self._unclaimed, []
-        for item in batch.scheduled:
-            seq = item.seq
-            error = output.errors.get(seq.request_id)
-            if error is not None:
-                self._finish(seq, "error", now, error)
-                outputs.append(self._output(seq))
-                continue
-            seq.num_computed_tokens += item.num_new_tokens
-            seq.num_failures = 0
-            token = output.tokens.get(seq.request_id)
-            if token is None:  # a prompt chunk that does not reach the end yet
-                continue
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason, now)
-            outputs.append(self._output(seq))
+        for samples in _requests_of(changed):
+            out = self._output(samples)
+            if out.finished:
+                self._release(samples)
+            outputs.append(out)
         return outputs
 
-    def _finish(self, seq: Sequence, reason: FinishReason, now: float, error: str | None = None) -> None:
-        seq.finished_time = now
-        self.scheduler.finish(seq, reason, error=error)
-        self.runner.release(seq.request_id)
+    def _release(self, samples: list[Sequence]) -> None:
+        """Forget the sampling state of a finished request's samples."""
+        for seq in samples:
+            self.runner.release(seq.seq_id)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens:
-            return "length"
-        return None
+    def _decode(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        try:
+            return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        except Exception:  # noqa: BLE001 - a tokenizer bug must not lose the tokens
+            logger.warning("vattn: the tokenizer could not decode request %d", seq.request_id, exc_info=True)
+            return None
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        out_ids = seq.output_token_ids
-        text = None
-        if self.tokenizer is not None:
-            try:
-                text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-            except Exception:  # noqa: BLE001 - a tokenizer bug must not lose the tokens
-                logger.warning("vattn: the tokenizer could not decode request %d", seq.request_id, exc_info=True)
+    def _output(self, samples: list[Sequence]) -> RequestOutput:
+        """The RequestOutput of one request, from its samples (index order)."""
+        first = samples[0]
+        outputs = [CompletionOutput(s.index, s.output_token_ids, self._decode(s), s.finish_reason, s.error)
+                   for s in samples]
+        finished = all(s.is_finished for s in samples)
+        first_times = [s.first_token_time for s in samples if s.first_token_time is not None]
+        metrics = RequestMetrics(
+            first.arrival_time, min(first_times, default=None),
+            max(s.finished_time for s in samples) if finished else None,
+            sum(len(o.token_ids) for o in outputs))
         return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=list(seq.prompt_token_ids),
-            token_ids=out_ids, text=text, finished=seq.is_finished, finish_reason=seq.finish_reason,
-            num_preemptions=seq.num_preemptions,
-            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finished_time, len(out_ids)),
-            error=seq.error)
+            request_id=first.request_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
+            outputs=outputs, finished=finished, num_preemptions=sum(s.num_preemptions for s in samples),
+            metrics=metrics)
+
+
+def _requests_of(seqs: Iterable[Sequence]) -> list[list[Sequence]]:
+    """The distinct requests (their samples lists) of `seqs`, in order of first appearance."""
+    return list({id(s.samples): s.samples for s in seqs}.values())
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:
