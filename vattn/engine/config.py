@@ -36,7 +36,8 @@ class EngineConfig:
     max_batch_size), max_num_batched_tokens (token budget per iteration = the prefill chunk
     size), seed (random weights of a model built from a config, and sampling without a
     per-request seed; an int in [-2**63, 2**64 - 1]), attention (kernel: None = automatic, or one of
-    'flash_attn' | 'torch_flash' | 'sdpa').
+    'flash_attn' | 'torch_flash' | 'sdpa'), enable_prefix_caching (map the cached whole pages
+    of a new sequence's prefix instead of computing them; needs a page that holds whole tokens).
     """
 
     max_batch_size: int = 16
@@ -52,6 +53,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     seed: int = 0
     attention: str | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size")
@@ -60,7 +62,7 @@ class EngineConfig:
         _positive(self, "max_num_batched_tokens")
         if self.layout not in LAYOUTS:
             raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        for name in ("background", "prefetch"):
+        for name in ("background", "prefetch", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.device, torch.device):

@@ -16,6 +16,7 @@ import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from typing import Sequence as Seq
 
@@ -23,13 +24,29 @@ import torch
 
 from vattn.checks import is_int
 from vattn.engine.config import EngineConfig
-from vattn.engine.model_runner import ModelRunner, RunOutput, load_model
+from vattn.engine.model_runner import ModelRunner, RunOutput, load_model, prefix_salt
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
+from vattn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix caching figures. Every sequence that gets a new slot (a new request, or one
+    recomputing after a preemption) is looked up; forked samples are not."""
+
+    num_query_tokens: int  # tokens of the sequences looked up
+    num_hit_tokens: int  # of those, mapped from cached pages instead of computed
+    num_pinned_pages: int  # page groups the cache keeps now
+    tokens_per_page: int  # the sharing granularity
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
 class LLM:
@@ -70,8 +87,11 @@ class LLM:
         loaded = load_model(model, self.config, device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.dtype, device, self.config)
+        self.prefix_cache = None
+        if self.config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.runner.cache, salt=prefix_salt(loaded.model, loaded.dtype))
         self.scheduler = Scheduler(self.config.scheduler_config(), self.runner.cache,
-                                   eos_token_ids=_eos_token_ids(loaded.model))
+                                   eos_token_ids=_eos_token_ids(loaded.model), prefix_cache=self.prefix_cache)
         self.max_context_len = self.runner.max_context_len
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
@@ -165,6 +185,15 @@ class LLM:
     def memory_stats(self):
         """The cache's `MemoryStats` (mapped, used, fragmentation, ...)."""
         return self.runner.cache.stats()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """How much the prefix cache saved (None without enable_prefix_caching)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return None
+        with self._lock:
+            pinned = self.runner.cache.stats().num_pinned_pages if not self._closed else 0
+            return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.tokens_per_page)
 
     @property
     def num_preemptions(self) -> int:

@@ -15,6 +15,7 @@ batch is run again alone, and only those that fail alone fail.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 from typing import Any, NamedTuple
@@ -88,6 +89,16 @@ def load_model(model: Any, config: EngineConfig, device: torch.device) -> Loaded
     raise InvalidConfigError(
         f"model must be a checkpoint directory, a transformers PretrainedConfig or a PreTrainedModel, "
         f"got {type(model).__name__}")
+
+
+def prefix_salt(model: Any, dtype: torch.dtype) -> bytes:
+    """What makes K/V of the same tokens differ between models: the config's class, every
+    value of the config, and the dtype the model runs in (the prefix cache's salt)."""
+    config = model.config
+    h = hashlib.sha256(type(config).__name__.encode())
+    h.update(config.to_json_string(use_diff=False).encode())
+    h.update(str(dtype).encode())
+    return h.digest()
 
 
 def _check_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -33,6 +33,14 @@ prompt (they finished or were preempted), it recomputes the prompt in a slot of 
 A sample preempted later comes back the same way. A fork that finds no page for its copy
 leaves the sample waiting (FCFS: nothing behind it is admitted in that iteration).
 
+Prefix caching (a `prefix_cache`, see `vattn.prefix_cache.PrefixCache`): a sequence that
+gets a new slot maps the longest cached prefix of its tokens into it (`map_prefix`: no
+copy, at least one token left to compute) and starts with those tokens computed. When a
+sequence's prompt is computed, its whole prompt pages are pinned in the cache (`insert`);
+a sequence preempted for memory pins the whole pages of everything it computed, so that
+its recomputation maps them back unless memory pressure evicted them first (least
+recently used first).
+
 When `kv.step` raises (a `BackendError`, the host's mapping limit, ...), the failure
 belongs to no one request: the iteration runs nothing, and every sequence it had
 scheduled is sent back to the waiting queue like a preempted one (it keeps its generated
@@ -65,6 +73,14 @@ class StepOutcome(Protocol):
     failed: tuple[int, ...]
 
     def __bool__(self) -> bool: ...
+
+
+class PrefixSlots(Protocol):
+    """What the scheduler needs of a prefix cache (`vattn.prefix_cache.PrefixCache` fits)."""
+
+    def map_prefix(self, reqid: int, token_ids: list[int]) -> int: ...
+
+    def insert(self, reqid: int, token_ids: list[int]) -> None: ...
 
 
 class KVSlots(Protocol):
@@ -122,9 +138,11 @@ class Scheduler:
     """FCFS continuous batching with a token budget, chunked prefill, preemption and
     parallel sampling by forking."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVSlots, eos_token_ids: Collection[int] = frozenset()) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVSlots, eos_token_ids: Collection[int] = frozenset(),
+                 prefix_cache: PrefixSlots | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.prefix_cache = prefix_cache
         self.eos_token_ids = frozenset(eos_token_ids)  # stop tokens unless SamplingParams.ignore_eos
         self.waiting: deque[Sequence] = deque()  # arrival order: seq_id (request id, then sample index)
         self.running: list[Sequence] = []  # admission order
@@ -214,6 +232,12 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_prompt_tokens
                 return True
         seq.slot = self.kv.alloc_reqid()
+        if self.prefix_cache is not None:
+            try:
+                seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids)
+            except Exception as e:  # noqa: BLE001 - a miss: the books hold, the sequence computes it all
+                logger.warning("vattn: mapping cached prefix pages for request %d failed (%s: %s)",
+                               seq.request_id, type(e).__name__, e)
         return True
 
     @staticmethod
@@ -278,8 +302,11 @@ class Scheduler:
                 self.finish(seq, "error", error, now)
                 changed.append(seq)
                 continue
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
             seq.num_failures, seq.has_run = 0, True
+            if before < seq.num_prompt_tokens <= seq.num_computed_tokens:
+                self._cache_prefix(seq, seq.prompt_token_ids)
             token = tokens.get(seq.seq_id)
             if token is None:  # a prompt chunk that does not reach the end yet
                 continue
@@ -312,8 +339,11 @@ class Scheduler:
 
     def preempt(self, seq: Sequence, count: bool = True) -> None:
         """Free `seq`'s slot and queue it for recomputation (it keeps its generated tokens).
-        `count`: a preemption for memory (counted in num_preemptions)."""
+        `count`: a preemption for memory (counted in num_preemptions; with prefix caching,
+        what it computed stays cached)."""
         self.running.remove(seq)
+        if count and seq.has_run:
+            self._cache_prefix(seq, seq.token_ids[:seq.num_computed_tokens])
         self.kv.free_reqid(seq.slot)
         if count and seq.has_run:  # one that never ran was only admitted too early
             seq.num_preemptions += 1
@@ -338,6 +368,16 @@ class Scheduler:
             s.finish_reason, s.error, s.finished_time = reason, error, now
         if all(s.is_finished for s in seq.samples):
             self.requests.pop(seq.request_id, None)
+
+    def _cache_prefix(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Pin the whole pages of `token_ids`, computed in `seq`'s slot, for later requests."""
+        if self.prefix_cache is None:
+            return
+        try:
+            self.prefix_cache.insert(seq.slot, token_ids)
+        except Exception as e:  # noqa: BLE001 - not cached: later requests compute it
+            logger.warning("vattn: caching the prefix of request %d failed (%s: %s)",
+                           seq.request_id, type(e).__name__, e)
 
     def _enqueue(self, seq: Sequence) -> None:
         """Keep `waiting` in arrival order, in O(1) for what happens all the time: a new
