@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 from typing import Any
 
 import torch
@@ -94,13 +95,15 @@ class FakeResult:
 
 class FakeKV:
     """Slots and a token capacity; fails the newest slots that do not fit, like KVCache.
-    `fork` takes a slot and counts the prompt tokens as there."""
+    `fork` and `swap_in` take a slot, `swap_out` frees one; the tokens count as there."""
 
     def __init__(self, num_slots: int, capacity: int | None = None) -> None:
         self.free = list(range(num_slots))
         self.capacity = capacity
         self.steps: list[dict[int, int]] = []
         self.forks: list[tuple[int, int, int]] = []  # (source slot, tokens, new slot)
+        self.swaps: list[tuple[str, int, int]] = []  # ("out" | "in", slot, tokens)
+        self.swap_in_error: Exception | None = None
 
     @property
     def num_free_reqids(self) -> int:
@@ -117,6 +120,18 @@ class FakeKV:
         assert reqid not in self.free
         slot = self.alloc_reqid()
         self.forks.append((reqid, num_tokens, slot))
+        return slot
+
+    def swap_out(self, reqid: int, num_tokens: int) -> Any:
+        self.free_reqid(reqid)
+        self.swaps.append(("out", reqid, num_tokens))
+        return types.SimpleNamespace(slot=reqid, num_tokens=num_tokens)
+
+    def swap_in(self, handle: Any) -> int:
+        if self.swap_in_error is not None:
+            raise self.swap_in_error
+        slot = self.alloc_reqid()
+        self.swaps.append(("in", slot, handle.num_tokens))
         return slot
 
     def step(self, seq_lens: dict[int, int]) -> FakeResult:

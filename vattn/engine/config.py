@@ -37,7 +37,9 @@ class EngineConfig:
     size), seed (random weights of a model built from a config, and sampling without a
     per-request seed; an int in [-2**63, 2**64 - 1]), attention (kernel: None = automatic, or one of
     'flash_attn' | 'torch_flash' | 'sdpa'), enable_prefix_caching (map the cached whole pages
-    of a new sequence's prefix instead of computing them; needs a page that holds whole tokens).
+    of a new sequence's prefix instead of computing them; needs a page that holds whole tokens),
+    preemption_mode ('recompute' | 'swap': what a sequence preempted for memory does, see
+    `vattn.engine.scheduler`).
     """
 
     max_batch_size: int = 16
@@ -54,6 +56,7 @@ class EngineConfig:
     seed: int = 0
     attention: str | None = None
     enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size")
@@ -99,7 +102,8 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs or self.max_batch_size,
-                               max_num_batched_tokens=self.max_num_batched_tokens)
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               preemption_mode=self.preemption_mode)
 
     def torch_device(self) -> torch.device:
         if self.device is not None:

@@ -18,10 +18,20 @@ Every iteration:
 2. waiting sequences in arrival order (FCFS) while a slot, a seat (max_num_seqs) and
    budget are left: each gets a slot and a first chunk;
 3. `kv.step({slot: num_computed_tokens + num_new_tokens})` backs the batch with pages.
-   When it cannot, the newest running sequence is preempted by recomputation (its slot is
-   freed; it goes back to the waiting queue keeping its generated tokens and recomputes
-   prompt + generated as a prefill later) and step is tried again. A sequence that cannot
-   be backed even when it runs alone is finished with finish_reason "error".
+   When it cannot, the newest running sequence is preempted and step is tried again. A
+   sequence that cannot be backed even when it runs alone is finished with finish_reason
+   "error".
+
+Preemption (`SchedulerConfig.preemption_mode`, vLLM's names):
+- "recompute" (the default): the slot is freed; the sequence goes back to the waiting
+  queue keeping its generated tokens and computes prompt + generated as a prefill later.
+- "swap": its computed tokens are copied to host memory (`kv.swap_out`) and its slot is
+  freed; re-admission takes it back (`kv.swap_in`: no copy at all when nobody took its old
+  slot or pages meanwhile) with its tokens computed. A swap-in that finds no slot or
+  memory leaves it waiting (FCFS: nothing behind it is admitted in that iteration), unless
+  nothing runs that could free memory: then it recomputes. A sequence preempted again
+  before it ran keeps its host copy (nothing changed), and one that never ran in its slot
+  (admitted too early) is not copied either.
 
 Parallel sampling (`SamplingParams.n > 1`): only sample 0 is queued; the others are
 PENDING. The iteration that computes the end of sample 0's prompt draws the first token of
@@ -56,7 +66,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping, NamedTuple, Protocol
+from typing import Any, Collection, Iterable, Mapping, NamedTuple, Protocol
 
 from vattn.checks import as_int
 from vattn.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -98,18 +108,29 @@ class KVSlots(Protocol):
 
     def fork(self, reqid: int, num_tokens: int) -> int: ...
 
+    def swap_out(self, reqid: int, num_tokens: int) -> Any: ...
+
+    def swap_in(self, handle: Any) -> int: ...
+
+
+PREEMPTION_MODES = ("recompute", "swap")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """max_num_seqs: sequences running at once; max_num_batched_tokens: tokens per
-    iteration (the prefill chunk size follows from it: what decodes leave)."""
+    iteration (the prefill chunk size follows from it: what decodes leave);
+    preemption_mode: 'recompute' | 'swap' (see the module docstring)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             object.__setattr__(self, name, as_int(getattr(self, name), name, InvalidConfigError, low=1))
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
@@ -148,6 +169,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.requests: dict[int, list[Sequence]] = {}  # unfinished requests: request id -> samples
         self.num_preemptions = 0
+        self.num_swapped_out = 0  # preemptions by swapping (their tokens copied to host)
+        self.num_swapped_in = 0  # re-admissions by swapping in
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, given as its sample 0 (O(1): see `_enqueue`). With
@@ -219,6 +242,21 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         """Give waiting `seq` a slot (and what of its tokens the slot already holds), or
         return False to leave it waiting."""
+        if seq.swap is not None:
+            try:
+                seq.slot = self.kv.swap_in(seq.swap)
+            except (NoFreeSlotError, OutOfPhysicalMemoryError):
+                if self.running:
+                    return False  # wait for memory: the running sequences will free some
+                seq.swap = None  # nothing runs that could free memory: recompute instead
+            except Exception as e:  # noqa: BLE001 - the cache's books hold: recompute instead
+                logger.warning("vattn: swapping request %d back in failed (%s: %s); it recomputes",
+                               seq.request_id, type(e).__name__, e)
+                seq.swap = None
+            else:
+                seq.num_computed_tokens = seq.swap.num_tokens
+                self.num_swapped_in += 1
+                return True
         source = self._fork_source(seq)
         if source is not None:
             try:
@@ -304,7 +342,7 @@ class Scheduler:
                 continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
-            seq.num_failures, seq.has_run = 0, True
+            seq.num_failures, seq.has_run, seq.swap = 0, True, None  # a host copy is stale now
             if before < seq.num_prompt_tokens <= seq.num_computed_tokens:
                 self._cache_prefix(seq, seq.prompt_token_ids)
             token = tokens.get(seq.seq_id)
@@ -338,19 +376,33 @@ class Scheduler:
         return seqs
 
     def preempt(self, seq: Sequence, count: bool = True) -> None:
-        """Free `seq`'s slot and queue it for recomputation (it keeps its generated tokens).
-        `count`: a preemption for memory (counted in num_preemptions; with prefix caching,
-        what it computed stays cached)."""
+        """Free `seq`'s slot and queue it again (it keeps its generated tokens): swapped out,
+        or to recompute. `count`: a preemption for memory (counted in num_preemptions;
+        swapped out in "swap" mode; with prefix caching, what it computed stays cached)."""
         self.running.remove(seq)
-        if count and seq.has_run:
-            self._cache_prefix(seq, seq.token_ids[:seq.num_computed_tokens])
-        self.kv.free_reqid(seq.slot)
-        if count and seq.has_run:  # one that never ran was only admitted too early
+        ran = count and seq.has_run  # one that never ran in its slot was only admitted too early
+        if not (ran and self.config.preemption_mode == "swap" and self._swap_out(seq)):
+            if ran:
+                self._cache_prefix(seq, seq.token_ids[:seq.num_computed_tokens])
+            self.kv.free_reqid(seq.slot)  # one swapped in that has not run since keeps its host copy
+        if ran:
             seq.num_preemptions += 1
             self.num_preemptions += 1
         seq.slot, seq.num_computed_tokens = None, 0
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq)
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Copy `seq`'s computed tokens to host memory and free its slot; False (slot kept)
+        when the copy fails."""
+        try:
+            seq.swap = self.kv.swap_out(seq.slot, seq.num_computed_tokens)
+        except Exception as e:  # noqa: BLE001 - e.g. no host memory: recompute instead
+            logger.warning("vattn: swapping request %d out failed (%s: %s); it recomputes",
+                           seq.request_id, type(e).__name__, e)
+            return False
+        self.num_swapped_out += 1
+        return True
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, now: float | None = None) -> None:
         """Mark `seq` finished and give its slot back (its pages stay for the next request).
@@ -362,6 +414,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         now = time.perf_counter() if now is None else now
+        seq.swap = None  # its host copy, if swapped out
         for s in [seq, *seq.pending_samples]:
             s.slot = None
             s.status = SequenceStatus.FINISHED

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from vattn.engine.sampling_params import SamplingParams
 
@@ -56,6 +56,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_failures = 0  # iterations in a row that failed in the cache (see Scheduler)
         self.has_run = False  # ran an iteration since it got its slot (a preemption before does not count)
+        self.swap: Any = None  # a `vattn.cache.SwapHandle`: swapped out, or swapped in and not run since
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
