@@ -175,3 +175,26 @@ def test_scheduler_keeps_the_host_copy_of_a_sequence_preempted_before_it_ran() -
     assert [op for op, _, _ in kv.swaps] == ["out", "in"] and b.num_preemptions == 1
     sched.abort([1])
     assert b.swap is None and sorted(kv.free) == [1, 2]
+
+
+def test_a_handle_swapped_in_then_freed_before_any_write_can_be_swapped_in_again() -> None:
+    """What the scheduler relies on when a sequence swapped in is preempted before it ran:
+    freeing the slot and swapping the same handle in again gives back the same tokens."""
+    import vattn
+    from tests.conftest import SMALL, check, fill
+
+    with vattn.KVCache(**{**SMALL, "device": "cpu", "page_size": 4096, "prefetch": False}) as c:
+        a = c.alloc_reqid()
+        assert c.step({a: 100})
+        fill(c, a, 0, 100, 1)
+        h = c.swap_out(a, 100)
+        r = c.swap_in(h)
+        c.free_reqid(r)  # preempted again before it ran
+        b = c.alloc_reqid()  # someone else takes the slot and writes over it
+        assert c.step({b: 200})
+        fill(c, b, 0, 200, 2)
+        r = c.swap_in(h)
+        assert h.copied_in is True
+        check(c, r, 100, 1)
+        check(c, b, 200, 2)
+        c.allocator.check_invariants()
