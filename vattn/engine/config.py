@@ -7,7 +7,7 @@ import torch
 
 from vattn.attention import KERNELS
 from vattn.config import LAYOUTS, parse_dtype
-from vattn.checks import SEED_MAX, SEED_MIN, as_int
+from vattn.checks import SEED_MAX, SEED_MIN, as_float, as_int
 from vattn.engine.scheduler import SchedulerConfig
 from vattn.errors import InvalidConfigError
 
@@ -39,7 +39,8 @@ class EngineConfig:
     'flash_attn' | 'torch_flash' | 'sdpa'), enable_prefix_caching (map the cached whole pages
     of a new sequence's prefix instead of computing them; needs a page that holds whole tokens),
     preemption_mode ('recompute' | 'swap': what a sequence preempted for memory does, see
-    `vattn.engine.scheduler`).
+    `vattn.engine.scheduler`), idle_trim_s (None, or seconds without work after which the
+    engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included).
     """
 
     max_batch_size: int = 16
@@ -57,6 +58,7 @@ class EngineConfig:
     attention: str | None = None
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"
+    idle_trim_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size")
@@ -84,6 +86,12 @@ class EngineConfig:
             object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "seed", as_int(self.seed, "seed", InvalidConfigError, low=SEED_MIN, high=SEED_MAX,
                                                 what="an int in [-2**63, 2**64 - 1] (what torch.manual_seed takes)"))
+        if self.idle_trim_s is not None:
+            object.__setattr__(self, "idle_trim_s", as_float(self.idle_trim_s, "idle_trim_s", InvalidConfigError,
+                                                             what="None or a finite number of seconds >= 0"))
+            if self.idle_trim_s < 0:
+                raise InvalidConfigError(f"idle_trim_s must be None or a finite number of seconds >= 0, "
+                                         f"got {self.idle_trim_s!r}")
         if self.attention is not None and self.attention not in KERNELS:
             raise InvalidConfigError(f"attention must be None or one of {KERNELS}, got {self.attention!r}")
         if self.max_num_seqs is not None and self.max_num_seqs > self.max_batch_size:

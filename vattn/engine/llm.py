@@ -77,6 +77,11 @@ class LLM:
     Threads: add_request, abort_request and step may be called from different threads
     (one lock; abort_request waits for the iteration in flight). generate steps the engine
     itself: run one generate at a time, and abort its requests from another thread.
+
+    Idle give-back (`idle_trim_s`): once the engine has had no request for that many
+    seconds, it calls `cache.trim()` (every page no live token needs goes back to the device
+    or host, cached prefixes too): from a timer thread, and at `step()` for an engine that
+    is stepped while idle. New work maps pages again as usual.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, **config: Any) -> None:
@@ -97,6 +102,11 @@ class LLM:
         self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
         self._lock = threading.Lock()
         self._closed = False
+        self.num_idle_trims = 0  # times the idle engine gave its unused pages back
+        self._idle_since: float | None = None  # when the engine last ran out of work (None: busy)
+        self._idle_trimmed = False  # this idle period's trim is done
+        self._idle_timer: threading.Timer | None = None
+        self._note_idle()
 
     # ----------------------------------------------------------------- requests ----
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
@@ -105,6 +115,7 @@ class LLM:
         with self._lock:
             seq = self._make_sequence(prompt, params)
             self.scheduler.add(seq)
+            self._note_busy()
             return seq.request_id
 
     def abort_request(self, request_id: int | Iterable[int]) -> list[int]:
@@ -119,6 +130,7 @@ class LLM:
             self._check_open()
             seqs = self.scheduler.abort(ids)
             self._report_finished(seqs)
+            self._note_idle()
         return list(dict.fromkeys(seq.request_id for seq in seqs))
 
     def has_unfinished(self) -> bool:
@@ -132,10 +144,13 @@ class LLM:
         yet: aborts, those generate() read for others)."""
         with self._lock:
             self._check_open()
+            self._trim_if_idle()
             batch = self.scheduler.schedule()
             self._report_finished(batch.finished)  # before the run: kept even if it is interrupted
             output = self.runner.run(batch.scheduled)
-            return self._postprocess(batch, output)
+            outputs = self._postprocess(batch, output)
+            self._note_idle()
+            return outputs
 
     def generate(self, prompts: str | Seq[int] | Iterable[str | Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -151,6 +166,8 @@ class LLM:
             seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params_list)]
             for seq in seqs:
                 self.scheduler.add(seq)
+            if seqs:
+                self._note_busy()
         pending = {seq.request_id for seq in seqs}
         results: dict[int, RequestOutput] = {}
         bar = None
@@ -219,6 +236,8 @@ class LLM:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                if self._idle_timer is not None:
+                    self._idle_timer.cancel()
                 self.runner.close()
 
     def __enter__(self) -> LLM:
@@ -228,6 +247,42 @@ class LLM:
         self.close()
 
     # ---------------------------------------------------------------- internals ----
+    def _note_busy(self) -> None:
+        self._idle_since, self._idle_trimmed = None, False
+
+    def _note_idle(self) -> None:
+        """After a change (lock held): if the engine has no work left, start its idle time
+        and arm the timer that gives the cache's unused pages back."""
+        if self.config.idle_trim_s is None or self.scheduler.has_unfinished() or self._idle_since is not None:
+            return
+        self._idle_since = time.monotonic()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = threading.Timer(self.config.idle_trim_s, self._on_idle_timer)
+        self._idle_timer.daemon = True
+        self._idle_timer.start()
+
+    def _on_idle_timer(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._trim_if_idle()
+
+    def _trim_if_idle(self) -> None:
+        """Give the cache's unused pages back if the engine has been idle for idle_trim_s
+        (lock held); once per idle period."""
+        since = self._idle_since
+        if since is None or self._idle_trimmed or self.scheduler.has_unfinished():
+            return
+        if time.monotonic() - since >= self.config.idle_trim_s:
+            self._idle_trimmed = True
+            try:
+                released = self.runner.cache.trim()
+            except Exception:  # noqa: BLE001 - memory stays mapped; serving goes on
+                logger.warning("vattn: giving idle KV memory back failed", exc_info=True)
+                return
+            self.num_idle_trims += 1
+            logger.debug("vattn: idle for %.3g s: gave %d page groups back", time.monotonic() - since, released)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this LLM was closed; create a new one")
