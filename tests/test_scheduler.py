@@ -115,3 +115,54 @@ def test_waiting_queue_keeps_request_order() -> None:
     for s in sorted(sched.running, key=lambda s: -s.request_id):  # newest first, as victims go
         sched.preempt(s)
     assert [s.request_id for s in sched.waiting] == [0, 3, 4, 5, 7, 9]
+
+
+class FakePrefix:
+    """Maps up to `hit` tokens of any lookup (the fake cache has no data to get wrong)."""
+
+    def __init__(self, hit: int) -> None:
+        self.hit = hit
+
+    def map_prefix(self, reqid: int, token_ids: list[int]) -> int:
+        return min(self.hit, len(token_ids) - 1)
+
+    def insert(self, reqid: int, token_ids: list[int]) -> None:
+        pass
+
+
+@settings(max_examples=80, deadline=None)
+@given(reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 6), st.integers(1, 4)),
+                     min_size=1, max_size=8),
+       slots=st.integers(1, 5), budget=st.integers(5, 48), capacity=st.integers(20, 160),
+       mode=st.sampled_from(["recompute", "swap"]), hit=st.sampled_from([0, 8]))
+def test_scheduler_random_workloads_with_samples_swaps_and_prefixes(
+        reqs: list, slots: int, budget: int, capacity: int, mode: str, hit: int) -> None:
+    """Parallel samples (fan-out, forks), swapping and prefix hits under random pressure:
+    every sample ends with its tokens or (too big even alone) an error; the budget, the
+    seats and the slots hold every iteration; nothing leaks (slots, host copies)."""
+    kv = FakeKV(slots, capacity)
+    config = SchedulerConfig(max_num_seqs=min(slots, budget), max_num_batched_tokens=budget, preemption_mode=mode)
+    sched = Scheduler(config, kv, prefix_cache=FakePrefix(hit) if hit else None)
+    seqs = [make_seq(i, n, m, n=k) for i, (n, m, _, k) in enumerate(reqs)]
+    it = 0
+    while any(not s.is_finished for seq in seqs for s in seq.samples):
+        for s, (_, _, arrival, _) in zip(seqs, reqs):
+            if arrival == it:
+                sched.add(s)
+        out = sched.schedule()
+        assert out.num_batched_tokens <= budget and len(sched.running) <= config.max_num_seqs
+        assert len({s.seq.slot for s in out.scheduled}) == len(out.scheduled)
+        assert all(s.status.value == "running" for s in sched.running)
+        fake_advance(sched, out)
+        it += 1
+        assert it < 3000
+    for seq in seqs:
+        assert len(seq.samples) == seq.params.n
+        for s in seq.samples:
+            if s.finish_reason == "error":
+                assert s.num_prompt_tokens + s.params.max_tokens > capacity
+            else:
+                assert s.num_output_tokens == s.params.max_tokens and s.swap is None
+    assert sorted(kv.free) == list(range(slots)) and not sched.has_unfinished() and not sched.requests
+    if mode == "recompute":
+        assert not kv.swaps
