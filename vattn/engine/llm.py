@@ -7,7 +7,11 @@ with LLM("path/to/checkpoint", max_batch_size=8, page_size=64 << 10) as llm:
     while llm.has_unfinished():
         for out in llm.step(): ...
     llm.abort_request(rid)                                           # a client went away
+    four = llm.generate("Hi", SamplingParams(n=4, temperature=0.8, seed=1))[0].outputs  # one prefill, 4 samples
 ```
+Sharing physical pages (see `Scheduler`): parallel samples fork the prompt's slot;
+`enable_prefix_caching=True` maps cached prompt pages into new requests;
+`preemption_mode="swap"` parks a preempted request in host memory instead of recomputing it.
 """
 from __future__ import annotations
 

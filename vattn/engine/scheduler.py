@@ -171,6 +171,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out = 0  # preemptions by swapping (their tokens copied to host)
         self.num_swapped_in = 0  # re-admissions by swapping in
+        self.num_computed_tokens = 0  # tokens computed (forward passes) over the scheduler's life
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, given as its sample 0 (O(1): see `_enqueue`). With
@@ -342,6 +343,7 @@ class Scheduler:
                 continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
+            self.num_computed_tokens += item.num_new_tokens
             seq.num_failures, seq.has_run, seq.swap = 0, True, None  # a host copy is stale now
             if before < seq.num_prompt_tokens <= seq.num_computed_tokens:
                 self._cache_prefix(seq, seq.prompt_token_ids)
