@@ -101,19 +101,74 @@ def test_swap_keeps_seeded_sampling_and_parallel_samples() -> None:
           for i, m in enumerate((12, 20, 8, 24, 16, 22))]
     with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=16) as llm:
         want = llm.generate(ps, sp)
-    for prefix in (False, True):
-        with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=5, physical_memory=80 << 10,
-                 preemption_mode="swap", enable_prefix_caching=prefix) as llm:
-            outs = run_online(llm, ps, sp)
-            assert llm.scheduler.num_swapped_out > 0
-            llm.cache.allocator.check_invariants()
-        assert [[o.token_ids for o in out.outputs] for out in outs] == [[o.token_ids for o in w.outputs]
-                                                                       for w in want]
+    with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=5, physical_memory=80 << 10,
+             preemption_mode="swap") as llm:
+        counts = spy(llm)
+        forks = []
+        fork = llm.cache.fork
+        llm.cache.fork = lambda *a: forks.append(a) or fork(*a)
+        outs = run_online(llm, ps, sp)
+        assert llm.scheduler.num_swapped_out > 0 and counts["out"] > 0
+        assert forks == []  # in swap mode no slot shares pages: every sample computes the prompt
+        llm.cache.allocator.check_invariants()
+    assert [[o.token_ids for o in out.outputs] for out in outs] == [[o.token_ids for o in w.outputs] for w in want]
 
 
 def test_bad_preemption_mode() -> None:
     with pytest.raises(InvalidConfigError, match="preemption_mode"):
         LLM(tiny_config(), preemption_mode="disk")
+    with pytest.raises(InvalidConfigError, match="prefix caching"):
+        LLM(tiny_config(), preemption_mode="swap", enable_prefix_caching=True)
+
+
+# Why swap mode shares no pages: KVCache.swap_in, when the swapped-out slot was taken, maps
+# the tokens into the free slot alloc_reqid would hand out next and copies them into the
+# pages that slot still maps, without unsharing them first (fork and map_pinned unmap a
+# reused slot's pages; resume does not). Strict xfails: when the cache fixes it, these
+# pass, and the engine may let swap mode fork and cache prefixes again.
+SWAP_COPIES_INTO_SHARED_PAGES = pytest.mark.xfail(
+    strict=True, reason="KVCache.swap_in's copy path writes into a free slot's shared pages (allocator.resume)")
+
+
+@SWAP_COPIES_INTO_SHARED_PAGES
+def test_cache_swap_in_copy_keeps_a_forked_live_request_intact() -> None:
+    import vattn
+    from tests.conftest import SMALL, check, fill
+
+    with vattn.KVCache(**{**SMALL, "device": "cpu", "page_size": 4096, "prefetch": False}) as c:
+        b, p = c.alloc_reqid(), c.alloc_reqid()
+        assert c.step({b: 64, p: 64})
+        fill(c, b, 0, 64, 2)
+        fill(c, p, 0, 64, 1)
+        c.free_reqid(c.fork(p, 64))  # a finished sample: its free slot still maps p's pages
+        h = c.swap_out(b, 64)
+        d = c.alloc_reqid()  # takes b's old slot: the swap-in has to copy
+        assert c.step({d: 64})
+        c.swap_in(h)
+        assert h.copied_in
+        check(c, p, 64, 1)  # p is running: its pages must be intact
+
+
+@SWAP_COPIES_INTO_SHARED_PAGES
+def test_cache_swap_in_copy_keeps_pinned_prefix_pages_intact() -> None:
+    import vattn
+    from tests.conftest import SMALL, check, fill
+
+    with vattn.KVCache(**{**SMALL, "device": "cpu", "page_size": 4096, "prefetch": False}) as c:
+        b, a = c.alloc_reqid(), c.alloc_reqid()
+        assert c.step({a: 64, b: 64})
+        fill(c, a, 0, 64, 1)
+        fill(c, b, 0, 64, 2)
+        handles = c.pin(a, 2)
+        c.free_reqid(a)
+        h = c.swap_out(b, 64)
+        d = c.alloc_reqid()
+        assert c.step({d: 64})
+        c.swap_in(h)
+        assert h.copied_in
+        e = c.alloc_reqid()
+        assert c.map_pinned(e, handles) == 64
+        check(c, e, 64, 1)  # the prefix cache's pages must hold a's tokens
 
 
 # ------------------------------------------------------------ the scheduler alone ----
