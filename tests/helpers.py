@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 from typing import Any
 
 import torch
@@ -93,12 +94,16 @@ class FakeResult:
 
 
 class FakeKV:
-    """Slots and a token capacity; fails the newest slots that do not fit, like KVCache."""
+    """Slots and a token capacity; fails the newest slots that do not fit, like KVCache.
+    `fork` and `swap_in` take a slot, `swap_out` frees one; the tokens count as there."""
 
     def __init__(self, num_slots: int, capacity: int | None = None) -> None:
         self.free = list(range(num_slots))
         self.capacity = capacity
         self.steps: list[dict[int, int]] = []
+        self.forks: list[tuple[int, int, int]] = []  # (source slot, tokens, new slot)
+        self.swaps: list[tuple[str, int, int]] = []  # ("out" | "in", slot, tokens)
+        self.swap_in_error: Exception | None = None
 
     @property
     def num_free_reqids(self) -> int:
@@ -111,6 +116,24 @@ class FakeKV:
         assert reqid not in self.free
         self.free.append(reqid)
 
+    def fork(self, reqid: int, num_tokens: int) -> int:
+        assert reqid not in self.free
+        slot = self.alloc_reqid()
+        self.forks.append((reqid, num_tokens, slot))
+        return slot
+
+    def swap_out(self, reqid: int, num_tokens: int) -> Any:
+        self.free_reqid(reqid)
+        self.swaps.append(("out", reqid, num_tokens))
+        return types.SimpleNamespace(slot=reqid, num_tokens=num_tokens)
+
+    def swap_in(self, handle: Any) -> int:
+        if self.swap_in_error is not None:
+            raise self.swap_in_error
+        slot = self.alloc_reqid()
+        self.swaps.append(("in", slot, handle.num_tokens))
+        return slot
+
     def step(self, seq_lens: dict[int, int]) -> FakeResult:
         self.steps.append(dict(seq_lens))
         if self.capacity is None or sum(seq_lens.values()) <= self.capacity:
@@ -118,14 +141,15 @@ class FakeKV:
         return FakeResult((max(seq_lens),))
 
 
-def fake_advance(out: Any, token: int = 7) -> None:
-    """What the engine's postprocess does with the counts."""
+def fake_advance(sched: Any, out: Any, token: int = 7) -> list[Any]:
+    """Run `out` with a fake model: every sequence that samples gets `token`."""
+    tokens = {}
     for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
-        if s.seq.num_computed_tokens == s.seq.num_tokens:
-            s.seq.token_ids.append(token)
+        if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
+            tokens.update(dict.fromkeys([x.seq_id for x in (s.seq, *s.fan_out)], token))
+    return sched.postprocess(out.scheduled, tokens, {}, 0.0)
 
 
-def make_seq(i: int, n: int, max_tokens: int = 8) -> Sequence:
-    return Sequence(i, list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=max_tokens), 0.0)
-
+def make_seq(i: int, length: int, max_tokens: int = 8, **params: Any) -> Sequence:
+    """Request `i`: a prompt of `length` tokens, greedy (SamplingParams `params`)."""
+    return Sequence(i, list(range(1, length + 1)), SamplingParams(temperature=0, max_tokens=max_tokens, **params), 0.0)

@@ -6,6 +6,7 @@ physical memory budget that forces preemptions, chunked prefill.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -158,6 +159,33 @@ def test_stop_tokens_and_eos() -> None:
         assert out.finish_reason == "stop" and out.token_ids == ref[:first + 1]
         out = llm.generate(prompts()[3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
         assert out.finish_reason == "length" and out.token_ids == ref
+
+
+def test_idle_engine_gives_its_memory_back() -> None:
+    ref = reference()
+    with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4, idle_trim_s=0.05,
+             enable_prefix_caching=True) as llm:
+        for round in (1, 2):
+            assert_matches(llm.generate(prompts(), greedy_params()), ref)
+            st = llm.memory_stats()
+            assert st.num_created_pages > 0 and st.num_pinned_pages > 0
+            deadline = time.monotonic() + 30
+            while llm.num_idle_trims < round:  # the timer fires once the engine has been idle 50 ms
+                assert time.monotonic() < deadline, "the idle engine kept its memory"
+                time.sleep(0.01)
+            st = llm.memory_stats()
+            assert st.num_created_pages == 0 and st.num_pinned_pages == 0 and st.mapped_bytes == 0
+            llm.step()  # stepping an idle engine does not trim again
+            assert llm.num_idle_trims == round
+            llm.cache.allocator.check_invariants()
+    with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4) as llm:  # idle_trim_s=None
+        assert_matches(llm.generate(prompts(), greedy_params()), ref)
+        time.sleep(0.1)
+        llm.step()
+        assert llm.num_idle_trims == 0 and llm.memory_stats().num_created_pages > 0
+    for bad in (-1, float("nan"), "1", True):
+        with pytest.raises(InvalidConfigError, match="idle_trim_s"):
+            LLM(tiny_config(), idle_trim_s=bad)
 
 
 # ---------------------------------------------------------------------- bad inputs ----

@@ -199,19 +199,17 @@ def test_scheduler_requeues_then_fails_on_cache_errors() -> None:
     a, b, c = make_seq(0, 5), make_seq(1, 6), make_seq(2, 7)
     for s in (a, b):
         sched.add(s)
-    fake_advance(sched.schedule())
+    fake_advance(sched, sched.schedule())
     sched.add(c)
     kv.broken = True
     out = sched.schedule()  # a, b decoding and c new: all go back to the queue
     assert out.scheduled == [] and out.finished == [] and out.preempted == [a, b, c]
-    assert sched.waiting == [a, b, c] and sorted(kv.free) == [0, 1, 2]
+    assert list(sched.waiting) == [a, b, c] and sorted(kv.free) == [0, 1, 2]
     assert a.num_computed_tokens == 0 and a.num_tokens == 6 and sched.num_preemptions == 0
     kv.broken = False
     out = sched.schedule()  # they recompute; a completed iteration resets the count
-    fake_advance(out)
-    assert [s.seq for s in out.scheduled] == [a, b, c]
-    for s in (a, b, c):
-        s.num_failures = 0  # what the engine's postprocess does after a completed iteration
+    fake_advance(sched, out)  # a completed iteration resets the failure count
+    assert [s.seq for s in out.scheduled] == [a, b, c] and a.num_failures == 0
     kv.broken = True
     assert sched.schedule().preempted == [a, b, c]
     out = sched.schedule()
@@ -246,7 +244,7 @@ def test_an_interrupted_generate_keeps_other_requests_final_outputs(monkeypatch:
         fail_forward(llm, monkeypatch, lambda i, ids: small_seq.is_finished, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             llm.generate(ps[1:3], params[1:3])  # small finishes in this call, then the interrupt
-        assert llm.scheduler.running == [] and llm.scheduler.waiting == []
+        assert llm.scheduler.running == [] and not llm.scheduler.waiting
         assert llm.cache.num_free_reqids == llm.config.max_batch_size
         assert llm.has_unfinished()  # final outputs wait for the next step
         outs = {o.request_id: o for o in llm.step()}
@@ -332,7 +330,7 @@ def test_finished_sequences_cannot_be_aborted_again() -> None:
     sched.add(a)
     sched.add(b)
     sched.schedule()
-    sched.finish(a, "length")
+    sched.finish(a, "length")  # as if it had reached max_tokens
     assert sched.abort([0, 1, 5]) == [b]
     assert a.finish_reason == "length" and b.finish_reason == "abort" and b.status is SequenceStatus.FINISHED
     assert sched.abort([1]) == [] and sorted(kv.free) == [0, 1]

@@ -13,19 +13,19 @@ from vattn.errors import InvalidConfigError
 
 def test_scheduler_decodes_first_then_prefill_chunks() -> None:
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), FakeKV(4))
-    a, b = make_seq(0, 5), make_seq(1, 6)
+    a, b = make_seq(0, 5, max_tokens=20), make_seq(1, 6, max_tokens=20)
     sched.add(a)
     sched.add(b)
     out = sched.schedule()
     assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 5), (b, 6)]
-    fake_advance(out)
+    fake_advance(sched, out)
     long = make_seq(2, 100)
     sched.add(long)
     for i in range(7):  # two decodes every iteration, the long prompt in chunks of 14
         out = sched.schedule()
         assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1), (long, 14)]
         assert long.num_computed_tokens == 14 * i
-        fake_advance(out)
+        fake_advance(sched, out)
     out = sched.schedule()
     assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1), (long, 2)]
     assert sched.kv.steps[-1] == {a.slot: a.num_tokens, b.slot: b.num_tokens, long.slot: 100}
@@ -39,18 +39,18 @@ def test_scheduler_preempts_newest_and_aborts_what_cannot_fit_alone() -> None:
         sched.add(s)
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == [a, b, c]
-    fake_advance(out)  # 11 + 11 + 10 tokens > 30: the next step must preempt c
+    fake_advance(sched, out)  # 11 + 11 + 10 tokens > 30: the next step must preempt c
     out = sched.schedule()
     assert out.preempted == [c] and [s.seq for s in out.scheduled] == [a, b]
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.num_tokens == 10
-    assert c.num_preemptions == 1 and c.slot is None and sched.waiting == [c]
-    fake_advance(out)
+    assert c.num_preemptions == 1 and c.slot is None and list(sched.waiting) == [c]
+    fake_advance(sched, out)
     kv.capacity = 11
     out = sched.schedule()  # c is admitted again, then c and b (newest first) are preempted,
     assert out.preempted == [c, b] and out.finished == [a] and out.scheduled == []  # a alone (12) does not fit
     assert c.num_preemptions == 1 and b.num_preemptions == 1  # c had nothing computed this time
     assert a.finish_reason == "error" and a.status is SequenceStatus.FINISHED
-    assert sched.waiting == [b, c] and sched.running == []
+    assert list(sched.waiting) == [b, c] and sched.running == []
     assert sorted(kv.free) == [0, 1, 2, 3]
 
 
@@ -61,7 +61,7 @@ def test_scheduler_respects_max_num_seqs_and_slots() -> None:
         sched.add(s)
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == seqs[:2]
-    fake_advance(out)
+    fake_advance(sched, out)
     sched.finish(seqs[0], "length")
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == [seqs[1], seqs[2]]
@@ -83,10 +83,7 @@ def test_scheduler_random_workloads_finish(lens: list, slots: int, budget: int, 
                 sched.add(s)
         out = sched.schedule()
         assert out.num_batched_tokens <= budget and len(sched.running) <= slots
-        fake_advance(out)
-        for s in out.scheduled:
-            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
-                sched.finish(s.seq, "length")
+        fake_advance(sched, out)  # finishes those that reach max_tokens
         it += 1
         assert it < 2000
     for s in seqs:
@@ -103,3 +100,71 @@ def test_scheduler_config_validation() -> None:
     with pytest.raises(InvalidConfigError):
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
 
+
+
+def test_waiting_queue_keeps_request_order() -> None:
+    """New requests go to the back and preempted ones to the front in O(1); an id out of
+    order (a test's or a client's own numbering) is put in place."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), FakeKV(4))
+    for i in (3, 5, 9, 0, 7, 4):
+        sched.add(make_seq(i, 4))
+    assert [s.request_id for s in sched.waiting] == [0, 3, 4, 5, 7, 9]
+    out = sched.schedule()
+    fake_advance(sched, out)
+    assert [s.seq.request_id for s in out.scheduled] == [0, 3, 4, 5]
+    for s in sorted(sched.running, key=lambda s: -s.request_id):  # newest first, as victims go
+        sched.preempt(s)
+    assert [s.request_id for s in sched.waiting] == [0, 3, 4, 5, 7, 9]
+
+
+class FakePrefix:
+    """Maps up to `hit` tokens of any lookup (the fake cache has no data to get wrong)."""
+
+    def __init__(self, hit: int) -> None:
+        self.hit = hit
+
+    def map_prefix(self, reqid: int, token_ids: list[int]) -> int:
+        return min(self.hit, len(token_ids) - 1)
+
+    def insert(self, reqid: int, token_ids: list[int]) -> None:
+        pass
+
+
+@settings(max_examples=80, deadline=None)
+@given(reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 6), st.integers(1, 4)),
+                     min_size=1, max_size=8),
+       slots=st.integers(1, 5), budget=st.integers(5, 48), capacity=st.integers(20, 160),
+       mode=st.sampled_from(["recompute", "swap"]), hit=st.sampled_from([0, 8]))
+def test_scheduler_random_workloads_with_samples_swaps_and_prefixes(
+        reqs: list, slots: int, budget: int, capacity: int, mode: str, hit: int) -> None:
+    """Parallel samples (fan-out, forks), swapping and prefix hits under random pressure:
+    every sample ends with its tokens or (too big even alone) an error; the budget, the
+    seats and the slots hold every iteration; nothing leaks (slots, host copies)."""
+    kv = FakeKV(slots, capacity)
+    config = SchedulerConfig(max_num_seqs=min(slots, budget), max_num_batched_tokens=budget, preemption_mode=mode)
+    sched = Scheduler(config, kv, prefix_cache=FakePrefix(hit) if hit else None)
+    seqs = [make_seq(i, n, m, n=k) for i, (n, m, _, k) in enumerate(reqs)]
+    it = 0
+    while any(not s.is_finished for seq in seqs for s in seq.samples):
+        for s, (_, _, arrival, _) in zip(seqs, reqs):
+            if arrival == it:
+                sched.add(s)
+        out = sched.schedule()
+        assert out.num_batched_tokens <= budget and len(sched.running) <= config.max_num_seqs
+        assert len({s.seq.slot for s in out.scheduled}) == len(out.scheduled)
+        assert all(s.status.value == "running" for s in sched.running)
+        fake_advance(sched, out)
+        it += 1
+        assert it < 3000
+    for seq in seqs:
+        assert len(seq.samples) == seq.params.n
+        for s in seq.samples:
+            if s.finish_reason == "error":
+                assert s.num_prompt_tokens + s.params.max_tokens > capacity
+            else:
+                assert s.num_output_tokens == s.params.max_tokens and s.swap is None
+    assert sorted(kv.free) == list(range(slots)) and not sched.has_unfinished() and not sched.requests
+    if mode == "recompute":
+        assert not kv.swaps
+    else:
+        assert not kv.forks  # swap mode shares no pages

@@ -12,9 +12,9 @@ from vattn.engine.config import EngineConfig
 from vattn.engine.llm import LLM
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from vattn.engine.sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus
+from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, SequenceStatus
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "EngineConfig", "Scheduler",
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig", "Scheduler",
     "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus",
 ]

@@ -7,7 +7,7 @@ import torch
 
 from vattn.attention import KERNELS
 from vattn.config import LAYOUTS, parse_dtype
-from vattn.checks import SEED_MAX, SEED_MIN, as_int
+from vattn.checks import SEED_MAX, SEED_MIN, as_float, as_int
 from vattn.engine.scheduler import SchedulerConfig
 from vattn.errors import InvalidConfigError
 
@@ -36,7 +36,12 @@ class EngineConfig:
     max_batch_size), max_num_batched_tokens (token budget per iteration = the prefill chunk
     size), seed (random weights of a model built from a config, and sampling without a
     per-request seed; an int in [-2**63, 2**64 - 1]), attention (kernel: None = automatic, or one of
-    'flash_attn' | 'torch_flash' | 'sdpa').
+    'flash_attn' | 'torch_flash' | 'sdpa'), enable_prefix_caching (map the cached whole pages
+    of a new sequence's prefix instead of computing them; needs a page that holds whole tokens),
+    preemption_mode ('recompute' | 'swap': what a sequence preempted for memory does, see
+    `vattn.engine.scheduler`; 'swap' shares no pages: no prefix caching, and parallel
+    samples compute the prompt each), idle_trim_s (None, or seconds without work after which the
+    engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included).
     """
 
     max_batch_size: int = 16
@@ -52,6 +57,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     seed: int = 0
     attention: str | None = None
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"
+    idle_trim_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size")
@@ -60,7 +68,7 @@ class EngineConfig:
         _positive(self, "max_num_batched_tokens")
         if self.layout not in LAYOUTS:
             raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        for name in ("background", "prefetch"):
+        for name in ("background", "prefetch", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.device, torch.device):
@@ -79,13 +87,24 @@ class EngineConfig:
             object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "seed", as_int(self.seed, "seed", InvalidConfigError, low=SEED_MIN, high=SEED_MAX,
                                                 what="an int in [-2**63, 2**64 - 1] (what torch.manual_seed takes)"))
+        if self.idle_trim_s is not None:
+            object.__setattr__(self, "idle_trim_s", as_float(self.idle_trim_s, "idle_trim_s", InvalidConfigError,
+                                                             what="None or a finite number of seconds >= 0"))
+            if self.idle_trim_s < 0:
+                raise InvalidConfigError(f"idle_trim_s must be None or a finite number of seconds >= 0, "
+                                         f"got {self.idle_trim_s!r}")
         if self.attention is not None and self.attention not in KERNELS:
             raise InvalidConfigError(f"attention must be None or one of {KERNELS}, got {self.attention!r}")
         if self.max_num_seqs is not None and self.max_num_seqs > self.max_batch_size:
             raise InvalidConfigError(
                 f"max_num_seqs={self.max_num_seqs} is more than max_batch_size={self.max_batch_size} "
                 "(each running sequence holds one cache slot)")
-        self.scheduler_config()  # validates the token budget
+        self.scheduler_config()  # validates the token budget and the preemption mode
+        if self.preemption_mode == "swap" and self.enable_prefix_caching:
+            raise InvalidConfigError(
+                "preemption_mode='swap' cannot be combined with enable_prefix_caching=True yet: a swap-in "
+                "that has to copy may copy into pinned prefix pages that a free slot still maps; use "
+                "preemption_mode='recompute' with prefix caching")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -97,7 +116,8 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs or self.max_batch_size,
-                               max_num_batched_tokens=self.max_num_batched_tokens)
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               preemption_mode=self.preemption_mode)
 
     def torch_device(self) -> torch.device:
         if self.device is not None:

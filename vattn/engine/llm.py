@@ -7,7 +7,11 @@ with LLM("path/to/checkpoint", max_batch_size=8, page_size=64 << 10) as llm:
     while llm.has_unfinished():
         for out in llm.step(): ...
     llm.abort_request(rid)                                           # a client went away
+    four = llm.generate("Hi", SamplingParams(n=4, temperature=0.8, seed=1))[0].outputs  # one prefill, 4 samples
 ```
+Sharing physical pages (see `Scheduler`): parallel samples fork the prompt's slot;
+`enable_prefix_caching=True` maps cached prompt pages into new requests;
+`preemption_mode="swap"` parks a preempted request in host memory instead of recomputing it.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from typing import Sequence as Seq
 
@@ -23,13 +28,29 @@ import torch
 
 from vattn.checks import is_int
 from vattn.engine.config import EngineConfig
-from vattn.engine.model_runner import ModelRunner, RunOutput, load_model
+from vattn.engine.model_runner import ModelRunner, RunOutput, load_model, prefix_salt
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
-from vattn.engine.sequence import FinishReason, RequestMetrics, RequestOutput, Sequence
+from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
+from vattn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix caching figures. Every sequence that gets a new slot (a new request, or one
+    recomputing after a preemption) is looked up; forked samples are not."""
+
+    num_query_tokens: int  # tokens of the sequences looked up
+    num_hit_tokens: int  # of those, mapped from cached pages instead of computed
+    num_pinned_pages: int  # page groups the cache keeps now
+    tokens_per_page: int  # the sharing granularity
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
 class LLM:
@@ -60,6 +81,11 @@ class LLM:
     Threads: add_request, abort_request and step may be called from different threads
     (one lock; abort_request waits for the iteration in flight). generate steps the engine
     itself: run one generate at a time, and abort its requests from another thread.
+
+    Idle give-back (`idle_trim_s`): once the engine has had no request for that many
+    seconds, it calls `cache.trim()` (every page no live token needs goes back to the device
+    or host, cached prefixes too): from a timer thread, and at `step()` for an engine that
+    is stepped while idle. New work maps pages again as usual.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, **config: Any) -> None:
@@ -70,13 +96,21 @@ class LLM:
         loaded = load_model(model, self.config, device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.dtype, device, self.config)
-        self.scheduler = Scheduler(self.config.scheduler_config(), self.runner.cache)
+        self.prefix_cache = None
+        if self.config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.runner.cache, salt=prefix_salt(loaded.model, loaded.dtype))
+        self.scheduler = Scheduler(self.config.scheduler_config(), self.runner.cache,
+                                   eos_token_ids=_eos_token_ids(loaded.model), prefix_cache=self.prefix_cache)
         self.max_context_len = self.runner.max_context_len
-        self.eos_token_ids = _eos_token_ids(loaded.model)
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
         self._lock = threading.Lock()
         self._closed = False
+        self.num_idle_trims = 0  # times the idle engine gave its unused pages back
+        self._idle_since: float | None = None  # when the engine last ran out of work (None: busy)
+        self._idle_trimmed = False  # this idle period's trim is done
+        self._idle_timer: threading.Timer | None = None
+        self._note_idle()
 
     # ----------------------------------------------------------------- requests ----
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
@@ -85,6 +119,7 @@ class LLM:
         with self._lock:
             seq = self._make_sequence(prompt, params)
             self.scheduler.add(seq)
+            self._note_busy()
             return seq.request_id
 
     def abort_request(self, request_id: int | Iterable[int]) -> list[int]:
@@ -99,7 +134,8 @@ class LLM:
             self._check_open()
             seqs = self.scheduler.abort(ids)
             self._report_finished(seqs)
-        return [seq.request_id for seq in seqs]
+            self._note_idle()
+        return list(dict.fromkeys(seq.request_id for seq in seqs))
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running, or has a final output that step()
@@ -112,10 +148,13 @@ class LLM:
         yet: aborts, those generate() read for others)."""
         with self._lock:
             self._check_open()
+            self._trim_if_idle()
             batch = self.scheduler.schedule()
             self._report_finished(batch.finished)  # before the run: kept even if it is interrupted
             output = self.runner.run(batch.scheduled)
-            return self._postprocess(batch, output)
+            outputs = self._postprocess(batch, output)
+            self._note_idle()
+            return outputs
 
     def generate(self, prompts: str | Seq[int] | Iterable[str | Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -131,6 +170,8 @@ class LLM:
             seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params_list)]
             for seq in seqs:
                 self.scheduler.add(seq)
+            if seqs:
+                self._note_busy()
         pending = {seq.request_id for seq in seqs}
         results: dict[int, RequestOutput] = {}
         bar = None
@@ -153,7 +194,7 @@ class LLM:
             with self._lock:  # nobody will read these requests' outputs: stop them, drop theirs
                 if not self._closed:
                     for seq in self.scheduler.abort(pending):
-                        self.runner.release(seq.request_id)
+                        self.runner.release(seq.seq_id)
                 self._unclaimed = [o for o in self._unclaimed if o.request_id not in pending]
             raise
         finally:
@@ -166,9 +207,27 @@ class LLM:
         """The cache's `MemoryStats` (mapped, used, fragmentation, ...)."""
         return self.runner.cache.stats()
 
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """How much the prefix cache saved (None without enable_prefix_caching)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return None
+        with self._lock:
+            pinned = self.runner.cache.stats().num_pinned_pages if not self._closed else 0
+            return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.tokens_per_page)
+
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence tokens: a sample stops after one (unless ignore_eos)."""
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Iterable[int]) -> None:
+        self.scheduler.eos_token_ids = frozenset(ids)
 
     @property
     def cache(self):
@@ -181,6 +240,8 @@ class LLM:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                if self._idle_timer is not None:
+                    self._idle_timer.cancel()
                 self.runner.close()
 
     def __enter__(self) -> LLM:
@@ -190,6 +251,42 @@ class LLM:
         self.close()
 
     # ---------------------------------------------------------------- internals ----
+    def _note_busy(self) -> None:
+        self._idle_since, self._idle_trimmed = None, False
+
+    def _note_idle(self) -> None:
+        """After a change (lock held): if the engine has no work left, start its idle time
+        and arm the timer that gives the cache's unused pages back."""
+        if self.config.idle_trim_s is None or self.scheduler.has_unfinished() or self._idle_since is not None:
+            return
+        self._idle_since = time.monotonic()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = threading.Timer(self.config.idle_trim_s, self._on_idle_timer)
+        self._idle_timer.daemon = True
+        self._idle_timer.start()
+
+    def _on_idle_timer(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._trim_if_idle()
+
+    def _trim_if_idle(self) -> None:
+        """Give the cache's unused pages back if the engine has been idle for idle_trim_s
+        (lock held); once per idle period."""
+        since = self._idle_since
+        if since is None or self._idle_trimmed or self.scheduler.has_unfinished():
+            return
+        if time.monotonic() - since >= self.config.idle_trim_s:
+            self._idle_trimmed = True
+            try:
+                released = self.runner.cache.trim()
+            except Exception:  # noqa: BLE001 - memory stays mapped; serving goes on
+                logger.warning("vattn: giving idle KV memory back failed", exc_info=True)
+                return
+            self.num_idle_trims += 1
+            logger.debug("vattn: idle for %.3g s: gave %d page groups back", time.monotonic() - since, released)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this LLM was closed; create a new one")
@@ -232,65 +329,57 @@ class LLM:
         return None, [operator.index(t) for t in prompt]
 
     def _report_finished(self, seqs: list[Sequence]) -> None:
-        """Forget the sampling state of sequences finished outside postprocess (errors while
-        scheduling, aborts) and keep their final outputs for the next step()."""
-        now = time.perf_counter()
-        for seq in seqs:
-            seq.finished_time = now
-            self.runner.release(seq.request_id)
-            self._unclaimed.append(self._output(seq))
+        """Sequences finished outside postprocess (errors while scheduling, aborts): keep the
+        final output of each request they complete for the next step()."""
+        for samples in _requests_of(seqs):
+            if all(s.is_finished for s in samples):
+                self._release(samples)
+                self._unclaimed.append(self._output(samples))
 
     def _postprocess(self, batch: SchedulerOutput, output: RunOutput) -> list[RequestOutput]:
-        now = time.perf_counter()
+        changed = self.scheduler.postprocess(batch.scheduled, output.tokens, output.errors)
         outputs, self._unclaimed = self._unclaimed, []
-        for item in batch.scheduled:
-            seq = item.seq
-            error = output.errors.get(seq.request_id)
-            if error is not None:
-                self._finish(seq, "error", now, error)
-                outputs.append(self._output(seq))
-                continue
-            seq.num_computed_tokens += item.num_new_tokens
-            seq.num_failures = 0
-            token = output.tokens.get(seq.request_id)
-            if token is None:  # a prompt chunk that does not reach the end yet
-                continue
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason, now)
-            outputs.append(self._output(seq))
+        for samples in _requests_of(changed):
+            out = self._output(samples)
+            if out.finished:
+                self._release(samples)
+            outputs.append(out)
         return outputs
 
-    def _finish(self, seq: Sequence, reason: FinishReason, now: float, error: str | None = None) -> None:
-        seq.finished_time = now
-        self.scheduler.finish(seq, reason, error=error)
-        self.runner.release(seq.request_id)
+    def _release(self, samples: list[Sequence]) -> None:
+        """Forget the sampling state of a finished request's samples."""
+        for seq in samples:
+            self.runner.release(seq.seq_id)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens:
-            return "length"
-        return None
+    def _decode(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        try:
+            return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        except Exception:  # noqa: BLE001 - a tokenizer bug must not lose the tokens
+            logger.warning("vattn: the tokenizer could not decode request %d", seq.request_id, exc_info=True)
+            return None
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        out_ids = seq.output_token_ids
-        text = None
-        if self.tokenizer is not None:
-            try:
-                text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-            except Exception:  # noqa: BLE001 - a tokenizer bug must not lose the tokens
-                logger.warning("vattn: the tokenizer could not decode request %d", seq.request_id, exc_info=True)
+    def _output(self, samples: list[Sequence]) -> RequestOutput:
+        """The RequestOutput of one request, from its samples (index order)."""
+        first = samples[0]
+        outputs = [CompletionOutput(s.index, s.output_token_ids, self._decode(s), s.finish_reason, s.error)
+                   for s in samples]
+        finished = all(s.is_finished for s in samples)
+        first_times = [s.first_token_time for s in samples if s.first_token_time is not None]
+        metrics = RequestMetrics(
+            first.arrival_time, min(first_times, default=None),
+            max(s.finished_time for s in samples) if finished else None,
+            sum(len(o.token_ids) for o in outputs))
         return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=list(seq.prompt_token_ids),
-            token_ids=out_ids, text=text, finished=seq.is_finished, finish_reason=seq.finish_reason,
-            num_preemptions=seq.num_preemptions,
-            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finished_time, len(out_ids)),
-            error=seq.error)
+            request_id=first.request_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
+            outputs=outputs, finished=finished, num_preemptions=sum(s.num_preemptions for s in samples),
+            metrics=metrics)
+
+
+def _requests_of(seqs: Iterable[Sequence]) -> list[list[Sequence]]:
+    """The distinct requests (their samples lists) of `seqs`, in order of first appearance."""
+    return list({id(s.samples): s.samples for s in seqs}.values())
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:

@@ -5,7 +5,8 @@ One forward serves the whole batch: the scheduled sequences' new tokens are pack
 unchanged, and each attention layer goes through the "vattn" attention function
 (`vattn.integrations.hf`), which reads this iteration's `AttentionMetadata` from the
 forward context. Logits are computed only for the last token of each sequence that
-samples this iteration (`logits_to_keep`).
+samples this iteration (`logits_to_keep`); a sequence whose prompt ends this iteration
+with PENDING samples (parallel sampling) lends its row to each of them.
 
 Failures (see `ModelRunner.run`): one request's sampling that raises fails that request
 only; a forward that raises cannot be pinned on one request, so every sequence of the
@@ -14,6 +15,7 @@ batch is run again alone, and only those that fail alone fail.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 from typing import Any, NamedTuple
@@ -24,7 +26,7 @@ from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, 
 from vattn.cache import KVCache
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
 from vattn.engine.sampling_params import SamplingParams
-from vattn.engine.scheduler import ScheduledSequence
+from vattn.engine.scheduler import ScheduledSequence, SeqId
 from vattn.errors import InvalidConfigError
 
 MAX_DEFAULT_CONTEXT = 4096
@@ -33,10 +35,10 @@ logger = logging.getLogger(__name__)
 
 
 class RunOutput(NamedTuple):
-    """What one iteration produced, by request id."""
+    """What one iteration produced, by sequence id (request id, sample index)."""
 
-    tokens: dict[int, int]  # the sampled token of every sequence whose computed tokens reached its end
-    errors: dict[int, str]  # why a sequence failed (it finishes with "error"); its tokens are not computed
+    tokens: dict[SeqId, int]  # the sampled token of every sequence whose computed tokens reached its end
+    errors: dict[SeqId, str]  # why a sequence failed (it finishes with "error"); its tokens are not computed
 
 
 class LoadedModel(NamedTuple):
@@ -89,6 +91,16 @@ def load_model(model: Any, config: EngineConfig, device: torch.device) -> Loaded
         f"got {type(model).__name__}")
 
 
+def prefix_salt(model: Any, dtype: torch.dtype) -> bytes:
+    """What makes K/V of the same tokens differ between models: the config's class, every
+    value of the config, and the dtype the model runs in (the prefix cache's salt)."""
+    config = model.config
+    h = hashlib.sha256(type(config).__name__.encode())
+    h.update(config.to_json_string(use_diff=False).encode())
+    h.update(str(dtype).encode())
+    return h.digest()
+
+
 def _check_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in MODEL_DTYPES:
         raise InvalidConfigError(f"the model's dtype {dtype} is not supported; pass dtype= one of {MODEL_DTYPES}")
@@ -96,43 +108,46 @@ def _check_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class Sampler:
-    """Greedy, or temperature / top-k / top-p sampling with one generator per request."""
+    """Greedy, or temperature / top-k / top-p sampling with one generator per seeded
+    sequence: sample i of a request with `seed` draws from its own generator seeded with
+    `params.sample_seed(i)` (seed + i); unseeded ones share the engine's generator."""
 
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
-        self.generators: dict[int, torch.Generator] = {}
+        self.generators: dict[SeqId, torch.Generator] = {}
 
-    def generator(self, request_id: int, params: SamplingParams) -> torch.Generator:
+    def generator(self, seq_id: SeqId, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
             return self.default_generator
-        g = self.generators.get(request_id)
+        g = self.generators.get(seq_id)
         if g is None:
-            g = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+            seed = params.sample_seed(seq_id[1])
+            g = self.generators[seq_id] = torch.Generator(device=self.device).manual_seed(seed)
         return g
 
-    def release(self, request_id: int) -> None:
-        self.generators.pop(request_id, None)
+    def release(self, seq_id: SeqId) -> None:
+        self.generators.pop(seq_id, None)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]) -> RunOutput:
+    def sample(self, logits: torch.Tensor, seq_ids: list[SeqId], params: list[SamplingParams]) -> RunOutput:
         """logits `[S, V]` -> one token per row. A row whose sampling raises (e.g. NaN
         logits) is reported in `errors`; the other rows keep their tokens."""
         logits = logits.float()
         greedy = logits.argmax(dim=-1).tolist()  # [S]: greedy rows are done
-        tokens: dict[int, int] = {}
-        errors: dict[int, str] = {}
-        for i, (rid, p) in enumerate(zip(request_ids, params)):
+        tokens: dict[SeqId, int] = {}
+        errors: dict[SeqId, str] = {}
+        for i, (sid, p) in enumerate(zip(seq_ids, params)):
             if p.greedy:
-                tokens[rid] = greedy[i]
+                tokens[sid] = greedy[i]
                 continue
             try:
-                tokens[rid] = self.sample_one(logits[i], rid, p)
-            except Exception as e:  # noqa: BLE001 - this request fails, not the batch
-                logger.warning("vattn: sampling request %d failed", rid, exc_info=True)
-                errors[rid] = f"sampling request {rid} failed: {type(e).__name__}: {e}"
+                tokens[sid] = self.sample_one(logits[i], sid, p)
+            except Exception as e:  # noqa: BLE001 - this sequence fails, not the batch
+                logger.warning("vattn: sampling request %d (sample %d) failed", sid[0], sid[1], exc_info=True)
+                errors[sid] = f"sampling request {sid[0]} failed: {type(e).__name__}: {e}"
         return RunOutput(tokens, errors)
 
-    def sample_one(self, logits: torch.Tensor, request_id: int, p: SamplingParams) -> int:
+    def sample_one(self, logits: torch.Tensor, seq_id: SeqId, p: SamplingParams) -> int:
         """logits `[V]` of one sequence -> its next token, with temperature, top-k, top-p."""
         x = logits / p.temperature  # [V]
         if p.top_k > 0 and p.top_k < x.numel():
@@ -146,7 +161,7 @@ class Sampler:
             drop[order] = drop_sorted
             x = x.masked_fill(drop, float("-inf"))
         probs = x.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator(request_id, p))[0])
+        return int(torch.multinomial(probs, 1, generator=self.generator(seq_id, p))[0])
 
 
 class ModelRunner:
@@ -205,16 +220,17 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - see the docstring
             logger.warning("vattn: the forward of a batch of %d sequences failed (%s: %s); "
                            "running each alone", len(scheduled), type(e).__name__, e)
-        tokens: dict[int, int] = {}
-        errors: dict[int, str] = {}
+        tokens: dict[SeqId, int] = {}
+        errors: dict[SeqId, str] = {}
         for item in scheduled:
             rid = item.seq.request_id
             try:
                 out = self._run([item])
             except Exception as e:  # noqa: BLE001
                 logger.warning("vattn: request %d failed when run alone", rid, exc_info=True)
-                errors[rid] = (f"the model's forward raised for request {rid} in its batch of {len(scheduled)} "
-                               f"and again when it ran alone: {type(e).__name__}: {e}")
+                msg = (f"the model's forward raised for request {rid} in its batch of {len(scheduled)} "
+                       f"and again when it ran alone: {type(e).__name__}: {e}")
+                errors.update(dict.fromkeys([s.seq_id for s in (item.seq, *item.fan_out)], msg))
                 continue
             tokens.update(out.tokens)
             errors.update(out.errors)
@@ -224,14 +240,17 @@ class ModelRunner:
     def _run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
         batch = sorted(scheduled, key=lambda s: s.seq.slot)  # slot-ascending for the varlen kernel
         input_ids: list[int] = []
-        sample_rows: list[int] = []
+        sample_rows: list[int] = []  # packed positions whose logits are computed
+        rows: list[int] = []  # per sampled sequence, its row of those logits
         sampling = []
         for s in batch:
             start, n = s.seq.num_computed_tokens, s.num_new_tokens
             input_ids += s.seq.token_ids[start:start + n]
             if start + n == s.seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
-                sampling.append(s.seq)
+                for seq in (s.seq, *s.fan_out):  # a fan-out: every sample draws from this row
+                    rows.append(len(sample_rows) - 1)
+                    sampling.append(seq)
         meta = AttentionMetadata.build([s.seq.slot for s in batch], [s.seq.num_computed_tokens for s in batch],
                                        [s.num_new_tokens for s in batch], self.slot_tokens, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
@@ -241,11 +260,13 @@ class ModelRunner:
                                 logits_to_keep=keep).logits[0]  # [S, V]
         if not sampling:
             return RunOutput({}, {})
-        return self.sampler.sample(logits, [s.request_id for s in sampling], [s.params for s in sampling])
+        if len(rows) != len(sample_rows):
+            logits = logits[torch.tensor(rows, device=logits.device)]  # [S', V]: fan-out rows repeated
+        return self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
 
-    def release(self, request_id: int) -> None:
-        """Forget a finished request's sampling state."""
-        self.sampler.release(request_id)
+    def release(self, seq_id: SeqId) -> None:
+        """Forget a finished sequence's sampling state."""
+        self.sampler.release(seq_id)
 
     def close(self) -> None:
         from vattn.integrations.hf import restore_attention

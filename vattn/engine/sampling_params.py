@@ -24,6 +24,10 @@ class SamplingParams:
     seed: per-request random seed, an int in [-2**63, 2**64 - 1] (what torch.Generator
         takes): the same seed gives the same tokens whatever else runs in the batch. None
         draws from the engine's generator (seeded by the engine's `seed`).
+    n: samples (completions) of the prompt, computed once (parallel sampling). Sample i
+        has a generator of its own seeded with `sample_seed(i)` = seed + i (modulo 2**64,
+        as vLLM derives its child requests' seeds), so it draws the tokens a request with
+        `seed + i` and n = 1 would; with seed None all samples draw from the engine's.
 
     Every value is checked here, so a request that passed is safe to run: a bad one raises
     InvalidRequestError before anything is queued. Ints may be numpy integers or 0-d
@@ -37,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         err = InvalidRequestError
@@ -62,6 +67,14 @@ class SamplingParams:
         if self.seed is not None:
             set_("seed", as_int(self.seed, "seed", err, low=SEED_MIN, high=SEED_MAX,
                                 what="None or an int in [-2**63, 2**64 - 1] (what torch.Generator takes)"))
+        set_("n", as_int(self.n, "n", err, low=1))
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of sample `index` (0 .. n-1): `seed` itself for sample 0, else
+        (seed + index) mod 2**64 (torch reads a negative seed modulo 2**64 too)."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return (self.seed + index) % 2**64
 
     @property
     def greedy(self) -> bool:

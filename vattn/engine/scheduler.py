@@ -1,16 +1,59 @@
 """`Scheduler`: continuous batching over vattn slots. Plain Python, no torch.
 
+It owns the sequence state machine: `schedule` picks an iteration's tokens and backs them
+with pages, `postprocess` accounts for what the iteration computed and sampled.
+
+```
+            add            admit (slot)            finish
+  PENDING -------> WAITING ------------> RUNNING ----------> FINISHED
+  (sample i > 0:      ^                     |
+   first token from   +------ preempt ------+
+   sample 0's prompt)
+```
+
 Every iteration:
 
 1. running sequences: decodes first (one token each), then unfinished prompts in arrival
    order, each a chunk of at most what is left of the token budget;
 2. waiting sequences in arrival order (FCFS) while a slot, a seat (max_num_seqs) and
-   budget are left: each gets a slot (`alloc_reqid`) and a first chunk;
+   budget are left: each gets a slot and a first chunk;
 3. `kv.step({slot: num_computed_tokens + num_new_tokens})` backs the batch with pages.
-   When it cannot, the newest running sequence is preempted by recomputation (its slot is
-   freed; it goes back to the waiting queue keeping its generated tokens and recomputes
-   prompt + generated as a prefill later) and step is tried again. A sequence that cannot
-   be backed even when it runs alone is finished with finish_reason "error".
+   When it cannot, the newest running sequence is preempted and step is tried again. A
+   sequence that cannot be backed even when it runs alone is finished with finish_reason
+   "error".
+
+Preemption (`SchedulerConfig.preemption_mode`, vLLM's names):
+- "recompute" (the default): the slot is freed; the sequence goes back to the waiting
+  queue keeping its generated tokens and computes prompt + generated as a prefill later.
+- "swap": its computed tokens are copied to host memory (`kv.swap_out`) and its slot is
+  freed; re-admission takes it back (`kv.swap_in`: no copy at all when nobody took its old
+  slot or pages meanwhile) with its tokens computed. A swap-in that finds no slot or
+  memory leaves it waiting (FCFS: nothing behind it is admitted in that iteration), unless
+  nothing runs that could free memory: then it recomputes. A sequence preempted again
+  before it ran keeps its host copy (nothing changed), and one that never ran in its slot
+  (admitted too early) is not copied either. In this mode slots never share pages (no
+  forks; the engine refuses prefix caching with it): `KVCache.swap_in`, when it must copy,
+  copies into the pages a free slot still maps, even pages that slot shares with a live
+  request or with the prefix cache, and would overwrite them.
+
+Parallel sampling (`SamplingParams.n > 1`): only sample 0 is queued; the others are
+PENDING. The iteration that computes the end of sample 0's prompt draws the first token of
+every sample from that one logits row (`ScheduledSequence.fan_out`); the others then wait
+for a slot like preempted sequences. A waiting sample whose sibling runs with the prompt
+computed is admitted by forking that sibling's slot (`kv.fork`: whole prompt pages shared,
+the partial last page copied) and computes only its own tokens; when no sibling has the
+prompt (they finished or were preempted), it recomputes the prompt in a slot of its own.
+A sample preempted later comes back the same way. A fork that finds no page for its copy
+leaves the sample waiting (FCFS: nothing behind it is admitted in that iteration). In
+"swap" preemption mode samples do not fork (see below): each computes the prompt.
+
+Prefix caching (a `prefix_cache`, see `vattn.prefix_cache.PrefixCache`): a sequence that
+gets a new slot maps the longest cached prefix of its tokens into it (`map_prefix`: no
+copy, at least one token left to compute) and starts with those tokens computed. When a
+sequence's prompt is computed, its whole prompt pages are pinned in the cache (`insert`);
+a sequence preempted for memory pins the whole pages of everything it computed, so that
+its recomputation maps them back unless memory pressure evicted them first (least
+recently used first).
 
 When `kv.step` raises (a `BackendError`, the host's mapping limit, ...), the failure
 belongs to no one request: the iteration runs nothing, and every sequence it had
@@ -24,16 +67,20 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NamedTuple, Protocol
+from typing import Any, Collection, Iterable, Mapping, NamedTuple, Protocol
 
 from vattn.checks import as_int
 from vattn.engine.sequence import FinishReason, Sequence, SequenceStatus
-from vattn.errors import InvalidConfigError
+from vattn.errors import InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError
 
 logger = logging.getLogger(__name__)
 
 MAX_FAILURES = 2  # failed iterations in a row after which a sequence finishes with "error"
+
+SeqId = tuple[int, int]  # (request_id, sample index)
 
 
 class StepOutcome(Protocol):
@@ -42,8 +89,17 @@ class StepOutcome(Protocol):
     def __bool__(self) -> bool: ...
 
 
+class PrefixSlots(Protocol):
+    """What the scheduler needs of a prefix cache (`vattn.prefix_cache.PrefixCache` fits)."""
+
+    def map_prefix(self, reqid: int, token_ids: list[int]) -> int: ...
+
+    def insert(self, reqid: int, token_ids: list[int]) -> None: ...
+
+
 class KVSlots(Protocol):
-    """What the scheduler needs of the cache (`vattn.KVCache` fits)."""
+    """What the scheduler needs of the cache (`vattn.KVCache` fits). `fork` is called only
+    for requests with n > 1."""
 
     @property
     def num_free_reqids(self) -> int: ...
@@ -54,18 +110,31 @@ class KVSlots(Protocol):
 
     def step(self, seq_lens: Mapping[int, int]) -> StepOutcome: ...
 
+    def fork(self, reqid: int, num_tokens: int) -> int: ...
+
+    def swap_out(self, reqid: int, num_tokens: int) -> Any: ...
+
+    def swap_in(self, handle: Any) -> int: ...
+
+
+PREEMPTION_MODES = ("recompute", "swap")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """max_num_seqs: sequences running at once; max_num_batched_tokens: tokens per
-    iteration (the prefill chunk size follows from it: what decodes leave)."""
+    iteration (the prefill chunk size follows from it: what decodes leave);
+    preemption_mode: 'recompute' | 'swap' (see the module docstring)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             object.__setattr__(self, name, as_int(getattr(self, name), name, InvalidConfigError, low=1))
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
@@ -75,6 +144,9 @@ class SchedulerConfig:
 class ScheduledSequence(NamedTuple):
     seq: Sequence
     num_new_tokens: int  # tokens computed this iteration, from seq.num_computed_tokens on
+    # PENDING samples of seq's request that draw their first token from seq's logits row
+    # (seq is sample 0 and this iteration computes the end of its prompt)
+    fan_out: tuple[Sequence, ...] = ()
 
 
 class SchedulerOutput(NamedTuple):
@@ -88,27 +160,41 @@ class SchedulerOutput(NamedTuple):
 
 
 class Scheduler:
-    """FCFS continuous batching with a token budget, chunked prefill and preemption."""
+    """FCFS continuous batching with a token budget, chunked prefill, preemption and
+    parallel sampling by forking."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVSlots) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVSlots, eos_token_ids: Collection[int] = frozenset(),
+                 prefix_cache: PrefixSlots | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: list[Sequence] = []  # arrival order (request ids grow with arrival)
+        self.prefix_cache = prefix_cache
+        self.eos_token_ids = frozenset(eos_token_ids)  # stop tokens unless SamplingParams.ignore_eos
+        self.waiting: deque[Sequence] = deque()  # arrival order: seq_id (request id, then sample index)
         self.running: list[Sequence] = []  # admission order
+        self.requests: dict[int, list[Sequence]] = {}  # unfinished requests: request id -> samples
         self.num_preemptions = 0
+        self.num_swapped_out = 0  # preemptions by swapping (their tokens copied to host)
+        self.num_swapped_in = 0  # re-admissions by swapping in
+        self.num_computed_tokens = 0  # tokens computed (forward passes) over the scheduler's life
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
+        """Queue a new request, given as its sample 0 (O(1): see `_enqueue`). With
+        `params.n > 1` its other samples are created here, PENDING."""
+        for index in range(len(seq.samples), seq.params.n):
+            seq.spawn(index)
+        self.requests[seq.request_id] = seq.samples
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     @property
     def num_unfinished(self) -> int:
+        """Sequences waiting or running."""
         return len(self.waiting) + len(self.running)
 
+    # ------------------------------------------------------------------ schedule ----
     def schedule(self) -> SchedulerOutput:
         """Pick this iteration's sequences and token counts, and back them with pages."""
         budget = self.config.max_num_batched_tokens
@@ -123,9 +209,11 @@ class Scheduler:
             budget -= n
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self.kv.num_free_reqids > 0):
-            seq = self.waiting.pop(0)
-            seq.slot = self.kv.alloc_reqid()
-            seq.status = SequenceStatus.RUNNING
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            seq.status, seq.has_run = SequenceStatus.RUNNING, False
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             plan.append(ScheduledSequence(seq, n))
@@ -142,7 +230,7 @@ class Scheduler:
                 break
             if backed:
                 break
-            victim = max(self.running, key=lambda s: s.request_id)  # the newest request
+            victim = max(self.running, key=lambda s: s.seq_id)  # the newest sequence
             if len(self.running) == 1:  # then it is the whole plan
                 need = victim.num_computed_tokens + plan[0].num_new_tokens
                 self.finish(victim, "error", error=(
@@ -154,7 +242,64 @@ class Scheduler:
                 self.preempt(victim)
                 preempted.append(victim)
             plan = [s for s in plan if s.seq is not victim]
-        return SchedulerOutput(plan, preempted, finished)
+        return SchedulerOutput([self._with_fan_out(s) for s in plan], preempted, finished)
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give waiting `seq` a slot (and what of its tokens the slot already holds), or
+        return False to leave it waiting."""
+        if seq.swap is not None:
+            try:
+                seq.slot = self.kv.swap_in(seq.swap)
+            except (NoFreeSlotError, OutOfPhysicalMemoryError):
+                if self.running:
+                    return False  # wait for memory: the running sequences will free some
+                seq.swap = None  # nothing runs that could free memory: recompute instead
+            except Exception as e:  # noqa: BLE001 - the cache's books hold: recompute instead
+                logger.warning("vattn: swapping request %d back in failed (%s: %s); it recomputes",
+                               seq.request_id, type(e).__name__, e)
+                seq.swap = None
+            else:
+                seq.num_computed_tokens = seq.swap.num_tokens
+                self.num_swapped_in += 1
+                return True
+        source = self._fork_source(seq) if self.config.preemption_mode != "swap" else None
+        if source is not None:
+            try:
+                seq.slot = self.kv.fork(source.slot, seq.num_prompt_tokens)
+            except (NoFreeSlotError, OutOfPhysicalMemoryError):
+                return False  # no page for the copy of the partial page: wait for memory
+            except Exception as e:  # noqa: BLE001 - the cache's books hold: compute the prompt instead
+                logger.warning("vattn: forking request %d's prompt failed (%s: %s); sample %d computes it",
+                               seq.request_id, type(e).__name__, e, seq.index)
+            else:
+                seq.num_computed_tokens = seq.num_prompt_tokens
+                return True
+        seq.slot = self.kv.alloc_reqid()
+        if self.prefix_cache is not None:
+            try:
+                seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids)
+            except Exception as e:  # noqa: BLE001 - a miss: the books hold, the sequence computes it all
+                logger.warning("vattn: mapping cached prefix pages for request %d failed (%s: %s)",
+                               seq.request_id, type(e).__name__, e)
+        return True
+
+    @staticmethod
+    def _fork_source(seq: Sequence) -> Sequence | None:
+        """A running sibling of `seq` whose slot holds the whole prompt, if any."""
+        if len(seq.samples) == 1:
+            return None
+        n = seq.num_prompt_tokens
+        return next((s for s in seq.samples if s is not seq and s.status is SequenceStatus.RUNNING
+                     and s.num_computed_tokens >= n), None)
+
+    @staticmethod
+    def _with_fan_out(item: ScheduledSequence) -> ScheduledSequence:
+        seq = item.seq
+        if seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens and seq.num_output_tokens == 0:
+            pending = seq.pending_samples
+            if pending:
+                return item._replace(fan_out=tuple(pending))
+        return item
 
     def _fail(self, seqs: list[Sequence], error: Exception, preempted: list[Sequence],
               finished: list[Sequence]) -> None:
@@ -174,39 +319,134 @@ class Scheduler:
                 self.preempt(seq, count=False)
                 preempted.append(seq)
 
+    # --------------------------------------------------------------- postprocess ----
+    def postprocess(self, scheduled: list[ScheduledSequence], tokens: Mapping[SeqId, int],
+                    errors: Mapping[SeqId, str], now: float | None = None) -> list[Sequence]:
+        """Account for an iteration that ran `scheduled`: their tokens are computed; a
+        sequence whose computed tokens reached its end gets its sampled token (`tokens`)
+        and finishes on a stop token or max_tokens; one in `errors` finishes with "error".
+        The samples of a fan-out get their first token and wait for a slot. Returns every
+        sequence that got a token or finished."""
+        now = time.perf_counter() if now is None else now
+        changed: list[Sequence] = []
+        for item in scheduled:
+            seq = item.seq
+            for child in item.fan_out:
+                if child.seq_id in tokens:
+                    self._append_token(child, tokens[child.seq_id], now)
+                    if not child.is_finished:
+                        child.status = SequenceStatus.WAITING
+                        self._enqueue(child)
+                elif not child.is_finished:
+                    self.finish(child, "error", errors.get(child.seq_id, errors.get(seq.seq_id)), now)
+                changed.append(child)
+            error = errors.get(seq.seq_id)
+            if error is not None:
+                self.finish(seq, "error", error, now)
+                changed.append(seq)
+                continue
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            self.num_computed_tokens += item.num_new_tokens
+            seq.num_failures, seq.has_run, seq.swap = 0, True, None  # a host copy is stale now
+            if before < seq.num_prompt_tokens <= seq.num_computed_tokens:
+                self._cache_prefix(seq, seq.prompt_token_ids)
+            token = tokens.get(seq.seq_id)
+            if token is None:  # a prompt chunk that does not reach the end yet
+                continue
+            self._append_token(seq, token, now)
+            changed.append(seq)
+        return changed
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.finish(seq, "stop", now=now)
+        elif seq.num_output_tokens >= p.max_tokens:
+            self.finish(seq, "length", now=now)
+
+    # -------------------------------------------------------------- state changes ----
     def abort(self, request_ids: Iterable[int]) -> list[Sequence]:
-        """Finish the waiting or running sequences with these ids ("abort") and free their
-        slots. Ids of no unfinished sequence are skipped. Returns the sequences finished."""
-        wanted = set(request_ids)
-        seqs = sorted((s for s in self.running + self.waiting if s.request_id in wanted),
-                      key=lambda s: s.request_id)
-        for seq in seqs:
-            self.finish(seq, "abort")
+        """Finish every unfinished sample of these requests ("abort") and free their slots.
+        Ids of no unfinished request are skipped. Returns the sequences finished."""
+        seqs: list[Sequence] = []
+        for rid in sorted(set(request_ids)):
+            live = [s for s in self.requests.get(rid, ()) if not s.is_finished]
+            for seq in live:
+                if not seq.is_finished:  # sample 0's abort finished the PENDING ones already
+                    self.finish(seq, "abort")
+            seqs += live
         return seqs
 
     def preempt(self, seq: Sequence, count: bool = True) -> None:
-        """Free `seq`'s slot and queue it for recomputation (it keeps its generated tokens).
-        `count`: a preemption for memory (counted in num_preemptions)."""
+        """Free `seq`'s slot and queue it again (it keeps its generated tokens): swapped out,
+        or to recompute. `count`: a preemption for memory (counted in num_preemptions;
+        swapped out in "swap" mode; with prefix caching, what it computed stays cached)."""
         self.running.remove(seq)
-        self.kv.free_reqid(seq.slot)
-        if count and seq.num_computed_tokens:  # one never computed was only admitted too early
+        ran = count and seq.has_run  # one that never ran in its slot was only admitted too early
+        if not (ran and self.config.preemption_mode == "swap" and self._swap_out(seq)):
+            if ran:
+                self._cache_prefix(seq, seq.token_ids[:seq.num_computed_tokens])
+            self.kv.free_reqid(seq.slot)  # one swapped in that has not run since keeps its host copy
+        if ran:
             seq.num_preemptions += 1
             self.num_preemptions += 1
         seq.slot, seq.num_computed_tokens = None, 0
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        """Mark `seq` finished and give its slot back (its pages stay for the next request)."""
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Copy `seq`'s computed tokens to host memory and free its slot; False (slot kept)
+        when the copy fails."""
+        try:
+            seq.swap = self.kv.swap_out(seq.slot, seq.num_computed_tokens)
+        except Exception as e:  # noqa: BLE001 - e.g. no host memory: recompute instead
+            logger.warning("vattn: swapping request %d out failed (%s: %s); it recomputes",
+                           seq.request_id, type(e).__name__, e)
+            return False
+        self.num_swapped_out += 1
+        return True
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, now: float | None = None) -> None:
+        """Mark `seq` finished and give its slot back (its pages stay for the next request).
+        Sample 0 finishing before its prompt was sampled ("error", "abort") takes the
+        PENDING samples of its request with it."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.kv.free_reqid(seq.slot)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        seq.slot = None
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason, seq.error = reason, error
+        now = time.perf_counter() if now is None else now
+        seq.swap = None  # its host copy, if swapped out
+        for s in [seq, *seq.pending_samples]:
+            s.slot = None
+            s.status = SequenceStatus.FINISHED
+            s.finish_reason, s.error, s.finished_time = reason, error, now
+        if all(s.is_finished for s in seq.samples):
+            self.requests.pop(seq.request_id, None)
+
+    def _cache_prefix(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Pin the whole pages of `token_ids`, computed in `seq`'s slot, for later requests."""
+        if self.prefix_cache is None:
+            return
+        try:
+            self.prefix_cache.insert(seq.slot, token_ids)
+        except Exception as e:  # noqa: BLE001 - not cached: later requests compute it
+            logger.warning("vattn: caching the prefix of request %d failed (%s: %s)",
+                           seq.request_id, type(e).__name__, e)
 
     def _enqueue(self, seq: Sequence) -> None:
-        keys = [s.request_id for s in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, seq.request_id), seq)
+        """Keep `waiting` in arrival order, in O(1) for what happens all the time: a new
+        request is the newest (it goes to the back) and a preempted one is older than every
+        waiting one (it goes to the front: the victim is always the newest running sequence,
+        and admission takes the oldest waiting first). Anything else is put in place."""
+        waiting, key = self.waiting, seq.seq_id
+        if not waiting or waiting[-1].seq_id < key:
+            waiting.append(seq)
+        elif key < waiting[0].seq_id:
+            waiting.appendleft(seq)
+        else:
+            waiting.insert(bisect.bisect(waiting, key, key=lambda s: s.seq_id), seq)

@@ -10,12 +10,17 @@ token_ids:  [ prompt ............ | generated ...... ]
 Prefill, chunked prefill, decode and recomputation after a preemption are one thing: the
 next iteration computes `num_tokens - num_computed_tokens` tokens (or fewer, a chunk) and,
 when that reaches the end, samples one more token.
+
+A request with `SamplingParams(n > 1)` has n sequences, its samples, which share one
+`samples` list. Sample 0 computes the prompt; the others are PENDING until then, each
+draws its first token from the same logits row, and from there on each is a sequence of
+its own (it gets its slot by forking sample 0's: see `Scheduler`).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from vattn.engine.sampling_params import SamplingParams
 
@@ -23,17 +28,22 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # no slot: new, or preempted (recomputes from scratch)
+    PENDING = "pending"  # a parallel sample waiting for sample 0's prompt (its first token comes from it)
+    WAITING = "waiting"  # no slot: new, or preempted (recomputes, or swaps back in)
     RUNNING = "running"  # holds a slot (reqid) of the cache
     FINISHED = "finished"
 
 
 class Sequence:
-    """One request: its tokens, how many of them are in the cache, and its slot."""
+    """One sample of a request: its tokens, how many of them are in the cache, and its slot.
+    `seq_id` = (request_id, index) orders sequences by arrival (FCFS) and names them."""
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, prompt: str | None = None) -> None:
+                 arrival_time: float, prompt: str | None = None, index: int = 0) -> None:
         self.request_id = request_id
+        self.index = index
+        self.seq_id = (request_id, index)
+        self.samples: list[Sequence] = [self]  # every sample of the request, shared by them (index order)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -45,9 +55,26 @@ class Sequence:
         self.error: str | None = None
         self.num_preemptions = 0
         self.num_failures = 0  # iterations in a row that failed in the cache (see Scheduler)
+        self.has_run = False  # ran an iteration since it got its slot (a preemption before does not count)
+        self.swap: Any = None  # a `vattn.cache.SwapHandle`: swapped out, or swapped in and not run since
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+
+    def spawn(self, index: int) -> Sequence:
+        """A sibling sample (PENDING) of this request, sharing its `samples` list."""
+        seq = Sequence(self.request_id, self.prompt_token_ids, self.params, self.arrival_time, self.prompt, index)
+        seq.status = SequenceStatus.PENDING
+        seq.samples = self.samples
+        self.samples.append(seq)
+        return seq
+
+    @property
+    def pending_samples(self) -> list[Sequence]:
+        """The siblings still waiting for this sequence's prompt (sample 0 only)."""
+        if self.index or len(self.samples) == 1:
+            return []
+        return [s for s in self.samples if s.status is SequenceStatus.PENDING]
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +101,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.request_id}, {self.status.value}, slot={self.slot}, "
+        return (f"Sequence(id={self.request_id}.{self.index}, {self.status.value}, slot={self.slot}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens}, prompt={self.num_prompt_tokens})")
 
 
@@ -106,28 +133,62 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
-    """A request's state after a step: its generated tokens so far, or final ones.
+class CompletionOutput:
+    """One sample of a request (vLLM's name): its generated tokens so far, or final ones.
 
     `finish_reason`: "stop" (an end-of-sequence or stop token, kept as the last token),
-    "length" (max_tokens reached), "abort" (`LLM.abort_request`), "error" (the request
+    "length" (max_tokens reached), "abort" (`LLM.abort_request`), "error" (the sample
     could not continue; `error` says why: it does not fit into physical_memory even alone,
     its sampling or its forward failed, see `LLM`), None while running.
-    `num_preemptions`: how often the request lost its KV cache to make room for older
-    requests and recomputed it (a request only admitted and sent back before it ran any
-    token does not count).
+    """
+
+    index: int  # which sample, 0 .. n-1
+    token_ids: list[int]  # generated tokens
+    text: str | None  # the generated tokens decoded, when the engine has a tokenizer
+    finish_reason: FinishReason | None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step: its samples' generated tokens so far, or final ones.
+
+    `outputs`: one `CompletionOutput` per sample (`SamplingParams.n`), in index order.
+    `token_ids`, `text`, `finish_reason` and `error` are those of `outputs[0]` (the whole
+    story when n = 1). `finished`: every sample finished.
+    `num_preemptions`: how often the request's samples lost their KV cache to make room
+    for older requests (a sample only admitted and sent back before it ran does not count).
+    `metrics` count the tokens of every sample.
     """
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens
-    text: str | None  # the generated tokens decoded, when the engine has a tokenizer
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: FinishReason | None
     num_preemptions: int
     metrics: RequestMetrics
-    error: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Sample 0's generated tokens."""
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
 
     @property
     def time_to_first_token(self) -> float | None:
