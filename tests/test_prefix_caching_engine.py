@@ -93,11 +93,12 @@ def test_shared_system_prompt_is_computed_once(layout: str) -> None:
     assert 0 < stats.hit_rate < 1 and stats.num_pinned_pages > 0
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("budget", [None, 16], ids=["whole-prompts", "chunked"])
-def test_prefix_caching_under_preemption_and_eviction(budget: int | None) -> None:
+def test_prefix_caching_under_preemption_and_eviction(budget: int | None, mode: str) -> None:
     """96 KiB of KV (192 tokens): pinned pages are evicted for running requests, requests are
-    preempted and recompute with what stayed cached."""
-    kw = dict(physical_memory=96 << 10, enable_prefix_caching=True)
+    preempted and recompute (or swap out and back in) with what stayed cached."""
+    kw = dict(physical_memory=96 << 10, enable_prefix_caching=True, preemption_mode=mode)
     if budget:
         kw["max_num_batched_tokens"] = budget
     evicted = []

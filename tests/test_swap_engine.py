@@ -109,7 +109,7 @@ def test_swap_keeps_seeded_sampling_and_parallel_samples() -> None:
         llm.cache.fork = lambda *a: forks.append(a) or fork(*a)
         outs = run_online(llm, ps, sp)
         assert llm.scheduler.num_swapped_out > 0 and counts["out"] > 0
-        assert forks == []  # in swap mode no slot shares pages: every sample computes the prompt
+        assert forks  # samples share their prompt's pages in swap mode too
         llm.cache.allocator.check_invariants()
     assert [[o.token_ids for o in out.outputs] for out in outs] == [[o.token_ids for o in w.outputs] for w in want]
 
@@ -117,20 +117,10 @@ def test_swap_keeps_seeded_sampling_and_parallel_samples() -> None:
 def test_bad_preemption_mode() -> None:
     with pytest.raises(InvalidConfigError, match="preemption_mode"):
         LLM(tiny_config(), preemption_mode="disk")
-    with pytest.raises(InvalidConfigError, match="prefix caching"):
-        LLM(tiny_config(), preemption_mode="swap", enable_prefix_caching=True)
 
 
-# Why swap mode shares no pages: KVCache.swap_in, when the swapped-out slot was taken, maps
-# the tokens into the free slot alloc_reqid would hand out next and copies them into the
-# pages that slot still maps, without unsharing them first (fork and map_pinned unmap a
-# reused slot's pages; resume does not). Strict xfails: when the cache fixes it, these
-# pass, and the engine may let swap mode fork and cache prefixes again.
-SWAP_COPIES_INTO_SHARED_PAGES = pytest.mark.xfail(
-    strict=True, reason="KVCache.swap_in's copy path writes into a free slot's shared pages (allocator.resume)")
-
-
-@SWAP_COPIES_INTO_SHARED_PAGES
+# A swap-in that has to copy never writes into pages its new slot shares with a running request
+# or with the prefix cache: the slot drops them first.
 def test_cache_swap_in_copy_keeps_a_forked_live_request_intact() -> None:
     import vattn
     from tests.conftest import SMALL, check, fill
@@ -149,7 +139,6 @@ def test_cache_swap_in_copy_keeps_a_forked_live_request_intact() -> None:
         check(c, p, 64, 1)  # p is running: its pages must be intact
 
 
-@SWAP_COPIES_INTO_SHARED_PAGES
 def test_cache_swap_in_copy_keeps_pinned_prefix_pages_intact() -> None:
     import vattn
     from tests.conftest import SMALL, check, fill

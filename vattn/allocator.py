@@ -636,6 +636,9 @@ class PageAllocator:
             new = self._warm_slot()
             self._take(new)
             try:
+                pages = self.slot_pages[new]
+                if any(self.refs[grp] > 1 for grp in pages):  # the copy must not land in shared pages
+                    self._reclaim([(new, len(pages))], len(pages))
                 result = self._back({new: num_tokens}, [new]) if self.cap[new] < num_tokens else StepResult()
             except BaseException:
                 self._untake(new)

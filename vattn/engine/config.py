@@ -39,8 +39,7 @@ class EngineConfig:
     'flash_attn' | 'torch_flash' | 'sdpa'), enable_prefix_caching (map the cached whole pages
     of a new sequence's prefix instead of computing them; needs a page that holds whole tokens),
     preemption_mode ('recompute' | 'swap': what a sequence preempted for memory does, see
-    `vattn.engine.scheduler`; 'swap' shares no pages: no prefix caching, and parallel
-    samples compute the prompt each), idle_trim_s (None, or seconds without work after which the
+    `vattn.engine.scheduler`), idle_trim_s (None, or seconds without work after which the
     engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included).
     """
 
@@ -100,11 +99,6 @@ class EngineConfig:
                 f"max_num_seqs={self.max_num_seqs} is more than max_batch_size={self.max_batch_size} "
                 "(each running sequence holds one cache slot)")
         self.scheduler_config()  # validates the token budget and the preemption mode
-        if self.preemption_mode == "swap" and self.enable_prefix_caching:
-            raise InvalidConfigError(
-                "preemption_mode='swap' cannot be combined with enable_prefix_caching=True yet: a swap-in "
-                "that has to copy may copy into pinned prefix pages that a free slot still maps; use "
-                "preemption_mode='recompute' with prefix caching")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -31,10 +31,9 @@ Preemption (`SchedulerConfig.preemption_mode`, vLLM's names):
   memory leaves it waiting (FCFS: nothing behind it is admitted in that iteration), unless
   nothing runs that could free memory: then it recomputes. A sequence preempted again
   before it ran keeps its host copy (nothing changed), and one that never ran in its slot
-  (admitted too early) is not copied either. In this mode slots never share pages (no
-  forks; the engine refuses prefix caching with it): `KVCache.swap_in`, when it must copy,
-  copies into the pages a free slot still maps, even pages that slot shares with a live
-  request or with the prefix cache, and would overwrite them.
+  (admitted too early) is not copied either. A swap-in that must copy first drops the
+  pages its new slot shares with a live request or the prefix cache, so sharing (forks,
+  prefix caching) works in this mode too.
 
 Parallel sampling (`SamplingParams.n > 1`): only sample 0 is queued; the others are
 PENDING. The iteration that computes the end of sample 0's prompt draws the first token of
@@ -44,8 +43,7 @@ computed is admitted by forking that sibling's slot (`kv.fork`: whole prompt pag
 the partial last page copied) and computes only its own tokens; when no sibling has the
 prompt (they finished or were preempted), it recomputes the prompt in a slot of its own.
 A sample preempted later comes back the same way. A fork that finds no page for its copy
-leaves the sample waiting (FCFS: nothing behind it is admitted in that iteration). In
-"swap" preemption mode samples do not fork (see below): each computes the prompt.
+leaves the sample waiting (FCFS: nothing behind it is admitted in that iteration).
 
 Prefix caching (a `prefix_cache`, see `vattn.prefix_cache.PrefixCache`): a sequence that
 gets a new slot maps the longest cached prefix of its tokens into it (`map_prefix`: no
@@ -262,7 +260,7 @@ class Scheduler:
                 seq.num_computed_tokens = seq.swap.num_tokens
                 self.num_swapped_in += 1
                 return True
-        source = self._fork_source(seq) if self.config.preemption_mode != "swap" else None
+        source = self._fork_source(seq)
         if source is not None:
             try:
                 seq.slot = self.kv.fork(source.slot, seq.num_prompt_tokens)
