@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from vattn.allocator import MemoryStats, StepResult
 from vattn.cache import KVCache
 from vattn.config import CacheConfig
-from vattn.engine import LLM, RequestOutput, SamplingParams
+from vattn.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
 from vattn.errors import (
     BackendError,
     ClosedError,
@@ -95,7 +95,7 @@ def close() -> None:
 
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "KVCache", "CacheConfig", "StepResult", "MemoryStats", "init", "alloc_reqid", "free_reqid", "step",
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KVCache", "CacheConfig", "StepResult", "MemoryStats", "init", "alloc_reqid", "free_reqid", "step",
     "k_cache", "v_cache", "close", "VattnError", "InvalidConfigError", "InvalidRequestError",
     "UnknownReqIdError", "ContextLengthError", "NoFreeSlotError", "OutOfVirtualMemoryError",
     "OutOfPhysicalMemoryError", "MapCountLimitError", "BackendError", "NotInitializedError", "ClosedError",
