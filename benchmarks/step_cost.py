@@ -40,6 +40,26 @@ def measure(slots: int, batch: int, reps: int, background: bool) -> dict:
                 alloc_free_us=churn)
 
 
+def zero_cost(zero: bool, reps: int, page_size: int = 64 << 10) -> dict:
+    """A request of 1000 tokens reusing a freed slot's pages, with and without
+    zero_reused_pages: the cost of clearing them (Llama-3-8B-like layer: 8 x 128 fp16)."""
+    with vattn.KVCache(num_layers=8, num_kv_heads=8, head_dim=128, max_batch_size=2, max_context_len=4096,
+                       dtype="float16", device="cpu", page_size=page_size, prefetch=False,
+                       zero_reused_pages=zero) as c:
+        r = c.alloc_reqid()
+        c.step({r: 1000})  # map once: later requests reuse these pages
+        c.free_reqid(r)
+        t = time.perf_counter()
+        for _ in range(reps):
+            r = c.alloc_reqid()
+            c.step({r: 1000})
+            c.free_reqid(r)
+        dt = (time.perf_counter() - t) / reps
+        pages = c.geometry.pages_for(1000)
+        return dict(zero_reused_pages=zero, us_per_request=dt * 1e6, pages=pages,
+                    cleared_MiB=pages * c.geometry.group_bytes / 2**20 if zero else 0.0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
@@ -53,6 +73,9 @@ def main() -> None:
                 rows.append(measure(slots, batch, reps, bg))
     print_table(["slots", "batch", "background", "no-op step us", "alloc+free us"],
                 [[r["slots"], r["batch"], r["background"], r["noop_step_us"], r["alloc_free_us"]] for r in rows])
+    zero = [zero_cost(z, 20 if args.quick else 100) for z in (False, True)]
+    print_table(["zero_reused_pages", "us per request (1000 tokens)", "pages", "MiB cleared"],
+                [[z["zero_reused_pages"], z["us_per_request"], z["pages"], z["cleared_MiB"]] for z in zero])
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,7 +90,7 @@ def main() -> None:
     ax.set_title("step cost grows with the batch, not the slots")
     ax.legend()
     save("step_cost_host", {"env": environment("cpu"), "omp_num_threads": __import__("os").environ.get("OMP_NUM_THREADS"),
-                            "rows": rows}, fig, out=args.out)
+                            "rows": rows, "zero_reused_pages": zero}, fig, out=args.out)
 
 
 if __name__ == "__main__":
