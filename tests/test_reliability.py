@@ -230,3 +230,30 @@ def test_forgotten_cache_is_released_by_gc_in_every_mode(kw):
     del c
     gc.collect()
     assert _vattn_mappings() == base
+
+
+def test_zero_reused_pages_never_clears_shared_pinned_or_swapped_data():
+    from vattn.prefix_cache import PrefixCache
+
+    with vattn.KVCache(**SMALL, device="cpu", page_size=4 * KB, prefetch=False, zero_reused_pages=True) as c:
+        pc = PrefixCache(c)
+        a = c.alloc_reqid()
+        assert c.step({a: 100})
+        fill(c, a, 0, 100, 1)
+        f = c.fork(a, 64)  # shares a's two whole pages
+        pc.insert(a, list(range(96)))
+        c.free_reqid(a)  # a's shared and pinned pages are not someone else's garbage
+        b = c.alloc_reqid()
+        assert pc.map_prefix(b, list(range(97))) == 96
+        assert c.step({b: 100, f: 70})
+        check(c, b, 96, 1)  # the cached prefix survived the clearing of reused pages
+        check(c, f, 64, 1)
+        h = c.swap_out(f, 64)
+        g = c.alloc_reqid()  # takes f's old slot: the swap-in must copy
+        assert c.step({g: 200})
+        fill(c, g, 0, 200, 2)
+        r = c.swap_in(h)
+        assert h.copied_in and c.step({r: 65, b: 100, g: 200})
+        check(c, r, 64, 1)  # the copy was not cleared afterwards
+        assert not c.k_cache(0)[r, 64:65].any()  # and what lies past it reads zero
+        c.allocator.check_invariants()

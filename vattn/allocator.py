@@ -265,7 +265,9 @@ class PageAllocator:
             self.max_lens[slot] = 0
             self._pages_changed(slot)
             if self.zero_pages is not None and self.slot_pages[slot]:  # the next owner must not read them
-                self.dirty.update(self.slot_pages[slot])
+                # (pages shared with a live slot or pinned are someone's data still: a new owner
+                # drops them unread at its first step)
+                self.dirty.update(grp for grp in self.slot_pages[slot] if self.refs[grp] == 1)
                 self.dirty_slots.add(slot)
 
     def _warm_slot(self) -> int:
@@ -612,8 +614,6 @@ class PageAllocator:
             slot = self._check_active(reqid)
         self.free_reqid(slot)
         with self._lock:
-            if self.zero_pages is not None:  # its own data: nothing to clear if it comes back
-                self.dirty_slots.discard(slot)
             return slot, self.epoch[slot]
 
     def resume(self, slot: int, epoch: int, num_tokens: int) -> tuple[int, bool]:
@@ -648,6 +648,8 @@ class PageAllocator:
                 raise OutOfPhysicalMemoryError(
                     f"no pages for the {num_tokens} tokens of a swapped-out request; free requests or raise "
                     "physical_memory")
+            if self.dirty_slots:  # clear an earlier owner's data first: the copy fills only the tokens
+                self._zero_dirty([new])
             self.max_lens[new] = num_tokens
             return new, True
 
@@ -807,6 +809,7 @@ class PageAllocator:
             for grp in groups:
                 self.refs[grp] += 1
                 self.pins.move_to_end(grp)
+            self.dirty.difference_update(groups)  # the prefix's data: never cleared
             self.slot_pages[slot] = list(groups)
             self.shared_slots.add(slot)
             self.max_lens[slot] = len(groups) * g.page_size // g.token_bytes
