@@ -196,7 +196,8 @@ class PageAllocator:
     def __init__(self, geometry: Geometry, backend: Backend, bases: Sequence[int], *,
                  max_pages: int, background: bool, prefetch: bool,
                  zero_pages: Callable[[list[int]], None] | None = None,
-                 copy_pages: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
+                 copy_pages: Callable[[list[tuple[int, int]]], None] | None = None,
+                 budget: Any = None) -> None:
         self.geometry = geometry
         self.backend = backend
         self.bases = list(bases)
@@ -238,6 +239,12 @@ class PageAllocator:
         self._closed = False
         self.worker_error: BaseException | None = None
         self.premapper = Premapper(self)
+        # A physical budget shared with other caches and pools (`vattn.Budget`): every group
+        # created is taken from it and given back when released; others may ask for our
+        # cached pages (`_give_back`), and a step the budget refused asks them next time.
+        self.budget = budget
+        self._budget_short = 0  # bytes a step could not take from the budget
+        self._budget_token = budget.register(self._give_back, self._cached_bytes) if budget is not None else None
 
     # ------------------------------------------------------------------ slots ----
     def alloc_reqid(self) -> int:
@@ -292,6 +299,9 @@ class PageAllocator:
 
     # ------------------------------------------------------------------- step ----
     def step(self, seq_lens: Sequence[int] | Mapping[int, int]) -> StepResult:
+        if self._budget_short:  # the budget refused us last time: ask the others (never under our lock)
+            short, self._budget_short = self._budget_short, 0
+            self.budget.reclaim(short, requester=self._budget_token)
         with self._quiet():
             lens, short, edge = self._normalize(seq_lens)
             fence = self.backend.fence()
@@ -571,14 +581,36 @@ class PageAllocator:
         nb, page = self.geometry.num_buffers, self.geometry.page_size
         with self._unlocked(background):
             try:
-                groups = self.backend.create(n, nb, page)
+                groups = self._create(n)
             except OutOfPhysicalMemoryError:
                 if n <= count:
                     raise
                 n = min(count, room)  # the chunk did not fit; what is needed may
-                groups = self.backend.create(n, nb, page)
+                groups = self._create(n)
         self.num_created += n
         self.pool.extend(reversed(groups))
+
+    def _create(self, n: int) -> list[Any]:
+        """Create `n` groups, taking their bytes from the shared budget first (if any)."""
+        g = self.geometry
+        nbytes = n * g.group_bytes
+        if self.budget is not None and not self.budget.try_take(nbytes):
+            self._budget_short = max(self._budget_short, nbytes)
+            raise OutOfPhysicalMemoryError(
+                f"the shared budget has no room for {n} more page groups ({nbytes} bytes); free requests here "
+                "or in the caches sharing it, or raise its limit")
+        try:
+            return self.backend.create(n, g.num_buffers, g.page_size)
+        except BaseException:
+            if self.budget is not None:
+                self.budget.give(nbytes)
+            raise
+
+    def _release(self, groups: list[Any]) -> None:
+        """Release unmapped groups and give their bytes back to the shared budget."""
+        self.backend.release(groups)
+        if self.budget is not None and groups:
+            self.budget.give(len(groups) * self.geometry.group_bytes)
 
     def reserve_physical(self, nbytes: int) -> int:
         """Create page groups until at least `nbytes` of physical memory exist. Returns groups created."""
@@ -593,7 +625,7 @@ class PageAllocator:
                     f"({self.max_pages * self.geometry.group_bytes} bytes); raise physical_memory")
             before = self.num_created
             if n > before:
-                groups = self.backend.create(n - before, self.geometry.num_buffers, self.geometry.page_size)
+                groups = self._create(n - before)
                 self.num_created = n
                 self.pool.extend(reversed(groups))
             return self.num_created - before
@@ -738,11 +770,39 @@ class PageAllocator:
             donors = self._reclaimable({})
             self._reclaim(donors, self.num_created)
             self._evict(len(self.pins))
-            groups, self.pool = self.pool, []
-            self.dirty.difference_update(groups)
-            self.backend.release(groups)
-            self.num_created -= len(groups)
-            return len(groups)
+            return self._release_pool(len(self.pool))
+
+    def _release_pool(self, count: int) -> int:
+        """Release up to `count` pool groups (lock held). Returns how many."""
+        groups = self.pool[len(self.pool) - count:] if count else []
+        del self.pool[len(self.pool) - len(groups):]
+        self.dirty.difference_update(groups)
+        self._release(groups)
+        self.num_created -= len(groups)
+        return len(groups)
+
+    def _give_back(self, nbytes: int) -> int:
+        """The shared budget asks for memory (another cache is short): release pool groups,
+        then cached pages (free slots, pre-mapped tails, pins no slot maps), up to `nbytes`.
+        Never raises. Returns the bytes given back."""
+        gb = self.geometry.group_bytes
+        want = -(-nbytes // gb)
+        try:
+            with self._quiet():
+                if len(self.pool) < want:
+                    self._fence_ran()
+                    self._reclaim(self._reclaimable({}), want - len(self.pool))
+                    if len(self.pool) < want:
+                        self._evict(want - len(self.pool))
+                return self._release_pool(min(want, len(self.pool))) * gb
+        except Exception:  # closed, or a driver call failed: give what we can, which is nothing
+            return 0
+
+    def _cached_bytes(self) -> int:
+        """An estimate, without the lock, of what `_give_back` could give now."""
+        pages = self.slot_pages
+        cached = len(self.pool) + sum(len(pages[s]) for s in list(self.free_slots)) + len(self.pins)
+        return cached * self.geometry.group_bytes
 
     def pin(self, reqid: int, num_pages: int) -> list[tuple[Any, int]]:
         """Keep the first `num_pages` pages of `reqid` (whole pages of tokens it wrote) after
@@ -1020,9 +1080,12 @@ class PageAllocator:
             self.dirty.clear()
             self.dirty_slots.clear()
             try:
-                self.backend.release(groups)
+                self._release(groups)
             except Exception as e:
                 errors.append(e)
+            self.num_created = 0
+        if self.budget is not None:
+            self.budget.unregister(self._budget_token)
         if errors:
             raise errors[0]
 

@@ -51,9 +51,12 @@ class KVCache:
     or call `close()` to release all memory; tensors must not be used after that.
     """
 
-    def __init__(self, config: CacheConfig | None = None, *, backend: Backend | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: CacheConfig | None = None, *, backend: Backend | None = None,
+                 budget: Any = None, **kwargs: Any) -> None:
         """`config` or `vattn.init`'s keyword arguments. `backend`: a ready `vattn.vmem.Backend`
-        to use instead of the one `config.device` names (tests, custom memory)."""
+        to use instead of the one `config.device` names (tests, custom memory). `budget`: a
+        `vattn.Budget` shared with other caches and elastic pools: pages are created only
+        within it, and memory one gives back (free requests' cached pages) another can take."""
         if config is None:
             try:
                 config = CacheConfig(**kwargs)
@@ -94,7 +97,8 @@ class KVCache:
                                        background=config.background, prefetch=config.prefetch,
                                        zero_pages=functools.partial(_zero_pages, weakref.ref(self))
                                        if config.zero_reused_pages else None,
-                                       copy_pages=functools.partial(_copy_pages, weakref.ref(self)))
+                                       copy_pages=functools.partial(_copy_pages, weakref.ref(self)),
+                                       budget=budget)
         # The memory goes when this cache and its last tensor view are gone (or at close()):
         # every view keeps the range alive, the range keeps `owner`, and the owner's finalizer
         # unmaps and releases the pages before the range frees its address space. Neither
