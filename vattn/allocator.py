@@ -545,6 +545,12 @@ class PageAllocator:
             self._pages_changed(s)
         return len(offsets)
 
+    def _empty(self, slot: int) -> None:
+        """Unmap every page of `slot` (after its fence); groups nobody else maps go to the pool."""
+        n = len(self.slot_pages[slot])
+        if n:
+            self._reclaim([(slot, n)], n)
+
     def _unref(self, groups: Iterator[Any] | list[Any]) -> None:
         """Drop one slot's reference to each group; a group nobody maps goes to the pool."""
         for grp in groups:
@@ -565,7 +571,7 @@ class PageAllocator:
             if not any(self.refs[grp] > 1 for grp in pages):
                 self.shared_slots.discard(s)
             elif s in lens and not self.max_lens[s]:
-                self._reclaim([(s, len(pages))], len(pages))
+                self._empty(s)
                 self.shared_slots.discard(s)
                 changed = True
         return changed
@@ -668,9 +674,8 @@ class PageAllocator:
             new = self._warm_slot()
             self._take(new)
             try:
-                pages = self.slot_pages[new]
-                if any(self.refs[grp] > 1 for grp in pages):  # the copy must not land in shared pages
-                    self._reclaim([(new, len(pages))], len(pages))
+                if any(self.refs[grp] > 1 for grp in self.slot_pages[new]):  # the copy must not land in shared pages
+                    self._empty(new)
                 result = self._back({new: num_tokens}, [new]) if self.cap[new] < num_tokens else StepResult()
             except BaseException:
                 self._untake(new)
@@ -716,8 +721,7 @@ class PageAllocator:
             # The emptiest free slot, leaving the warm one (the worker pre-maps it) to alloc_reqid.
             warm = self._warm_slot()
             child = min(self.free_slots, key=lambda s: (s == warm, len(self.slot_pages[s]), s))
-            if self.slot_pages[child]:  # it keeps nothing of its earlier requests
-                self._reclaim([(child, len(self.slot_pages[child]))], len(self.slot_pages[child]))
+            self._empty(child)  # it keeps nothing of its earlier requests
             fresh = []
             if copy:
                 if not self.pool:
@@ -862,9 +866,7 @@ class PageAllocator:
                 groups.append(grp)
             if not groups:
                 return 0
-            pages = self.slot_pages[slot]
-            if pages:  # a reused slot: drop its pages first
-                self._reclaim([(slot, len(pages))], len(pages))
+            self._empty(slot)  # a reused slot: drop its pages first
             self.backend.map(self.bases, [g.page_offset(slot, p) for p in range(len(groups))], groups, g.page_size)
             for grp in groups:
                 self.refs[grp] += 1
