@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layout", choices=["per-layer", "fused"], default="per-layer",
                    help="KV cache layout (default: per-layer)")
 
+    sub.add_parser("bench", add_help=False,
+                   help="page-size experiments and the paper's comparisons (tables, JSON, plots); "
+                   "see vattn bench --help")
     sub.add_parser("serve", add_help=False,
                    help="transformers serve (OpenAI-compatible, continuous batching) on vattn memory; "
                    "see vattn serve --help")
@@ -126,6 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"vattn: error: {e}", file=sys.stderr)
             return 2
         return 0
+    if argv[:1] == ["bench"]:  # its own parser: one subcommand per benchmark
+        from vattn.bench import main as bench_main
+
+        try:
+            return bench_main(argv[1:])
+        except VattnError as e:
+            print(f"vattn: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
 
     try:

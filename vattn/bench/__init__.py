@@ -1,0 +1,92 @@
+"""`vattn bench NAME [options]`: the page-size experiments and the paper's comparisons as commands.
+
+Every benchmark is one module of this package with the same shape:
+
+    NAME: str                 # the command name
+    HELP: str                 # one line for `vattn bench --help`
+    NEEDS_GPU: bool           # True: prints that it needs a GPU and exits 0 without CUDA
+    def add_arguments(parser: argparse.ArgumentParser) -> None
+    def run(args: argparse.Namespace) -> dict        # a JSON-able result (use _common.progress for bars)
+    def table(result: dict) -> tuple[list[str], list[list]]   # headers, rows
+    def plot(result: dict) -> matplotlib.figure.Figure | None
+
+`main` does the rest once for all of them: parses, prints the table, records the environment
+(device, versions, commit, date) and writes `<name>_<device>.json` and `.png` to
+`benchmarks/results/` (or `--out DIR`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+from typing import Sequence
+
+# command name -> module under vattn.bench (imported only when that benchmark runs)
+BENCHMARKS: dict[str, str] = {
+    "fragmentation": "fragmentation",
+    "alloc": "alloc",
+    "overlap": "overlap",
+    "kernel": "kernel",
+    "throughput": "throughput",
+    "gpu": "gpu",
+}
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"vattn.bench.{BENCHMARKS[name]}")
+
+
+def _available() -> dict[str, ModuleType]:
+    """The registered benchmarks whose module exists (a module missing is skipped, not an error)."""
+    mods = {}
+    for name in BENCHMARKS:
+        try:
+            mods[name] = _module(name)
+        except ModuleNotFoundError as e:
+            if e.name != f"vattn.bench.{BENCHMARKS[name]}":
+                raise
+    return mods
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vattn bench", description="vattn's benchmarks: each prints a table and "
+                                "writes JSON (device, versions, commit, date) and a PNG to benchmarks/results/.")
+    sub = p.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, mod in _available().items():
+        b = sub.add_parser(name, help=mod.HELP, description=(mod.__doc__ or mod.HELP).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(b)
+        b.add_argument("--out", default=None, metavar="DIR",
+                       help="write the JSON and PNG here (default: benchmarks/results/)")
+        b.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    return p
+
+
+def device_tag(device: str) -> str:
+    """The file-name suffix of a device: host for the CPU, cuda for any GPU."""
+    return "cuda" if str(device).startswith("cuda") else "host"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one benchmark; 0 on success (also when a GPU benchmark skips for want of a GPU)."""
+    from . import _common
+
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    mod = _module(args.bench)
+    if getattr(mod, "NEEDS_GPU", False):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"vattn bench {args.bench}: needs a CUDA GPU and none is available here; nothing to do.")
+            return 0
+    device = getattr(args, "device", None) or "cpu"
+    result = mod.run(args)
+    headers, rows = mod.table(result)
+    _common.print_table(headers, rows)
+    fig = None if args.no_plot else mod.plot(result)
+    config = {k: v for k, v in vars(args).items() if k not in ("bench", "out", "no_plot")}
+    payload = {"benchmark": args.bench, "environment": _common.environment(device), "config": config,
+               "result": result}
+    _common.save(f"{args.bench}_{device_tag(device)}", payload, fig, out=args.out)
+    return 0

@@ -1,0 +1,121 @@
+"""Shared by the benchmarks: environment facts, a printed table, percentiles, a progress bar,
+JSON + PNG output. Written once here; every `vattn bench` module and `benchmarks/*.py` script uses it."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+def _results_dir() -> Path:
+    """benchmarks/results of the checkout vattn runs from, else of the working directory."""
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "benchmarks").is_dir() and (repo / "pyproject.toml").is_file():
+        return repo / "benchmarks" / "results"
+    return Path.cwd() / "benchmarks" / "results"
+
+
+RESULTS = _results_dir()
+OUT_ENV = "VATTN_BENCH_OUT"  # when set, save() writes there instead of RESULTS (the GPU suite's OUTDIR)
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Device, versions, commit and date, stored with every result."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    commit = commit or os.environ.get("VATTN_COMMIT", "")  # a copied tree without .git (the GPU machine)
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    if cuda:
+        dev = torch.cuda.get_device_name(torch.device(device))
+    else:
+        dev = f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
+    import vattn
+
+    env = {
+        "device": dev, "device_kind": device, "python": platform.python_version(), "torch": torch.__version__,
+        "vattn": vattn.__version__, "kernel": platform.release(), "commit": commit,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        from importlib.metadata import version
+
+        env["transformers"] = version("transformers")
+    except Exception:
+        pass
+    if cuda:
+        props = torch.cuda.get_device_properties(torch.device(device))
+        env.update(cuda=torch.version.cuda, driver=_driver_version(), gpu_memory_GiB=round(props.total_memory / 2**30, 1),
+                   compute_capability=f"{props.major}.{props.minor}")
+    return env
+
+
+def _driver_version() -> str:
+    """The NVIDIA driver version, from nvidia-smi or else the driver API (cuda-python)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        if out:
+            return out.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        from cuda.bindings import driver
+
+        err, v = driver.cuDriverGetVersion()
+        return f"CUDA driver API {v // 1000}.{v % 1000 // 10}"
+    except Exception:
+        return ""
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print(" | ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in cells:
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def save(name: str, payload: dict[str, Any], fig: Any = None, out: str | os.PathLike | None = None) -> Path:
+    """Write <dir>/<name>.json (and <name>.png when a matplotlib figure is given). <dir> is
+    `out`, else $VATTN_BENCH_OUT, else benchmarks/results/."""
+    folder = Path(out or os.environ.get(OUT_ENV) or RESULTS)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    if fig is not None:
+        fig.tight_layout()
+        fig.savefig(folder / f"{name}.png", dpi=120)
+    print(f"wrote {path}" + (f" and {name}.png" if fig is not None else ""))
+    return path
+
+
+def _jsonable(x: Any) -> Any:
+    """json.dumps fallback: torch dtypes/devices, paths and the like as strings."""
+    return str(x)
+
+
+def latency_stats(xs: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p99 and max of a list of latencies (same unit as given); empty -> NaN."""
+    if not xs:
+        return dict(n=0, mean=float("nan"), p50=float("nan"), p99=float("nan"), max=float("nan"))
+    s = sorted(xs)
+    return dict(n=len(s), mean=sum(s) / len(s), p50=s[len(s) // 2], p99=s[min(len(s) - 1, int(len(s) * 0.99))],
+                max=s[-1])
+
+
+def progress(iterable: Any = None, *, total: int | None = None, desc: str = "", unit: str = "it") -> Any:
+    """A tqdm progress bar on stderr (the printed table stays clean on stdout); silent when
+    VATTN_BENCH_QUIET is set (tests)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True,
+                disable=bool(os.environ.get("VATTN_BENCH_QUIET")))
