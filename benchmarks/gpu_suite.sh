@@ -15,15 +15,15 @@
 #   suite.log     every step's output
 #   summary.md    steps, environment and the key figures (also printed at the end)
 #   results.json  every benchmark's JSON (environment, arguments, raw numbers)
-#   *.png         one plot per benchmark (vmm_latency_cuda, alloc_latency_cuda,
-#                 gpu_kernels, gpu_overlap, gpu_e2e)
+#   *.png         one plot per benchmark (`vattn bench gpu`: kernel_cuda, alloc_cuda,
+#                 overlap_cuda, e2e_cuda)
 # Exit code: 0 when every step that ran passed, 1 otherwise.
 #
 # Environment: PYTHON (default python3), VATTN_SUITE_BUDGET (seconds),
 # VATTN_COMMIT (recorded when the tree has no .git), VATTN_SUITE_FORCE_PIP=1 (pip
 # install -e even without CUDA; without CUDA the extension is built in place instead, so
 # a shared environment is not repointed), VATTN_SUITE_CPU_CHECKS=1 (without CUDA, run
-# the new benchmarks' tiny CPU versions).
+# `vattn bench gpu --device cpu`: the benchmarks' tiny CPU versions).
 set -u -o pipefail
 
 OUT=${1:?usage: bash benchmarks/gpu_suite.sh OUTDIR}
@@ -116,13 +116,9 @@ say "  install + import check     30 /  150"
 say "  versions                    5 /   60"
 say "  pytest -m gpu (cext)       60 /  150"
 say "  allocator suite cuda-python 40 / 120"
-say "  vmm_latency.py --quick     30 /   90"
-say "  gpu_kernels.py --quick     40 /  120"
-say "  gpu_overlap.py --quick     45 /  120"
-say "  gpu_e2e.py --quick         110 / 200"
-say "  alloc_latency.py --quick   30 /   90"
+say "  vattn bench gpu --quick   300 /  budget left - 100 (kernel, alloc, overlap, e2e)"
 say "  compute-sanitizer demo     75 /  150"
-say "  expected total            ~465 (the tail is skipped, not overrun, if earlier steps run long)"
+say "  expected total            ~550 (the tail is skipped, not overrun, if earlier steps run long)"
 if [ $HAVE_CUDA = 1 ]; then say "CUDA: yes"; else say "CUDA: no (torch.cuda.is_available() is False): GPU steps are skipped"; fi
 say ""
 
@@ -188,21 +184,19 @@ fi
 # ------------------------------------------------------------------ 3. benchmarks ----
 left() { echo $((BUDGET - $(elapsed))); }
 if [ $HAVE_CUDA = 1 ]; then
-    step vmm_latency 30 90 "^cext|^cuda-python|wrote|Error" "$PY" benchmarks/vmm_latency.py --device cuda:0 --quick
-    step gpu_kernels 40 120 "within_2pct|wrote|Error" "$PY" benchmarks/gpu_kernels.py --quick --out "$OUT" \
-        --budget-s $(( $(left) > 120 ? 90 : $(left) - 30 ))
-    step gpu_overlap 45 120 "background/premapped mean|wrote|Error" "$PY" benchmarks/gpu_overlap.py --quick --out "$OUT"
-    # gpu_e2e leaves ~120 s for the two steps after it; it starts no new case after --budget-s
-    E2E_LIMIT=$(( $(left) - 120 < 200 ? $(left) - 120 : 200 ))
-    step gpu_e2e 110 $(( E2E_LIMIT > 30 ? E2E_LIMIT : 30 )) "pages|wrote|Error" "$PY" benchmarks/gpu_e2e.py --quick \
-        --out "$OUT" --budget-s $(( E2E_LIMIT - 50 > 20 ? E2E_LIMIT - 50 : 20 ))
-    step alloc_latency 30 90 "^background|wrote|Error" "$PY" benchmarks/alloc_latency.py --device cuda --quick
+    # every GPU benchmark in one run; ~100 s are left for compute-sanitizer. Each part writes
+    # <part>_cuda.json/.png into OUTDIR and starts only while --budget-s is not spent.
+    GPU_LIMIT=$(( $(left) - 100 > 60 ? $(left) - 100 : 60 ))
+    step bench_gpu 300 $GPU_LIMIT "^(kernel|alloc|overlap|e2e) +\||wrote|Error" "$PY" -m vattn bench gpu --quick \
+        --out "$OUT" --budget-s $(( GPU_LIMIT - 40 > 20 ? GPU_LIMIT - 40 : 20 ))
+    if [ ! -f vattn/bench/overlap.py ] && [ -f benchmarks/gpu_overlap.py ]; then  # until `vattn bench overlap` exists
+        step gpu_overlap 45 120 "background/premapped mean|wrote|Error" "$PY" benchmarks/gpu_overlap.py --quick --out "$OUT"
+    fi
 else
-    for s in vmm_latency gpu_kernels gpu_overlap gpu_e2e alloc_latency; do skip "$s" "no CUDA"; done
-    if [ -n "${VATTN_SUITE_CPU_CHECKS:-}" ]; then  # the new scripts' tiny CPU versions (harness checks)
-        step gpu_kernels_cpu 20 120 "equal|wrote|Error" "$PY" benchmarks/gpu_kernels.py --device cpu --out "$OUT"
-        step gpu_overlap_cpu 20 120 "premapped mean|wrote|Error" "$PY" benchmarks/gpu_overlap.py --device cpu --out "$OUT"
-        step gpu_e2e_cpu 20 120 "first-token|wrote|Error" "$PY" benchmarks/gpu_e2e.py --device cpu --out "$OUT"
+    skip bench_gpu "no CUDA"
+    if [ -n "${VATTN_SUITE_CPU_CHECKS:-}" ]; then  # the benchmarks' tiny CPU versions (harness checks)
+        step bench_gpu_cpu 60 240 "^(kernel|alloc|overlap|e2e) +\||wrote|Error" "$PY" -m vattn bench gpu --device cpu \
+            --quick --out "$OUT"
     fi
 fi
 

@@ -3,7 +3,8 @@
 After every step, `gpu_suite.sh` calls this to record the step's status and to fold the
 JSON files the step wrote into OUTDIR/results.json (the files are then removed, so OUTDIR
 stays a handful of files), and summary.md is written again from results.json.
-Plain Python (no torch) except `--env`.
+Plain Python (no torch) except `--env` and the `vattn bench` sections, which use each
+benchmark module's own `table()`.
 
     python benchmarks/gpu_summary.py OUTDIR --step NAME --status passed --seconds 12 --timeout 90 [--note TEXT]
     python benchmarks/gpu_summary.py OUTDIR --env cuda      # record the environment (imports torch)
@@ -75,8 +76,8 @@ def _env(results: dict[str, Any]) -> str:
     env = results.get("suite", {}).get("env") or {}
     if not env:
         for v in results.values():
-            if isinstance(v, dict) and isinstance(v.get("env"), dict):
-                env = v["env"]
+            if isinstance(v, dict) and isinstance(v.get("env") or v.get("environment"), dict):
+                env = v.get("env") or v["environment"]
                 break
     keys = ["device", "gpu_memory_GiB", "compute_capability", "driver", "cuda", "torch", "transformers", "python",
             "kernel", "vattn", "commit", "date"]
@@ -90,48 +91,6 @@ def _steps(results: dict[str, Any]) -> str:
     return table(["step", "status", "seconds", "timeout", "note"],
                  [[s["name"], s["status"].upper() if s["status"] in ("failed", "timeout") else s["status"],
                    s.get("seconds"), s.get("timeout"), s.get("note", "")] for s in steps])
-
-
-def _vmm(d: dict) -> str:
-    parts = [table(["driver", "page MiB", "create us", "map us", "set access us", "unmap us", "release us"],
-                   [[r["driver"], r["page_MiB"], r["create"], r["map"], r["set_access"], r["unmap"], r["release"]]
-                    for r in d.get("per_call", [])]),
-             "", "step() allocation bandwidth:", "",
-             table(["driver", "layout", "page MiB", "groups", "GB/s", "us/group"],
-                   [[r["driver"], r["layout"], r["page_MiB"], r["groups"], r["GBps"], r["us_per_group"]]
-                    for r in d.get("step_bandwidth", [])])]
-    return "\n".join(parts)
-
-
-def _alloc(d: dict) -> str:
-    return "\n".join([
-        table(["layout", "page KiB", "buffers", "map us", "unmap us", "1 call/buffer us", "GB/s"],
-              [[r["layout"], r["page_KiB"], r["buffers"], r["map_us"], r["unmap_us"], r["map_per_buffer_calls_us"],
-                r["map_GBps"]] for r in d.get("map", [])]),
-        "", "step() in a decode loop:", "",
-        table(["mode", "mean us", "p50 us", "p99 us", "max us", "groups mapped in step", "mean / on-demand"],
-              [[r["mode"], r["step_us_mean"], r["step_us_p50"], r["step_us_p99"], r["step_us_max"],
-                r["groups_mapped_in_step"], r["mean_vs_on_demand"]] for r in d.get("step", [])])])
-
-
-def _kernels(d: dict) -> str:
-    rows = d.get("rows", [])
-    ok = [r for r in rows if "error" not in r]
-    parts = [f"kernel: {d.get('kernel')}", "",
-             table(["layout", "phase", "B", "T", "virtual us", "contiguous us", "strided us", "virtual/contiguous",
-                    "equal", "vs SDPA"],
-                   [[r["layout"], r["phase"], r["batch"], r["context"], r.get("virtual_us"), r.get("contiguous_us"),
-                     r.get("strided_us"), r.get("virtual_vs_contiguous"), r.get("equal_to_contiguous"),
-                     r.get("max_abs_diff_vs_sdpa")] for r in ok])]
-    summ = d.get("summary")
-    for k, v in (summ.items() if isinstance(summ, dict) else [("summary", summ)]):
-        parts.append(f"- {k}: {v}")
-    parts += [f"- ERROR {r['layout']} {r.get('phase')} B={r['batch']} T={r['context']}: {r['error']}"
-              for r in rows if "error" in r]
-    parts += [f"- CHECK FAILED {r['layout']} {r['phase']} B={r['batch']} T={r['context']}: {r['check_failed']}"
-              for r in rows if "check_failed" in r]
-    parts += [f"- skipped {s}" for s in d.get("skipped", [])]
-    return "\n".join(parts)
 
 
 def _overlap(d: dict) -> str:
@@ -154,51 +113,31 @@ def _overlap(d: dict) -> str:
     return "\n".join(parts)
 
 
-def _e2e(d: dict) -> str:
-    a = d.get("args", {})
-    rows, notes = [], []
-    for r in d.get("results", []):
-        for system, s in r.get("systems", {}).items():
-            agree = r.get(f"{system}_vs_hf_generate", {})
-            rows.append([r["model"], r["batch"], system, s.get("decode_tok_s"), s.get("decode_tok_s_in_run"),
-                         s.get("total_tok_s"),
-                         s.get("peak_reserved_GiB"), s.get("peak_mapped_GiB"), agree.get("token_match"),
-                         agree.get("prefix_match")])
-        lg = r.get("first_token_logits_vattn_vs_hf")
-        if lg:
-            notes.append(f"- {r['model']} B={r['batch']}: first-token logits max abs diff {_fmt(lg['max_abs_diff'])} "
-                         f"(max |logit| {_fmt(lg['logits_abs_max'])}), argmax equal {_fmt(lg['argmax_equal'])}")
-        v = r.get("systems", {}).get("vattn", {})
-        if v.get("after_finish"):
-            f = v["after_finish"]
-            c = v.get("after_close") or {}
-            notes.append(f"- {r['model']} B={r['batch']}: after finish {_fmt(f['mapped_MiB'])} MiB mapped, "
-                         f"{_fmt(f['used_MiB'])} MiB used, {_fmt(f['cached_MiB'])} MiB cached (deferred reclamation)"
-                         + (f"; close() freed {_fmt(c['gpu_free_rose_MiB'])} of {_fmt(c['created_MiB'])} MiB created: "
-                            f"pages returned {_fmt(c['pages_returned'])}" if c else ""))
-        for system, e in r.get("errors", {}).items():
-            notes.append(f"- ERROR {r['model']} B={r.get('batch')} {system}: {e}")
-    models = ", ".join(f"{k}: {v['layers']} layers, {v['parameters'] / 1e9:.2f} B params"
-                       for k, v in d.get("models", {}).items())
-    return "\n".join([f"prompt {a.get('prompt_len')} tokens, {a.get('max_tokens')} new tokens, greedy, "
-                      f"{d.get('dtype', '?')}, vattn layout {a.get('layout')}; {models}", "",
-                      table(["model", "B", "system", "decode tok/s", "in-run decode tok/s", "total tok/s",
-                             "peak reserved GiB",
-                             "vattn mapped GiB", "token match vs generate", "prefix match"], rows)]
-                     + notes + [f"- skipped {s}" for s in d.get("skipped", [])])
-
-
-FORMATTERS: list[tuple[str, str, Callable[[dict], str]]] = [
-    ("vmm_latency_cuda", "CUDA VMM call latency (vmm_latency.py)", _vmm),
-    ("alloc_latency_cuda", "Page-group map and step latency on CUDA (alloc_latency.py)", _alloc),
-    ("gpu_kernels", "FlashAttention on the vattn cache vs a contiguous tensor (gpu_kernels.py)", _kernels),
+FORMATTERS: list[tuple[str, str, Callable[[dict], str]]] = [  # the old script's files (the suite's fallback step)
     ("gpu_overlap", "Hidden allocation latency in a decode loop (gpu_overlap.py)", _overlap),
-    ("gpu_e2e", "End-to-end decode throughput vs transformers (gpu_e2e.py)", _e2e),
-    ("alloc_latency_host", "Host allocator latency (alloc_latency.py)", _alloc),
-    ("gpu_kernels_cpu_check", "CPU check of gpu_kernels.py (host backend; timings meaningless)", _kernels),
     ("gpu_overlap_cpu_check", "CPU check of gpu_overlap.py (host backend; timings meaningless)", _overlap),
-    ("gpu_e2e_cpu_check", "CPU check of gpu_e2e.py (host backend; timings meaningless)", _e2e),
 ]
+# `vattn bench` payloads, summarised with each module's own table(), in this order
+BENCH_ORDER = ("gpu", "kernel", "alloc", "overlap", "e2e", "throughput")
+BENCH_MODULES = {"e2e": "_e2e"}
+
+
+def _bench(d: dict) -> str:
+    """A `vattn bench` payload (benchmark, environment, config, result) as its module's table
+    and printed notes (importing the module imports torch)."""
+    import contextlib
+    import importlib
+    import io
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    mod = importlib.import_module(f"vattn.bench.{BENCH_MODULES.get(d['benchmark'], d['benchmark'])}")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        headers, rows = mod.table(d["result"])
+    config = ", ".join(f"{k} {v}" for k, v in d.get("config", {}).items() if v not in (None, False, []))
+    notes = [line for line in buf.getvalue().splitlines() if line.strip()]
+    return "\n".join([f"config: {config}", ""] + notes + ["", table(headers, rows)])
 
 
 def summary(results: dict[str, Any]) -> str:
@@ -212,13 +151,16 @@ def summary(results: dict[str, Any]) -> str:
     else:
         head = "ALL PASSED" if not skipped else f"every step that ran passed; skipped: {', '.join(skipped)}"
     parts = ["# vattn GPU suite", "", f"**{head}**", "", _env(results), "", "## Steps", "", _steps(results)]
-    for name, title, fmt in FORMATTERS:
-        if name in results:
-            try:
-                body = fmt(results[name])
-            except Exception as e:  # a summary must never break the suite
-                body = f"(could not summarise: {type(e).__name__}: {e}; see results.json)"
-            parts += ["", f"## {title}", "", body]
+    benches = sorted((k for k, v in results.items() if isinstance(v, dict) and "benchmark" in v and "result" in v),
+                     key=lambda k: (BENCH_ORDER.index(results[k]["benchmark"]) if results[k]["benchmark"] in BENCH_ORDER
+                                    else len(BENCH_ORDER), k))
+    sections = [(k, f"vattn bench {results[k]['benchmark']} ({k})", _bench) for k in benches]
+    for name, title, fmt in sections + [f for f in FORMATTERS if f[0] in results]:
+        try:
+            body = fmt(results[name])
+        except Exception as e:  # a summary must never break the suite
+            body = f"(could not summarise: {type(e).__name__}: {e}; see results.json)"
+        parts += ["", f"## {title}", "", body]
     return "\n".join(parts) + "\n"
 
 
@@ -239,8 +181,8 @@ def main() -> None:
     if args.env:
         import sys
 
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from _common import environment
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from vattn.bench._common import environment
 
         results["suite"]["env"] = environment(args.env)
     merged = merge(out, results)

@@ -4,9 +4,10 @@ Every benchmark is one module of this package with the same shape:
 
     NAME: str                 # the command name
     HELP: str                 # one line for `vattn bench --help`
-    NEEDS_GPU: bool           # True: prints that it needs a GPU and exits 0 without CUDA
+    NEEDS_GPU: bool           # True: prints that it needs a GPU and exits 0 without CUDA (unless --device cpu)
     def add_arguments(parser: argparse.ArgumentParser) -> None
-    def run(args: argparse.Namespace) -> dict        # a JSON-able result (use _common.progress for bars)
+    def run(args: argparse.Namespace) -> dict        # a JSON-able result (use _common.progress for bars);
+                                                     # a non-empty result["failures"] makes the command exit 1
     def table(result: dict) -> tuple[list[str], list[list]]   # headers, rows
     def plot(result: dict) -> matplotlib.figure.Figure | None
 
@@ -68,25 +69,51 @@ def device_tag(device: str) -> str:
     return "cuda" if str(device).startswith("cuda") else "host"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one benchmark; 0 on success (also when a GPU benchmark skips for want of a GPU)."""
+def needs_gpu_here(mod: ModuleType, device: str) -> bool:
+    """True when `mod` needs a GPU for `device` and this machine has none (the caller skips)."""
+    if not (getattr(mod, "NEEDS_GPU", False) and device.startswith("cuda")):  # `--device cpu`: a harness check
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def module_args(mod: ModuleType, argv: Sequence[str], out: str | None = None) -> argparse.Namespace:
+    """Parse `argv` with `mod`'s own arguments (the gpu run drives other modules this way)."""
+    p = argparse.ArgumentParser(prog=f"vattn bench {mod.NAME}")
+    mod.add_arguments(p)
+    args = p.parse_args(list(argv))
+    args.out, args.no_plot = out, False
+    return args
+
+
+def execute(mod: ModuleType, name: str, args: argparse.Namespace) -> dict:
+    """Run one benchmark module: run, print its table, save JSON (+ PNG); returns the saved payload."""
     from . import _common
 
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    mod = _module(args.bench)
-    if getattr(mod, "NEEDS_GPU", False):
-        import torch
-
-        if not torch.cuda.is_available():
-            print(f"vattn bench {args.bench}: needs a CUDA GPU and none is available here; nothing to do.")
-            return 0
-    device = getattr(args, "device", None) or "cpu"
+    device = getattr(args, "device", None) or ("cuda" if getattr(mod, "NEEDS_GPU", False) else "cpu")
     result = mod.run(args)
     headers, rows = mod.table(result)
     _common.print_table(headers, rows)
     fig = None if args.no_plot else mod.plot(result)
     config = {k: v for k, v in vars(args).items() if k not in ("bench", "out", "no_plot")}
-    payload = {"benchmark": args.bench, "environment": _common.environment(device), "config": config,
-               "result": result}
-    _common.save(f"{args.bench}_{device_tag(device)}", payload, fig, out=args.out)
-    return 0
+    payload = {"benchmark": name, "environment": _common.environment(device), "config": config, "result": result}
+    payload["path"] = str(_common.save(f"{name}_{device_tag(device)}", payload, fig, out=args.out))
+    if fig is not None:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return payload
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one benchmark; 0 on success (also when a GPU benchmark skips for want of a GPU), 1 when
+    its result lists `failures` (checks that failed, parts of `vattn bench gpu` that failed)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    mod = _module(args.bench)
+    device = getattr(args, "device", None) or ("cuda" if getattr(mod, "NEEDS_GPU", False) else "cpu")
+    if needs_gpu_here(mod, device):
+        print(f"vattn bench {args.bench}: needs a CUDA GPU and none is available here; nothing to do.")
+        return 0
+    payload = execute(mod, args.bench, args)
+    return 1 if payload["result"].get("failures") else 0

@@ -1,5 +1,6 @@
 """End-to-end decode throughput: `vattn.LLM` against transformers' `generate` and its
 continuous batching (`generate_batch`), same device, model, weights and requests.
+Part of `vattn bench gpu` (not a command of its own).
 
 Models (random weights made directly on the GPU in bf16; no checkpoint, no tokenizer):
 - `llama-3.2-1b`: hidden 2048, 16 layers, 32 heads, 8 KV heads x 64, intermediate 8192,
@@ -26,7 +27,7 @@ them to the GPU (free memory rises by the bytes of the pages created).
 
 `--device cpu` runs the same code with a tiny model (host backend, float32).
 
-    python benchmarks/gpu_e2e.py [--quick] [--out DIR] [--budget-s S] [--device cpu]
+    vattn bench gpu   (runs this with the other GPU benchmarks)
 """
 from __future__ import annotations
 
@@ -38,7 +39,11 @@ from typing import Any
 
 import torch
 
-from _common import environment, print_table, save
+from ._common import progress
+
+NAME = "e2e"
+HELP = "end-to-end decode throughput: vattn.LLM vs transformers generate and generate_batch"
+NEEDS_GPU = True
 
 MB, GB = 1 << 20, 1 << 30
 MODELS = {
@@ -107,11 +112,12 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
         sampler = llm.runner.sampler
         sample = sampler.sample
 
-        def capture(logits: torch.Tensor, request_ids: list[int], params: list) -> list[int]:
-            for i, rid in enumerate(request_ids):
+        def capture(logits: torch.Tensor, seq_ids: list, params: list) -> Any:
+            for i, sid in enumerate(seq_ids):
+                rid = sid[0] if isinstance(sid, tuple) else sid  # (request id, sample index)
                 if rid not in first_logits:
                     first_logits[rid] = logits[i].detach().float().clone()  # [V], stays on the device
-            return sample(logits, request_ids, params)
+            return sample(logits, seq_ids, params)
 
         sampler.sample = capture
 
@@ -325,12 +331,10 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
     return res
 
 
-# --------------------------------------------------------------------------- main ----
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# ------------------------------------------------------------------------- bench ----
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a tiny run of the same code)")
     ap.add_argument("--quick", action="store_true", help="fewer new tokens (the GPU suite)")
-    ap.add_argument("--out", default=None, help="folder for the JSON and PNG (default benchmarks/results/)")
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--batches", type=int, nargs="*", default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
@@ -341,11 +345,10 @@ def main() -> None:
     ap.add_argument("--skip-hf-cb", action="store_true", help="leave out transformers' generate_batch")
     ap.add_argument("--hf-cb-cuda-graphs", action="store_true", help="let generate_batch use CUDA graphs (+ warm-up)")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new (model, batch) after this many seconds")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        print("gpu_e2e.py: skipped: no CUDA here (needs a GPU; --device cpu runs a tiny version)")
-        return
     if cuda:
         args.batches = args.batches or [1, 8, 32, 128]
         args.prompt_len = args.prompt_len or 128
@@ -361,13 +364,6 @@ def main() -> None:
     results: list[dict] = []
     skipped: list[str] = []
     models_info: dict[str, Any] = {}
-    name_out = "gpu_e2e" if cuda else "gpu_e2e_cpu_check"
-    env = environment(args.device)
-
-    def payload(failures: list[str] | None = None) -> dict:
-        return {"env": env, "args": vars(args), "dtype": str(dtype).removeprefix("torch."), "models": models_info, "results": results,
-                "skipped": skipped, "failures": failures if failures is not None else ["(incomplete run)"]}
-
     for name in args.models:
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
             skipped.append(f"{name}: time budget spent")
@@ -383,63 +379,58 @@ def main() -> None:
         models_info[name] = dict(layers=config.num_hidden_layers, hidden=config.hidden_size,
                                  parameters=sum(p.numel() for p in model.parameters()), build_s=time.perf_counter() - t0,
                                  weights_GiB=sum(p.numel() * p.element_size() for p in model.parameters()) / GB)
-        print(f"model {name}: {models_info[name]['parameters'] / 1e9:.2f} B parameters, "
-              f"{config.num_hidden_layers} layers, built in {models_info[name]['build_s']:.1f} s", flush=True)
-        for B in args.batches:
+        for B in progress(args.batches, desc=name, unit="batch"):
             if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
                 skipped.append(f"{name} batch {B}: time budget spent")
                 continue
             results.append(run_batch(name, model, B, args, dtype))
-            save(name_out, payload(), out=args.out)  # what is done so far survives a timeout
         del model
         if cuda:
             torch.cuda.empty_cache()
-    for s in skipped:
-        print("skipped", s)
-
-    rows = []
+    failures = []
     for r in results:
+        c = r["systems"].get("vattn", {}).get("after_close")
+        if c and not c["pages_returned"]:
+            failures.append(f"{r['model']} B={r['batch']}: pages not returned on close")
+        for system, e in r["errors"].items():
+            failures.append(f"{r['model']} B={r.get('batch')} {system}: {e}")
+    return dict(dtype=str(dtype).removeprefix("torch."), prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                models=models_info, results=results, skipped=skipped, failures=failures)
+
+
+def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
+    """One row per (model, batch, system): decode tokens/s, memory, agreement with generate."""
+    rows = []
+    for r in result["results"]:
         for system, s in r["systems"].items():
             agree = r.get(f"{system}_vs_hf_generate", {})
             rows.append([r["model"], r["batch"], system, s["decode_tok_s"], s.get("decode_tok_s_in_run") or "-",
                          s["total_tok_s"],
                          s.get("peak_reserved_GiB") if s.get("peak_reserved_GiB") is not None else "-",
                          s.get("peak_mapped_GiB", "-"), agree.get("token_match", "-")])
-    print(f"\ndecode throughput: prompt {args.prompt_len}, {args.max_tokens} new tokens, greedy")
-    print_table(["model", "B", "system", "decode tok/s", "in-run", "total tok/s", "peak reserved GiB", "vattn mapped GiB",
-                 "token match vs generate"], rows)
-    failures = []
-    for r in results:
         lg = r.get("first_token_logits_vattn_vs_hf")
         if lg:
             print(f"{r['model']} B={r['batch']}: first-token logits max |vattn - hf| {lg['max_abs_diff']:.4g} "
                   f"(|logits| <= {lg['logits_abs_max']:.3g}), argmax equal {lg['argmax_equal']:.3f}")
-        v = r["systems"].get("vattn", {})
-        if v.get("after_close"):
-            c = v["after_close"]
-            print(f"{r['model']} B={r['batch']}: after finish {v['after_finish']['mapped_MiB']:.0f} MiB mapped, "
-                  f"{v['after_finish']['used_MiB']:.0f} MiB used; close() freed {c['gpu_free_rose_MiB']:.0f} of "
-                  f"{c['created_MiB']:.0f} MiB created: {'ok' if c['pages_returned'] else 'NOT RETURNED'}")
-            if not c["pages_returned"]:
-                failures.append(f"{r['model']} B={r['batch']}: pages not returned on close")
-        for system, e in r["errors"].items():
-            print(f"ERROR {r['model']} B={r.get('batch')} {system}: {e}")
-            failures.append(f"{r['model']} B={r.get('batch')} {system}: {e}")
+    for s in result["skipped"]:
+        print("skipped", s)
+    for f in result["failures"]:
+        print("ERROR", f)
+    print(f"\ndecode throughput: prompt {result['prompt_len']}, {result['max_tokens']} new tokens, greedy")
+    return (["model", "B", "system", "decode tok/s", "in-run", "total tok/s", "peak reserved GiB", "vattn mapped GiB",
+             "token match vs generate"], rows)
 
-    save(name_out, payload(failures), _plot(results), out=args.out)
-    if failures:
-        raise SystemExit(1)
+
+def plot(result: dict[str, Any]) -> Any:
+    return _plot(result["results"])
 
 
 def _plot(results: list[dict]) -> Any:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing: no plot")
-        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     models = sorted({r["model"] for r in results})
     if not models:
         return None
@@ -453,7 +444,3 @@ def _plot(results: list[dict]) -> Any:
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s", title=name)
         ax.legend()
     return fig
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,100 @@
+"""`vattn bench`: every benchmark runs on a tiny setting through the real command and writes
+a result (JSON with the environment, and a plot); the GPU ones skip cleanly without a GPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vattn.cli import main
+
+ENV_KEYS = {"device", "torch", "commit", "date"}
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VATTN_BENCH_QUIET", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+
+
+def _load(folder, name: str) -> dict:
+    payload = json.loads((folder / f"{name}.json").read_text())
+    assert ENV_KEYS <= payload["environment"].keys()
+    assert payload["benchmark"] == name.rsplit("_", 1)[0]
+    assert (folder / f"{name}.png").stat().st_size > 1000
+    return payload["result"]
+
+
+def test_help_lists_the_benchmarks(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("fragmentation", "alloc", "kernel", "gpu"):
+        assert name in out
+
+
+def test_fragmentation_models_and_replay_agree(tmp_path) -> None:
+    assert main(["bench", "fragmentation", "--synthetic", "lognormal", "--requests", "60", "--max-context-len", "1024",
+                 "--models", "yi-6b", "llama-3-8b", "--tp", "1", "--replay-requests", "30",
+                 "--replay-budget-tokens", "8192", "--slots", "8", "--out", str(tmp_path)]) == 0
+    res = _load(tmp_path, "fragmentation_host")
+    rows = {(r["model"], r["system"]): r for r in res["rows"]}
+    assert len(rows) == 2 * 11
+    llama = {s: rows["llama-3-8b", s] for s in ("static", "paged-16", "vattn-L-64K", "vattn-L-256K", "vattn-F-64K")}
+    assert llama["static"]["waste_pct"] > llama["vattn-L-256K"]["waste_pct"] > llama["vattn-L-64K"]["waste_pct"]
+    assert llama["vattn-F-64K"]["waste_pct"] == 0  # one 64 KiB token a page: nothing wasted
+    assert llama["vattn-L-64K"]["tokens_per_page"] == 32 and rows["yi-6b", "vattn-L-64K"]["tokens_per_page"] == 64
+    assert llama["static"]["fit"] < llama["paged-16"]["fit"]
+    assert rows["llama-3-8b", "vattn-L-256K"]["fit_vs_ref"] == 1.0
+    # the real allocator maps exactly what the closed form says, request by request
+    assert res["replays"] and all(r["requests"] == 30 for r in res["replays"])
+    for r in res["replays"]:
+        assert r["measured_waste_pct"] == pytest.approx(r["model_waste_pct"], rel=0.05, abs=0.05), r
+
+
+def test_fragmentation_trace_csv(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{100 + 37 * i},{5 + i}\n" for i in range(20)))
+    assert main(["bench", "fragmentation", "--trace", str(trace), "--models", "yi-34b", "--tp", "2",
+                 "--replay-requests", "10", "--replay-budget-tokens", "4096", "--slots", "4", "--no-plot",
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "fragmentation_host.json").read_text())["result"]
+    assert res["requests"] == 20 and res["max_context_len"] == 100 + 37 * 19 + 5 + 19
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prompt,output\n10,5\n")
+    assert main(["bench", "fragmentation", "--trace", str(bad), "--out", str(tmp_path)]) == 2
+    assert "num_prefill_tokens" in capsys.readouterr().err
+
+
+def test_alloc_maps_in_step_only_when_synchronous(tmp_path) -> None:
+    assert main(["bench", "alloc", "--layers", "2", "--pages", "65536", "--max-groups", "4", "--reps", "2",
+                 "--batch", "2", "--iters", "20", "--compute-ms", "0.1", "--out", str(tmp_path)]) == 0
+    res = _load(tmp_path, "alloc_host")
+    sync = [r for r in res["new_request"] if r["mode"] == "sync"]
+    assert [r["new_groups"] for r in sync] == [1, 2, 4]
+    assert all(r["groups_mapped_in_step"] == r["new_groups"] and r["GBps"] > 0 for r in sync)
+    background = [r for r in res["new_request"] if r["mode"] == "background"]
+    assert all(r["groups_mapped_in_step"] == 0 for r in background)  # the worker mapped the slot ahead
+    assert [r["mode"] for r in res["decode"]] == ["on-demand", "sync pre-map", "background"]
+
+
+def test_kernel_harness_on_the_cpu(tmp_path) -> None:
+    assert main(["bench", "kernel", "--device", "cpu", "--batches", "2", "--contexts", "40", "--blocks", "16", "32",
+                 "--out", str(tmp_path)]) == 0
+    res = _load(tmp_path, "kernel_host")
+    per_layer = [r for r in res["rows"] if r["layout"] == "per-layer"]
+    assert {r["phase"] for r in per_layer} == {"decode", "prefill"}
+    for r in res["rows"]:
+        assert "error" not in r and "check_failed" not in r and r["equal_to_contiguous"], r
+    assert all(r["paged16_kernel"].startswith("gather") and r["paged32_us"] > 0 for r in per_layer)
+    assert not res["failures"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without a GPU")
+@pytest.mark.parametrize("name", ["kernel", "gpu"], ids=["bench-kernel", "bench-gpu"])  # not the "gpu" marker
+def test_gpu_benchmarks_skip_without_a_gpu(name: str, tmp_path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", name, "--out", str(tmp_path)]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
