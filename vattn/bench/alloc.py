@@ -52,16 +52,19 @@ def _sync(device: str) -> None:
 
 # ------------------------------------------------------------- 1. step vs pages ----
 def bench_new_pages(args: argparse.Namespace, page: int, counts: list[int], bar: Any) -> list[dict]:
-    """step latency of one new request of n page groups, sync and background."""
+    """step latency of one new request of n page groups, sync and background. Every repetition
+    takes a fresh slot and pages (they all exist at once): at least 2, at most --reps of them
+    within --max-mib."""
     rows = []
     for mode, kw in (("sync", dict(prefetch=False, background=False)), ("background", dict(background=True))):
         for n in counts:
-            with _cache_for(args, page, n, kw) as c:
+            reps = _reps(args, n * 2 * args.layers * page)
+            with _cache_for(args, page, n, reps, kw) as c:
                 g = c.geometry
                 tokens = n * page // g.token_bytes
-                c.reserve_physical(g.group_bytes * n * (args.reps + 2))
+                c.reserve_physical(g.group_bytes * n * (reps + 2))
                 times, mapped = [], []
-                for i in range(args.reps + 1):  # rep 0 teaches the worker the prompt length
+                for i in range(reps + 1):  # rep 0 teaches the worker the prompt length
                     r = c.alloc_reqid()
                     c.synchronize()  # the worker's pre-mapping happened while the "model" ran
                     _sync(args.device)
@@ -81,11 +84,14 @@ def bench_new_pages(args: argparse.Namespace, page: int, counts: list[int], bar:
     return rows
 
 
-def _cache_for(args: argparse.Namespace, page: int, n: int, kw: dict) -> vattn.KVCache:
-    probe = vattn.KVCache(**_cfg(args, "per-layer", page, max_batch_size=1, max_context_len=1), prefetch=False)
-    tokens = n * page // probe.geometry.token_bytes
-    probe.close()
-    return vattn.KVCache(**_cfg(args, "per-layer", page, max_batch_size=args.reps + 2, max_context_len=tokens), **kw)
+def _reps(args: argparse.Namespace, nbytes: int) -> int:
+    """Repetitions of a step mapping `nbytes` that fit --max-mib with the two extra slots."""
+    return min(args.reps, args.max_mib * MB // nbytes - 2)
+
+
+def _cache_for(args: argparse.Namespace, page: int, n: int, reps: int, kw: dict) -> vattn.KVCache:
+    tokens = n * page // (8 * 128 * 2)  # a request of n pages: 2 KiB a token in each buffer
+    return vattn.KVCache(**_cfg(args, "per-layer", page, max_batch_size=reps + 2, max_context_len=tokens), **kw)
 
 
 # -------------------------------------------------------------- 2. one group map ----
@@ -232,8 +238,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pages", type=int, nargs="+", default=None,
                    help="page sizes in bytes (default: 64K 256K 2M on the host, 2M 4M 8M on CUDA)")
     p.add_argument("--max-groups", type=int, default=64, help="largest new-request size in page groups (default: 64)")
-    p.add_argument("--max-mib", type=int, default=512,
-                   help="skip new-request sizes whose pages (all repetitions) exceed this many MiB (default: 512)")
+    p.add_argument("--max-mib", type=int, default=1024,
+                   help="host memory for the pages of one new-request size, all repetitions (default: 1024)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per size (default: 10; 4 with --quick)")
     p.add_argument("--batch", type=int, default=16, help="decode loop: requests (default: 16)")
     p.add_argument("--iters", type=int, default=None, help="decode loop: steps (default: 400; 150 with --quick)")
@@ -248,8 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.reps = args.reps or (4 if args.quick else 10)
     args.iters = args.iters or (150 if args.quick else 400)
     group = {p: 2 * args.layers * p for p in pages}
-    counts = {p: [n for n in (1 << i for i in range(12)) if n <= args.max_groups
-                  and n * group[p] * (args.reps + 2) <= args.max_mib * MB] for p in pages}
+    counts = {p: [n for n in (1 << i for i in range(12)) if n <= args.max_groups and _reps(args, n * group[p]) >= 2]
+              for p in pages}
     bar = progress(total=2 * sum(len(c) for c in counts.values()) + 2, desc="alloc", unit="case")
     with bar:
         new_rows = [r for p in pages for r in bench_new_pages(args, p, counts[p], bar)]
@@ -308,9 +314,10 @@ def plot(result: dict[str, Any]) -> Any:
                 if mode == "sync":
                     ax2.plot([r["new_groups"] * r["group_MiB"] for r in rs], [r["GBps"] for r in rs], marker="o",
                              color=line[0].get_color(), label=f"{page} KiB")
-    ax1.set(xscale="log", yscale="log", xlabel="page groups the step maps", ylabel="step latency (us, p50)",
+    ax1.set(xscale="log", yscale="log", xlabel="page groups of the new request", ylabel="step latency (us, p50)",
             title=f"step() of a new request ({result['device']}, {result['layers']} layers)")
-    ax2.set(xscale="log", xlabel="MiB mapped in one step", ylabel="GB/s", title="allocation bandwidth (sync step)")
+    ax2.set(xscale="log", xlabel="MiB mapped in one step", ylabel="GB/s mapped",
+            title="allocation bandwidth (sync step)" + (" (host: mmap, no copy)" if result["device"] == "cpu" else ""))
     d = result["decode"]
     ax3.bar([r["mode"] for r in d], [r["step_us_p99"] for r in d], color="tab:orange", alpha=0.5, label="p99")
     ax3.bar([r["mode"] for r in d], [r["step_us_mean"] for r in d], color="tab:blue", label="mean")

@@ -392,7 +392,7 @@ def plot(result: dict[str, Any]) -> Any:
         xs = [j + (i - (len(shapes) - 1) / 2) * width for j in range(len(names))]
         ax1.bar(xs, [max(rs[n]["waste_pct"], 1e-3) for n in names], width, label=f"{model} TP{tp}")
         ax2.bar(xs, [rs[n]["fit_vs_ref"] for n in names], width, label=f"{model} TP{tp}")
-    ax1.set(yscale="log", ylabel="memory wasted (% of mapped, time-averaged)",
+    ax1.set(yscale="log", ylabel="memory wasted (% of mapped, time-averaged; 0 at 0.001)",
             title=f"internal fragmentation ({result['source']})")
     ax2.axhline(1.0, color="gray", lw=0.8)
     ax2.set(ylabel=f"requests that fit / {result['reference']}",
