@@ -238,8 +238,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pages", type=int, nargs="+", default=None,
                    help="page sizes in bytes (default: 64K 256K 2M on the host, 2M 4M 8M on CUDA)")
     p.add_argument("--max-groups", type=int, default=64, help="largest new-request size in page groups (default: 64)")
-    p.add_argument("--max-mib", type=int, default=1024,
-                   help="host memory for the pages of one new-request size, all repetitions (default: 1024)")
+    p.add_argument("--max-mib", type=int, default=None,
+                   help="memory for the pages of one new-request size, all repetitions (default: 1024 on the host, "
+                   "16384 on CUDA)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per size (default: 10; 4 with --quick)")
     p.add_argument("--batch", type=int, default=16, help="decode loop: requests (default: 16)")
     p.add_argument("--iters", type=int, default=None, help="decode loop: steps (default: 400; 150 with --quick)")
@@ -252,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise vattn.InvalidConfigError("--device cuda needs a CUDA GPU and none is available; use --device cpu")
     pages = args.pages or ([2 * MB, 4 * MB, 8 * MB] if cuda else [64 * KB, 256 * KB, 2 * MB])
     args.reps = args.reps or (4 if args.quick else 10)
+    args.max_mib = args.max_mib or (16384 if cuda else 1024)
     args.iters = args.iters or (150 if args.quick else 400)
     group = {p: 2 * args.layers * p for p in pages}
     counts = {p: [n for n in (1 << i for i in range(12)) if n <= args.max_groups and _reps(args, n * group[p]) >= 2]

@@ -44,7 +44,6 @@ next to it: the check that the model above is the allocator's arithmetic.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -100,8 +99,9 @@ class Shape:
 
 def shape(model: str, tp: int) -> Shape:
     layers, heads, dim = MODELS[model]
-    if heads % tp:
-        raise InvalidConfigError(f"{model} has {heads} KV heads: tensor parallelism {tp} does not divide them")
+    if tp < 1 or heads % tp:
+        raise InvalidConfigError(f"{model} has {heads} KV heads: tensor parallelism {tp} does not divide them; "
+                                 "give --tp 1 or 2 (or another divisor)")
     return Shape(model, tp, layers, heads, dim)
 
 
@@ -345,10 +345,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with progress(total=n * len(vattn_systems), desc="replay", unit="req") as bar:
         for system in vattn_systems:
             r = replay(system, s, sub, args.slots, args.replay_budget_tokens, max_len, bar)
-            r["model_waste_pct"] = model_row(system, s, sub_hist, max_len, budget)["waste_pct"]
-            tpr = s.token_bytes_all  # the model's capacity in the same token budget
-            mean_tokens = model_row(system, s, sub_hist, max_len, budget)["mean_request_MiB"] * MB / tpr
-            r["model_fit"] = args.replay_budget_tokens / mean_tokens
+            m = model_row(system, s, sub_hist, max_len, budget)  # the closed form on the same requests
+            r["model_waste_pct"] = m["waste_pct"]
+            r["model_fit"] = args.replay_budget_tokens * s.token_bytes_all / (m["mean_request_MiB"] * MB)
             replays.append(r)
     return dict(source=source, requests=len(requests), max_context_len=max_len, budget_gib=args.budget_gib,
                 reference=args.reference, token_iterations=int(hist.sum()),
