@@ -27,7 +27,8 @@ histogram of the lengths every running request has at every iteration:
   recommended page); `mem x`: mean bytes per request as a ratio to it.
 
 MEASURED (the real allocator, host backend): for every vattn configuration of
-`--replay-model` (default Llama-3-8B, TP-1), the first `--replay-requests` requests of the
+`--replay-model` (default Llama-3-8B, TP-1) whose page holds at least 8 tokens (a smaller
+page wastes less than that and would cost a host mapping every few tokens), the first `--replay-requests` requests of the
 trace (0: all of them) go through a real `vattn.KVCache` with `--slots` slots and a physical
 budget of `--replay-budget-tokens` tokens: continuous batching, `step` before every
 iteration, newest requests preempted (recomputed) when `step` cannot back them, deferred
@@ -298,12 +299,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of --synthetic")
     p.add_argument("--max-context-len", type=int, default=0,
                    help="tokens a static reservation holds (default: the trace's longest request)")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
+                   help="model shapes (default: all three)")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel degrees (default: 1 2)")
     p.add_argument("--budget-gib", type=float, default=32.0, help="KV memory per GPU for 'fit' (default: 32)")
     p.add_argument("--reference", default="vattn-L-256K", choices=list(BY_NAME), help="the ratios' denominator")
-    p.add_argument("--replay-model", default="llama-3-8b", choices=list(MODELS))
-    p.add_argument("--replay-tp", type=int, default=1)
+    p.add_argument("--replay-model", default="llama-3-8b", choices=list(MODELS),
+                   help="the shape whose vattn configurations the real allocator replays (default: llama-3-8b)")
+    p.add_argument("--replay-tp", type=int, default=1, help="its tensor-parallel degree (default: 1)")
     p.add_argument("--replay-requests", type=int, default=2000,
                    help="requests replayed through the real allocator per configuration (0: all; default 2000)")
     p.add_argument("--replay-budget-tokens", type=int, default=131072,
