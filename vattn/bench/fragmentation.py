@@ -225,14 +225,16 @@ def replay(system: System, s: Shape, requests: list[tuple[int, int]], slots: int
         running: dict[int, list[int]] = {}  # slot -> [length, final length]
         active = used = iters = preempted = 0
         running_sum = saturated_sum = saturated = 0
+        room = budget_tokens  # tokens the next iteration may admit (the scheduler's estimate; step decides)
         t0 = time.perf_counter()
         while waiting or running:
             lens = {slot: n + 1 for slot, (n, _) in running.items()}
             new: list[tuple[int, tuple[int, int]]] = []
-            while waiting and cache.num_free_reqids:
+            while waiting and cache.num_free_reqids and (waiting[0][0] <= room or not running and not new):
                 slot, req = cache.alloc_reqid(), waiting.popleft()
                 new.append((slot, req))
                 lens[slot] = req[0]
+                room -= req[0]
             res = cache.step(lens)
             failed = set(res.failed)
             if failed & running.keys():  # the running come first: admit nobody, preempt the newest until all fit
@@ -263,6 +265,9 @@ def replay(system: System, s: Shape, requests: list[tuple[int, int]], slots: int
             active += st.active_bytes
             used += st.used_bytes
             iters += 1
+            # admission like vLLM's: prompts that fit the free tokens (plus what finishes now); growth that
+            # then does not fit preempts
+            room = st.free_tokens + sum(r[1] for r in running.values() if r[0] + 1 >= r[1])
             running_sum += len(running)
             if waiting:
                 saturated += 1
