@@ -98,3 +98,13 @@ def test_gpu_benchmarks_skip_without_a_gpu(name: str, tmp_path, capsys: pytest.C
     assert main(["bench", name, "--out", str(tmp_path)]) == 0
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def test_gpu_runs_its_parts_into_out(tmp_path) -> None:
+    """The wiring of `vattn bench gpu`, with its CPU check of the kernel part."""
+    assert main(["bench", "gpu", "--device", "cpu", "--parts", "kernel", "--budget-s", "300",
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "gpu_host.json").read_text())["result"]
+    assert [(p["part"], p["status"]) for p in res["parts"]] == [("kernel", "passed")]
+    assert "--budget-s" in res["parts"][0]["argv"] and not res["failures"]
+    assert _load(tmp_path, "kernel_host")["rows"]

@@ -2,8 +2,8 @@
 end-to-end benchmarks, each writing its own `<name>_cuda.json` and `.png` into `--out`.
 
 Parts, in order (a part that fails is recorded and the run goes on; `--budget-s` is shared:
-a part starts only while time is left, and kernel and e2e get what is left as their own
-budget):
+a part starts only while time is left; kernel gets 35 % and e2e 80 % of what is left when
+they start as their own budget, after which they start no new case):
 - `kernel`: `vattn bench kernel` (attention on the vattn cache vs contiguous and paged);
 - `alloc`: `vattn bench alloc --device cuda` (step latency vs pages, bandwidth, VMM calls);
 - `overlap`: `vattn bench overlap --device cuda`, when that module exists (skipped if not);
@@ -28,7 +28,7 @@ NEEDS_GPU = True
 
 PARTS = ("kernel", "alloc", "overlap", "e2e")
 MODULES = {"kernel": "kernel", "alloc": "alloc", "overlap": "overlap", "e2e": "_e2e"}
-BUDGETED = ("kernel", "e2e")  # parts with their own --budget-s
+BUDGET_SHARE = {"kernel": 0.35, "e2e": 0.8}  # parts with their own --budget-s: this share of the time left
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,8 +57,8 @@ def _argv(mod: ModuleType, part: str, args: argparse.Namespace, left: float | No
     argv = ["--device", args.device] if "--device" in options else []
     if args.quick and "--quick" in options:
         argv.append("--quick")
-    if left is not None and part in BUDGETED and "--budget-s" in options:
-        argv += ["--budget-s", f"{max(10.0, 0.75 * left):.0f}"]  # it starts no new case after that
+    if left is not None and part in BUDGET_SHARE and "--budget-s" in options:
+        argv += ["--budget-s", f"{max(10.0, BUDGET_SHARE[part] * left):.0f}"]  # it starts no new case after that
     return argv
 
 
