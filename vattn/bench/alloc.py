@@ -60,6 +60,10 @@ def bench_new_pages(args: argparse.Namespace, page: int, counts: list[int], bar:
         for n in counts:
             reps = _reps(args, n * 2 * args.layers * page)
             with _cache_for(args, page, n, reps, kw) as c:
+                reps = min(reps, c.stats().max_pages // n - 2)  # the cache's memory budget (free host memory)
+                if reps < 1:
+                    bar.update(1)
+                    continue
                 g = c.geometry
                 tokens = n * page // g.token_bytes
                 c.reserve_physical(g.group_bytes * n * (reps + 2))
