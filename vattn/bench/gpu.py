@@ -64,10 +64,11 @@ def _argv(mod: ModuleType, part: str, args: argparse.Namespace, left: float | No
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from . import execute, module_args
+    from ._common import progress
 
     start = time.perf_counter()
     parts: list[dict[str, Any]] = []
-    for part in args.parts:
+    for part in progress(args.parts, desc="gpu", unit="part"):
         left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
         if left is not None and left < 20:
             parts.append(dict(part=part, status="skipped", note="the time budget is spent"))
