@@ -284,8 +284,8 @@ def test_a_failing_rank_stops_the_others_soon(tmp_path: Path) -> None:
         assert kind == "TensorParallelError", (name, kind, message)
         assert seconds < 30, f"{name}: rank 0 took {seconds:.1f} s to notice (timeout 60 s)"
     assert "schedules differ" in r0["diverged"][1]
-    assert "another rank raised or exited" in r0["raised"][1] or "forward failed" in r0["raised"][1]
-    assert "another rank raised or exited" in r0["died"][1] or "forward failed" in r0["died"][1]
+    for name in ("raised", "died"):  # rank 0 learns it from its collective in the forward
+        assert "another rank raised or exited" in r0[name][1]
 
 
 # ------------------------------------------------------------- no processes ----

@@ -65,6 +65,10 @@ class LLM:
     `**config`: see `EngineConfig` (the cache's arguments by `vattn.init`'s names plus
     device, dtype, max_num_seqs, max_num_batched_tokens, seed, attention).
 
+    Tensor parallelism (`tensor_parallel_size=N`, see `vattn.engine.parallel`): one process
+    per rank under `torchrun`, each making the same calls; rank 0 gets the outputs, the
+    others get [] from generate and step. A failure of the group raises TensorParallelError.
+
     Failures never poison the engine:
     - Bad input raises `InvalidRequestError` / `ContextLengthError` from add_request or
       generate before anything is queued (`SamplingParams` checks its own values).

@@ -596,5 +596,6 @@ class TPModelRunner(ModelRunner):
         except TensorParallelError:
             raise
         except Exception as e:  # noqa: BLE001 - see the class docstring
-            raise self.tp.fail(f"the model's forward failed on rank {self.tp.rank} ({type(e).__name__}: {e}); "
-                               "the other ranks stop too") from e
+            raise self.tp.fail(f"the model's forward failed on rank {self.tp.rank} ({type(e).__name__}: {e}); every "
+                               "rank stops (a collective fails this way when another rank raised or exited: see "
+                               "that rank's error)") from e
