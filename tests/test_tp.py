@@ -22,9 +22,10 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from helpers import ARRIVALS, PAGE, build_model, greedy_params, prompts, reference, tiny_config  # noqa: E402
+from helpers import (  # noqa: E402
+    ARRIVALS, MAX_TOKENS, PAGE, build_model, greedy_params, hf_greedy, prompts, reference, tiny_config)
 
-from vattn import LLM  # noqa: E402
+from vattn import LLM, SamplingParams  # noqa: E402
 from vattn.engine.parallel import RankCacheError, TensorParallelError, shard_config  # noqa: E402
 from vattn.errors import BackendError, InvalidConfigError  # noqa: E402
 
@@ -132,6 +133,10 @@ def _outputs(rank: int, ports: list[int], checkpoint: str) -> dict:
             res[f"{family}/{kv}"] = [o.token_ids for o in outs] if rank == 0 else outs
             res[f"{family}/{kv} heads"] = (llm.cache.config.num_kv_heads,
                                            llm.runner.model.model.layers[0].self_attn.q_proj.weight.shape[0])
+    for name, config, params in _extra_cases():
+        with LLM(config, **TP) as llm:
+            outs = llm.generate(prompts()[:3], params)
+            res[name] = [[c.token_ids for c in o.outputs] for o in outs]
     with LLM(checkpoint, **TP) as llm:
         outs = llm.generate(prompts(), greedy_params())
         res["checkpoint"] = [o.token_ids for o in outs] if rank == 0 else outs
@@ -140,6 +145,13 @@ def _outputs(rank: int, ports: list[int], checkpoint: str) -> dict:
         res["preempted"] = online(llm, check_books)
         res["num_preemptions"] = llm.num_preemptions
     return res
+
+
+def _extra_cases() -> list[tuple[str, Any, Any]]:
+    """Biases on the rowwise modules (added once, after the all-reduce), and parallel
+    sampling (forks agreed on both ranks, rank 0's seeded draws)."""
+    return [("bias", tiny_config("llama", 2, attention_bias=True, mlp_bias=True), greedy_params()[:3]),
+            ("n=3", tiny_config(), SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=12))]
 
 
 def _agreement(rank: int, ports: list[int]) -> dict:
@@ -253,6 +265,14 @@ def test_tp2_outputs_equal_tp1_and_transformers(tmp_path: Path) -> None:
         assert other[f"{family}/{kv}"] == [], "rank 1's generate returns nothing"
         # each rank holds half the query heads, and half the kv heads (one kv head replicated)
         assert tp[f"{family}/{kv} heads"] == other[f"{family}/{kv} heads"] == (max(1, kv // WORLD), 2 * 16)
+    for name, config, params in _extra_cases():
+        with LLM(config, seed=0, page_size=PAGE, max_batch_size=8) as llm:
+            tp1 = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts()[:3], params)]
+        assert tp[name] == tp1, name
+        assert other[name] == [], name
+    model = build_model(_extra_cases()[0][1])
+    assert tp["bias"] == [[hf_greedy(model, p, m)] for p, m in zip(prompts(), MAX_TOKENS[:3])]
+    assert len({tuple(c) for c in tp["n=3"][0]}) > 1, "the samples differ"
     assert tp["checkpoint"] == [list(r) for r in reference("qwen2", 2)]
     assert tp["checkpoint heads"] == 1
     assert tp["preempted"] == [list(r) for r in reference()]

@@ -431,14 +431,13 @@ def _slice_of(name: str, style: str | None, kind: str, full: tuple[int, ...], lo
 def _all_reduce_output(module: torch.nn.Module, tp: Any) -> None:
     """A rowwise module: its partial output is summed over the ranks, then its bias added once."""
     bias = module.bias
-    if bias is not None:
-        module.bias = None
+    module.bias = None
+    module._vattn_tp_bias = bias  # a parameter of the module still: .to() moves it
 
-    def hook(_module: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+    def hook(mod: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
         tp.all_reduce_(out)
-        return out if bias is None else out + bias
+        return out if mod._vattn_tp_bias is None else out + mod._vattn_tp_bias
 
-    module._vattn_tp_bias = bias  # keeps it with the module (moved by .to())
     module.register_forward_hook(hook)
 
 
