@@ -27,7 +27,7 @@ from helpers import (  # noqa: E402
 
 from vattn import LLM, SamplingParams  # noqa: E402
 from vattn.engine.parallel import RankCacheError, TensorParallelError, shard_config  # noqa: E402
-from vattn.errors import BackendError, InvalidConfigError  # noqa: E402
+from vattn.errors import BackendError, InvalidConfigError, OutOfPhysicalMemoryError  # noqa: E402
 
 WORLD = 2
 MODELS = [("llama", 4), ("llama", 2), ("qwen2", 2), ("llama", 1)]  # MHA, GQA, GQA, 1 kv head on 2 ranks
@@ -206,6 +206,22 @@ def _agreement(rank: int, ports: list[int]) -> dict:
         llm.scheduler.kv.step = spy
         res["faulty"] = online(llm, check_books)
         res["faulty_injected"], res["faulty_failures"] = injected[0], failures
+
+    name, config, params = _extra_cases()[1]
+    with LLM(config, **TP) as llm:  # rank 1 cannot fork the first time: every rank waits, then forks
+        real_fork, forks = llm.cache.fork, []
+
+        def short_fork(reqid, num_tokens):
+            forks.append(reqid)
+            if rank == 1 and len(forks) == 1:
+                raise OutOfPhysicalMemoryError("injected: no page for the copy")
+            return real_fork(reqid, num_tokens)
+
+        llm.cache.fork = short_fork
+        outs = llm.generate(prompts()[:3], params)
+        res["fork"] = [[c.token_ids for c in o.outputs] for o in outs]
+        res["fork_calls"] = len(forks)
+        check_books(llm)
     return res
 
 
@@ -294,6 +310,12 @@ def test_ranks_agree_on_budget_and_failed_steps(tmp_path: Path) -> None:
     assert r0["faulty_failures"] == r1["faulty_failures"]
     assert "rank 1: BackendError: map failed with INJECTED" in r0["faulty_failures"][0]
     assert r0["faulty"] == ref
+    # rank 1 could not fork once: both undid it and forked again later, as TP 1 samples
+    name, config, params = _extra_cases()[1]
+    with LLM(config, seed=0, page_size=PAGE, max_batch_size=8) as llm:
+        tp1 = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts()[:3], params)]
+    assert r0["fork"] == tp1 and r1["fork"] == []
+    assert r0["fork_calls"] == r1["fork_calls"] >= 3 * 2 + 1  # two forks per request, one retried (or more)
 
 
 def test_a_failing_rank_stops_the_others_soon(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ import torch
 
 from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, load_tokenizer, run_dtype
-from vattn.errors import InvalidConfigError, NoFreeSlotError, VattnError
+from vattn.errors import InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError
 
 logger = logging.getLogger(__name__)
 
@@ -463,7 +463,9 @@ class AgreedSlots:
       different ranks (a step that failed on some ranks only); when the slots differ, every
       rank gives its cached pages back (`trim`: the free slots are then empty everywhere) and
       allocates again.
-    - `fork`: done on every rank or on none.
+    - `fork`: done on every rank or on none, into the same slot (like `alloc_reqid`).
+    Only shortages on every rank stay NoFreeSlotError / OutOfPhysicalMemoryError (the
+    scheduler waits); any other failure of a rank is a RankCacheError on every rank.
     """
 
     def __init__(self, cache: Any, tp: TensorParallel) -> None:
@@ -475,28 +477,35 @@ class AgreedSlots:
         return self.cache.num_free_reqids
 
     def alloc_reqid(self) -> int:
-        slot = self._alloc_same()
+        return self._new_slot("alloc_reqid", self.cache.alloc_reqid)
+
+    def _new_slot(self, what: str, make: Callable[[], int]) -> int:
+        """`make()` on every rank, giving the same slot everywhere; when the ranks' slots
+        differ, every rank gives back its cached pages (`trim`) and tries once more."""
+        slot = self._same_slot(what, make)
         if slot is None:
             self.num_resyncs += 1
             self.cache.trim()
-            slot = self._alloc_same()
+            slot = self._same_slot(what, make)
             if slot is None:
-                raise self.tp.fail("the ranks' caches hand out different slots even with no cached pages")
+                raise self.tp.fail(f"the ranks' caches gave different slots for {what} even with no cached pages")
         return slot
 
-    def _alloc_same(self) -> int | None:
-        """A new slot, the same on every rank; None (nothing allocated) when the ranks' differ."""
+    def _same_slot(self, what: str, make: Callable[[], int]) -> int | None:
+        """The slot `make()` gave, if it is the same on every rank; else None, and nothing
+        kept. Raises on every rank when it raised on any (`_raise_agreed`)."""
+        slot: int | None = None
+        error: Exception | None = None
         try:
-            slot = self.cache.alloc_reqid()
-        except NoFreeSlotError:
-            slot = -1
-        slots = self.tp.all_gather_int(slot)
-        if len(set(slots)) == 1:
-            if slot < 0:
-                raise NoFreeSlotError("every slot is in use on every rank; free_reqid() one or raise max_batch_size")
+            slot = make()
+        except Exception as e:  # noqa: BLE001 - agreed below
+            error = e
+        slots = self.tp.all_gather_int(-1 if slot is None else slot)
+        if slot is not None and len(set(slots)) == 1:
             return slot
-        if slot >= 0:
+        if slot is not None:
             self.cache.free_reqid(slot)
+        self._raise_agreed(what, error)
         return None
 
     def free_reqid(self, reqid: int) -> None:
@@ -517,28 +526,28 @@ class AgreedSlots:
             flags[2 + slot] = 1
         agreed = self.tp.all_reduce_max(flags)
         if agreed[0]:
-            errors = self.tp.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-            message = "; ".join(f"rank {r}: {m}" for r, m in enumerate(errors) if m is not None)
-            raise RankCacheError(f"the KV cache step failed on {message}")
+            self._raise_agreed("step", error)
         return AgreedStep(tuple(s for s in seq_lens if agreed[2 + s]), bool(agreed[1]))
 
     def fork(self, reqid: int, num_tokens: int) -> int:
-        child: int | None = None
-        error: Exception | None = None
-        try:
-            child = self.cache.fork(reqid, num_tokens)
-        except Exception as e:  # noqa: BLE001 - agreed below
-            error = e
-        children = self.tp.all_gather_int(-1 if child is None else child)
-        if error is None and len(set(children)) == 1:
-            return child
-        if child is not None:
-            self.cache.free_reqid(child)
-        errors = self.tp.all_gather_object(None if error is None else error)
-        first = next((e for e in errors if e is not None), None)
-        if isinstance(first, Exception):
-            raise first
-        raise self.tp.fail(f"the ranks' forks gave different slots {children}")
+        return self._new_slot("fork", lambda: self.cache.fork(reqid, num_tokens))
+
+    def _raise_agreed(self, what: str, error: Exception | None) -> None:
+        """Some rank's `what` raised (`error` here, or None): raise the same error on every
+        rank, naming each rank's failure. Only shortages of slots or memory everywhere stay
+        an OutOfPhysicalMemoryError (the scheduler waits for memory); anything else is a
+        RankCacheError. Returns when no rank raised."""
+        shortages = (NoFreeSlotError, OutOfPhysicalMemoryError)
+        mine = None if error is None else (f"{type(error).__name__}: {error}",
+                                           next((i for i, k in enumerate(shortages) if isinstance(error, k)), -1))
+        errors = [(r, e) for r, e in enumerate(self.tp.all_gather_object(mine)) if e is not None]
+        if not errors:
+            return
+        message = f"the KV cache {what} failed on " + "; ".join(f"rank {r}: {m}" for r, (m, _) in errors)
+        kinds = {kind for _, (_, kind) in errors}
+        if len(kinds) == 1 and -1 not in kinds:
+            raise shortages[kinds.pop()](message)
+        raise RankCacheError(message)
 
     def swap_out(self, reqid: int, num_tokens: int) -> Any:
         raise InvalidConfigError("preemption_mode='swap' is not supported with tensor parallelism")
