@@ -166,7 +166,7 @@ def _torchrun_message(n: int, argv: list[str]) -> str:
     return (f"vattn: --tensor-parallel-size {n} runs one process per rank (one GPU each); launch it with torchrun:\n"
             f"  torchrun --nproc-per-node {n} -m vattn {command}\n"
             f"several nodes: torchrun --nnodes NODES --nproc-per-node GPUS_PER_NODE --node-rank I "
-            f"--rdzv-backend c10d --rdzv-endpoint HOST:PORT -m vattn {command}  (NODES x GPUS_PER_NODE = {n})")
+            f"--master-addr HOST --master-port PORT -m vattn {command}  (NODES x GPUS_PER_NODE = {n})")
 
 
 def _positive_int(text: str) -> int:
