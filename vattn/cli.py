@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 from typing import Sequence
 
@@ -51,7 +53,7 @@ def _engine_demo(args: argparse.Namespace) -> int:
 
     r = run_demo(num_requests=args.requests, seed=args.seed, device=args.device, page_size=args.page_size,
                  layout=args.layout, physical_memory=args.physical_memory,
-                 max_batch_size=args.max_batch_size or 8)
+                 max_batch_size=args.max_batch_size or 8, tensor_parallel_size=args.tensor_parallel_size)
     if r["num_errors"]:
         print(f"vattn: error: {r['num_errors']} of {r['num_requests']} requests failed:", file=sys.stderr)
         for message in r["errors"][:3]:
@@ -88,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache slots (default: 8 for the model demo, 16 with --synthetic)")
     d.add_argument("--max-context-len", type=_positive_int, default=4096,
                    help="(--synthetic) tokens per slot (default: 4096)")
+    _add_tensor_parallel(d)
 
     g = sub.add_parser("generate", help="generate from a local Hugging Face checkpoint",
                        description="Generate from a local Hugging Face checkpoint; prints one line per prompt.")
@@ -106,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=_positive_int, default=None, help="bytes (default: the backend's)")
     g.add_argument("--layout", choices=["per-layer", "fused"], default="per-layer",
                    help="KV cache layout (default: per-layer)")
+    _add_tensor_parallel(g)
 
     sub.add_parser("bench", add_help=False,
                    help="page-size experiments and the paper's comparisons (tables, JSON, plots); "
@@ -138,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"vattn: error: {e}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
+    if args.tensor_parallel_size > 1 and "WORLD_SIZE" not in os.environ:
+        print(_torchrun_message(args.tensor_parallel_size, argv), file=sys.stderr)
+        return 2
 
     try:
         if args.cmd == "demo":
@@ -146,6 +153,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VattnError as e:
         print(f"vattn: error: {e}", file=sys.stderr)
         return 2
+
+
+def _add_tensor_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="ranks to split the model's heads over, one process each, launched with torchrun "
+                   "(default: 1); see the README's 'Tensor parallelism'")
+
+
+def _torchrun_message(n: int, argv: list[str]) -> str:
+    command = " ".join(shlex.quote(a) for a in argv)
+    return (f"vattn: --tensor-parallel-size {n} runs one process per rank (one GPU each); launch it with torchrun:\n"
+            f"  torchrun --nproc-per-node {n} -m vattn {command}\n"
+            f"several nodes: torchrun --nnodes NODES --nproc-per-node GPUS_PER_NODE --node-rank I "
+            f"--master-addr HOST --master-port PORT -m vattn {command}  (NODES x GPUS_PER_NODE = {n})")
 
 
 def _positive_int(text: str) -> int:
@@ -174,7 +195,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise InvalidRequestError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
 
     kw = {k: v for k, v in dict(device=args.device, dtype=args.dtype, page_size=args.page_size,
-                                layout=args.layout).items() if v is not None}
+                                layout=args.layout, tensor_parallel_size=args.tensor_parallel_size).items()
+          if v is not None}
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     with LLM(args.model, **kw) as llm:

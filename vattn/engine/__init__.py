@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from vattn.engine.config import EngineConfig
 from vattn.engine.llm import LLM
+from vattn.engine.parallel import RankCacheError, TensorParallelError
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, SequenceStatus
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus",
+    "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "TensorParallelError", "RankCacheError",
 ]

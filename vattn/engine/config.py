@@ -41,6 +41,10 @@ class EngineConfig:
     preemption_mode ('recompute' | 'swap': what a sequence preempted for memory does, see
     `vattn.engine.scheduler`), idle_trim_s (None, or seconds without work after which the
     engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included).
+    Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
+    heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`, recompute
+    preemption only, no prefix caching), distributed_timeout_s (seconds a collective may wait
+    for the other ranks before it fails, when vattn creates the process group).
     """
 
     max_batch_size: int = 16
@@ -59,6 +63,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"
     idle_trim_s: float | None = None
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size")
@@ -98,7 +104,19 @@ class EngineConfig:
             raise InvalidConfigError(
                 f"max_num_seqs={self.max_num_seqs} is more than max_batch_size={self.max_batch_size} "
                 "(each running sequence holds one cache slot)")
+        self._check_parallel()
         self.scheduler_config()  # validates the token budget and the preemption mode
+
+    def _check_parallel(self) -> None:
+        _positive(self, "tensor_parallel_size")
+        timeout = as_float(self.distributed_timeout_s, "distributed_timeout_s", InvalidConfigError,
+                           what="a finite number of seconds > 0")
+        if timeout <= 0:
+            raise InvalidConfigError(f"distributed_timeout_s must be > 0 seconds, got {self.distributed_timeout_s!r}")
+        object.__setattr__(self, "distributed_timeout_s", timeout)
+        if self.tensor_parallel_size > 1 and (self.enable_prefix_caching or self.preemption_mode == "swap"):
+            raise InvalidConfigError("tensor_parallel_size > 1 supports neither enable_prefix_caching nor "
+                                     "preemption_mode='swap' yet; use recompute preemption without prefix caching")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -42,11 +42,12 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
              max_batch_size: int = 8, max_num_batched_tokens: int = 256, page_size: int | None = None,
              layout: str = "per-layer", physical_memory: int | None = None, arrivals_per_step: int = 2,
              min_prompt: int = 16, max_prompt: int = 256, min_output: int = 16, max_output: int = 128,
-             show_progress: bool = True, verbose: bool = True) -> dict[str, Any]:
+             show_progress: bool = True, verbose: bool = True, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """Run `num_requests` requests through the engine and return the figures as a dict
     (also printed as a table when `verbose`). Requests arrive 0 .. 2 * arrivals_per_step
     per iteration; half decode greedily, half sample with a per-request seed. The result's
-    "num_errors" counts requests that finished with an error; "errors" lists their messages."""
+    "num_errors" counts requests that finished with an error; "errors" lists their messages.
+    With tensor_parallel_size > 1 (under torchrun) rank 0 prints and counts; the others' figures are empty."""
     num_requests = as_int(num_requests, "num_requests", InvalidConfigError, low=1)
     device = device or default_device()
     rng = random.Random(seed)
@@ -61,7 +62,9 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
 
     llm = LLM(config, seed=seed, device=device, dtype=dtype, max_batch_size=max_batch_size,
               max_context_len=max_prompt + max_output, max_num_batched_tokens=max_num_batched_tokens,
-              page_size=page_size, layout=layout, physical_memory=physical_memory)
+              page_size=page_size, layout=layout, physical_memory=physical_memory,
+              tensor_parallel_size=tensor_parallel_size)
+    verbose, show_progress = verbose and llm.is_output_rank, show_progress and llm.is_output_rank
     bar = None
     if show_progress:
         from tqdm.auto import tqdm

@@ -28,7 +28,8 @@ import torch
 
 from vattn.checks import is_int
 from vattn.engine.config import EngineConfig
-from vattn.engine.model_runner import ModelRunner, RunOutput, load_model, prefix_salt
+from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, prefix_salt
+from vattn.engine.parallel import AgreedSlots, TensorParallel, TPModelRunner
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
@@ -64,6 +65,10 @@ class LLM:
     `**config`: see `EngineConfig` (the cache's arguments by `vattn.init`'s names plus
     device, dtype, max_num_seqs, max_num_batched_tokens, seed, attention).
 
+    Tensor parallelism (`tensor_parallel_size=N`, see `vattn.engine.parallel`): one process
+    per rank under `torchrun`, each making the same calls; rank 0 gets the outputs, the
+    others get [] from generate and step. A failure of the group raises TensorParallelError.
+
     Failures never poison the engine:
     - Bad input raises `InvalidRequestError` / `ContextLengthError` from add_request or
       generate before anything is queued (`SamplingParams` checks its own values).
@@ -93,13 +98,32 @@ class LLM:
         device = self.config.torch_device()
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidConfigError(f"device {device} was asked for but CUDA is not available")
+        self.tp: TensorParallel | None = None  # tensor parallelism: this rank (vattn.engine.parallel)
+        if self.config.tensor_parallel_size > 1:
+            self._start_parallel(model, tokenizer)
+            return
         loaded = load_model(model, self.config, device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.dtype, device, self.config)
+        self._start(loaded, self.runner.cache)
+
+    def _start_parallel(self, model: Any, tokenizer: Any) -> None:
+        """This rank's shard, cache and agreed view of it (see vattn.engine.parallel)."""
+        self.tp = tp = TensorParallel.start(self.config)
+        try:
+            loaded = tp.load_model(model, self.config)
+            self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
+            self.runner = TPModelRunner(loaded.model, loaded.dtype, tp.device, self.config, tp)
+        except BaseException:
+            tp.close()
+            raise
+        self._start(loaded, AgreedSlots(self.runner.cache, tp))
+
+    def _start(self, loaded: LoadedModel, kv: Any) -> None:
         self.prefix_cache = None
         if self.config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.runner.cache, salt=prefix_salt(loaded.model, loaded.dtype))
-        self.scheduler = Scheduler(self.config.scheduler_config(), self.runner.cache,
+        self.scheduler = Scheduler(self.config.scheduler_config(), kv,
                                    eos_token_ids=_eos_token_ids(loaded.model), prefix_cache=self.prefix_cache)
         self.max_context_len = self.runner.max_context_len
         self._next_id = 0
@@ -132,6 +156,8 @@ class LLM:
         ids = [request_id] if is_int(request_id) else _as_id_list(request_id)
         with self._lock:
             self._check_open()
+            if self.tp is not None:
+                self.tp.note_abort(ids)
             seqs = self.scheduler.abort(ids)
             self._report_finished(seqs)
             self._note_idle()
@@ -145,10 +171,22 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run the model -> postprocess. Returns the outputs of
         the requests that got a token or finished in it (and final outputs not returned
-        yet: aborts, those generate() read for others)."""
+        yet: aborts, those generate() read for others). With tensor parallelism every rank
+        must call it; ranks other than 0 return []."""
+        outputs = self._step()
+        return outputs if self.is_output_rank else []
+
+    @property
+    def is_output_rank(self) -> bool:
+        """Whether this process returns outputs: always, except on tensor-parallel ranks > 0."""
+        return self.tp is None or self.tp.rank == 0
+
+    def _step(self) -> list[RequestOutput]:
         with self._lock:
             self._check_open()
             self._trim_if_idle()
+            if self.tp is not None:
+                self.tp.check_same_schedule(self.scheduler)
             batch = self.scheduler.schedule()
             self._report_finished(batch.finished)  # before the run: kept even if it is interrupted
             output = self.runner.run(batch.scheduled)
@@ -160,7 +198,8 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of token ids, or a list of those) and
-        return the final outputs in prompt order. Every prompt is checked before any is
+        return the final outputs in prompt order (with tensor parallelism: on rank 0; the
+        other ranks, which must make the same call, return []). Every prompt is checked before any is
         queued. Requests added online before keep running meanwhile; their final outputs
         are returned by the next step(). If this call raises after queueing (an interrupt),
         its requests are aborted and the engine stays usable."""
@@ -181,7 +220,7 @@ class LLM:
             bar = tqdm(total=len(seqs), desc="generate", unit="req")
         try:
             while pending:
-                for out in self.step():
+                for out in self._step():
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         results[out.request_id] = out
@@ -200,6 +239,8 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        if not self.is_output_rank:
+            return []
         return [results[seq.request_id] for seq in seqs]
 
     # ------------------------------------------------------------------ figures ----
@@ -243,6 +284,8 @@ class LLM:
                 if self._idle_timer is not None:
                     self._idle_timer.cancel()
                 self.runner.close()
+                if self.tp is not None:
+                    self.tp.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -305,6 +348,8 @@ class LLM:
                 f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds max_context_len="
                 f"{self.max_context_len}; shorten the prompt, lower max_tokens or raise max_context_len")
         seq = Sequence(self._next_id, ids, params, time.perf_counter(), prompt=text)
+        if self.tp is not None:
+            self.tp.note_request(seq.request_id, ids, params)
         self._next_id += 1
         return seq
 

@@ -51,7 +51,7 @@ def load_model(model: Any, config: EngineConfig, device: torch.device) -> Loaded
     """The model (and a checkpoint's tokenizer) from a local checkpoint directory, a
     transformers config (random weights seeded by `config.seed`) or a loaded model, and
     the dtype to run it in (see EngineConfig.dtype)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+    from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
         return LoadedModel(model, None, _check_dtype(config.dtype or model.dtype))
@@ -77,18 +77,29 @@ def load_model(model: Any, config: EngineConfig, device: torch.device) -> Loaded
                                                             dtype=config.dtype or "auto")
         except (OSError, ValueError, KeyError) as e:
             raise InvalidConfigError(f"cannot load a causal LM from {path!r}: {e}") from None
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception:  # no tokenizer files: token-id prompts only
-            tokenizer = None
-        dtype = config.dtype
-        if dtype is None:  # the checkpoint's half type on CUDA, float32 on CPU
-            is_half = hf_model.dtype in (torch.float16, torch.bfloat16)
-            dtype = hf_model.dtype if device.type == "cuda" and is_half else default
-        return LoadedModel(hf_model, tokenizer, _check_dtype(dtype))
+        return LoadedModel(hf_model, load_tokenizer(path), run_dtype(hf_model.dtype, config, device))
     raise InvalidConfigError(
         f"model must be a checkpoint directory, a transformers PretrainedConfig or a PreTrainedModel, "
         f"got {type(model).__name__}")
+
+
+def load_tokenizer(path: str) -> Any:
+    """A checkpoint directory's tokenizer, or None when it has none (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - no tokenizer files
+        return None
+
+
+def run_dtype(checkpoint_dtype: torch.dtype | None, config: EngineConfig, device: torch.device) -> torch.dtype:
+    """What a checkpoint runs in: config.dtype, else its half type on CUDA, float32 on CPU."""
+    dtype = config.dtype
+    if dtype is None:
+        is_half = checkpoint_dtype in (torch.float16, torch.bfloat16)
+        dtype = checkpoint_dtype if device.type == "cuda" and is_half else torch.float32
+    return _check_dtype(dtype)
 
 
 def prefix_salt(model: Any, dtype: torch.dtype) -> bytes:

@@ -1,0 +1,359 @@
+"""Tensor parallelism (`vattn.engine.parallel`) with real processes: two ranks spawned with
+torch.multiprocessing, gloo on 127.0.0.1, tiny seeded Llama / Qwen2 models. Each group of
+checks spawns the two ranks once; every join has a deadline, so a hang fails the test."""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from helpers import (  # noqa: E402
+    ARRIVALS, MAX_TOKENS, PAGE, build_model, greedy_params, hf_greedy, prompts, reference, tiny_config)
+
+from vattn import LLM, SamplingParams  # noqa: E402
+from vattn.engine.parallel import RankCacheError, TensorParallelError, shard_config  # noqa: E402
+from vattn.errors import BackendError, InvalidConfigError, OutOfPhysicalMemoryError  # noqa: E402
+
+WORLD = 2
+MODELS = [("llama", 4), ("llama", 2), ("qwen2", 2), ("llama", 1)]  # MHA, GQA, GQA, 1 kv head on 2 ranks
+SPAWN_TIMEOUT_S = 240  # whole group, both ranks; a hang fails instead of blocking the suite
+TP = dict(tensor_parallel_size=WORLD, seed=0, page_size=PAGE, max_batch_size=8, distributed_timeout_s=60)
+
+
+# ------------------------------------------------------------------- spawning ----
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, ports: list[int], case: str, out_dir: str, args: tuple) -> None:
+    """A spawned rank: torchrun's environment, then CASES[case](rank, ports, *args); its
+    result (or traceback) is pickled to out_dir/rank{rank}.pkl."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    try:
+        if case in OWN_GROUP:  # one group for several engines (vattn creates one per engine otherwise)
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        result: dict[str, Any] = {"ok": CASES[case](rank, ports, *args)}
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        result = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def spawn(case: str, tmp_path: Path, *args: Any, num_ports: int = 1) -> tuple[list[Any], list[int | None]]:
+    """Run CASES[case] on two ranks; returns their results and exit codes. Fails when a rank
+    is still running after SPAWN_TIMEOUT_S (a hang) or raised."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    ports = [_free_port() for _ in range(num_ports)]
+    procs = [ctx.Process(target=_rank_main, args=(r, ports, case, str(tmp_path), args), daemon=True)
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    assert not hung, f"ranks {hung} still ran after {SPAWN_TIMEOUT_S} s: a hang"
+    results = []
+    for r in range(WORLD):
+        path = tmp_path / f"rank{r}.pkl"
+        results.append(pickle.loads(path.read_bytes()) if path.exists() else None)
+    for r, res in enumerate(results):
+        assert res is None or "error" not in res, f"rank {r} raised:\n{res['error']}"
+    return [None if res is None else res["ok"] for res in results], [p.exitcode for p in procs]
+
+
+def online(llm: LLM, check: Callable[[LLM], None] | None = None) -> list:
+    """helpers.run_online for every rank: each adds the same requests at the same iterations and
+    steps until all finish; rank 0 returns the final outputs in prompt order, the others []."""
+    params = greedy_params()
+    index: dict[int, int] = {}
+    done: dict[int, Any] = {}
+    it = 0
+    while len(index) < len(ARRIVALS) or llm.has_unfinished():
+        for i, a in enumerate(ARRIVALS):
+            if a == it:
+                index[llm.add_request(prompts()[i], params[i])] = i
+        for out in llm.step():
+            if out.finished:
+                done[index[out.request_id]] = out
+        if check is not None:
+            check(llm)
+        it += 1
+        assert it < 5000, "the engine does not make progress"
+    if not llm.is_output_rank:
+        assert not done, "a rank other than 0 returned outputs"
+        return []
+    return [done[i].token_ids for i in range(len(ARRIVALS))]
+
+
+def books(llm: LLM) -> tuple:
+    """The vattn books that must be equal on every rank: live slots and their lengths, and
+    which sequence holds which slot."""
+    alloc = llm.cache.allocator
+    return (sorted((s, alloc.max_lens[s]) for s in alloc.alloc_seq),
+            sorted((s.seq_id, s.slot, s.num_computed_tokens) for s in llm.scheduler.running))
+
+
+def check_books(llm: LLM) -> None:
+    everyone = llm.tp.all_gather_object(books(llm))
+    assert all(b == everyone[0] for b in everyone), f"the ranks' books diverged: {everyone}"
+
+
+# ------------------------------------------------- what the ranks run (CASES) ----
+def _outputs(rank: int, ports: list[int], checkpoint: str) -> dict:
+    """Greedy outputs of every model, a checkpoint read shard by shard, and online arrivals
+    under a budget that forces preemption."""
+    res: dict[str, Any] = {}
+    for family, kv in MODELS:
+        with LLM(tiny_config(family, kv), **TP) as llm:
+            outs = llm.generate(prompts(), greedy_params())
+            res[f"{family}/{kv}"] = [o.token_ids for o in outs] if rank == 0 else outs
+            res[f"{family}/{kv} heads"] = (llm.cache.config.num_kv_heads,
+                                           llm.runner.model.model.layers[0].self_attn.q_proj.weight.shape[0])
+    for name, config, params in _extra_cases():
+        with LLM(config, **TP) as llm:
+            outs = llm.generate(prompts()[:3], params)
+            res[name] = [[c.token_ids for c in o.outputs] for o in outs]
+    with LLM(checkpoint, **TP) as llm:
+        outs = llm.generate(prompts(), greedy_params())
+        res["checkpoint"] = [o.token_ids for o in outs] if rank == 0 else outs
+        res["checkpoint heads"] = llm.cache.config.num_kv_heads
+    with LLM(tiny_config(), **{**TP, "max_batch_size": 4, "physical_memory": 48 << 10}) as llm:
+        res["preempted"] = online(llm, check_books)
+        res["num_preemptions"] = llm.num_preemptions
+    return res
+
+
+def _extra_cases() -> list[tuple[str, Any, Any]]:
+    """Biases on the rowwise modules (added once, after the all-reduce), and parallel
+    sampling (forks agreed on both ranks, rank 0's seeded draws)."""
+    return [("bias", tiny_config("llama", 2, attention_bias=True, mlp_bias=True), greedy_params()[:3]),
+            ("n=3", tiny_config(), SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=12))]
+
+
+def _agreement(rank: int, ports: list[int]) -> dict:
+    """The budget is the ranks' minimum; one rank short of memory, or one whose backend fails
+    a map, makes every rank fail that step: same preemptions, same books, same outputs."""
+    res: dict[str, Any] = {}
+    mine = (256 << 10) if rank == 0 else (96 << 10)
+    with LLM(tiny_config(), **{**TP, "physical_memory": mine}) as llm:
+        res["max_pages"] = llm.cache.allocator.max_pages
+        res["group_bytes"] = llm.cache.geometry.group_bytes
+
+    with LLM(tiny_config(), **{**TP, "max_batch_size": 4, "physical_memory": 256 << 10}) as llm:
+        local_failures = 0
+        step = llm.cache.step
+
+        def counting_step(seq_lens):
+            nonlocal local_failures
+            out = step(seq_lens)
+            local_failures += not out
+            return out
+
+        llm.cache.step = counting_step
+        if rank == 1:  # this rank runs short: 3 page groups of the 16 agreed
+            llm.cache.allocator.max_pages = 3
+        res["short"] = online(llm, check_books)
+        res["short_failures"] = local_failures
+        res["short_preemptions"] = llm.num_preemptions
+        res["resyncs"] = llm.scheduler.kv.num_resyncs
+
+    with LLM(tiny_config(), **{**TP, "background": False}) as llm:
+        backend = llm.cache.backend
+        real_map, calls, injected = backend.map, [0], [0]
+
+        def faulty_map(*args, **kwargs):
+            calls[0] += 1
+            if rank == 1 and calls[0] == 4:
+                injected[0] += 1
+                raise BackendError("map", 1, "INJECTED", "rank 1's map failed")
+            return real_map(*args, **kwargs)
+
+        backend.map = faulty_map
+        failures: list[str] = []
+        kv_step = llm.scheduler.kv.step
+
+        def spy(seq_lens):
+            try:
+                return kv_step(seq_lens)
+            except RankCacheError as e:
+                failures.append(str(e))
+                raise
+
+        llm.scheduler.kv.step = spy
+        res["faulty"] = online(llm, check_books)
+        res["faulty_injected"], res["faulty_failures"] = injected[0], failures
+
+    name, config, params = _extra_cases()[1]
+    with LLM(config, **TP) as llm:  # rank 1 cannot fork the first time: every rank waits, then forks
+        real_fork, forks = llm.cache.fork, []
+
+        def short_fork(reqid, num_tokens):
+            forks.append(reqid)
+            if rank == 1 and len(forks) == 1:
+                raise OutOfPhysicalMemoryError("injected: no page for the copy")
+            return real_fork(reqid, num_tokens)
+
+        llm.cache.fork = short_fork
+        outs = llm.generate(prompts()[:3], params)
+        res["fork"] = [[c.token_ids for c in o.outputs] for o in outs]
+        res["fork_calls"] = len(forks)
+        check_books(llm)
+    return res
+
+
+def _failures(rank: int, ports: list[int]) -> dict:
+    """Ranks given different requests, a rank whose forward raises, a rank that dies: the
+    others raise TensorParallelError soon, never hang."""
+    res: dict[str, Any] = {}
+
+    def attempt(name: str, port: int, prompt_of: Callable[[int], list[int]], hook: Callable | None = None) -> None:
+        os.environ["MASTER_PORT"] = str(port)
+        llm = LLM(tiny_config(), **TP)
+        if hook is not None:
+            llm.runner.model.model.layers[0].register_forward_hook(hook)
+        t = time.monotonic()
+        try:
+            llm.generate([prompt_of(rank)] * 3, greedy_params()[0])
+            res[name] = ("no error", "", time.monotonic() - t)
+        except Exception as e:  # noqa: BLE001 - what the test checks
+            res[name] = (type(e).__name__, str(e), time.monotonic() - t)
+        llm.close()
+
+    attempt("diverged", ports[0], lambda r: [5, 6, 7 + r])
+    forwards = [0]
+
+    def raise_on_rank1(*_):
+        forwards[0] += 1
+        if rank == 1 and forwards[0] == 3:
+            raise RuntimeError("injected: rank 1's forward failed")
+
+    attempt("raised", ports[1], lambda r: [5, 6, 7], raise_on_rank1)
+    forwards[0] = 0
+
+    def die_on_rank1(*_):
+        forwards[0] += 1
+        if rank == 1 and forwards[0] == 3:
+            os._exit(3)
+
+    attempt("died", ports[2], lambda r: [5, 6, 7], die_on_rank1)
+    return res
+
+
+CASES = {"outputs": _outputs, "agreement": _agreement, "failures": _failures}
+OWN_GROUP = ("outputs", "agreement")
+
+
+# ------------------------------------------------------------------------ tests ----
+def test_tp2_outputs_equal_tp1_and_transformers(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "qwen2"
+    build_model(tiny_config("qwen2", 2)).save_pretrained(checkpoint)
+    (tp, other), codes = spawn("outputs", tmp_path, str(checkpoint))
+    assert codes == [0, 0]
+    for family, kv in MODELS:
+        with LLM(tiny_config(family, kv), seed=0, page_size=PAGE, max_batch_size=8) as llm:
+            tp1 = [o.token_ids for o in llm.generate(prompts(), greedy_params())]
+        ref = [list(r) for r in reference(family, kv)]
+        assert tp[f"{family}/{kv}"] == tp1 == ref, (family, kv)
+        assert other[f"{family}/{kv}"] == [], "rank 1's generate returns nothing"
+        # each rank holds half the query heads, and half the kv heads (one kv head replicated)
+        assert tp[f"{family}/{kv} heads"] == other[f"{family}/{kv} heads"] == (max(1, kv // WORLD), 2 * 16)
+    for name, config, params in _extra_cases():
+        with LLM(config, seed=0, page_size=PAGE, max_batch_size=8) as llm:
+            tp1 = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts()[:3], params)]
+        assert tp[name] == tp1, name
+        assert other[name] == [], name
+    model = build_model(_extra_cases()[0][1])
+    assert tp["bias"] == [[hf_greedy(model, p, m)] for p, m in zip(prompts(), MAX_TOKENS[:3])]
+    assert len({tuple(c) for c in tp["n=3"][0]}) > 1, "the samples differ"
+    assert tp["checkpoint"] == [list(r) for r in reference("qwen2", 2)]
+    assert tp["checkpoint heads"] == 1
+    assert tp["preempted"] == [list(r) for r in reference()]
+    assert tp["num_preemptions"] == other["num_preemptions"] > 0
+
+
+def test_ranks_agree_on_budget_and_failed_steps(tmp_path: Path) -> None:
+    (r0, r1), codes = spawn("agreement", tmp_path)
+    assert codes == [0, 0]
+    assert r0["max_pages"] == r1["max_pages"] == (96 << 10) // r0["group_bytes"]  # the minimum, on both
+    ref = [list(r) for r in reference()]
+    # rank 1 alone ran out of memory; both preempted the same sequences (books checked every step)
+    assert r1["short_failures"] > 0 and r0["short_failures"] == 0
+    assert r0["short_preemptions"] == r1["short_preemptions"] > 0
+    assert r0["short"] == ref
+    # rank 1's backend failed one map: the step raised on both ranks with the same message
+    assert r1["faulty_injected"] == 1
+    assert len(r0["faulty_failures"]) == len(r1["faulty_failures"]) == 1
+    assert r0["faulty_failures"] == r1["faulty_failures"]
+    assert "rank 1: BackendError: map failed with INJECTED" in r0["faulty_failures"][0]
+    assert r0["faulty"] == ref
+    # rank 1 could not fork once: both undid it and forked again later, as TP 1 samples
+    name, config, params = _extra_cases()[1]
+    with LLM(config, seed=0, page_size=PAGE, max_batch_size=8) as llm:
+        tp1 = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts()[:3], params)]
+    assert r0["fork"] == tp1 and r1["fork"] == []
+    assert r0["fork_calls"] == r1["fork_calls"] >= 3 * 2 + 1  # two forks per request, one retried (or more)
+
+
+def test_a_failing_rank_stops_the_others_soon(tmp_path: Path) -> None:
+    (r0, r1), codes = spawn("failures", tmp_path, num_ports=3)
+    assert r1 is None and codes[1] == 3, "rank 1 died in the last phase"
+    for name in ("diverged", "raised", "died"):
+        kind, message, seconds = r0[name]
+        assert kind == "TensorParallelError", (name, kind, message)
+        assert seconds < 30, f"{name}: rank 0 took {seconds:.1f} s to notice (timeout 60 s)"
+    assert "schedules differ" in r0["diverged"][1]
+    for name in ("raised", "died"):  # rank 0 learns it from its collective in the forward
+        assert "another rank raised or exited" in r0[name][1]
+
+
+# ------------------------------------------------------------- no processes ----
+def test_sharded_config_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    local = shard_config(tiny_config("llama", 2), 2)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size, local.head_dim) \
+        == (2, 1, 64, 16)
+    assert shard_config(tiny_config("llama", 1), 4).num_key_value_heads == 1  # replicated kv head
+    with pytest.raises(InvalidConfigError, match="num_attention_heads=4 is not divisible"):
+        shard_config(tiny_config(), 3)
+    six = tiny_config("llama", 2)
+    six.num_attention_heads = 6
+    with pytest.raises(InvalidConfigError, match="num_key_value_heads=2"):
+        shard_config(six, 3)
+    with pytest.raises(InvalidConfigError, match="prefix_caching"):
+        LLM(tiny_config(), tensor_parallel_size=2, enable_prefix_caching=True)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(InvalidConfigError, match="torchrun --nproc-per-node 2"):
+        LLM(tiny_config(), tensor_parallel_size=2)
+
+
+def test_cli_tells_how_to_launch() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-m", "vattn", "generate", "--model", "M", "--prompt-ids", "1,2",
+                          "--tensor-parallel-size", "2"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2
+    assert "torchrun --nproc-per-node 2 -m vattn generate --model M" in out.stderr

@@ -1,0 +1,609 @@
+"""Tensor parallelism on `torch.distributed`: each rank holds its attention heads' share of
+the weights and of the KV cache, and all ranks follow one schedule.
+
+Launch one process per GPU with `torchrun` (it sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT); every process runs the same script:
+
+```
+torchrun --nproc-per-node 2 my_script.py       # my_script: LLM(model, tensor_parallel_size=2)
+```
+
+The process group is NCCL on GPUs (rank r uses cuda:LOCAL_RANK) and gloo on CPUs; control
+messages (the schedule's agreement, sampled tokens) go over a gloo group in both cases.
+
+Sharding (Megatron-style, rank r of N, plain tensors: no DTensor):
+
+```
+  q/k/v_proj   colwise  rank r keeps query heads [r*H/N, (r+1)*H/N) and kv heads likewise;
+                        with fewer kv heads than ranks, kv head r*H_kv//N (replicated, as vLLM)
+  o_proj       rowwise  the input columns of its heads; output all-reduced, bias added once
+  gate/up_proj colwise  intermediate features [r*I/N, (r+1)*I/N)
+  down_proj    rowwise  all-reduced
+  embeddings, norms, lm_head: replicated
+```
+
+Which module splits how comes from the model's own transformers plan
+(`config.base_model_tp_plan`: "colwise" / "rowwise"), or the Llama names above when it has
+none. The model each rank builds is the model's own class from a config with H/N heads,
+H_kv/N (at least 1) kv heads and I/N intermediate features, so the attention hook and the
+cache (`num_kv_heads` = the local count) need nothing special. A checkpoint directory is
+read slice by slice (safetensors): each rank reads only its shard.
+
+One schedule: every rank runs the same deterministic scheduler on the same inputs (SPMD:
+every process makes the same add_request / generate / abort_request / step calls), and
+what could differ between ranks is agreed before anyone acts on it (`AgreedSlots`): the
+physical budget (the minimum over ranks), each `step`'s outcome (failed on one rank =
+failed on all, the union of the failed requests, before the scheduler preempts), each new
+slot. Every iteration first checks that the ranks' schedules are equal. Rank 0 samples and
+broadcasts the tokens. A rank whose forward raises, or that sees a collective fail (a peer
+died or raised), tears the group down so that the others fail at once too
+(`TensorParallelError`), instead of waiting in a collective.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import logging
+import os
+import zlib
+from collections.abc import Callable, Mapping
+from fnmatch import fnmatchcase
+from typing import Any, NamedTuple
+
+import torch
+
+from vattn.engine.config import EngineConfig
+from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, load_tokenizer, run_dtype
+from vattn.errors import InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError
+
+logger = logging.getLogger(__name__)
+
+# transformers' own plan for Llama-like models: what a model without `base_model_tp_plan` gets
+DEFAULT_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+class TensorParallelError(VattnError, RuntimeError):
+    """Tensor-parallel ranks could not go on together: a rank raised or exited, a collective
+    timed out, or the ranks were given different requests. The engine cannot be used again;
+    close it (and restart every rank)."""
+
+
+class RankCacheError(VattnError, RuntimeError):
+    """A KV cache `step` raised on some rank (a backend failure): every rank raises this, with
+    the same message, so that the scheduler requeues the same requests everywhere."""
+
+
+# ----------------------------------------------------------------- the group ----
+class TensorParallel:
+    """This process's place in the tensor-parallel group, and the collectives the engine uses.
+
+    `start(config)` joins the default process group, creating it from torchrun's environment
+    when it does not exist yet (and destroying it again at `close()`)."""
+
+    def __init__(self, size: int, timeout_s: float, device: torch.device, owns_group: bool) -> None:
+        import torch.distributed as dist
+
+        self.size, self.timeout_s, self.device, self.owns_group = size, timeout_s, device, owns_group
+        self.rank = dist.get_rank()
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        # control messages are small CPU tensors: a gloo group beside NCCL
+        self.cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.broken: str | None = None  # why the group cannot be used any more
+        self._inputs = 0  # a running digest of every request and abort, in call order
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> TensorParallel:
+        import torch.distributed as dist
+
+        n = config.tensor_parallel_size
+        device = config.torch_device()
+        owns = False
+        if not dist.is_available():
+            raise InvalidConfigError("tensor_parallel_size > 1 needs torch.distributed, which this torch build lacks")
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                raise InvalidConfigError(
+                    f"tensor_parallel_size={n} runs one process per rank: launch the script with "
+                    f"`torchrun --nproc-per-node {n} SCRIPT` (several nodes: --nnodes, see the README), or "
+                    "call torch.distributed.init_process_group() yourself first")
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.distributed_timeout_s))
+            owns = True
+        try:
+            if dist.get_world_size() != n:
+                raise InvalidConfigError(
+                    f"tensor_parallel_size={n} but the process group has {dist.get_world_size()} ranks; launch "
+                    f"with `torchrun --nproc-per-node {n}` (or nodes x processes = {n})")
+            if device.type == "cuda":
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+                torch.cuda.set_device(device)
+            return cls(n, config.distributed_timeout_s, device, owns)
+        except BaseException:
+            if owns:
+                dist.destroy_process_group()
+            raise
+
+    # ------------------------------------------------------------- collectives ----
+    def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+        if self.broken is not None:
+            raise TensorParallelError(f"the tensor-parallel group failed earlier ({self.broken}); close this LLM")
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - gloo / NCCL errors are plain RuntimeErrors
+            raise self.fail(f"{what} failed on rank {self.rank}: another rank raised or exited, or it timed "
+                            f"out after {self.timeout_s:g} s ({type(e).__name__}: {e})") from e
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of `values` over the ranks."""
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        self._collective("an all-reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group))
+        return t.tolist()
+
+    def all_gather_int(self, value: int) -> list[int]:
+        """Every rank's `value`, in rank order."""
+        import torch.distributed as dist
+
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        t = torch.tensor([value], dtype=torch.int64)
+        self._collective("an all-gather", lambda: dist.all_gather(out, t, group=self.cpu_group))
+        return [int(x) for x in out]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        self._collective("an all-gather", lambda: dist.all_gather_object(out, obj, group=self.cpu_group))
+        return out
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's `t` (a CPU tensor) into every rank's, in place."""
+        import torch.distributed as dist
+
+        self._collective("a broadcast", lambda: dist.broadcast(t, src=0, group=self.cpu_group))
+
+    def broadcast_object(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        self._collective("a broadcast", lambda: dist.broadcast_object_list(box, src=0, group=self.cpu_group))
+        return box[0]
+
+    def all_reduce_(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks in place on the model's group (NCCL on GPUs); a failure
+        raises from the forward, and the runner turns it into a TensorParallelError."""
+        import torch.distributed as dist
+
+        if self.broken is not None:
+            raise TensorParallelError(f"the tensor-parallel group failed earlier ({self.broken})")
+        dist.all_reduce(t)
+
+    def fail(self, message: str) -> TensorParallelError:
+        """Mark the group unusable and tear it down, so that ranks waiting in a collective
+        with this one get an error now rather than at the timeout. Returns the error to raise."""
+        import torch.distributed as dist
+
+        if self.broken is None:
+            self.broken = message
+            logger.error("vattn: tensor parallelism: %s", message)
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - tearing down a failed group may fail too
+                logger.debug("vattn: destroying the process group failed", exc_info=True)
+        return TensorParallelError(message)
+
+    def close(self) -> None:
+        """Destroy the process group if `start` created it."""
+        import torch.distributed as dist
+
+        if self.owns_group and self.broken is None and dist.is_initialized():
+            dist.destroy_process_group()
+        self.broken = self.broken or "closed"
+
+    # ------------------------------------------------------ one schedule for all ----
+    def note_request(self, request_id: int, token_ids: list[int], params: Any) -> None:
+        """Fold a new request into the digest of this rank's inputs."""
+        self._inputs = zlib.crc32(repr((request_id, token_ids, params)).encode(), self._inputs)
+
+    def note_abort(self, request_ids: list[int]) -> None:
+        self._inputs = zlib.crc32(repr(("abort", request_ids)).encode(), self._inputs)
+
+    def check_same_schedule(self, scheduler: Any) -> None:
+        """Before an iteration: every rank has had the same requests and holds the same
+        sequences in the same slots; else TensorParallelError (and the group is torn down)."""
+        state = (self._inputs, [(s.seq_id, s.slot, s.num_computed_tokens, s.num_tokens) for s in scheduler.running],
+                 [s.seq_id for s in scheduler.waiting])
+        digests = self.all_gather_int(zlib.crc32(repr(state).encode()))
+        if len(set(digests)) > 1:
+            raise self.fail(
+                f"the ranks' schedules differ (digests {digests}): every rank must make the same add_request / "
+                "generate / abort_request / step calls with the same prompts and parameters, in the same order")
+
+    def agree_budget(self, cache: Any) -> None:
+        """Every rank's cache gets the smallest physical budget of all ranks (page groups are
+        the same size on every rank). On the host without physical_memory, ranks on one
+        machine share its memory: the default budget is divided by the ranks per node."""
+        alloc = cache.allocator
+        group_bytes = self.all_gather_int(cache.geometry.group_bytes)
+        if len(set(group_bytes)) > 1:
+            raise self.fail(f"the ranks' page groups differ in size ({group_bytes} bytes): give every rank the "
+                            "same page_size, layout and dtype")
+        pages = min(self.all_gather_int(alloc.max_pages))
+        if cache.config.physical_memory is None and cache.config.torch_device.type == "cpu":
+            pages = max(1, pages // self.local_world_size)
+        with alloc._lock:
+            alloc.max_pages = pages
+
+    # -------------------------------------------------------------- the model ----
+    def load_model(self, model: Any, config: EngineConfig) -> LoadedModel:
+        """This rank's shard of `model` (a checkpoint directory, a config or a loaded model)."""
+        from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
+
+        if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+            path = os.fspath(model)
+            try:
+                hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+            except (OSError, ValueError, KeyError) as e:
+                raise InvalidConfigError(f"cannot read the model config in {path!r}: {e}") from None
+            source = _SafetensorsSource.open(path)
+            if source is not None:
+                dtype = run_dtype(getattr(hf_config, "dtype", None), config, self.device)
+                shard = shard_model(hf_config, source, self.rank, self.size, dtype, self)
+                try:
+                    shard.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+                except OSError:  # no generation_config.json: the one built from the config stays
+                    pass
+                return LoadedModel(shard, load_tokenizer(path), dtype)
+            logger.warning("vattn: %s has no safetensors weights: every rank reads the whole checkpoint", path)
+        if not isinstance(model, (str, os.PathLike, PretrainedConfig, PreTrainedModel)):
+            load_model(model, config, self.device)  # raises its error for the wrong type
+        full = load_model(model, config, torch.device("cpu"))  # a config: the seeded full weights, as at TP 1
+        shard = shard_model(full.model.config, _StateDictSource(full.model.state_dict()), self.rank, self.size,
+                            full.dtype, self)
+        shard.generation_config = copy.deepcopy(full.model.generation_config)
+        return LoadedModel(shard, full.tokenizer, full.dtype)
+
+
+# --------------------------------------------------------------- sharding ----
+class _Slice(NamedTuple):
+    dim: int | None  # None: the whole tensor
+    start: int
+    stop: int
+
+
+class _StateDictSource:
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def keys(self) -> set[str]:
+        return set(self.state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def read(self, name: str, s: _Slice) -> torch.Tensor:
+        t = self.state[name]
+        return t if s.dim is None else t.narrow(s.dim, s.start, s.stop - s.start)
+
+
+class _SafetensorsSource:
+    """The tensors of a safetensors checkpoint (one file or an index), read slice by slice."""
+
+    def __init__(self, files: dict[str, Any]) -> None:
+        self.files = files  # tensor name -> open safe_open handle
+
+    @classmethod
+    def open(cls, path: str) -> _SafetensorsSource | None:
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(path, "model.safetensors")):
+            weight_map = None
+        else:
+            return None
+        handles: dict[str, Any] = {}
+        names = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        opened = {n: safe_open(os.path.join(path, n), framework="pt") for n in names}
+        for n, h in opened.items():
+            for key in h.keys():
+                handles[key] = h
+        return cls(handles)
+
+    def keys(self) -> set[str]:
+        return set(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.files[name].get_slice(name).get_shape())
+
+    def read(self, name: str, s: _Slice) -> torch.Tensor:
+        sl = self.files[name].get_slice(name)
+        if s.dim is None:
+            return sl[:]
+        index = tuple([slice(None)] * s.dim + [slice(s.start, s.stop)])
+        return sl[index]
+
+
+def shard_config(hf_config: Any, world: int) -> Any:
+    """The config of one rank's model: H/N heads, H_kv/N kv heads (1 when a kv head is
+    replicated), I/N intermediate features, head_dim kept. Raises InvalidConfigError when
+    the sizes do not divide."""
+    h = hf_config.num_attention_heads
+    h_kv = getattr(hf_config, "num_key_value_heads", None) or h
+    inter = hf_config.intermediate_size
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // h
+    if h % world:
+        raise InvalidConfigError(f"num_attention_heads={h} is not divisible by tensor_parallel_size={world}; "
+                                 f"use a tensor_parallel_size that divides it")
+    if h_kv % world and world % h_kv:
+        raise InvalidConfigError(
+            f"num_key_value_heads={h_kv} and tensor_parallel_size={world}: one must divide the other (each rank "
+            "holds kv_heads / N heads, or, with fewer kv heads than ranks, one kv head shared by N / kv_heads ranks)")
+    if inter % world:
+        raise InvalidConfigError(f"intermediate_size={inter} is not divisible by tensor_parallel_size={world}")
+    local = copy.deepcopy(hf_config)
+    local.num_attention_heads = h // world
+    local.num_key_value_heads = max(1, h_kv // world)
+    local.intermediate_size = inter // world
+    local.head_dim = head_dim
+    return local
+
+
+def tp_plan(hf_config: Any) -> dict[str, str]:
+    """The model's transformers plan (module pattern -> "colwise" | "rowwise"), or the
+    Llama one. Raises InvalidConfigError for a style vattn does not shard (e.g. experts)."""
+    plan = dict(getattr(hf_config, "base_model_tp_plan", None) or DEFAULT_PLAN)
+    odd = {k: v for k, v in plan.items() if v not in ("colwise", "rowwise")}
+    if odd:
+        raise InvalidConfigError(f"vattn shards only 'colwise' / 'rowwise' modules; this model's plan has {odd}: "
+                                 "use tensor_parallel_size=1")
+    return plan
+
+
+def shard_model(hf_config: Any, source: Any, rank: int, world: int, dtype: torch.dtype, tp: Any) -> Any:
+    """Build this rank's model from `source` (the full model's tensors by name): planned
+    modules sliced, the rest copied; rowwise modules all-reduce their output (`tp.all_reduce_`)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    plan = tp_plan(hf_config)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(shard_config(hf_config, world), dtype=dtype)
+    prefix = model.base_model_prefix + "."
+    styles: dict[str, str] = {}  # module name -> style
+    for name, _ in model.named_modules():
+        rel = name[len(prefix):] if name.startswith(prefix) else None
+        style = next((s for pat, s in plan.items() if rel is not None and fnmatchcase(rel, pat)), None)
+        if style is not None:
+            styles[name] = style
+    if not styles:
+        raise InvalidConfigError(f"no module of {type(model).__name__} matches its tensor-parallel plan {plan}")
+    available = source.keys()
+    state = model.state_dict()
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if name not in available:
+                continue
+            module, _, kind = name.rpartition(".")
+            s = _slice_of(name, styles.get(module), kind, source.shape(name), tuple(tensor.shape), rank, world)
+            tensor.copy_(source.read(name, s))
+            loaded.add(name)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded_ids = {id(params[n]) for n in loaded if n in params}
+    missing = [n for n in state if n not in loaded and not (n in params and id(params[n]) in loaded_ids)]
+    if missing:
+        raise InvalidConfigError(f"the checkpoint lacks {missing[:5]}: load the model yourself and pass it to LLM")
+    for name, style in styles.items():
+        if style == "rowwise":
+            _all_reduce_output(model.get_submodule(name), tp)
+    return model.eval()
+
+
+def _slice_of(name: str, style: str | None, kind: str, full: tuple[int, ...], local: tuple[int, ...],
+              rank: int, world: int) -> _Slice:
+    """Which part of the full tensor `name` this rank's tensor holds."""
+    if style is None or (style == "rowwise" and kind == "bias"):
+        if full != local:
+            raise InvalidConfigError(f"{name}: the shard has shape {local}, the model {full}: the model's sizes "
+                                     "do not shard the way its tensor-parallel plan says")
+        return _Slice(None, 0, 0)
+    dim = 0 if style == "colwise" else 1
+    blocks = full[dim] // local[dim]
+    if full[dim] % local[dim] or world % blocks or (style == "rowwise" and blocks != world):
+        raise InvalidConfigError(f"{name}: {style} shard of shape {local} does not divide the model's {full}")
+    start = (rank * blocks // world) * local[dim]  # blocks < world: a replicated kv head
+    return _Slice(dim, start, start + local[dim])
+
+
+def _all_reduce_output(module: torch.nn.Module, tp: Any) -> None:
+    """A rowwise module: its partial output is summed over the ranks, then its bias added once."""
+    bias = module.bias
+    module.bias = None
+    module._vattn_tp_bias = bias  # a parameter of the module still: .to() moves it
+
+    def hook(mod: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        tp.all_reduce_(out)
+        return out if mod._vattn_tp_bias is None else out + mod._vattn_tp_bias
+
+    module.register_forward_hook(hook)
+
+
+# ----------------------------------------------------------------- agreement ----
+class AgreedStep(NamedTuple):
+    """A `step` outcome every rank agreed on."""
+
+    failed: tuple[int, ...]  # the union of the ranks' failed slots
+    out_of_memory: bool
+
+    def __bool__(self) -> bool:
+        return not self.failed
+
+
+class AgreedSlots:
+    """The scheduler's cache (`KVSlots`) under tensor parallelism: this rank's `KVCache`,
+    with every result that could differ between ranks agreed before the scheduler sees it.
+
+    - `step`: failed on any rank = failed on every rank, with the union of the failed slots;
+      raised on any rank = raises on every rank (`RankCacheError`, the same message). The
+      scheduler then preempts the same sequences everywhere.
+    - `alloc_reqid`: every rank gets the same slot. Free slots can hold different pages on
+      different ranks (a step that failed on some ranks only); when the slots differ, every
+      rank gives its cached pages back (`trim`: the free slots are then empty everywhere) and
+      allocates again.
+    - `fork`: done on every rank or on none, into the same slot (like `alloc_reqid`).
+    Only shortages on every rank stay NoFreeSlotError / OutOfPhysicalMemoryError (the
+    scheduler waits); any other failure of a rank is a RankCacheError on every rank.
+    """
+
+    def __init__(self, cache: Any, tp: TensorParallel) -> None:
+        self.cache, self.tp = cache, tp
+        self.num_resyncs = 0  # times the ranks' free slots differed and were emptied
+
+    @property
+    def num_free_reqids(self) -> int:
+        return self.cache.num_free_reqids
+
+    def alloc_reqid(self) -> int:
+        return self._new_slot("alloc_reqid", self.cache.alloc_reqid)
+
+    def _new_slot(self, what: str, make: Callable[[], int]) -> int:
+        """`make()` on every rank, giving the same slot everywhere; when the ranks' slots
+        differ, every rank gives back its cached pages (`trim`) and tries once more."""
+        slot = self._same_slot(what, make)
+        if slot is None:
+            self.num_resyncs += 1
+            self.cache.trim()
+            slot = self._same_slot(what, make)
+            if slot is None:
+                raise self.tp.fail(f"the ranks' caches gave different slots for {what} even with no cached pages")
+        return slot
+
+    def _same_slot(self, what: str, make: Callable[[], int]) -> int | None:
+        """The slot `make()` gave, if it is the same on every rank; else None, and nothing
+        kept. Raises on every rank when it raised on any (`_raise_agreed`)."""
+        slot: int | None = None
+        error: Exception | None = None
+        try:
+            slot = make()
+        except Exception as e:  # noqa: BLE001 - agreed below
+            error = e
+        slots = self.tp.all_gather_int(-1 if slot is None else slot)
+        if slot is not None and len(set(slots)) == 1:
+            return slot
+        if slot is not None:
+            self.cache.free_reqid(slot)
+        self._raise_agreed(what, error)
+        return None
+
+    def free_reqid(self, reqid: int) -> None:
+        self.cache.free_reqid(reqid)
+
+    def step(self, seq_lens: Mapping[int, int]) -> AgreedStep:
+        error: Exception | None = None
+        failed: tuple[int, ...] = ()
+        oom = False
+        try:
+            res = self.cache.step(seq_lens)
+            failed, oom = tuple(res.failed), bool(res.out_of_memory)
+        except Exception as e:  # noqa: BLE001 - agreed below; raised on every rank
+            error = e
+        flags = [0] * (self.cache.config.max_batch_size + 2)
+        flags[0], flags[1] = int(error is not None), int(oom)
+        for slot in failed:
+            flags[2 + slot] = 1
+        agreed = self.tp.all_reduce_max(flags)
+        if agreed[0]:
+            self._raise_agreed("step", error)
+        return AgreedStep(tuple(s for s in seq_lens if agreed[2 + s]), bool(agreed[1]))
+
+    def fork(self, reqid: int, num_tokens: int) -> int:
+        return self._new_slot("fork", lambda: self.cache.fork(reqid, num_tokens))
+
+    def _raise_agreed(self, what: str, error: Exception | None) -> None:
+        """Some rank's `what` raised (`error` here, or None): raise the same error on every
+        rank, naming each rank's failure. Only shortages of slots or memory everywhere stay
+        an OutOfPhysicalMemoryError (the scheduler waits for memory); anything else is a
+        RankCacheError. Returns when no rank raised."""
+        shortages = (NoFreeSlotError, OutOfPhysicalMemoryError)
+        mine = None if error is None else (f"{type(error).__name__}: {error}",
+                                           next((i for i, k in enumerate(shortages) if isinstance(error, k)), -1))
+        errors = [(r, e) for r, e in enumerate(self.tp.all_gather_object(mine)) if e is not None]
+        if not errors:
+            return
+        message = f"the KV cache {what} failed on " + "; ".join(f"rank {r}: {m}" for r, (m, _) in errors)
+        kinds = {kind for _, (_, kind) in errors}
+        if len(kinds) == 1 and -1 not in kinds:
+            raise shortages[kinds.pop()](message)
+        raise RankCacheError(message)
+
+    def swap_out(self, reqid: int, num_tokens: int) -> Any:
+        raise InvalidConfigError("preemption_mode='swap' is not supported with tensor parallelism")
+
+    def swap_in(self, handle: Any) -> int:
+        raise InvalidConfigError("preemption_mode='swap' is not supported with tensor parallelism")
+
+
+class RankZeroSampler:
+    """Rank 0 samples; every rank gets its tokens (and its per-request errors)."""
+
+    def __init__(self, sampler: Any, tp: TensorParallel) -> None:
+        self.sampler, self.tp = sampler, tp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sampler, name)
+
+    def sample(self, logits: torch.Tensor, seq_ids: list, params: list) -> RunOutput:
+        tokens = torch.full((len(seq_ids),), -1, dtype=torch.int64)
+        errors: dict = {}
+        if self.tp.rank == 0:
+            out = self.sampler.sample(logits, seq_ids, params)
+            tokens = torch.tensor([out.tokens.get(s, -1) for s in seq_ids], dtype=torch.int64)
+            errors = out.errors
+        self.tp.broadcast(tokens)
+        ids = tokens.tolist()
+        if min(ids, default=0) < 0:
+            errors = self.tp.broadcast_object(errors)
+        return RunOutput({s: t for s, t in zip(seq_ids, ids) if t >= 0}, errors)
+
+
+class TPModelRunner(ModelRunner):
+    """The model runner of one rank: its cache holds the rank's kv heads, its budget is the
+    ranks' minimum, rank 0 samples. A forward that raises is fatal to the group (the ranks'
+    collectives could no longer be paired): it raises TensorParallelError on every rank
+    instead of `ModelRunner.run`'s retry of each request alone."""
+
+    def __init__(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig,
+                 tp: TensorParallel) -> None:
+        super().__init__(model, dtype, device, config)
+        self.tp = tp
+        self.sampler = RankZeroSampler(self.sampler, tp)
+        try:
+            tp.agree_budget(self.cache)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, scheduled: list) -> RunOutput:
+        if not scheduled:
+            return RunOutput({}, {})
+        try:
+            return self._run(scheduled)
+        except TensorParallelError:
+            raise
+        except Exception as e:  # noqa: BLE001 - see the class docstring
+            raise self.tp.fail(f"the model's forward failed on rank {self.tp.rank} ({type(e).__name__}: {e}); every "
+                               "rank stops (a collective fails this way when another rank raised or exited: see "
+                               "that rank's error)") from e
