@@ -193,7 +193,8 @@ def check_books(kv: vs.ElasticKV, alloc, in_use: list[torch.Tensor]) -> None:
         first, last = books.pages_of(chunk)
         assert all(books.groups[p] is not None for p in range(first, last + 1)), f"page {u} is unmapped"
     assert len(used) + len(free) + (kv.units - kv.lent_units) == kv.units
-    assert alloc.available_size() + vs.unbacked_tokens(alloc) == (len(free) + kv.units - kv.lent_units) * alloc.page_size
+    free_tokens = (len(free) + kv.units - kv.lent_units) * alloc.page_size
+    assert alloc.available_size() + vs.unbacked_tokens(alloc) == free_tokens
 
 
 def write(pool, locs: torch.Tensor, value: float) -> None:
@@ -332,14 +333,14 @@ def test_limit_makes_a_short_pool_a_scheduling_miss(page_size):
     stats = replay(pool, alloc, kv, seed=7, steps=200)
     assert stats["evicted"] + stats["retracted"] + stats["misses"] > 0
     assert stats["peak"] <= limit
-    # everything freed; asking for more than available_size() is a miss: None, and what
-    # vattn could lend on the way stays in the free list (mapped, not in use)
-    free_before = set(alloc.free_pages.tolist())
+    # everything freed; asking for more than available_size() is a miss: None, nothing changed
+    free_before, lent_before, mapped_before = alloc.free_pages.clone(), set(kv.lent), mapped(kv)
     too_many = (alloc.available_size() // page_size + 1) * page_size
     assert alloc.alloc(too_many) is None
-    assert set(alloc.free_pages.tolist()) >= free_before
-    assert alloc.available_size() == len(alloc.free_pages) * page_size  # at the limit now
-    check_books(kv, alloc, [])
+    assert torch.equal(alloc.free_pages, free_before) and kv.lent == lent_before and mapped(kv) == mapped_before
+    got = alloc.alloc(too_many - page_size)  # exactly what it said fits
+    assert got is not None and alloc.available_size() == 0
+    check_books(kv, alloc, [got])
     assert kv.stats().mapped_bytes <= limit
 
 

@@ -439,14 +439,15 @@ def bind(kv_pool: Any, allocator: Any) -> None:
 
 def ensure(allocator: Any, num_pages: int) -> None:
     """The allocators' alloc paths, before their "enough free pages?" check: lend chunks
-    until the free list holds `num_pages` pages, or as many as memory allows."""
+    until the free list holds `num_pages` pages. When memory cannot back that many, lend
+    nothing: the allocator returns None and nothing changed (SGLang's contract)."""
     kv = getattr(allocator, "vattn", None)
     if kv is None:
         return
     kv.generation += 1
     kv.last_active = time.monotonic()
     short = num_pages - len(allocator.free_pages)
-    if short > 0:
+    if short > 0 and short <= kv.extra_units():  # more than memory can back: a miss, nothing lent
         kv.refill(allocator, short)
 
 
