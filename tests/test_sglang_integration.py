@@ -12,6 +12,7 @@ token books add up. `tests/test_sglang_patch.py` (slow) runs the real patched cl
 """
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
 
@@ -499,3 +500,36 @@ def test_chunks_straddle_pages_when_sizes_do_not_divide():
     kv.trim()
     check_books(kv, alloc, [])
     assert kv.lent == {0}
+
+
+@pytest.mark.parametrize("page_size,chunk_pages,exact", [(1, 512, True), (3, 512, True), (64, 8, True),
+                                                      (1000, 1, False)])
+def test_default_vattn_page_makes_a_chunk_one_page(page_size, chunk_pages, exact):
+    """Without VATTN_SGLANG_PAGE_SIZE the vattn page is lcm(SGLang page, backend page):
+    no chunk straddles pages, so available_size() is exact (3-token pages: 384 bytes, a
+    192 KiB vattn page of 512 of them). A multiple too large (1000-token pages of 125 KiB)
+    keeps the backend's page."""
+    pool = MHATokenToKVPool(page_size * 40, page_size, vs.KVSettings())
+    kv = pool.vattn
+    unit = page_size * H * D * 4
+    base = vattn.vmem.make_backend(torch.device("cpu")).default_page_size
+    assert kv.chunk_pages == chunk_pages
+    assert (kv.chunk_pages * unit == kv.pool.page_size) == exact
+    assert kv.pool.page_size == (math.lcm(unit, base) if exact else base)
+
+
+@pytest.mark.parametrize("limit_chunks", [None, 12])
+def test_available_size_does_not_depend_on_when_memory_was_given_back(limit_chunks):
+    """Draining and trimming move pages between SGLang's free list, the pool's cache and
+    the device, never changing what available_size() says (tensor-parallel ranks trim at
+    their own moments and must schedule alike)."""
+    limit = None if limit_chunks is None else limit_chunks * 2 * L * VPAGE
+    pool, alloc, kv = make(1, 4096, memory_limit=limit)
+    locs = alloc.alloc(31 + 32 * 9)
+    alloc.free(locs[:31 + 32 * 4])  # chunk 0's pages and chunks 1-4 whole
+    alloc.free(locs[31 + 32 * 4::3])  # a third of the rest, scattered
+    before = alloc.available_size()
+    assert kv.drain(alloc) > 0
+    assert alloc.available_size() == before
+    assert kv.pool.trim() > 0
+    assert alloc.available_size() == before

@@ -52,6 +52,7 @@ idleness before giving memory back; default 2; negative: never), `VATTN_SGLANG_Z
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -62,6 +63,7 @@ from typing import Any
 import torch
 
 from vattn.budget import Budget
+from vattn.config import MAX_PAGE_SIZE
 from vattn.errors import InvalidConfigError
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
@@ -170,7 +172,7 @@ class ElasticKV:
         own = backend is None
         backend = make_backend(torch.device(device)) if own else backend
         try:
-            page = settings.page_size if settings.page_size is not None else backend.default_page_size
+            page = settings.page_size if settings.page_size is not None else chunk_page(unit_bytes, backend)
             self.chunk_pages = max(1, page // unit_bytes)
             self.num_chunks = -(-self.total_units // self.chunk_pages)
             self.pool = ElasticPool(self.num_chunks, (self.chunk_pages * page_size, head_num, head_dim), dtype,
@@ -339,6 +341,18 @@ class ElasticKV:
     def __repr__(self) -> str:
         return (f"ElasticKV({self.units} pages of {self.page_size} tokens, {self.chunk_pages} a chunk, "
                 f"{len(self.lent)}/{self.num_chunks} chunks lent)")
+
+
+def chunk_page(unit_bytes: int, backend: Any) -> int:
+    """The vattn page for SGLang pages of `unit_bytes` (per buffer): the least common
+    multiple of the two, so that a chunk is exactly one vattn page (or a page exactly one
+    chunk). Then `available_size()` is exact, whatever was drained or trimmed before
+    (tensor-parallel ranks, which trim at their own moments, count alike). When that
+    multiple is over 16 of the larger, the backend's page (chunks then straddle pages and
+    the count is a lower bound)."""
+    base = backend.default_page_size
+    page = math.lcm(unit_bytes, base)
+    return page if page <= 16 * max(base, unit_bytes) and page <= MAX_PAGE_SIZE else base
 
 
 def _take_free_list(alloc: Any) -> torch.Tensor:
