@@ -12,6 +12,13 @@
   reports no Triton, so SGLang's torch paths (`alloc_extend_naive`,
   `alloc_decode_naive`) run. These real classes replay the allocation trace of
   `tests/test_sglang_integration.py` on vattn's host backend.
+- SGLang's real, patched `MHATokenToKVPool` (`memory_pool.py`, which imports much of
+  SGLang) is built on vattn memory in a subprocess: its import needs Triton and a few
+  more of SGLang's dependencies, installed with `pip install --no-deps --target` into
+  the cache (`VATTN_SGLANG_DEPS` names a ready directory instead; about 300 MB, most of
+  it Triton), never into this environment; torchvision (imported by SGLang's multimodal
+  configs, unused by the KV pool, and built for another torch) is a stand-in module.
+  Its own `set_kv_buffer`/`get_kv_buffer` and the trace run on the host backend.
 - `VATTN_SGLANG_OWN_TESTS`: paths of SGLang's own CPU allocator tests (from an SGLang
   checkout; the wheel has none) to run against the patched classes in the same setting.
 """
@@ -266,3 +273,125 @@ def test_sglang_own_allocator_tests(tree, sglang_alloc, tmp_path):
         assert pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", *args]) == 0
     finally:
         sys.modules["sglang.srt.platforms"].current_platform.capabilities.supports_triton = False
+
+
+# What `sglang.srt.mem_cache.memory_pool` needs to import on a CPU machine, beyond torch,
+# numpy, transformers, pydantic, psutil, packaging and pillow (vattn's own test environment).
+DEPS = ("triton==3.9.0", "orjson==3.13.0", "pybase64==1.5.1", "requests==2.34.2", "urllib3==2.8.0",
+        "certifi==2026.10.18", "pyzmq==27.3.0", "ipython==9.18.1", "traitlets==5.16.1", "dill==0.4.1",
+        "apache-tvm-ffi==0.1.11", "sentencepiece==0.2.3", "compressed-tensors==0.20.0", "loguru==0.7.3",
+        "gguf==0.19.0", "einops==0.8.2", "partial-json-parser==0.2.1.1.post7", "msgspec==0.22.0")
+
+TORCHVISION_STAND_IN = '''"""Stands in for torchvision: imported by SGLang's multimodal configs, never used here."""
+import importlib.machinery, sys, types
+
+
+class _Anything:
+    def __init__(self, *a, **k): pass
+    def __call__(self, *a, **k): return _Anything()
+    def __getattr__(self, name): return _Anything()
+    def __mro_entries__(self, bases): return (object,)
+
+
+def __getattr__(name):
+    return _Anything()
+
+
+class _Submodules:
+    def find_spec(self, fullname, path, target=None):
+        if fullname.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        m = types.ModuleType(spec.name)
+        m.__path__, m.__getattr__ = [], __getattr__
+        return m
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _Submodules())
+__version__ = "0.0"
+'''
+
+REAL_POOL = '''
+import sys, types, importlib
+deps, stubs, tree = sys.argv[1:4]
+sys.path[:0] = [deps, stubs]
+pkg = types.ModuleType("sglang"); pkg.__path__ = [tree + "/sglang"]; sys.modules["sglang"] = pkg
+import torch
+from vattn.integrations import sglang as vs
+from tests.test_sglang_integration import check_books, chunk0, mapped, replay
+from tests.test_sglang_patch import _Adapter
+mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+def pool(ps, size, settings):
+    return mp.MHATokenToKVPool(size, ps, torch.float32, head_num=2, head_dim=16, layer_num=2, device="cpu",
+                               enable_memory_saver=False, vattn=settings)
+
+plain = pool(16, 1024, None)  # no settings: SGLang's own buffers, as before the patch
+assert plain.vattn is None and plain.k_buffer[0].shape == (1040, 2, 16)
+for ps in (1, 16):
+    size = 4096
+    p = pool(ps, size, vs.KVSettings(page_size=4096, idle_trim_s=0))
+    kv = p.vattn
+    assert isinstance(kv, vs.ElasticKV) and p.k_buffer[1].shape == (size + ps, 2, 16)
+    assert p.k_data_ptrs.tolist() == [b.data_ptr() for b in p.k_buffer]
+    a = (TokenToKVPoolAllocator(size, torch.float32, "cpu", p, False) if ps == 1
+         else PagedTokenToKVPoolAllocator(size, ps, torch.float32, "cpu", p, False))
+    vs.bind(p, a)
+    assert mapped(kv) == chunk0(kv) and a.available_size() == size
+    locs = a.alloc(ps * 40)
+    class Layer:
+        layer_id, k_scale, v_scale = 1, None, None
+    k = torch.randn(len(locs), 2, 16)
+    p.set_kv_buffer(Layer(), locs, k, -k)  # SGLang's own write path
+    kk, vv = p.get_kv_buffer(1)
+    assert torch.equal(kk[locs], k) and torch.equal(vv[locs], -k)
+    a.free(locs)
+    stats = replay(p, _Adapter(a) if ps > 1 else a, kv, seed=ps)
+    assert stats["admitted"] > 20 and stats["peak"] > 4 * chunk0(kv)
+    check_books(kv, a, [])
+    kv.trim()
+    assert mapped(kv) == chunk0(kv) and a.available_size() == size
+    print("ps", ps, stats)
+print("REAL POOL OK")
+'''
+
+
+@pytest.fixture(scope="module")
+def sglang_deps(tree, tmp_path_factory) -> tuple[Path, Path]:
+    """A directory with what memory_pool.py imports, and one with the torchvision stand-in."""
+    given = os.environ.get("VATTN_SGLANG_DEPS")
+    deps = Path(given) if given else (Path(os.environ.get("VATTN_CACHE_DIR", Path.home() / ".cache" / "vattn"))
+                                      / f"sglang-{VERSION}-deps")
+    marker = deps / ".vattn-complete"
+    if not marker.exists():
+        if given:
+            pytest.skip(f"VATTN_SGLANG_DEPS={given} is not a directory this test filled")
+        deps.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(deps), *DEPS],
+                           capture_output=True, text=True, timeout=1200)
+        if r.returncode:
+            pytest.skip(f"cannot install SGLang's import dependencies: {(r.stderr or r.stdout).strip()[-300:]}")
+        marker.write_text("\n".join(DEPS))
+    stubs = tmp_path_factory.mktemp("stubs")
+    (stubs / "torchvision").mkdir()
+    (stubs / "torchvision" / "__init__.py").write_text(TORCHVISION_STAND_IN)
+    return deps, stubs
+
+
+def test_real_mha_pool_on_vattn_memory(tree, sglang_deps, tmp_path):
+    """SGLang's patched MHATokenToKVPool: built on vattn memory (and unchanged without
+    settings), its own set_kv_buffer/get_kv_buffer, the real allocators and the trace."""
+    deps, stubs = sglang_deps
+    script = tmp_path / "real_pool.py"
+    script.write_text(REAL_POOL)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(script), str(deps), str(stubs), str(tree)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "REAL POOL OK" in r.stdout, (r.stdout + r.stderr)[-4000:]
