@@ -289,11 +289,16 @@ import importlib.machinery, sys, types
 class _Anything:
     def __init__(self, *a, **k): pass
     def __call__(self, *a, **k): return _Anything()
-    def __getattr__(self, name): return _Anything()
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
     def __mro_entries__(self, bases): return (object,)
 
 
 def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
     return _Anything()
 
 
@@ -359,6 +364,23 @@ for ps in (1, 16):
     kv.trim()
     assert mapped(kv) == chunk0(kv) and a.available_size() == size
     print("ps", ps, stats)
+
+# the scheduler's idle invariant (available + evictable + protected == total) under a limit:
+# free pages memory cannot back now count as free, not leaked
+from types import SimpleNamespace as NS
+from sglang.srt.runtime_context import get_parallel
+ic = importlib.import_module("sglang.srt.managers.scheduler_components.invariant_checker")
+get_parallel().override_permanently(dcp_enabled=False)
+checker = ic.SchedulerInvariantChecker
+p = pool(16, 4096, vs.KVSettings(page_size=4096, memory_limit=6 * 4 * 4096))
+a = PagedTokenToKVPoolAllocator(4096, 16, torch.float32, "cpu", p, False)
+vs.bind(p, a)
+a.free(a.alloc(a.available_size()))
+me = NS(_check_pool_invariant=checker._check_pool_invariant, is_hybrid_swa=False, is_hybrid_ssm=False,
+        tree_cache=NS(protected_size=lambda: 0), pool_stats_observer=NS(session_held_tokens=lambda: 0),
+        max_total_num_tokens=4096, token_to_kv_pool_allocator=a)
+leak, msg = checker._check_full_pool(me, NS(full_evictable_size=0, full_available_size=a.available_size()))
+assert a.available_size() < 4096 and not leak, msg
 print("REAL POOL OK")
 '''
 
@@ -387,7 +409,8 @@ def sglang_deps(tree, tmp_path_factory) -> tuple[Path, Path]:
 
 def test_real_mha_pool_on_vattn_memory(tree, sglang_deps, tmp_path):
     """SGLang's patched MHATokenToKVPool: built on vattn memory (and unchanged without
-    settings), its own set_kv_buffer/get_kv_buffer, the real allocators and the trace."""
+    settings), its own set_kv_buffer/get_kv_buffer, the real allocators and the trace;
+    the scheduler's real idle invariant check holds under a memory limit."""
     deps, stubs = sglang_deps
     script = tmp_path / "real_pool.py"
     script.write_text(REAL_POOL)
