@@ -173,6 +173,13 @@ def mapped(kv: vs.ElasticKV) -> int:
     return kv.stats().mapped_bytes
 
 
+def whole(page_size: int, tokens: int) -> int:
+    """A KV size near `tokens` whose rows (size + one padding page) fill whole chunks (no
+    short last chunk, which stays lent once lent: see test_short_last_chunk...)."""
+    chunk = max(1, VPAGE // (page_size * H * D * 4))
+    return (tokens // page_size // chunk * chunk - 1) * page_size
+
+
 def chunk0(kv: vs.ElasticKV) -> int:
     """Bytes mapped for chunk 0 (SGLang's padding page and its neighbours), never given back."""
     first, last = kv.pool._books.pages_of(0)
@@ -307,8 +314,9 @@ def replay(pool, alloc, kv, seed: int, steps: int = 160, hold_cache: bool = True
 def test_trace_memory_follows_load(page_size):
     """Memory grows with load, everything in use stays mapped with its data, and a trim
     after everything is freed leaves only chunk 0 (SGLang's padding page) mapped."""
-    size = 4096 // page_size * page_size
+    size = whole(page_size, 4096)
     pool, alloc, kv = make(page_size, size)
+    assert not kv.sticky
     base = mapped(kv)
     assert base == chunk0(kv)  # chunk 0 only
     assert alloc.available_size() == size  # no limit: all of it can be backed
@@ -361,7 +369,7 @@ def test_set_limit_lower_gives_back_at_the_next_idle_trim():
 
 
 def test_on_idle_waits_for_idle_trim_s_and_once_per_idle_period(monkeypatch):
-    pool, alloc, kv = make(4, 4096, idle_trim_s=5.0)
+    pool, alloc, kv = make(4, whole(4, 4096), idle_trim_s=5.0)
     clock = [1000.0]
     monkeypatch.setattr(vs.time, "monotonic", lambda: clock[0])
     kv.last_active = clock[0]
@@ -411,13 +419,13 @@ def test_free_group_defers_drain():
 
 def test_clear_gives_everything_back():
     """flush_cache calls the allocator's clear(): all chunks but 0 go back to the pool."""
-    pool, alloc, kv = make(16, 4096)
+    pool, alloc, kv = make(16, whole(16, 4096))
     locs = alloc.alloc(16 * 50)
     write(pool, locs, 1.0)
     assert mapped(kv) > chunk0(kv)
     alloc.clear()
     assert mapped(kv) == chunk0(kv) and kv.lent == {0}
-    assert alloc.available_size() == 4096
+    assert alloc.available_size() == whole(16, 4096)
     check_books(kv, alloc, [])
 
 
@@ -499,7 +507,7 @@ def test_chunks_straddle_pages_when_sizes_do_not_divide():
     assert stats["admitted"] > 10
     kv.trim()
     check_books(kv, alloc, [])
-    assert kv.lent == {0}
+    assert kv.lent - kv.sticky == {0}
 
 
 @pytest.mark.parametrize("page_size,chunk_pages,exact", [(1, 512, True), (3, 512, True), (64, 8, True),
@@ -533,3 +541,25 @@ def test_available_size_does_not_depend_on_when_memory_was_given_back(limit_chun
     assert alloc.available_size() == before
     assert kv.pool.trim() > 0
     assert alloc.available_size() == before
+
+
+def test_short_last_chunk_stays_lent_until_clear():
+    """1000 tokens + the padding slot are 31 chunks of 32 and one of 9: that short chunk,
+    once lent, is not drained (the pool then always hands it out last, which keeps
+    available_size() exact under a limit, whenever memory was given back); clear() gives
+    it back."""
+    pool, alloc, kv = make(1, 1000, memory_limit=40 * 2 * L * VPAGE)
+    assert kv.sticky == {31} and len(kv.valid_units(31)) == 9
+    locs = alloc.alloc(1000)
+    write(pool, locs, 4.0)
+    alloc.free(locs[:500])
+    before = alloc.available_size()
+    kv.drain(alloc)
+    kv.pool.trim()
+    assert alloc.available_size() == before and 31 in kv.lent
+    alloc.free(locs[500:])
+    kv.trim()
+    assert kv.lent == {0, 31} and alloc.available_size() == 1000
+    assert alloc.alloc(1000) is not None
+    alloc.clear()
+    assert kv.lent == {0} and mapped(kv) == chunk0(kv) and alloc.available_size() == 1000

@@ -222,9 +222,9 @@ def _make(mods, page_size: int, size: int, **settings):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_real_allocators_replay_the_trace(sglang_alloc, page_size):
-    from tests.test_sglang_integration import check_books, chunk0, mapped, replay
+    from tests.test_sglang_integration import check_books, chunk0, mapped, replay, whole
 
-    size = 4096 // page_size * page_size
+    size = whole(page_size, 4096)
     pool, alloc, kv = _make(sglang_alloc, page_size, size)
     assert type(alloc).__module__.startswith("sglang.srt.mem_cache.allocator")
     base = mapped(kv)
@@ -328,7 +328,7 @@ sys.path[:0] = [deps, stubs]
 pkg = types.ModuleType("sglang"); pkg.__path__ = [tree + "/sglang"]; sys.modules["sglang"] = pkg
 import torch
 from vattn.integrations import sglang as vs
-from tests.test_sglang_integration import check_books, chunk0, mapped, replay
+from tests.test_sglang_integration import check_books, chunk0, mapped, replay, whole
 from tests.test_sglang_patch import _Adapter
 mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -341,7 +341,7 @@ def pool(ps, size, settings):
 plain = pool(16, 1024, None)  # no settings: SGLang's own buffers, as before the patch
 assert plain.vattn is None and plain.k_buffer[0].shape == (1040, 2, 16)
 for ps in (1, 16):
-    size = 4096
+    size = whole(ps, 4096)
     p = pool(ps, size, vs.KVSettings(page_size=4096, idle_trim_s=0))
     kv = p.vattn
     assert isinstance(kv, vs.ElasticKV) and p.k_buffer[1].shape == (size + ps, 2, 16)

@@ -186,7 +186,12 @@ class ElasticKV:
         self.k_buffers, self.v_buffers = flat[0::2], flat[1::2]  # K and V of a layer side by side
         self.units = self.total_units - 1  # the allocator's page ids are 1..units
         self.lent: set[int] = set()  # chunks whose pages SGLang's free list may name
-        self.pinned: set[int] = set()  # lent for good: chunk 0 (padding), chunks with no page SGLang uses
+        self.pinned: set[int] = set()  # lent for good: chunk 0 (SGLang's padding page)
+        # The last chunk, when it has fewer than chunk_pages pages, is never drained once lent
+        # (only a clear() gives it back): the pool then hands it out last, which keeps
+        # available_size() exact (see extra_units).
+        last = self.num_chunks - 1
+        self.sticky = {last} if last and len(self.valid_units(last)) < self.chunk_pages else set()
         self.lent_units = 0  # allocator pages in lent chunks
         self.allocator: Any = None  # weakref to the bound allocator
         self.last_active = time.monotonic()
@@ -225,7 +230,9 @@ class ElasticKV:
 
     # ------------------------------------------------------- the allocator side ----
     def extra_units(self) -> int:
-        """Allocator pages of unlent chunks that memory can back now."""
+        """Allocator pages of unlent chunks that memory can back now. Exact: the pool hands
+        out cached chunks first (always whole ones: the short last chunk is never drained),
+        then the lowest unmapped ones (the short last chunk last)."""
         unlent = self.units - self.lent_units
         if unlent <= 0:
             return 0
@@ -237,8 +244,8 @@ class ElasticKV:
         return min(unlent, self.pool.available_blocks() * self.chunk_pages)
 
     def refill(self, alloc: Any, short: int) -> bool:
-        """Lend chunks until the free list has `short` more pages. False if memory is short
-        (what was lent stays in the free list)."""
+        """Lend chunks until the free list has `short` more pages. False, and nothing lent,
+        when memory cannot back that many."""
         got: list[int] = []
         while short > 0:
             want = -(-short // self.chunk_pages)
@@ -249,23 +256,29 @@ class ElasticKV:
                 if self.lent_units < self.units:  # the device, limit or budget refused
                     self.refused_until = time.monotonic() + REFUSED_RETRY_S
                 break
-            ids.sort()
-            for chunk in ids:
-                n = len(self.valid_units(chunk))
-                if n == 0:  # only rows no allocator page uses: keep it, never ask again
-                    self.lent.add(chunk)
-                    self.pinned.add(chunk)
-                    continue
+            for chunk in sorted(ids):
                 self.lent.add(chunk)
-                self.lent_units += n
-                short -= n
+                self.lent_units += len(self.valid_units(chunk))
+                short -= len(self.valid_units(chunk))
                 got.append(chunk)
+        if short > 0:  # all or nothing, as SGLang's own allocator
+            self._give_back(got)
+            return False
         if got:
             self._zero(got)
             units = torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64) for r in map(self.valid_units, got)])
             alloc.free_pages = torch.cat((alloc.free_pages, units.to(alloc.free_pages.device)))
             self.num_refills += 1
-        return short <= 0
+        return True
+
+    def _give_back(self, chunks: list[int]) -> None:
+        """Lent chunks no page of which SGLang holds go back to the pool (unmapped when
+        memory is wanted, after the fence `free` records)."""
+        if chunks:
+            self.pool.free(chunks)
+            for c in chunks:
+                self.lent.discard(c)
+                self.lent_units -= len(self.valid_units(c))
 
     def drain(self, alloc: Any) -> int:
         """Return to the pool every lent chunk whose pages are all in the free list; reorder
@@ -276,7 +289,7 @@ class ElasticKV:
         dev = free.device
         chunk_of = free // self.chunk_pages
         counts = torch.bincount(chunk_of, minlength=self.num_chunks).cpu().tolist()
-        full = [c for c in sorted(self.lent - self.pinned) if counts[c] == len(self.valid_units(c))]
+        full = [c for c in sorted(self.lent - self.pinned - self.sticky) if counts[c] == len(self.valid_units(c))]
         if full:
             keep = ~torch.isin(chunk_of, torch.tensor(full, dtype=torch.int64, device=dev))
             free, chunk_of = free[keep], chunk_of[keep]
@@ -284,12 +297,8 @@ class ElasticKV:
         count_t = torch.tensor(counts, dtype=torch.int64, device=dev)
         order = torch.argsort(count_t[chunk_of] * (self.units + 1) + free)
         alloc.free_pages = free[order]
-        if full:
-            self.pool.free(full)
-            for c in full:
-                self.lent.discard(c)
-                self.lent_units -= len(self.valid_units(c))
-            self.num_drained_chunks += len(full)
+        self._give_back(full)
+        self.num_drained_chunks += len(full)
         self.refused_until = 0.0
         return len(full)
 
@@ -299,12 +308,7 @@ class ElasticKV:
         if units > self.units:
             raise InvalidConfigError(f"vattn: SGLang resized its KV cache to {units} pages of {self.page_size} "
                                      f"tokens; the reservation holds {self.units}")
-        back = sorted(self.lent - self.pinned)
-        if back:
-            self.pool.free(back)
-            for c in back:
-                self.lent.discard(c)
-                self.lent_units -= len(self.valid_units(c))
+        self._give_back(sorted(self.lent - self.pinned))
         mine = [u for c in sorted(self.lent) for u in self.valid_units(c) if u <= units]
         alloc.free_pages = torch.tensor(mine, dtype=torch.int64, device=alloc.free_pages.device)
         self.refused_until = 0.0
