@@ -372,13 +372,18 @@ def test_on_idle_waits_for_idle_trim_s_and_once_per_idle_period(monkeypatch):
     pool, alloc, kv = make(4, whole(4, 4096), idle_trim_s=5.0)
     clock = [1000.0]
     monkeypatch.setattr(vs.time, "monotonic", lambda: clock[0])
-    kv.last_active = clock[0]
     locs = alloc.alloc(400)
     alloc.free(locs)
     before = mapped(kv)
+    vs.on_idle(alloc)  # the idle period begins
     clock[0] += 4.0
     vs.on_idle(alloc)
     assert mapped(kv) == before  # not idle long enough
+    alloc.free(alloc.alloc(4))  # busy again: the idle period starts over
+    vs.on_idle(alloc)
+    clock[0] += 4.0
+    vs.on_idle(alloc)
+    assert mapped(kv) == before
     clock[0] += 2.0
     vs.on_idle(alloc)
     assert mapped(kv) == chunk0(kv)

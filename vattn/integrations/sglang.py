@@ -194,8 +194,9 @@ class ElasticKV:
         self.sticky = {last} if last and len(self.valid_units(last)) < self.chunk_pages else set()
         self.lent_units = 0  # allocator pages in lent chunks
         self.allocator: Any = None  # weakref to the bound allocator
-        self.last_active = time.monotonic()
         self.generation = 0  # bumped by every alloc: what on_idle compares
+        self.idle_generation = -1  # the generation when the current idle period began...
+        self.idle_since = 0.0  # ...and when (no clock on the allocation path)
         self.trimmed_generation = -1
         self.refused_until = 0.0
         self.num_refills = 0
@@ -463,7 +464,6 @@ def ensure(allocator: Any, num_pages: int) -> None:
     if kv is None:
         return
     kv.generation += 1
-    kv.last_active = time.monotonic()
     short = num_pages - len(allocator.free_pages)
     if short > 0 and short <= kv.extra_units():  # more than memory can back: a miss, nothing lent
         kv.refill(allocator, short)
@@ -490,12 +490,16 @@ def reset(allocator: Any) -> None:
 
 
 def on_idle(allocator: Any) -> None:
-    """The scheduler's fully-idle housekeeping: after `idle_trim_s` of idleness, give back
-    every chunk no request and no radix-cache node uses (once per idle period)."""
+    """The scheduler's fully-idle housekeeping (called again and again while idle): after
+    `idle_trim_s` with no allocation, give back every chunk no request and no radix-cache
+    node uses, once per idle period."""
     kv = getattr(allocator, "vattn", None)
     if kv is None or kv.settings.idle_trim_s < 0 or kv.trimmed_generation == kv.generation:
         return
-    if time.monotonic() - kv.last_active >= kv.settings.idle_trim_s:
+    now = time.monotonic()
+    if kv.idle_generation != kv.generation:  # allocations since the last call: idle from now
+        kv.idle_generation, kv.idle_since = kv.generation, now
+    if now - kv.idle_since >= kv.settings.idle_trim_s:
         freed = kv.trim()
         if freed:
             logger.info("vattn: idle, gave back %.1f MiB of KV pages (%.1f MiB mapped)", freed / (1 << 20),
