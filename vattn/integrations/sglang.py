@@ -228,6 +228,8 @@ class ElasticKV:
         idx = torch.tensor(chunks, dtype=torch.int64, device=first.device)
         for buf in self.pool.buffers:
             buf.index_fill_(0, idx, 0)
+        if first.is_cuda:  # done before SGLang sees the pages: no kernel on another stream
+            torch.cuda.current_stream(first.device).synchronize()  # (overlap scheduling) can race it
 
     # ------------------------------------------------------- the allocator side ----
     def extra_units(self) -> int:
