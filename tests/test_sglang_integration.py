@@ -568,3 +568,24 @@ def test_short_last_chunk_stays_lent_until_clear():
     assert alloc.alloc(1000) is not None
     alloc.clear()
     assert kv.lent == {0} and mapped(kv) == chunk0(kv) and alloc.available_size() == 1000
+
+
+def test_trace_on_the_cuda_backend_path(fake_cuda):
+    """The same trace on vattn's CUDA backend (its C path on tests/fake_cuda's strict
+    driver, host memory behind it, CPU views): the fixture checks that nothing leaked and
+    no driver rule was broken."""
+    page_size, size = 16, 16 * 1023
+    pool = MHATokenToKVPool(size, page_size, None)  # SGLang's own buffers, replaced below
+    kv = vs.ElasticKV(rows=size + page_size, page_size=page_size, head_num=H, head_dim=D, layer_num=L,
+                      dtype=torch.float32, device="cpu", settings=vs.KVSettings(idle_trim_s=0),
+                      backend=fake_cuda.backend())
+    pool.k_buffer, pool.v_buffer, pool.vattn = kv.k_buffers, kv.v_buffers, kv
+    alloc = PagedTokenToKVPoolAllocator(size, page_size, pool)
+    vs.bind(pool, alloc)
+    stats = replay(pool, alloc, kv, seed=2, steps=120)
+    assert stats["admitted"] > 20 and stats["peak"] > chunk0(kv)
+    check_books(kv, alloc, [])
+    kv.trim()
+    assert kv.lent - kv.sticky == {0}
+    kv.close()
+    del pool, alloc, kv
