@@ -589,3 +589,9 @@ def test_trace_on_the_cuda_backend_path(fake_cuda):
     assert kv.lent - kv.sticky == {0}
     kv.close()
     del pool, alloc, kv
+
+
+def test_a_pool_vattn_cannot_back_says_how_to_turn_it_off():
+    with pytest.raises(vattn.InvalidConfigError) as e:
+        MHATokenToKVPool(1024, 1, vs.KVSettings(page_size=1000))  # not a multiple of the host page
+    assert "VATTN_SGLANG=0" in "".join(getattr(e.value, "__notes__", []))

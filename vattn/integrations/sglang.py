@@ -64,7 +64,7 @@ import torch
 
 from vattn.budget import Budget
 from vattn.config import MAX_PAGE_SIZE
-from vattn.errors import InvalidConfigError
+from vattn.errors import InvalidConfigError, VattnError
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
 
@@ -394,9 +394,13 @@ def create_kv_buffers(kv_pool: Any, k_shape: tuple, v_shape: tuple) -> bool:
     if why is not None:
         _say_once(f"vattn: this KV pool keeps SGLang's own memory: {why}")
         return False
-    kv = ElasticKV(rows=k_shape[0], page_size=kv_pool.page_size, head_num=k_shape[1], head_dim=k_shape[2],
-                   layer_num=kv_pool.layer_num, dtype=kv_pool.store_dtype, device=str(kv_pool.device),
-                   settings=settings)
+    try:
+        kv = ElasticKV(rows=k_shape[0], page_size=kv_pool.page_size, head_num=k_shape[1], head_dim=k_shape[2],
+                       layer_num=kv_pool.layer_num, dtype=kv_pool.store_dtype, device=str(kv_pool.device),
+                       settings=settings)
+    except VattnError as e:
+        e.add_note("vattn could not back SGLang's KV cache; VATTN_SGLANG=0 uses SGLang's own memory")
+        raise
     kv_pool.k_buffer, kv_pool.v_buffer = kv.k_buffers, kv.v_buffers
     kv_pool.vattn = kv
     st = kv.stats()
