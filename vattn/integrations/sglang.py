@@ -7,8 +7,8 @@ memory comes from:
 
 ```
  k_buffer[l], v_buffer[l]  (virtual, reserved once at SGLang's size, never move)
- [ chunk 0 | chunk 1 | chunk 2 | ... ]      a chunk = C SGLang pages (one vattn page
-   pinned    lent      not lent             when the sizes divide; blocks of an ElasticPool)
+ [ chunk 0 | chunk 1 | chunk 2 | ... ]      a chunk = C SGLang pages = one vattn page
+   pinned    lent      not lent             (the blocks of an ElasticPool)
    (page 0 is SGLang's padding page)
 
  SGLang's free list  = free pages of *lent* chunks only (always mapped)
@@ -17,12 +17,12 @@ memory comes from:
 
 - **Mapping (scheduler thread, at allocation).** When an `alloc`/`alloc_extend`/
   `alloc_decode` needs more pages than the free list holds, `ensure` takes chunks from
-  the `ElasticPool` (page-aware: partly used vattn pages, then cached ones, then the
-  lowest unmapped, mapped in one batched call), clears them (SGLang's `torch.zeros`
-  buffers started at zero) and appends their pages to the free list. When memory is
-  short `ensure` adds what it got and the allocator returns None as it does when its
-  static pool is full; `available_size()` counted only what memory can back, so
-  SGLang's scheduler evicts from the radix cache, retracts or waits first.
+  the `ElasticPool` (page-aware: cached pages first, then the lowest unmapped, mapped in
+  one batched call), clears them (SGLang's `torch.zeros` buffers started at zero) and
+  appends their pages to the free list. When memory cannot back the whole request it
+  lends nothing and the allocator returns None, nothing changed, as when its static pool
+  is full; `available_size()` counted only what memory can back, so SGLang's scheduler
+  evicts from the radix cache, retracts or waits first.
 - **Giving back (scheduler thread, when idle).** SGLang frees pages into its free list;
   they stay mapped. `on_idle` (after `idle_trim_s` of full idleness), `trim()` and the
   allocator's `clear()` (flush_cache) *drain*: the chunks whose pages are all in the free
@@ -33,6 +33,9 @@ memory comes from:
 - **Invariant.** A page is unmapped only when its chunk is not lent: no request, no radix
   cache node and no free-list entry names it. Chunk 0 (SGLang's padding page, written by
   padded tokens and CUDA-graph padding) is never given back.
+- **Exact count.** The default vattn page is lcm(SGLang page bytes, backend page), so a
+  chunk is exactly one page and `available_size()` does not depend on when memory was
+  given back (see `chunk_page`; the short last chunk stays lent once lent).
 - **mem_fraction_static** sizes the virtual reservation (SGLang's token count, as
   before); physical memory is mapped on demand up to `memory_limit` (default: that size).
 
@@ -45,7 +48,7 @@ a vattn-backed pool bound to another allocator is backed entirely (never half-ma
 Settings (environment of the SGLang server processes):
 `VATTN_SGLANG=0` turns it off; `VATTN_SGLANG_MEMORY_LIMIT` (bytes of mapped KV pages;
 default none but the reservation and the device), `VATTN_SGLANG_PAGE_SIZE` (vattn page
-bytes; default the backend's: 2 MiB on CUDA), `VATTN_SGLANG_IDLE_TRIM_S` (seconds of full
+bytes; default `chunk_page`: a multiple of the backend's, 2 MiB on CUDA), `VATTN_SGLANG_IDLE_TRIM_S` (seconds of full
 idleness before giving memory back; default 2; negative: never), `VATTN_SGLANG_ZERO=0`
 (do not clear newly lent chunks).
 """
@@ -520,4 +523,4 @@ def check_sglang(version: str) -> None:
 
 
 __all__ = ["SUPPORTED_VERSIONS", "KVSettings", "ElasticKV", "enabled", "kv_settings", "create_kv_buffers", "bind",
-           "ensure", "extra_tokens", "unbacked_tokens", "reset", "on_idle", "kv_caches", "check_sglang"]
+           "ensure", "extra_tokens", "unbacked_tokens", "reset", "on_idle", "kv_caches", "chunk_page", "check_sglang"]
