@@ -381,6 +381,29 @@ me = NS(_check_pool_invariant=checker._check_pool_invariant, is_hybrid_swa=False
         max_total_num_tokens=4096, token_to_kv_pool_allocator=a)
 leak, msg = checker._check_full_pool(me, NS(full_evictable_size=0, full_available_size=a.available_size()))
 assert a.available_size() < 4096 and not leak, msg
+
+# SGLang's radix cache and its alloc_token_slots (evict, then alloc) on a limited vattn pool:
+# the tree holds memory, eviction frees it into the allocator, the alloc then fits
+from array import array
+from sglang.srt.mem_cache.allocation import alloc_token_slots
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+limit = 8 * 4 * 4096
+p = pool(1, whole(1, 2048), vs.KVSettings(page_size=4096, memory_limit=limit, idle_trim_s=0))
+a = TokenToKVPoolAllocator(whole(1, 2048), torch.float32, "cpu", p, False)
+vs.bind(p, a)
+tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=a, page_size=1))
+for i in range(4):
+    locs = alloc_token_slots(tree, 60)
+    p.k_buffer[0][locs] = float(i + 1)
+    tree.insert(InsertParams(key=RadixKey(array("l", [1000 * i + j for j in range(60)])), value=locs))
+assert tree.evictable_size() == 240 and a.available_size() == 8 * 32 - 1 - 240
+assert alloc_token_slots(tree, 100) is not None  # evicts the least recently used entries
+assert tree.evictable_size() == 120 and p.vattn.stats().mapped_bytes <= limit
+m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("l", [3000 + j for j in range(60)]))))
+assert m.device_prefix_len == 60
+assert bool((p.k_buffer[0][tree.path_device_indices(m.last_device_node)] == 4.0).all())
 print("REAL POOL OK")
 '''
 
@@ -410,7 +433,8 @@ def sglang_deps(tree, tmp_path_factory) -> tuple[Path, Path]:
 def test_real_mha_pool_on_vattn_memory(tree, sglang_deps, tmp_path):
     """SGLang's patched MHATokenToKVPool: built on vattn memory (and unchanged without
     settings), its own set_kv_buffer/get_kv_buffer, the real allocators and the trace;
-    the scheduler's real idle invariant check holds under a memory limit."""
+    the scheduler's real idle invariant check holds under a memory limit; SGLang's radix
+    cache evicts into a limited vattn pool through its own alloc_token_slots."""
     deps, stubs = sglang_deps
     script = tmp_path / "real_pool.py"
     script.write_text(REAL_POOL)
