@@ -1,37 +1,48 @@
 """transformers' continuous batching on vattn memory (elastic KV memory, no model change).
 
-transformers 5.23 runs continuous batching (`model.generate_batch`,
-`init_continuous_batching`, `transformers serve --continuous-batching`) on a
-`PagedAttentionCache`: one flat `uint8` tensor of `2 + num_sectors` sectors (the first
-two are trash sectors for padding tokens), handed out sector by sector to its cache
-allocators by a `CachePool`. This module backs that tensor with an `ElasticPool`:
-
 ```
- cache_tensor (virtual, reserved once, never moves)
- [ trash | trash | sector 2 | sector 3 | ... | sector num_sectors + 1 ]
-   always mapped   mapped when the CachePool hands the sector to an allocator,
-                   given back to the pool when all its blocks are free again
-```
-
-```
-cb = vattn.integrations.hf_cb.enable(model, memory_limit=2 << 30)
-out = model.generate_batch(prompts, generation_config=gen)   # unchanged call
+cb = vattn.integrations.hf_cb.enable(model, memory_limit=2 << 30)   # or budget=vattn.Budget(...)
+out = model.generate_batch(prompts, generation_config=gen)         # unchanged call
 cb.stats(); cb.trim(); cb.set_limit(1 << 30); cb.disable()
+```
+
+transformers runs continuous batching (`model.generate_batch`, `init_continuous_batching`,
+`transformers serve --continuous-batching`) on a `PagedAttentionCache`. Its memory design
+changed between releases; this module knows two (`DESIGNS`), and backs the cache's
+tensors with one `ElasticPool` in both:
+
+- "sectors" (5.18 to 5.23): one flat `uint8` tensor of `2 + num_sectors` sectors (the
+  first two are trash sectors for padding tokens), handed out sector by sector to the
+  cache allocators by a `CachePool`. The tensor is the pool's single buffer, a sector one
+  pool block; `CachePool` becomes a subclass whose sector calls go through the pool
+  (mapped when handed out, given back when all its blocks are free).
+- "blocks" (5.17): per-layer K and V tensors `[(num_blocks + 2) * block_size, heads,
+  head_dim]` of one layer group (the last two blocks are the trash), and a
+  `BlockManager` whose free blocks are a deque. The tensors are the pool's buffers (K and
+  V of each layer, block i of all of them one pool block); the deque becomes the pool's
+  free blocks (`_FreeBlocks`: `popleft` maps a block, `append` gives it back).
+
+```
+ cache tensor(s) (virtual, reserved once, never move)
+ [ block | block | ... | trash | trash ]     (5.23: the trash sectors come first)
+   mapped when transformers hands the block out, given back to the pool when free;
+   the trash stays mapped
 ```
 
 The hook, smallest that works: `continuous_api.PagedAttentionCache` (the name
 `ContinuousBatchingManager` builds its cache with) becomes a subclass that, for a model
 that was enabled, (1) lets transformers' own `__init__` run unchanged except that the
-single `torch.zeros(...)` of the cache tensor returns the pool's virtual tensor, and
-(2) swaps the `CachePool` for a subclass whose sector calls go through the pool.
-Nothing else of transformers changes: its allocators, block tables, attention and
-scheduler run as they are. When memory is short (the limit, a shared `Budget`),
-`CachePool.num_free_sectors` reports fewer free sectors, so transformers' scheduler
-waits, offloads or soft-resets requests as it does when its own cache is full.
+allocation of the cache tensors (`torch.zeros` / `torch.empty` in its module) returns the
+pool's virtual tensors, and (2) swaps the one object that hands out memory (`CachePool`,
+or the `BlockManager`'s free-block deque). Nothing else of transformers changes: its
+allocators, block tables, attention and scheduler run as they are. When memory is short
+(the limit, a shared `Budget`), the free count transformers' scheduler reads reports only
+what memory can back, so it waits, offloads or soft-resets requests as it does when its
+own cache is full.
 
-Supported: transformers 5.23 (`SUPPORTED_VERSIONS`); the hook checks the exact names it
-relies on and raises `InvalidConfigError` on any other version (5.17, for example, keeps
-per-layer K/V tensors and a `BlockManager`, a different design).
+Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py, see
+tests/test_hf_cb_versions.py). The hook checks the exact names and source lines it relies
+on and raises `InvalidConfigError` on any other version or a changed one.
 """
 from __future__ import annotations
 
@@ -39,9 +50,11 @@ import contextlib
 import importlib.util
 import inspect
 import os
+import re
+import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -49,7 +62,10 @@ from vattn.budget import Budget
 from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError
 from vattn.pool import ElasticPool, PoolStats
 
-SUPPORTED_VERSIONS = ("5.23",)  # major.minor whose continuous-batching code this hook was written against
+# transformers major.minor -> the design of its continuous-batching cache, each verified with tests/test_hf_cb.py
+DESIGNS = {"5.17": "blocks", "5.18": "sectors", "5.19": "sectors", "5.20": "sectors", "5.21": "sectors", "5.22": "sectors",
+           "5.23": "sectors"}
+SUPPORTED_VERSIONS = tuple(DESIGNS)
 TRASH_SECTORS = 2
 
 _lock = threading.RLock()
@@ -66,8 +82,31 @@ def _modules() -> tuple[Any, Any, Any]:
         from transformers.generation.continuous_batching import cache as cache_mod
         from transformers.generation.continuous_batching import continuous_api
     except ImportError as e:
-        raise InvalidConfigError(f"vattn.integrations.hf_cb needs transformers {SUPPORTED_VERSIONS}: {e}") from None
+        raise InvalidConfigError(f"vattn.integrations.hf_cb needs transformers {', '.join(SUPPORTED_VERSIONS)}: "
+                                 f"{e}") from None
     return transformers, cache_mod, continuous_api
+
+
+def design() -> str:
+    """The cache design of the installed transformers: "sectors" or "blocks" (see the module
+    docstring); InvalidConfigError on a version this hook was not verified on."""
+    import transformers
+
+    version = transformers.__version__
+    found = DESIGNS.get(".".join(version.split(".")[:2]))
+    if found is None:
+        raise InvalidConfigError(
+            f"vattn.integrations.hf_cb supports transformers {', '.join(SUPPORTED_VERSIONS)} (the continuous-batching "
+            f"cache designs it was verified on); this is transformers {version}. Install a supported version, or "
+            "use vattn's own engine (vattn.LLM)")
+    return found
+
+
+def _source(fn: Any) -> str | None:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
 
 
 def check_transformers() -> str:
@@ -75,35 +114,48 @@ def check_transformers() -> str:
     with the names it relies on. Returns the version."""
     transformers, cache_mod, api = _modules()
     version = transformers.__version__
-    if ".".join(version.split(".")[:2]) not in SUPPORTED_VERSIONS:
-        raise InvalidConfigError(
-            f"vattn.integrations.hf_cb supports transformers {', '.join(SUPPORTED_VERSIONS)} (continuous batching on "
-            f"one flat cache tensor handed out by sectors through CachePool); this is transformers {version}. "
-            "Install a supported version, or use vattn's own engine (vattn.LLM)")
+    kind = design()
     base = _installed.get("base", getattr(api, "PagedAttentionCache", None))
     problems = []
     if base is None or base is not getattr(cache_mod, "PagedAttentionCache", None):
         problems.append("continuous_api.PagedAttentionCache is not cache.PagedAttentionCache")
-    pool_cls = getattr(cache_mod, "CachePool", None)
-    for name in ("allocate_sector", "try_to_free_sectors", "free_blocks", "reset", "num_free_sectors"):
-        if pool_cls is None or not hasattr(pool_cls, name):
-            problems.append(f"CachePool.{name} is missing")
-    for name in ("evict_cached_blocks", "free_all_requests", "reset"):
+    if kind == "sectors":
+        pool_cls = getattr(cache_mod, "CachePool", None)
+        for name in ("allocate_sector", "try_to_free_sectors", "free_blocks", "reset", "num_free_sectors"):
+            if pool_cls is None or not hasattr(pool_cls, name):
+                problems.append(f"CachePool.{name} is missing")
+        methods, first = ("evict_cached_blocks", "free_all_requests", "reset"), []
+        needles = ("self.cache_tensor = torch.zeros(", "self.pool = CachePool(self.num_sectors",
+                   "register_cache_tensor(self.bytes_per_sector, non_trash_bytes, self.cache_tensor, self.pool)")
+    else:
+        manager = getattr(cache_mod, "BlockManager", None)
+        for name in ("get_free_blocks", "has_enough_free_blocks", "num_free_blocks"):
+            if manager is None or not hasattr(manager, name):
+                problems.append(f"BlockManager.{name} is missing")
+        if not callable(getattr(cache_mod, "group_layers_by_attn_type", None)):
+            problems.append("cache.group_layers_by_attn_type is missing")
+        src = _source(sys.modules.get(getattr(manager, "__module__", ""), None)) if manager is not None else None
+        if src is not None:  # the free-block deque is only ever popleft/append/extend/len: what _FreeBlocks stands in for
+            ops = set(re.findall(r"_uninit_block_ids(?:\.(\w+)|(\[))", src))
+            bad = sorted({a or b for a, b in ops} - {"popleft", "append", "extend"})
+            if bad or "self._uninit_block_ids = deque(range(num_blocks))" not in src:
+                problems.append(f"BlockManager uses its free-block deque in new ways ({bad})")
+        methods, first = ("free_all_requests", "get_num_free_blocks"), ["tp_plan", "dtype"]
+        needles = ("torch.empty(self.cache_shape, dtype=self.dtype, device=self.device)",
+                   "self._block_manager = BlockManager(num_blocks",
+                   "block_based_shape = (num_blocks + 2, self.block_size, self.num_key_value_heads, self.head_dim)")
+    for name in methods:
         if base is not None and not hasattr(base, name):
             problems.append(f"PagedAttentionCache.{name} is missing")
     if base is not None:
         params = list(inspect.signature(base.__init__).parameters)
-        if params[:5] != ["self", "config", "continuous_batching_config", "device", "distributed_helper"]:
+        want = ["self", "config", "continuous_batching_config", "device", "distributed_helper", *first]
+        if params[:len(want)] != want:
             problems.append(f"PagedAttentionCache.__init__ takes {params}")
-        try:
-            src = inspect.getsource(base.__init__)
-        except (OSError, TypeError):
-            src = None
-        if src is not None:
-            for needle in ("self.cache_tensor = torch.zeros(", "self.pool = CachePool(self.num_sectors",
-                           "register_cache_tensor(self.bytes_per_sector, non_trash_bytes, self.cache_tensor, self.pool)"):
-                if needle not in src:
-                    problems.append(f"PagedAttentionCache.__init__ no longer has `{needle}`")
+        src = _source(base.__init__)
+        for needle in needles if src is not None else ():
+            if needle not in src:
+                problems.append(f"PagedAttentionCache.__init__ no longer has `{needle}`")
     if problems:
         raise InvalidConfigError(f"transformers {version} changed what vattn.integrations.hf_cb hooks: "
                                  + "; ".join(problems))
@@ -142,16 +194,18 @@ class ElasticCB:
         """Give back every cached page of every live pool now. Returns bytes given back.
 
         Blocks transformers keeps for prefix sharing (finished requests' complete blocks,
-        `allow_block_sharing=True`, the default) hold their sectors until transformers evicts
-        them under memory pressure. Pass the `ContinuousBatchingManager` to evict them first
-        (inside `manager.pause()` while its loop runs)."""
+        `allow_block_sharing=True`, the default) hold their memory until transformers evicts
+        them under memory pressure. Pass the `ContinuousBatchingManager` to evict them first:
+        inside `manager.pause()` while its loop runs (5.23); on 5.17, which cannot pause its
+        loop, only while the loop is stopped (between `generate_batch` calls)."""
         if manager is not None:
             cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
-            if cache is not None:
-                paused = manager.pause() if manager.is_running() else contextlib.nullcontext()
-                with paused:
-                    cache.evict_cached_blocks()
-                    cache.pool.try_to_free_sectors()
+            if cache is not None and getattr(cache, "vattn_pool", None) is not None:
+                if not manager.is_running():
+                    _evict_cached_blocks(cache)
+                elif hasattr(manager, "pause"):
+                    with manager.pause():
+                        _evict_cached_blocks(cache)
         return sum(p.trim() for p in self.pools)
 
     def set_limit(self, limit: int | None) -> None:
@@ -169,8 +223,9 @@ class ElasticCB:
         if model is not None:
             disable(model)
 
-    def _new_pool(self, num_blocks: int, sector_bytes: int, device: torch.device | str) -> ElasticPool:
-        pool = ElasticPool(num_blocks, (sector_bytes,), torch.uint8, 1, device=torch.device(device),
+    def _new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
+                  device: torch.device | str) -> ElasticPool:
+        pool = ElasticPool(num_blocks, block_shape, dtype, num_buffers, device=torch.device(device),
                            page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device")
         self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
         self.num_caches += 1
@@ -325,8 +380,8 @@ def install() -> None:
             return
         _, cache_mod, api = _modules()
         base = api.PagedAttentionCache
-        cls = _make_classes(cache_mod, base)
-        _installed.update(base=base, api=api, cls=cls)
+        cls = _make_classes(cache_mod, base, design())
+        _installed.update(base=base, api=api, cls=cls, cache_mod=cache_mod)
         api.PagedAttentionCache = cls
 
 
@@ -338,44 +393,126 @@ def uninstall() -> None:
 
 
 class _TorchProxy:
-    """Stands for `torch` in transformers' cache module while a vattn cache is built:
-    the one `torch.zeros` of the cache tensor returns the pool's virtual tensor; every
-    other name (and every call on another thread) is torch's own."""
+    """Stands for `torch` in transformers' cache module while a vattn cache is built: the
+    allocation of the cache tensors (`torch.zeros` of the flat tensor on "sectors",
+    `torch.empty` of each layer's K and V on "blocks") returns the pool's virtual tensors;
+    every other name (and every call on another thread) is torch's own."""
 
     def __getattr__(self, name: str) -> Any:
         if name == "zeros":
             return _zeros
+        if name == "empty":
+            return _empty
         return getattr(torch, name)
 
 
+def _building() -> dict | None:
+    return getattr(_intercept, "build", None)
+
+
 def _zeros(*size: Any, **kwargs: Any) -> torch.Tensor:
-    build = getattr(_intercept, "build", None)
-    if build is None or build.get("tensor") is not None or kwargs.get("dtype") is not torch.uint8 or len(size) != 1:
+    """"sectors": the one flat uint8 cache tensor of `num_sectors + 2` sectors."""
+    build = _building()
+    if build is None or build["kind"] != "sectors" or build["pool"] is not None \
+            or kwargs.get("dtype") is not torch.uint8 or len(size) != 1:
         return torch.zeros(*size, **kwargs)
     cache = build["cache"]
     nbytes = int(size[0])
     sector = cache.bytes_per_sector
     if nbytes != (cache.num_sectors + TRASH_SECTORS) * sector:  # not the cache tensor (checked after __init__)
         return torch.zeros(*size, **kwargs)
-    pool = build["handle"]._new_pool(cache.num_sectors + TRASH_SECTORS, sector, kwargs.get("device", cache.device))
-    build["pool"] = pool
-    trash = pool.take(list(range(TRASH_SECTORS)))  # padding tokens read and write here: always mapped
-    if trash is None:
-        pool.close()
-        raise OutOfPhysicalMemoryError(f"no memory for the {TRASH_SECTORS} trash sectors ({TRASH_SECTORS * sector} "
-                                       "bytes) of the continuous-batching cache; raise memory_limit or the budget")
+    pool = _new_cache_pool(build, cache.num_sectors, (sector,), torch.uint8, 1, kwargs.get("device", cache.device))
     tensor = pool.buffer(0).view(-1)  # [(num_sectors + 2) * sector] uint8
     tensor[:TRASH_SECTORS * sector].zero_()  # the read trash must read zeros (device memory is not cleared)
-    build["tensor"] = tensor
+    build["tensors"].append(tensor)
     return tensor
 
 
-def _make_classes(cache_mod: Any, base: type) -> type:
-    base_pool = cache_mod.CachePool
+def _empty(*size: Any, **kwargs: Any) -> torch.Tensor:
+    """"blocks": the K and V tensors of every layer of a group, `[(num_blocks + 2) * block_size,
+    heads, head_dim]` each, asked for in turn: buffer i of one pool of `num_blocks + 2` blocks."""
+    build = _building()
+    if build is None or build["kind"] != "blocks" or len(size) != 1:
+        return torch.empty(*size, **kwargs)
+    cache = build["cache"]
+    shape = getattr(cache, "cache_shape", None)
+    if shape is None or tuple(size[0]) != tuple(shape) or kwargs.get("dtype") is not cache.dtype:
+        return torch.empty(*size, **kwargs)
+    if build["pool"] is None:
+        groups, _ = _installed["cache_mod"].group_layers_by_attn_type(cache.config)
+        _new_cache_pool(build, cache.num_blocks, (cache.block_size, cache.num_key_value_heads, cache.head_dim),
+                        cache.dtype, 2 * len(groups[0]), kwargs.get("device", cache.device))
+    pool, i = build["pool"], len(build["tensors"])
+    if i >= pool.config.num_buffers:
+        raise InvalidConfigError("transformers asked for more cache tensors than vattn counted")
+    tensor = pool.buffer(i).view(shape)
+    build["tensors"].append(tensor)
+    return tensor
+
+
+def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
+                    device: Any) -> ElasticPool:
+    """The pool of a cache being built: `num_blocks` data blocks then the two trash blocks
+    transformers keeps for padding tokens, mapped at once and for good (5.23 puts them first)."""
+    pool = build["handle"]._new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
+    build["pool"] = pool
+    trash = list(range(TRASH_SECTORS)) if build["kind"] == "sectors" else [num_blocks, num_blocks + 1]
+    if pool.take(trash) is None:
+        pool.close()
+        raise OutOfPhysicalMemoryError(
+            f"no memory for the {TRASH_SECTORS} trash blocks ({TRASH_SECTORS * pool.config.block_bytes * num_buffers} "
+            "bytes) of the continuous-batching cache; raise memory_limit or the budget")
+    return pool
+
+
+def _evict_cached_blocks(cache: Any) -> None:
+    """Drop the prefix-sharing blocks no request uses (their memory becomes free), with
+    transformers' own code. The generation loop must not run meanwhile."""
+    if hasattr(cache, "evict_cached_blocks"):  # sectors
+        cache.evict_cached_blocks()
+        cache.pool.try_to_free_sectors()
+    else:  # blocks: asking for every free block uninitializes every initialized one
+        bm = cache._block_manager
+        if bm._init_block_ids:
+            bm.has_enough_free_blocks(len(bm._uninit_block_ids) + len(bm._init_block_ids))
+
+
+class _FreeBlocks:
+    """Stands for the free-block deque of 5.17's `BlockManager` (`_uninit_block_ids`, which
+    it only ever `popleft`s, `append`s, `extend`s and counts): the pool's free blocks.
+    Its length is the free blocks that memory can back now, so transformers' scheduler
+    sees a full cache when the limit or the budget is reached; `popleft` maps a block
+    (page-aware), `append`/`extend` give blocks back to the pool (pages stay cached)."""
+
+    def __init__(self, pool: ElasticPool) -> None:
+        self.pool = pool
+
+    def __len__(self) -> int:
+        return min(self.pool.num_free_blocks, self.pool.available_blocks())
+
+    def popleft(self) -> int:
+        got = self.pool.alloc(1)
+        if got is None:
+            raise OutOfPhysicalMemoryError(
+                "vattn could not back a cache block transformers' scheduler had counted as free (another model of the "
+                "same budget took the memory in between); raise memory_limit or the budget")
+        return got[0]
+
+    def append(self, block: int) -> None:
+        self.pool.free([block])
+
+    def extend(self, blocks: Iterable[int]) -> None:
+        blocks = list(blocks)
+        if blocks:
+            self.pool.free(blocks)
+
+
+def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
+    base_pool = getattr(cache_mod, "CachePool", object)
 
     class VattnCachePool(base_pool):
-        """transformers' CachePool whose sectors come from an ElasticPool: mapped when handed
-        to an allocator, given back to the pool as soon as all their blocks are free."""
+        """("sectors") transformers' CachePool whose sectors come from an ElasticPool: mapped when
+        handed to an allocator, given back to the pool as soon as all their blocks are free."""
 
         def __init__(self, num_sectors: int, num_allocators: int, elastic: ElasticPool,
                      num_reserved_sectors: int = TRASH_SECTORS) -> None:
@@ -434,13 +571,23 @@ def _make_classes(cache_mod: Any, base: type) -> type:
                 return
             if getattr(distributed_helper, "tp_size", 1) > 1:
                 raise InvalidConfigError("vattn.integrations.hf_cb does not support tensor parallelism yet")
-            build = {"cache": self, "handle": handle, "tensor": None, "pool": None}
+            build = {"kind": kind, "cache": self, "handle": handle, "tensors": [], "pool": None}
             with _lock:  # one vattn cache is built at a time; other threads see torch itself
                 saved = cache_mod.torch
                 _intercept.build = build
                 cache_mod.torch = _TorchProxy()
                 try:
                     super().__init__(config, continuous_batching_config, device, distributed_helper, *args, **kwargs)
+                    pool = build["pool"]
+                    if kind == "sectors":
+                        expected = [self.cache_tensor]
+                        self._adopt_sectors(pool)
+                    else:
+                        expected = [t for kv in zip(self.key_cache, self.value_cache) for t in kv]
+                        self._adopt_blocks(pool)
+                    if pool is None or len(expected) != len(build["tensors"]) or \
+                            any(a is not b for a, b in zip(expected, build["tensors"])):
+                        raise InvalidConfigError("transformers did not build its cache tensors where vattn expected")
                 except BaseException:
                     if build["pool"] is not None:
                         build["pool"].close()
@@ -448,20 +595,30 @@ def _make_classes(cache_mod: Any, base: type) -> type:
                 finally:
                     cache_mod.torch = saved
                     _intercept.build = None
-            pool = build["pool"]
-            if build["tensor"] is None or self.cache_tensor is not build["tensor"]:
-                raise InvalidConfigError("transformers did not build its cache tensor where vattn expected")
+            self.vattn_pool = pool
+
+        def _adopt_sectors(self, pool: ElasticPool | None) -> None:
+            """Swap the CachePool for one whose sector calls go through `pool`."""
             old = self.pool
+            if pool is None:
+                return
             new = VattnCachePool(old.num_sectors, old.num_allocators, pool, old.num_reserved_sectors)
             for i, bps in enumerate(old.blocks_per_sector):
                 new.set_blocks_per_sector(i, bps)
             for allocator in self.cache_allocators.values():
                 if allocator.pool is not old:
-                    pool.close()
                     raise InvalidConfigError("a transformers cache allocator does not use the cache's CachePool")
                 allocator.pool = new
             self.pool = new
-            self.vattn_pool = pool
+
+        def _adopt_blocks(self, pool: ElasticPool | None) -> None:
+            """Swap the BlockManager's free-block deque for the pool's free blocks."""
+            bm = self._block_manager
+            if pool is None:
+                return
+            if len(bm._uninit_block_ids) != bm.num_blocks or bm.num_blocks + TRASH_SECTORS != pool.config.num_blocks:
+                raise InvalidConfigError("transformers' BlockManager does not start with every block free")
+            bm._uninit_block_ids = _FreeBlocks(pool)
 
     PagedAttentionCache.__qualname__ = base.__qualname__
     PagedAttentionCache.__module__ = __name__
