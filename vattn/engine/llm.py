@@ -62,7 +62,8 @@ class LLM:
     device/dtype, and its attention implementation is "vattn" until `close()`).
     `tokenizer`: overrides the checkpoint's; string prompts need one.
     `**config`: see `EngineConfig` (the cache's arguments by `vattn.init`'s names plus
-    device, dtype, max_num_seqs, max_num_batched_tokens, seed, attention).
+    device, dtype, max_num_seqs, max_num_batched_tokens, seed, attention, and `budget=`:
+    a `vattn.Budget` several engines share, e.g. two models on one GPU).
 
     Failures never poison the engine:
     - Bad input raises `InvalidRequestError` / `ContextLengthError` from add_request or
