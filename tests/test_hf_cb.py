@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import os
 import sys
+import time
 
 import pytest
 
@@ -138,6 +139,29 @@ def test_memory_limit_makes_requests_wait(models, cleanup):
     cb.set_limit(4 * SECTOR)  # lowered at run time: free pages go back at once, pages under blocks in use stay
     s = cb.stats()
     assert s.mapped_bytes <= 4 * SECTOR or (s.num_cached_pages == 0 and s.num_spare_pages == 0)
+
+
+@needs_cb
+def test_idle_policy_gives_memory_back(models, cleanup):
+    ms, refs = models
+    model = ms["llama"]
+    cb = hf_cb.enable(model, page_size=PAGE, idle_trim_s=0.2)
+    assert generate(model, persistent=True) == refs["llama"]
+    trash = hf_cb.TRASH_SECTORS * SECTOR
+    assert cb.managers == [model._cached_continuous_batching_manager]  # found when it built its cache
+    deadline = time.monotonic() + 30
+    while cb.stats().mapped_bytes > trash and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = cb.stats()
+    assert s.mapped_bytes == trash and s.num_used_blocks == hf_cb.TRASH_SECTORS and cb.num_idle_trims >= 1
+    assert s.peak_mapped_bytes > trash
+    trims = cb.num_idle_trims
+    time.sleep(0.5)
+    assert cb.num_idle_trims == trims  # once per idle period
+    assert generate(model, persistent=True) == refs["llama"]  # and it serves again
+    cb.disable()
+    cb._idle_thread.join(5)
+    assert not cb._idle_thread.is_alive()  # disable stops the idle policy
 
 
 @needs_cb

@@ -53,6 +53,7 @@ import os
 import re
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Iterable
 
@@ -167,13 +168,20 @@ class ElasticCB:
     """What `enable` returns: the settings of one model's elastic KV memory and its pools
     (one per `PagedAttentionCache` transformers builds; the last one is `pool`)."""
 
-    def __init__(self, model: Any, memory_limit: int | None, budget: Budget | None, page_size: int | None) -> None:
+    def __init__(self, model: Any, memory_limit: int | None, budget: Budget | None, page_size: int | None,
+                 idle_trim_s: float | None = None) -> None:
         self._model = weakref.ref(model) if model is not None else None
         self.memory_limit = memory_limit
         self.budget = budget
         self.page_size = page_size
+        self.idle_trim_s = idle_trim_s
         self._pools: list[weakref.ref] = []
+        self._managers: list[weakref.ref] = []  # the ContinuousBatchingManagers that built the caches
         self.num_caches = 0  # PagedAttentionCaches built on vattn memory so far
+        self.num_idle_trims = 0  # times the idle policy gave memory back
+        self.last_activity = time.monotonic()  # the last block handed out or given back
+        self._idle_thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @property
     def pools(self) -> list[ElasticPool]:
@@ -195,18 +203,58 @@ class ElasticCB:
 
         Blocks transformers keeps for prefix sharing (finished requests' complete blocks,
         `allow_block_sharing=True`, the default) hold their memory until transformers evicts
-        them under memory pressure. Pass the `ContinuousBatchingManager` to evict them first:
-        inside `manager.pause()` while its loop runs (5.23); on 5.17, which cannot pause its
-        loop, only while the loop is stopped (between `generate_batch` calls)."""
-        if manager is not None:
-            cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
-            if cache is not None and getattr(cache, "vattn_pool", None) is not None:
-                if not manager.is_running():
+        them under memory pressure; `trim` evicts them first, through `manager` (a
+        `ContinuousBatchingManager`) or else every manager that built a live cache of this
+        handle: inside `manager.pause()` while its loop runs (5.23), or while the loop is
+        stopped (5.17 cannot pause its loop: there they stay until it stops)."""
+        for m in [manager] if manager is not None else self.managers:
+            cache = getattr(getattr(m, "batch_processor", None), "cache", None)
+            if cache is None or getattr(cache, "vattn_pool", None) is None:
+                continue
+            try:
+                if not m.is_running():
                     _evict_cached_blocks(cache)
-                elif hasattr(manager, "pause"):
-                    with manager.pause():
+                elif hasattr(m, "pause"):
+                    with m.pause():
                         _evict_cached_blocks(cache)
+            except RuntimeError:  # the loop stopped in between: pause() refuses; nothing to evict now
+                pass
         return sum(p.trim() for p in self.pools)
+
+    @property
+    def managers(self) -> list[Any]:
+        """The live ContinuousBatchingManagers whose caches are on this handle's memory."""
+        return [m for r in self._managers if (m := r()) is not None]
+
+    def busy(self) -> bool:
+        """Whether a manager of this handle has requests in flight."""
+        for m in self.managers:
+            scheduler = getattr(getattr(m, "batch_processor", None), "scheduler", None)
+            if scheduler is not None and scheduler.has_pending_requests():
+                return True
+        return False
+
+    def _touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    def _idle_loop(self) -> None:
+        """The idle policy (`idle_trim_s`): once no block was handed out or given back for that
+        long and no request is in flight, trim (prefix-sharing blocks evicted) once per idle period."""
+        done_for = None
+        while not self._stop.wait(max(0.02, min(1.0, self.idle_trim_s / 4))):
+            last = self.last_activity
+            if done_for == last or time.monotonic() - last < self.idle_trim_s or not self.pools or self.busy():
+                continue
+            try:
+                self.trim()
+                self.num_idle_trims += 1
+            except Exception:  # a pool closed in between: the next period looks again
+                pass
+            done_for = self.last_activity  # the blocks the trim itself gave back are no new activity
+
+    def close(self) -> None:
+        """Stop the idle policy's thread (live pools stay)."""
+        self._stop.set()
 
     def set_limit(self, limit: int | None) -> None:
         """A new limit on the mapped bytes of this model's caches (this one and later ones)."""
@@ -229,21 +277,43 @@ class ElasticCB:
                            page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device")
         self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
         self.num_caches += 1
+        if self.idle_trim_s is not None and (self._idle_thread is None or not self._idle_thread.is_alive()):
+            self._stop.clear()
+            self._idle_thread = threading.Thread(target=self._idle_loop, name="vattn-hf-idle-trim", daemon=True)
+            self._idle_thread.start()
         return pool
+
+    def _track(self, manager: Any) -> None:
+        if manager is not None and all(r() is not manager for r in self._managers):
+            self._managers = [r for r in self._managers if r() is not None] + [weakref.ref(manager)]
+
+
+def _check_settings(memory_limit: Any, budget: Any, idle_trim_s: Any) -> float | None:
+    if budget is not None and not isinstance(budget, Budget):
+        raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)
+                                     or memory_limit < 0):
+        raise InvalidConfigError(f"memory_limit must be >= 0 bytes or None, got {memory_limit!r}")
+    if idle_trim_s is None:
+        return None
+    if isinstance(idle_trim_s, bool) or not isinstance(idle_trim_s, (int, float)) or not 0 <= idle_trim_s < float("inf"):
+        raise InvalidConfigError(f"idle_trim_s must be None or a finite number of seconds >= 0, got {idle_trim_s!r}")
+    return float(idle_trim_s)
 
 
 def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None = None,
-           page_size: int | None = None) -> ElasticCB:
+           page_size: int | None = None, idle_trim_s: float | None = None) -> ElasticCB:
     """Run `model`'s continuous batching on vattn memory from its next cache on.
 
     `memory_limit`: bytes of KV pages the model may have mapped (None: no limit but the
     device's and the budget's). `budget`: a `vattn.Budget` shared with other models.
     `page_size`: the pool's page (default: the backend's: 2 MiB on CUDA, 64 KiB on the
-    host). Returns the model's `ElasticCB` handle (the same one if already enabled,
-    with the new settings)."""
+    host). `idle_trim_s`: the idle policy: once no block was handed out or given back for
+    that many seconds and no request is in flight, `trim()` (prefix-sharing blocks
+    evicted) from a background thread (None: only explicit `trim`). Returns the model's
+    `ElasticCB` handle (the same one if already enabled, with the new settings)."""
     check_transformers()
-    if budget is not None and not isinstance(budget, Budget):
-        raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
+    idle_trim_s = _check_settings(memory_limit, budget, idle_trim_s)
     get_text_config = getattr(getattr(model, "config", None), "get_text_config", None)
     if get_text_config is None or not hasattr(model, "generate_batch"):
         raise InvalidConfigError(f"{type(model).__name__} is not a transformers model with continuous batching")
@@ -251,38 +321,34 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
     if config is not get_text_config():
         raise InvalidConfigError(f"{type(model.config).__name__}.get_text_config() returns a new object each call; "
                                  "vattn cannot tell this model's caches apart")
-    if memory_limit is not None:
-        if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 0:
-            raise InvalidConfigError(f"memory_limit must be >= 0 bytes or None, got {memory_limit!r}")
     with _lock:
         install()
         entry = _handles.get(id(config))
         handle = entry[1] if entry is not None and entry[0]() is config else None
         if handle is None:
-            handle = ElasticCB(model, memory_limit, budget, page_size)
-            ref = weakref.ref(config, lambda _r, key=id(config): _forget(key))
+            handle = ElasticCB(model, memory_limit, budget, page_size, idle_trim_s)
+            ref = weakref.ref(config, lambda _r, key=id(config), h=handle: _forget(key, h))
             _handles[id(config)] = (ref, handle)
         else:
             handle.memory_limit, handle.budget, handle.page_size = memory_limit, budget, page_size
+            handle.idle_trim_s = idle_trim_s
         return handle
 
 
 def enable_all(*, memory_limit: int | None = None, budget: Budget | None = None,
-               page_size: int | None = None) -> ElasticCB:
+               page_size: int | None = None, idle_trim_s: float | None = None) -> ElasticCB:
     """Run the continuous batching of every model of this process on vattn memory (the
-    models `enable` was not called for share this one handle and its settings): for a
-    server that loads its models itself, like `transformers serve`. Undo with
-    `disable_all()`."""
+    models `enable` was not called for share this one handle and its settings, see
+    `enable`): for a server that loads its models itself, like `transformers serve`. Undo
+    with `disable_all()`."""
     global _default
     check_transformers()
-    if budget is not None and not isinstance(budget, Budget):
-        raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
-    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)
-                                     or memory_limit < 0):
-        raise InvalidConfigError(f"memory_limit must be >= 0 bytes or None, got {memory_limit!r}")
+    idle_trim_s = _check_settings(memory_limit, budget, idle_trim_s)
     with _lock:
         install()
-        _default = ElasticCB(None, memory_limit, budget, page_size)
+        if _default is not None:
+            _default.close()
+        _default = ElasticCB(None, memory_limit, budget, page_size, idle_trim_s)
         return _default
 
 
@@ -290,6 +356,8 @@ def disable_all() -> None:
     """Undo `enable_all` (models enabled one by one stay enabled)."""
     global _default
     with _lock:
+        if _default is not None:
+            _default.close()
         _default = None
         if not _handles:
             uninstall()
@@ -302,11 +370,13 @@ def disable(model: Any) -> None:
         entry = _handles.get(id(config))
         if entry is not None and entry[0]() is config:
             del _handles[id(config)]
+            entry[1].close()
         if not _handles and _default is None:
             uninstall()
 
 
-def _forget(key: int) -> None:
+def _forget(key: int, handle: ElasticCB) -> None:
+    handle.close()
     with _lock:
         _handles.pop(key, None)
 
@@ -322,13 +392,17 @@ SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
-          page_size: int | None = None, device: str = "auto", num_blocks: int | None = None,
-          max_batch_tokens: int | None = None, log_level: str = "warning", non_blocking: bool = False) -> Any:
+          page_size: int | None = None, idle_trim_s: float | None = None, device: str = "auto",
+          num_blocks: int | None = None, block_size: int | None = None, max_batch_tokens: int | None = None,
+          log_level: str = "warning", non_blocking: bool = False) -> Any:
     """`transformers serve` with continuous batching on vattn memory, for a local checkpoint
     (offline): the OpenAI-compatible endpoints `/v1/chat/completions`, `/v1/completions`,
     `/v1/models`, `/health`. Blocks until the server stops, unless `non_blocking` (then it
-    returns transformers' `Serve` object: `kill_server()` stops it). The memory limit is in
-    bytes of KV pages; `num_blocks` sizes transformers' (virtual) cache."""
+    returns transformers' `Serve` object, with the `ElasticCB` handle as `.vattn`:
+    `kill_server()` stops it). The memory limit is in bytes of KV pages; `idle_trim_s` is
+    the idle policy (see `enable`); `num_blocks` and `block_size` (tokens) size
+    transformers' (virtual) cache. Requests that do not fit under the limit wait in
+    transformers' scheduler."""
     missing = [m for m in SERVING_PACKAGES if importlib.util.find_spec(m) is None]
     if missing:
         raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
@@ -336,12 +410,13 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
         raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
-    handle = enable_all(memory_limit=memory_limit, page_size=page_size)
+    handle = enable_all(memory_limit=memory_limit, page_size=page_size, idle_trim_s=idle_trim_s)
     from transformers.cli.serve import Serve
 
     try:
         server = Serve(force_model=os.path.abspath(model), continuous_batching=True, host=host, port=port,
-                       device=device, cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens,
+                       device=device, cb_num_blocks=num_blocks, cb_block_size=block_size,
+                       cb_max_batch_tokens=max_batch_tokens,
                        log_level=log_level, non_blocking=non_blocking)
     except BaseException:
         disable_all()
@@ -362,13 +437,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--memory-limit", type=int, default=None, help="bytes of KV pages (default: no limit)")
     ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
+    ap.add_argument("--idle-trim-s", type=float, default=None,
+                    help="give the KV memory back after this many idle seconds (default: never by itself)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--num-blocks", type=int, default=None, help="transformers' cache size in blocks (virtual)")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per cache block")
     ap.add_argument("--max-batch-tokens", type=int, default=None)
     ap.add_argument("--log-level", default="warning")
     a = ap.parse_args(argv)
-    serve(a.model, host=a.host, port=a.port, memory_limit=a.memory_limit, page_size=a.page_size, device=a.device,
-          num_blocks=a.num_blocks, max_batch_tokens=a.max_batch_tokens, log_level=a.log_level)
+    serve(a.model, host=a.host, port=a.port, memory_limit=a.memory_limit, page_size=a.page_size,
+          idle_trim_s=a.idle_trim_s, device=a.device, num_blocks=a.num_blocks, block_size=a.block_size,
+          max_batch_tokens=a.max_batch_tokens, log_level=a.log_level)
 
 
 # ------------------------------------------------------------------ the hook ----
@@ -477,6 +556,21 @@ def _evict_cached_blocks(cache: Any) -> None:
             bm.has_enough_free_blocks(len(bm._uninit_block_ids) + len(bm._init_block_ids))
 
 
+def _calling_manager() -> Any:
+    """The ContinuousBatchingManager building the cache (a caller's `self`), or None: lets
+    `trim` and the idle policy evict its prefix-sharing blocks and see its requests."""
+    manager_cls = getattr(_installed.get("api"), "ContinuousBatchingManager", None)
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None or manager_cls is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, manager_cls):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
 class _FreeBlocks:
     """Stands for the free-block deque of 5.17's `BlockManager` (`_uninit_block_ids`, which
     it only ever `popleft`s, `append`s, `extend`s and counts): the pool's free blocks.
@@ -484,13 +578,15 @@ class _FreeBlocks:
     sees a full cache when the limit or the budget is reached; `popleft` maps a block
     (page-aware), `append`/`extend` give blocks back to the pool (pages stay cached)."""
 
-    def __init__(self, pool: ElasticPool) -> None:
+    def __init__(self, pool: ElasticPool, handle: ElasticCB) -> None:
         self.pool = pool
+        self.handle = handle
 
     def __len__(self) -> int:
         return min(self.pool.num_free_blocks, self.pool.available_blocks())
 
     def popleft(self) -> int:
+        self.handle._touch()
         got = self.pool.alloc(1)
         if got is None:
             raise OutOfPhysicalMemoryError(
@@ -499,11 +595,13 @@ class _FreeBlocks:
         return got[0]
 
     def append(self, block: int) -> None:
+        self.handle._touch()
         self.pool.free([block])
 
     def extend(self, blocks: Iterable[int]) -> None:
         blocks = list(blocks)
         if blocks:
+            self.handle._touch()
             self.pool.free(blocks)
 
 
@@ -514,9 +612,10 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
         """("sectors") transformers' CachePool whose sectors come from an ElasticPool: mapped when
         handed to an allocator, given back to the pool as soon as all their blocks are free."""
 
-        def __init__(self, num_sectors: int, num_allocators: int, elastic: ElasticPool,
+        def __init__(self, num_sectors: int, num_allocators: int, elastic: ElasticPool, handle: ElasticCB,
                      num_reserved_sectors: int = TRASH_SECTORS) -> None:
             self.elastic = elastic
+            self.handle = handle
             self._held: set[int] = set()  # data sectors handed to allocators
             self._pos: dict[int, int] = {}  # free sector -> its index in free_sectors
             super().__init__(num_sectors, num_allocators, num_reserved_sectors)
@@ -534,6 +633,7 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
             return min(len(self.free_sectors), self.elastic.available_blocks())
 
         def allocate_sector(self, index: int) -> None:
+            self.handle._touch()
             got = self.elastic.alloc(1)
             if got is None:
                 raise OutOfPhysicalMemoryError(
@@ -557,6 +657,7 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
                 self.elastic.free(freed)
 
         def free_blocks(self, index: int, block_ids: list[int]) -> None:
+            self.handle._touch()
             super().free_blocks(index, block_ids)
             self.try_to_free_sectors()  # a sector with no block in use goes back now, not at the next schedule
 
@@ -581,10 +682,10 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
                     pool = build["pool"]
                     if kind == "sectors":
                         expected = [self.cache_tensor]
-                        self._adopt_sectors(pool)
+                        self._adopt_sectors(pool, handle)
                     else:
                         expected = [t for kv in zip(self.key_cache, self.value_cache) for t in kv]
-                        self._adopt_blocks(pool)
+                        self._adopt_blocks(pool, handle)
                     if pool is None or len(expected) != len(build["tensors"]) or \
                             any(a is not b for a, b in zip(expected, build["tensors"])):
                         raise InvalidConfigError("transformers did not build its cache tensors where vattn expected")
@@ -596,13 +697,14 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
                     cache_mod.torch = saved
                     _intercept.build = None
             self.vattn_pool = pool
+            handle._track(_calling_manager())
 
-        def _adopt_sectors(self, pool: ElasticPool | None) -> None:
+        def _adopt_sectors(self, pool: ElasticPool | None, handle: ElasticCB) -> None:
             """Swap the CachePool for one whose sector calls go through `pool`."""
             old = self.pool
             if pool is None:
                 return
-            new = VattnCachePool(old.num_sectors, old.num_allocators, pool, old.num_reserved_sectors)
+            new = VattnCachePool(old.num_sectors, old.num_allocators, pool, handle, old.num_reserved_sectors)
             for i, bps in enumerate(old.blocks_per_sector):
                 new.set_blocks_per_sector(i, bps)
             for allocator in self.cache_allocators.values():
@@ -611,14 +713,14 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
                 allocator.pool = new
             self.pool = new
 
-        def _adopt_blocks(self, pool: ElasticPool | None) -> None:
+        def _adopt_blocks(self, pool: ElasticPool | None, handle: ElasticCB) -> None:
             """Swap the BlockManager's free-block deque for the pool's free blocks."""
             bm = self._block_manager
             if pool is None:
                 return
             if len(bm._uninit_block_ids) != bm.num_blocks or bm.num_blocks + TRASH_SECTORS != pool.config.num_blocks:
                 raise InvalidConfigError("transformers' BlockManager does not start with every block free")
-            bm._uninit_block_ids = _FreeBlocks(pool)
+            bm._uninit_block_ids = _FreeBlocks(pool, handle)
 
     PagedAttentionCache.__qualname__ = base.__qualname__
     PagedAttentionCache.__module__ = __name__
