@@ -571,6 +571,17 @@ def _calling_manager() -> Any:
     return None
 
 
+def _alloc_one(pool: ElasticPool, handle: ElasticCB, what: str) -> int:
+    """One block of `pool` for transformers, which counted it as free a moment ago."""
+    handle._touch()
+    got = pool.alloc(1)
+    if got is None:
+        raise OutOfPhysicalMemoryError(
+            f"vattn could not back a cache {what} transformers' scheduler had counted as free (another model of the "
+            "same budget took the memory in between); raise memory_limit or the budget")
+    return got[0]
+
+
 class _FreeBlocks:
     """Stands for the free-block deque of 5.17's `BlockManager` (`_uninit_block_ids`, which
     it only ever `popleft`s, `append`s, `extend`s and counts): the pool's free blocks.
@@ -586,13 +597,7 @@ class _FreeBlocks:
         return min(self.pool.num_free_blocks, self.pool.available_blocks())
 
     def popleft(self) -> int:
-        self.handle._touch()
-        got = self.pool.alloc(1)
-        if got is None:
-            raise OutOfPhysicalMemoryError(
-                "vattn could not back a cache block transformers' scheduler had counted as free (another model of the "
-                "same budget took the memory in between); raise memory_limit or the budget")
-        return got[0]
+        return _alloc_one(self.pool, self.handle, "block")
 
     def append(self, block: int) -> None:
         self.handle._touch()
@@ -633,13 +638,7 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
             return min(len(self.free_sectors), self.elastic.available_blocks())
 
         def allocate_sector(self, index: int) -> None:
-            self.handle._touch()
-            got = self.elastic.alloc(1)
-            if got is None:
-                raise OutOfPhysicalMemoryError(
-                    "vattn could not back a cache sector transformers' scheduler had counted as free (another model "
-                    "of the same budget took the memory in between); raise memory_limit or the budget")
-            sector = got[0]
+            sector = _alloc_one(self.elastic, self.handle, "sector")
             i, last = self._pos.pop(sector), self.free_sectors[-1]  # move it last: the base class pops the last one
             self.free_sectors[i], self.free_sectors[-1] = last, sector
             if last != sector:
