@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -238,6 +239,25 @@ def test_bad_arguments(models, kw, match):
         hf_cb.enable(models[0]["llama"], **kw)
     with pytest.raises(vattn.InvalidConfigError, match="not a transformers model"):
         hf_cb.enable(object())
+
+
+def test_a_block_counted_as_free_waits_for_memory_then_fails_clearly(monkeypatch):
+    """transformers' loop cannot take a miss after it counted a block as free: vattn retries
+    while the memory comes back, then raises a clear error."""
+    pool = vattn.ElasticPool(8, (SECTOR,), torch.uint8, page_size=PAGE, limit=2 * SECTOR)
+    handle = hf_cb.ElasticCB(None, None, None, PAGE)
+    try:
+        held = pool.alloc(2)  # the limit is reached
+        timer = threading.Timer(0.05, pool.free, args=(held,))  # another request finishes meanwhile
+        timer.start()
+        assert hf_cb._alloc_one(pool, handle, "block") in range(8)
+        timer.join()
+        monkeypatch.setattr(hf_cb, "ALLOC_RETRY_S", 0.05)
+        pool.alloc(1)
+        with pytest.raises(vattn.OutOfPhysicalMemoryError, match="could not back a cache block.*0 backable now"):
+            hf_cb._alloc_one(pool, handle, "block")
+    finally:
+        pool.close()
 
 
 # ----------------------------------------------------------------- VAttnCache ----

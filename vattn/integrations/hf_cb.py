@@ -571,14 +571,26 @@ def _calling_manager() -> Any:
     return None
 
 
+ALLOC_RETRY_S = 2.0  # how long a block transformers counted as free may wait for memory before it is an error
+
+
 def _alloc_one(pool: ElasticPool, handle: ElasticCB, what: str) -> int:
-    """One block of `pool` for transformers, which counted it as free a moment ago."""
+    """One block of `pool` for transformers, which counted it as free a moment ago. The
+    count can be wrong only if the memory went in between (another model of the budget, or
+    the device refusing new pages under outside pressure): retry for up to
+    `ALLOC_RETRY_S` (the others give back, pressure passes) before a clear error, since
+    transformers' loop cannot take a miss here."""
     handle._touch()
-    got = pool.alloc(1)
+    deadline = time.monotonic() + ALLOC_RETRY_S
+    delay = 0.001
+    while (got := pool.alloc(1)) is None and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(2 * delay, 0.1)
     if got is None:
         raise OutOfPhysicalMemoryError(
             f"vattn could not back a cache {what} transformers' scheduler had counted as free (another model of the "
-            "same budget took the memory in between); raise memory_limit or the budget")
+            f"same budget took the memory in between, or the device refused new pages; {pool.num_free_blocks} free "
+            f"{what}s, {pool.available_blocks()} backable now); raise memory_limit or the budget")
     return got[0]
 
 
