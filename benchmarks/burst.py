@@ -36,7 +36,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from _common import environment, print_table, save  # noqa: E402
-from elastic import build_model, bursty_trace  # noqa: E402
+from elastic import add_model_args, build_model, bursty_trace  # noqa: E402
 
 MB = 1 << 20
 
@@ -140,16 +140,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24, help="requests of the burst aimed at model A")
     ap.add_argument("--trickle", type=int, default=4, help="requests to model B at the same time")
     ap.add_argument("--total-blocks", type=int, default=96, help="blocks of memory for the two models together")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--max-prompt", type=int, default=192)
-    ap.add_argument("--max-new", type=int, default=32)
-    ap.add_argument("--block-tokens", type=int, default=32)
-    ap.add_argument("--max-batch-tokens", type=int, default=512)
-    ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
+    add_model_args(ap, max_prompt=192, max_new=32)
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode")
     ap.add_argument("--quick", action="store_true", help="a burst of 12, 48 blocks, one run per mode")
     args = ap.parse_args()
