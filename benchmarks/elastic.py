@@ -147,6 +147,20 @@ def run_mode(model: Any, mode: str, bursts: list, args: argparse.Namespace) -> d
                 mean_MiB=statistics.mean(m for _, m in samples) / MB, samples=samples, marks=marks)
 
 
+def add_model_args(ap: argparse.ArgumentParser, max_prompt: int, max_new: int) -> None:
+    """The seeded model's shape, the trace's lengths and transformers' cache geometry (shared with burst.py)."""
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--max-prompt", type=int, default=max_prompt)
+    ap.add_argument("--max-new", type=int, default=max_new)
+    ap.add_argument("--block-tokens", type=int, default=32, help="tokens a transformers block (its page_size)")
+    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -154,17 +168,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12, help="requests per burst")
     ap.add_argument("--gap", type=float, default=1.0, help="idle seconds between bursts")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode (alternating); the median run counts")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--max-prompt", type=int, default=256)
-    ap.add_argument("--max-new", type=int, default=48)
+    add_model_args(ap, max_prompt=256, max_new=48)
     ap.add_argument("--num-blocks", type=int, default=256, help="transformers' cache size, in blocks")
-    ap.add_argument("--block-tokens", type=int, default=32, help="tokens a transformers block (its page_size)")
-    ap.add_argument("--max-batch-tokens", type=int, default=512)
-    ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
     ap.add_argument("--quick", action="store_true", help="2 bursts of 6, one run per mode")
     args = ap.parse_args()
     if args.quick:

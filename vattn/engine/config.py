@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from vattn.attention import KERNELS
+from vattn.budget import Budget
 from vattn.config import LAYOUTS, parse_dtype
 from vattn.checks import SEED_MAX, SEED_MIN, as_float, as_int
 from vattn.engine.scheduler import SchedulerConfig
@@ -40,7 +42,10 @@ class EngineConfig:
     of a new sequence's prefix instead of computing them; needs a page that holds whole tokens),
     preemption_mode ('recompute' | 'swap': what a sequence preempted for memory does, see
     `vattn.engine.scheduler`), idle_trim_s (None, or seconds without work after which the
-    engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included).
+    engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included),
+    budget (None, or a `vattn.Budget` shared with other engines, caches and elastic pools:
+    the cache creates pages only within it, and pages one engine no longer needs go to
+    another that is short; see `KVCache(budget=)`).
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
     heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`, recompute
     preemption only, no prefix caching), distributed_timeout_s (seconds a collective may wait
@@ -65,8 +70,11 @@ class EngineConfig:
     idle_trim_s: float | None = None
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
+    budget: Any = None  # a vattn.Budget (compared by identity)
 
     def __post_init__(self) -> None:
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {self.budget!r}")
         _positive(self, "max_batch_size")
         for name in ("max_context_len", "page_size", "physical_memory", "max_num_seqs"):
             _positive(self, name, optional=True)

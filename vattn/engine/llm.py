@@ -63,7 +63,8 @@ class LLM:
     device/dtype, and its attention implementation is "vattn" until `close()`).
     `tokenizer`: overrides the checkpoint's; string prompts need one.
     `**config`: see `EngineConfig` (the cache's arguments by `vattn.init`'s names plus
-    device, dtype, max_num_seqs, max_num_batched_tokens, seed, attention).
+    device, dtype, max_num_seqs, max_num_batched_tokens, seed, attention, and `budget=`:
+    a `vattn.Budget` several engines share, e.g. two models on one GPU).
 
     Tensor parallelism (`tensor_parallel_size=N`, see `vattn.engine.parallel`): one process
     per rank under `torchrun`, each making the same calls; rank 0 gets the outputs, the

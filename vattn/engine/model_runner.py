@@ -200,7 +200,7 @@ class ModelRunner:
                                  max_batch_size=config.max_batch_size, max_context_len=self.max_context_len,
                                  dtype=self.dtype, device=str(self.device), page_size=config.page_size,
                                  layout=config.layout, physical_memory=config.physical_memory,
-                                 background=config.background, prefetch=config.prefetch)
+                                 background=config.background, prefetch=config.prefetch, budget=config.budget)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
         self.slot_tokens = self.cache.geometry.slot_tokens

@@ -170,14 +170,25 @@ class VAttnCache(Cache):
         unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unsupported:
             raise InvalidConfigError(f"VAttnCache supports attention layers only, not {unsupported}")
-        self.max_cache_len = as_int(max_cache_len, "max_cache_len", InvalidConfigError, low=1)
-        self.max_batch_size = (None if max_batch_size is None
-                               else as_int(max_batch_size, "max_batch_size", InvalidConfigError, low=1))
+        # (stored under names of our own: transformers 5.17's Cache has read-only properties of these names)
+        self._max_len = as_int(max_cache_len, "max_cache_len", InvalidConfigError, low=1)
+        self._max_rows = (None if max_batch_size is None
+                          else as_int(max_batch_size, "max_batch_size", InvalidConfigError, low=1))
         self._options = dict(page_size=page_size, physical_memory=physical_memory, layout=layout, background=background)
         self.kv: KVCache | None = None
         self.slots: list[int] = []
         self.backed = 0  # tokens every slot has pages for
         super().__init__(layers=[_VAttnLayer(self, i) for i in range(len(layer_types))])
+
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens a row can hold."""
+        return self._max_len
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """Rows reserved (None: the batch size of the first forward)."""
+        return self._max_rows
 
     @property
     def batch_size(self) -> int:

@@ -1,37 +1,48 @@
 """transformers' continuous batching on vattn memory (elastic KV memory, no model change).
 
-transformers 5.23 runs continuous batching (`model.generate_batch`,
-`init_continuous_batching`, `transformers serve --continuous-batching`) on a
-`PagedAttentionCache`: one flat `uint8` tensor of `2 + num_sectors` sectors (the first
-two are trash sectors for padding tokens), handed out sector by sector to its cache
-allocators by a `CachePool`. This module backs that tensor with an `ElasticPool`:
-
 ```
- cache_tensor (virtual, reserved once, never moves)
- [ trash | trash | sector 2 | sector 3 | ... | sector num_sectors + 1 ]
-   always mapped   mapped when the CachePool hands the sector to an allocator,
-                   given back to the pool when all its blocks are free again
-```
-
-```
-cb = vattn.integrations.hf_cb.enable(model, memory_limit=2 << 30)
-out = model.generate_batch(prompts, generation_config=gen)   # unchanged call
+cb = vattn.integrations.hf_cb.enable(model, memory_limit=2 << 30)   # or budget=vattn.Budget(...)
+out = model.generate_batch(prompts, generation_config=gen)         # unchanged call
 cb.stats(); cb.trim(); cb.set_limit(1 << 30); cb.disable()
+```
+
+transformers runs continuous batching (`model.generate_batch`, `init_continuous_batching`,
+`transformers serve --continuous-batching`) on a `PagedAttentionCache`. Its memory design
+changed between releases; this module knows two (`DESIGNS`), and backs the cache's
+tensors with one `ElasticPool` in both:
+
+- "sectors" (5.18 to 5.23): one flat `uint8` tensor of `2 + num_sectors` sectors (the
+  first two are trash sectors for padding tokens), handed out sector by sector to the
+  cache allocators by a `CachePool`. The tensor is the pool's single buffer, a sector one
+  pool block; `CachePool` becomes a subclass whose sector calls go through the pool
+  (mapped when handed out, given back when all its blocks are free).
+- "blocks" (5.17): per-layer K and V tensors `[(num_blocks + 2) * block_size, heads,
+  head_dim]` of one layer group (the last two blocks are the trash), and a
+  `BlockManager` whose free blocks are a deque. The tensors are the pool's buffers (K and
+  V of each layer, block i of all of them one pool block); the deque becomes the pool's
+  free blocks (`_FreeBlocks`: `popleft` maps a block, `append` gives it back).
+
+```
+ cache tensor(s) (virtual, reserved once, never move)
+ [ block | block | ... | trash | trash ]     (5.23: the trash sectors come first)
+   mapped when transformers hands the block out, given back to the pool when free;
+   the trash stays mapped
 ```
 
 The hook, smallest that works: `continuous_api.PagedAttentionCache` (the name
 `ContinuousBatchingManager` builds its cache with) becomes a subclass that, for a model
 that was enabled, (1) lets transformers' own `__init__` run unchanged except that the
-single `torch.zeros(...)` of the cache tensor returns the pool's virtual tensor, and
-(2) swaps the `CachePool` for a subclass whose sector calls go through the pool.
-Nothing else of transformers changes: its allocators, block tables, attention and
-scheduler run as they are. When memory is short (the limit, a shared `Budget`),
-`CachePool.num_free_sectors` reports fewer free sectors, so transformers' scheduler
-waits, offloads or soft-resets requests as it does when its own cache is full.
+allocation of the cache tensors (`torch.zeros` / `torch.empty` in its module) returns the
+pool's virtual tensors, and (2) swaps the one object that hands out memory (`CachePool`,
+or the `BlockManager`'s free-block deque). Nothing else of transformers changes: its
+allocators, block tables, attention and scheduler run as they are. When memory is short
+(the limit, a shared `Budget`), the free count transformers' scheduler reads reports only
+what memory can back, so it waits, offloads or soft-resets requests as it does when its
+own cache is full.
 
-Supported: transformers 5.23 (`SUPPORTED_VERSIONS`); the hook checks the exact names it
-relies on and raises `InvalidConfigError` on any other version (5.17, for example, keeps
-per-layer K/V tensors and a `BlockManager`, a different design).
+Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py, see
+tests/test_hf_cb_versions.py). The hook checks the exact names and source lines it relies
+on and raises `InvalidConfigError` on any other version or a changed one.
 """
 from __future__ import annotations
 
@@ -39,9 +50,12 @@ import contextlib
 import importlib.util
 import inspect
 import os
+import re
+import sys
 import threading
+import time
 import weakref
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -49,7 +63,10 @@ from vattn.budget import Budget
 from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError
 from vattn.pool import ElasticPool, PoolStats
 
-SUPPORTED_VERSIONS = ("5.23",)  # major.minor whose continuous-batching code this hook was written against
+# transformers major.minor -> the design of its continuous-batching cache, each verified with tests/test_hf_cb.py
+DESIGNS = {"5.17": "blocks", "5.18": "sectors", "5.19": "sectors", "5.20": "sectors", "5.21": "sectors", "5.22": "sectors",
+           "5.23": "sectors"}
+SUPPORTED_VERSIONS = tuple(DESIGNS)
 TRASH_SECTORS = 2
 
 _lock = threading.RLock()
@@ -66,8 +83,31 @@ def _modules() -> tuple[Any, Any, Any]:
         from transformers.generation.continuous_batching import cache as cache_mod
         from transformers.generation.continuous_batching import continuous_api
     except ImportError as e:
-        raise InvalidConfigError(f"vattn.integrations.hf_cb needs transformers {SUPPORTED_VERSIONS}: {e}") from None
+        raise InvalidConfigError(f"vattn.integrations.hf_cb needs transformers {', '.join(SUPPORTED_VERSIONS)}: "
+                                 f"{e}") from None
     return transformers, cache_mod, continuous_api
+
+
+def design() -> str:
+    """The cache design of the installed transformers: "sectors" or "blocks" (see the module
+    docstring); InvalidConfigError on a version this hook was not verified on."""
+    import transformers
+
+    version = transformers.__version__
+    found = DESIGNS.get(".".join(version.split(".")[:2]))
+    if found is None:
+        raise InvalidConfigError(
+            f"vattn.integrations.hf_cb supports transformers {', '.join(SUPPORTED_VERSIONS)} (the continuous-batching "
+            f"cache designs it was verified on); this is transformers {version}. Install a supported version, or "
+            "use vattn's own engine (vattn.LLM)")
+    return found
+
+
+def _source(fn: Any) -> str | None:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
 
 
 def check_transformers() -> str:
@@ -75,35 +115,48 @@ def check_transformers() -> str:
     with the names it relies on. Returns the version."""
     transformers, cache_mod, api = _modules()
     version = transformers.__version__
-    if ".".join(version.split(".")[:2]) not in SUPPORTED_VERSIONS:
-        raise InvalidConfigError(
-            f"vattn.integrations.hf_cb supports transformers {', '.join(SUPPORTED_VERSIONS)} (continuous batching on "
-            f"one flat cache tensor handed out by sectors through CachePool); this is transformers {version}. "
-            "Install a supported version, or use vattn's own engine (vattn.LLM)")
+    kind = design()
     base = _installed.get("base", getattr(api, "PagedAttentionCache", None))
     problems = []
     if base is None or base is not getattr(cache_mod, "PagedAttentionCache", None):
         problems.append("continuous_api.PagedAttentionCache is not cache.PagedAttentionCache")
-    pool_cls = getattr(cache_mod, "CachePool", None)
-    for name in ("allocate_sector", "try_to_free_sectors", "free_blocks", "reset", "num_free_sectors"):
-        if pool_cls is None or not hasattr(pool_cls, name):
-            problems.append(f"CachePool.{name} is missing")
-    for name in ("evict_cached_blocks", "free_all_requests", "reset"):
+    if kind == "sectors":
+        pool_cls = getattr(cache_mod, "CachePool", None)
+        for name in ("allocate_sector", "try_to_free_sectors", "free_blocks", "reset", "num_free_sectors"):
+            if pool_cls is None or not hasattr(pool_cls, name):
+                problems.append(f"CachePool.{name} is missing")
+        methods, first = ("evict_cached_blocks", "free_all_requests", "reset"), []
+        needles = ("self.cache_tensor = torch.zeros(", "self.pool = CachePool(self.num_sectors",
+                   "register_cache_tensor(self.bytes_per_sector, non_trash_bytes, self.cache_tensor, self.pool)")
+    else:
+        manager = getattr(cache_mod, "BlockManager", None)
+        for name in ("get_free_blocks", "has_enough_free_blocks", "num_free_blocks"):
+            if manager is None or not hasattr(manager, name):
+                problems.append(f"BlockManager.{name} is missing")
+        if not callable(getattr(cache_mod, "group_layers_by_attn_type", None)):
+            problems.append("cache.group_layers_by_attn_type is missing")
+        src = _source(sys.modules.get(getattr(manager, "__module__", ""), None)) if manager is not None else None
+        if src is not None:  # the free-block deque is only ever popleft/append/extend/len: what _FreeBlocks stands in for
+            ops = set(re.findall(r"_uninit_block_ids(?:\.(\w+)|(\[))", src))
+            bad = sorted({a or b for a, b in ops} - {"popleft", "append", "extend"})
+            if bad or "self._uninit_block_ids = deque(range(num_blocks))" not in src:
+                problems.append(f"BlockManager uses its free-block deque in new ways ({bad})")
+        methods, first = ("free_all_requests", "get_num_free_blocks"), ["tp_plan", "dtype"]
+        needles = ("torch.empty(self.cache_shape, dtype=self.dtype, device=self.device)",
+                   "self._block_manager = BlockManager(num_blocks",
+                   "block_based_shape = (num_blocks + 2, self.block_size, self.num_key_value_heads, self.head_dim)")
+    for name in methods:
         if base is not None and not hasattr(base, name):
             problems.append(f"PagedAttentionCache.{name} is missing")
     if base is not None:
         params = list(inspect.signature(base.__init__).parameters)
-        if params[:5] != ["self", "config", "continuous_batching_config", "device", "distributed_helper"]:
+        want = ["self", "config", "continuous_batching_config", "device", "distributed_helper", *first]
+        if params[:len(want)] != want:
             problems.append(f"PagedAttentionCache.__init__ takes {params}")
-        try:
-            src = inspect.getsource(base.__init__)
-        except (OSError, TypeError):
-            src = None
-        if src is not None:
-            for needle in ("self.cache_tensor = torch.zeros(", "self.pool = CachePool(self.num_sectors",
-                           "register_cache_tensor(self.bytes_per_sector, non_trash_bytes, self.cache_tensor, self.pool)"):
-                if needle not in src:
-                    problems.append(f"PagedAttentionCache.__init__ no longer has `{needle}`")
+        src = _source(base.__init__)
+        for needle in needles if src is not None else ():
+            if needle not in src:
+                problems.append(f"PagedAttentionCache.__init__ no longer has `{needle}`")
     if problems:
         raise InvalidConfigError(f"transformers {version} changed what vattn.integrations.hf_cb hooks: "
                                  + "; ".join(problems))
@@ -115,13 +168,20 @@ class ElasticCB:
     """What `enable` returns: the settings of one model's elastic KV memory and its pools
     (one per `PagedAttentionCache` transformers builds; the last one is `pool`)."""
 
-    def __init__(self, model: Any, memory_limit: int | None, budget: Budget | None, page_size: int | None) -> None:
+    def __init__(self, model: Any, memory_limit: int | None, budget: Budget | None, page_size: int | None,
+                 idle_trim_s: float | None = None) -> None:
         self._model = weakref.ref(model) if model is not None else None
         self.memory_limit = memory_limit
         self.budget = budget
         self.page_size = page_size
+        self.idle_trim_s = idle_trim_s
         self._pools: list[weakref.ref] = []
+        self._managers: list[weakref.ref] = []  # the ContinuousBatchingManagers that built the caches
         self.num_caches = 0  # PagedAttentionCaches built on vattn memory so far
+        self.num_idle_trims = 0  # times the idle policy gave memory back
+        self.last_activity = time.monotonic()  # the last block handed out or given back
+        self._idle_thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @property
     def pools(self) -> list[ElasticPool]:
@@ -142,17 +202,59 @@ class ElasticCB:
         """Give back every cached page of every live pool now. Returns bytes given back.
 
         Blocks transformers keeps for prefix sharing (finished requests' complete blocks,
-        `allow_block_sharing=True`, the default) hold their sectors until transformers evicts
-        them under memory pressure. Pass the `ContinuousBatchingManager` to evict them first
-        (inside `manager.pause()` while its loop runs)."""
-        if manager is not None:
-            cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
-            if cache is not None:
-                paused = manager.pause() if manager.is_running() else contextlib.nullcontext()
-                with paused:
-                    cache.evict_cached_blocks()
-                    cache.pool.try_to_free_sectors()
+        `allow_block_sharing=True`, the default) hold their memory until transformers evicts
+        them under memory pressure; `trim` evicts them first, through `manager` (a
+        `ContinuousBatchingManager`) or else every manager that built a live cache of this
+        handle: inside `manager.pause()` while its loop runs (5.23), or while the loop is
+        stopped (5.17 cannot pause its loop: there they stay until it stops)."""
+        for m in [manager] if manager is not None else self.managers:
+            cache = getattr(getattr(m, "batch_processor", None), "cache", None)
+            if cache is None or getattr(cache, "vattn_pool", None) is None:
+                continue
+            try:
+                if not m.is_running():
+                    _evict_cached_blocks(cache)
+                elif hasattr(m, "pause"):
+                    with m.pause():
+                        _evict_cached_blocks(cache)
+            except RuntimeError:  # the loop stopped in between: pause() refuses; nothing to evict now
+                pass
         return sum(p.trim() for p in self.pools)
+
+    @property
+    def managers(self) -> list[Any]:
+        """The live ContinuousBatchingManagers whose caches are on this handle's memory."""
+        return [m for r in self._managers if (m := r()) is not None]
+
+    def busy(self) -> bool:
+        """Whether a manager of this handle has requests in flight."""
+        for m in self.managers:
+            scheduler = getattr(getattr(m, "batch_processor", None), "scheduler", None)
+            if scheduler is not None and scheduler.has_pending_requests():
+                return True
+        return False
+
+    def _touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    def _idle_loop(self) -> None:
+        """The idle policy (`idle_trim_s`): once no block was handed out or given back for that
+        long and no request is in flight, trim (prefix-sharing blocks evicted) once per idle period."""
+        done_for = None
+        while not self._stop.wait(max(0.02, min(1.0, self.idle_trim_s / 4))):
+            last = self.last_activity
+            if done_for == last or time.monotonic() - last < self.idle_trim_s or not self.pools or self.busy():
+                continue
+            try:
+                self.trim()
+                self.num_idle_trims += 1
+            except Exception:  # a pool closed in between: the next period looks again
+                pass
+            done_for = self.last_activity  # the blocks the trim itself gave back are no new activity
+
+    def close(self) -> None:
+        """Stop the idle policy's thread (live pools stay)."""
+        self._stop.set()
 
     def set_limit(self, limit: int | None) -> None:
         """A new limit on the mapped bytes of this model's caches (this one and later ones)."""
@@ -169,26 +271,49 @@ class ElasticCB:
         if model is not None:
             disable(model)
 
-    def _new_pool(self, num_blocks: int, sector_bytes: int, device: torch.device | str) -> ElasticPool:
-        pool = ElasticPool(num_blocks, (sector_bytes,), torch.uint8, 1, device=torch.device(device),
+    def _new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
+                  device: torch.device | str) -> ElasticPool:
+        pool = ElasticPool(num_blocks, block_shape, dtype, num_buffers, device=torch.device(device),
                            page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device")
         self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
         self.num_caches += 1
+        if self.idle_trim_s is not None and (self._idle_thread is None or not self._idle_thread.is_alive()):
+            self._stop.clear()
+            self._idle_thread = threading.Thread(target=self._idle_loop, name="vattn-hf-idle-trim", daemon=True)
+            self._idle_thread.start()
         return pool
+
+    def _track(self, manager: Any) -> None:
+        if manager is not None and all(r() is not manager for r in self._managers):
+            self._managers = [r for r in self._managers if r() is not None] + [weakref.ref(manager)]
+
+
+def _check_settings(memory_limit: Any, budget: Any, idle_trim_s: Any) -> float | None:
+    if budget is not None and not isinstance(budget, Budget):
+        raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)
+                                     or memory_limit < 0):
+        raise InvalidConfigError(f"memory_limit must be >= 0 bytes or None, got {memory_limit!r}")
+    if idle_trim_s is None:
+        return None
+    if isinstance(idle_trim_s, bool) or not isinstance(idle_trim_s, (int, float)) or not 0 <= idle_trim_s < float("inf"):
+        raise InvalidConfigError(f"idle_trim_s must be None or a finite number of seconds >= 0, got {idle_trim_s!r}")
+    return float(idle_trim_s)
 
 
 def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None = None,
-           page_size: int | None = None) -> ElasticCB:
+           page_size: int | None = None, idle_trim_s: float | None = None) -> ElasticCB:
     """Run `model`'s continuous batching on vattn memory from its next cache on.
 
     `memory_limit`: bytes of KV pages the model may have mapped (None: no limit but the
     device's and the budget's). `budget`: a `vattn.Budget` shared with other models.
     `page_size`: the pool's page (default: the backend's: 2 MiB on CUDA, 64 KiB on the
-    host). Returns the model's `ElasticCB` handle (the same one if already enabled,
-    with the new settings)."""
+    host). `idle_trim_s`: the idle policy: once no block was handed out or given back for
+    that many seconds and no request is in flight, `trim()` (prefix-sharing blocks
+    evicted) from a background thread (None: only explicit `trim`). Returns the model's
+    `ElasticCB` handle (the same one if already enabled, with the new settings)."""
     check_transformers()
-    if budget is not None and not isinstance(budget, Budget):
-        raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
+    idle_trim_s = _check_settings(memory_limit, budget, idle_trim_s)
     get_text_config = getattr(getattr(model, "config", None), "get_text_config", None)
     if get_text_config is None or not hasattr(model, "generate_batch"):
         raise InvalidConfigError(f"{type(model).__name__} is not a transformers model with continuous batching")
@@ -196,38 +321,34 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
     if config is not get_text_config():
         raise InvalidConfigError(f"{type(model.config).__name__}.get_text_config() returns a new object each call; "
                                  "vattn cannot tell this model's caches apart")
-    if memory_limit is not None:
-        if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 0:
-            raise InvalidConfigError(f"memory_limit must be >= 0 bytes or None, got {memory_limit!r}")
     with _lock:
         install()
         entry = _handles.get(id(config))
         handle = entry[1] if entry is not None and entry[0]() is config else None
         if handle is None:
-            handle = ElasticCB(model, memory_limit, budget, page_size)
-            ref = weakref.ref(config, lambda _r, key=id(config): _forget(key))
+            handle = ElasticCB(model, memory_limit, budget, page_size, idle_trim_s)
+            ref = weakref.ref(config, lambda _r, key=id(config), h=handle: _forget(key, h))
             _handles[id(config)] = (ref, handle)
         else:
             handle.memory_limit, handle.budget, handle.page_size = memory_limit, budget, page_size
+            handle.idle_trim_s = idle_trim_s
         return handle
 
 
 def enable_all(*, memory_limit: int | None = None, budget: Budget | None = None,
-               page_size: int | None = None) -> ElasticCB:
+               page_size: int | None = None, idle_trim_s: float | None = None) -> ElasticCB:
     """Run the continuous batching of every model of this process on vattn memory (the
-    models `enable` was not called for share this one handle and its settings): for a
-    server that loads its models itself, like `transformers serve`. Undo with
-    `disable_all()`."""
+    models `enable` was not called for share this one handle and its settings, see
+    `enable`): for a server that loads its models itself, like `transformers serve`. Undo
+    with `disable_all()`."""
     global _default
     check_transformers()
-    if budget is not None and not isinstance(budget, Budget):
-        raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
-    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)
-                                     or memory_limit < 0):
-        raise InvalidConfigError(f"memory_limit must be >= 0 bytes or None, got {memory_limit!r}")
+    idle_trim_s = _check_settings(memory_limit, budget, idle_trim_s)
     with _lock:
         install()
-        _default = ElasticCB(None, memory_limit, budget, page_size)
+        if _default is not None:
+            _default.close()
+        _default = ElasticCB(None, memory_limit, budget, page_size, idle_trim_s)
         return _default
 
 
@@ -235,6 +356,8 @@ def disable_all() -> None:
     """Undo `enable_all` (models enabled one by one stay enabled)."""
     global _default
     with _lock:
+        if _default is not None:
+            _default.close()
         _default = None
         if not _handles:
             uninstall()
@@ -247,11 +370,13 @@ def disable(model: Any) -> None:
         entry = _handles.get(id(config))
         if entry is not None and entry[0]() is config:
             del _handles[id(config)]
+            entry[1].close()
         if not _handles and _default is None:
             uninstall()
 
 
-def _forget(key: int) -> None:
+def _forget(key: int, handle: ElasticCB) -> None:
+    handle.close()
     with _lock:
         _handles.pop(key, None)
 
@@ -267,13 +392,17 @@ SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
-          page_size: int | None = None, device: str = "auto", num_blocks: int | None = None,
-          max_batch_tokens: int | None = None, log_level: str = "warning", non_blocking: bool = False) -> Any:
+          page_size: int | None = None, idle_trim_s: float | None = None, device: str = "auto",
+          num_blocks: int | None = None, block_size: int | None = None, max_batch_tokens: int | None = None,
+          log_level: str = "warning", non_blocking: bool = False) -> Any:
     """`transformers serve` with continuous batching on vattn memory, for a local checkpoint
     (offline): the OpenAI-compatible endpoints `/v1/chat/completions`, `/v1/completions`,
     `/v1/models`, `/health`. Blocks until the server stops, unless `non_blocking` (then it
-    returns transformers' `Serve` object: `kill_server()` stops it). The memory limit is in
-    bytes of KV pages; `num_blocks` sizes transformers' (virtual) cache."""
+    returns transformers' `Serve` object, with the `ElasticCB` handle as `.vattn`:
+    `kill_server()` stops it). The memory limit is in bytes of KV pages; `idle_trim_s` is
+    the idle policy (see `enable`); `num_blocks` and `block_size` (tokens) size
+    transformers' (virtual) cache. Requests that do not fit under the limit wait in
+    transformers' scheduler."""
     missing = [m for m in SERVING_PACKAGES if importlib.util.find_spec(m) is None]
     if missing:
         raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
@@ -281,12 +410,13 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
         raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
-    handle = enable_all(memory_limit=memory_limit, page_size=page_size)
+    handle = enable_all(memory_limit=memory_limit, page_size=page_size, idle_trim_s=idle_trim_s)
     from transformers.cli.serve import Serve
 
     try:
         server = Serve(force_model=os.path.abspath(model), continuous_batching=True, host=host, port=port,
-                       device=device, cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens,
+                       device=device, cb_num_blocks=num_blocks, cb_block_size=block_size,
+                       cb_max_batch_tokens=max_batch_tokens,
                        log_level=log_level, non_blocking=non_blocking)
     except BaseException:
         disable_all()
@@ -307,13 +437,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--memory-limit", type=int, default=None, help="bytes of KV pages (default: no limit)")
     ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
+    ap.add_argument("--idle-trim-s", type=float, default=None,
+                    help="give the KV memory back after this many idle seconds (default: never by itself)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--num-blocks", type=int, default=None, help="transformers' cache size in blocks (virtual)")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per cache block")
     ap.add_argument("--max-batch-tokens", type=int, default=None)
     ap.add_argument("--log-level", default="warning")
     a = ap.parse_args(argv)
-    serve(a.model, host=a.host, port=a.port, memory_limit=a.memory_limit, page_size=a.page_size, device=a.device,
-          num_blocks=a.num_blocks, max_batch_tokens=a.max_batch_tokens, log_level=a.log_level)
+    serve(a.model, host=a.host, port=a.port, memory_limit=a.memory_limit, page_size=a.page_size,
+          idle_trim_s=a.idle_trim_s, device=a.device, num_blocks=a.num_blocks, block_size=a.block_size,
+          max_batch_tokens=a.max_batch_tokens, log_level=a.log_level)
 
 
 # ------------------------------------------------------------------ the hook ----
@@ -325,8 +459,8 @@ def install() -> None:
             return
         _, cache_mod, api = _modules()
         base = api.PagedAttentionCache
-        cls = _make_classes(cache_mod, base)
-        _installed.update(base=base, api=api, cls=cls)
+        cls = _make_classes(cache_mod, base, design())
+        _installed.update(base=base, api=api, cls=cls, cache_mod=cache_mod)
         api.PagedAttentionCache = cls
 
 
@@ -338,48 +472,167 @@ def uninstall() -> None:
 
 
 class _TorchProxy:
-    """Stands for `torch` in transformers' cache module while a vattn cache is built:
-    the one `torch.zeros` of the cache tensor returns the pool's virtual tensor; every
-    other name (and every call on another thread) is torch's own."""
+    """Stands for `torch` in transformers' cache module while a vattn cache is built: the
+    allocation of the cache tensors (`torch.zeros` of the flat tensor on "sectors",
+    `torch.empty` of each layer's K and V on "blocks") returns the pool's virtual tensors;
+    every other name (and every call on another thread) is torch's own."""
 
     def __getattr__(self, name: str) -> Any:
         if name == "zeros":
             return _zeros
+        if name == "empty":
+            return _empty
         return getattr(torch, name)
 
 
+def _building() -> dict | None:
+    return getattr(_intercept, "build", None)
+
+
 def _zeros(*size: Any, **kwargs: Any) -> torch.Tensor:
-    build = getattr(_intercept, "build", None)
-    if build is None or build.get("tensor") is not None or kwargs.get("dtype") is not torch.uint8 or len(size) != 1:
+    """"sectors": the one flat uint8 cache tensor of `num_sectors + 2` sectors."""
+    build = _building()
+    if build is None or build["kind"] != "sectors" or build["pool"] is not None \
+            or kwargs.get("dtype") is not torch.uint8 or len(size) != 1:
         return torch.zeros(*size, **kwargs)
     cache = build["cache"]
     nbytes = int(size[0])
     sector = cache.bytes_per_sector
     if nbytes != (cache.num_sectors + TRASH_SECTORS) * sector:  # not the cache tensor (checked after __init__)
         return torch.zeros(*size, **kwargs)
-    pool = build["handle"]._new_pool(cache.num_sectors + TRASH_SECTORS, sector, kwargs.get("device", cache.device))
-    build["pool"] = pool
-    trash = pool.take(list(range(TRASH_SECTORS)))  # padding tokens read and write here: always mapped
-    if trash is None:
-        pool.close()
-        raise OutOfPhysicalMemoryError(f"no memory for the {TRASH_SECTORS} trash sectors ({TRASH_SECTORS * sector} "
-                                       "bytes) of the continuous-batching cache; raise memory_limit or the budget")
+    pool = _new_cache_pool(build, cache.num_sectors, (sector,), torch.uint8, 1, kwargs.get("device", cache.device))
     tensor = pool.buffer(0).view(-1)  # [(num_sectors + 2) * sector] uint8
     tensor[:TRASH_SECTORS * sector].zero_()  # the read trash must read zeros (device memory is not cleared)
-    build["tensor"] = tensor
+    build["tensors"].append(tensor)
     return tensor
 
 
-def _make_classes(cache_mod: Any, base: type) -> type:
-    base_pool = cache_mod.CachePool
+def _empty(*size: Any, **kwargs: Any) -> torch.Tensor:
+    """"blocks": the K and V tensors of every layer of a group, `[(num_blocks + 2) * block_size,
+    heads, head_dim]` each, asked for in turn: buffer i of one pool of `num_blocks + 2` blocks."""
+    build = _building()
+    if build is None or build["kind"] != "blocks" or len(size) != 1:
+        return torch.empty(*size, **kwargs)
+    cache = build["cache"]
+    shape = getattr(cache, "cache_shape", None)
+    if shape is None or tuple(size[0]) != tuple(shape) or kwargs.get("dtype") is not cache.dtype:
+        return torch.empty(*size, **kwargs)
+    if build["pool"] is None:
+        groups, _ = _installed["cache_mod"].group_layers_by_attn_type(cache.config)
+        _new_cache_pool(build, cache.num_blocks, (cache.block_size, cache.num_key_value_heads, cache.head_dim),
+                        cache.dtype, 2 * len(groups[0]), kwargs.get("device", cache.device))
+    pool, i = build["pool"], len(build["tensors"])
+    if i >= pool.config.num_buffers:
+        raise InvalidConfigError("transformers asked for more cache tensors than vattn counted")
+    tensor = pool.buffer(i).view(shape)
+    build["tensors"].append(tensor)
+    return tensor
+
+
+def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
+                    device: Any) -> ElasticPool:
+    """The pool of a cache being built: `num_blocks` data blocks then the two trash blocks
+    transformers keeps for padding tokens, mapped at once and for good (5.23 puts them first)."""
+    pool = build["handle"]._new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
+    build["pool"] = pool
+    trash = list(range(TRASH_SECTORS)) if build["kind"] == "sectors" else [num_blocks, num_blocks + 1]
+    if pool.take(trash) is None:
+        pool.close()
+        raise OutOfPhysicalMemoryError(
+            f"no memory for the {TRASH_SECTORS} trash blocks ({TRASH_SECTORS * pool.config.block_bytes * num_buffers} "
+            "bytes) of the continuous-batching cache; raise memory_limit or the budget")
+    return pool
+
+
+def _evict_cached_blocks(cache: Any) -> None:
+    """Drop the prefix-sharing blocks no request uses (their memory becomes free), with
+    transformers' own code. The generation loop must not run meanwhile."""
+    if hasattr(cache, "evict_cached_blocks"):  # sectors
+        cache.evict_cached_blocks()
+        cache.pool.try_to_free_sectors()
+    else:  # blocks: asking for every free block uninitializes every initialized one
+        bm = cache._block_manager
+        if bm._init_block_ids:
+            bm.has_enough_free_blocks(len(bm._uninit_block_ids) + len(bm._init_block_ids))
+
+
+def _calling_manager() -> Any:
+    """The ContinuousBatchingManager building the cache (a caller's `self`), or None: lets
+    `trim` and the idle policy evict its prefix-sharing blocks and see its requests."""
+    manager_cls = getattr(_installed.get("api"), "ContinuousBatchingManager", None)
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None or manager_cls is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, manager_cls):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+ALLOC_RETRY_S = 2.0  # how long a block transformers counted as free may wait for memory before it is an error
+
+
+def _alloc_one(pool: ElasticPool, handle: ElasticCB, what: str) -> int:
+    """One block of `pool` for transformers, which counted it as free a moment ago. The
+    count can be wrong only if the memory went in between (another model of the budget, or
+    the device refusing new pages under outside pressure): retry for up to
+    `ALLOC_RETRY_S` (the others give back, pressure passes) before a clear error, since
+    transformers' loop cannot take a miss here."""
+    handle._touch()
+    deadline = time.monotonic() + ALLOC_RETRY_S
+    delay = 0.001
+    while (got := pool.alloc(1)) is None and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(2 * delay, 0.1)
+    if got is None:
+        raise OutOfPhysicalMemoryError(
+            f"vattn could not back a cache {what} transformers' scheduler had counted as free (another model of the "
+            f"same budget took the memory in between, or the device refused new pages; {pool.num_free_blocks} free "
+            f"{what}s, {pool.available_blocks()} backable now); raise memory_limit or the budget")
+    return got[0]
+
+
+class _FreeBlocks:
+    """Stands for the free-block deque of 5.17's `BlockManager` (`_uninit_block_ids`, which
+    it only ever `popleft`s, `append`s, `extend`s and counts): the pool's free blocks.
+    Its length is the free blocks that memory can back now, so transformers' scheduler
+    sees a full cache when the limit or the budget is reached; `popleft` maps a block
+    (page-aware), `append`/`extend` give blocks back to the pool (pages stay cached)."""
+
+    def __init__(self, pool: ElasticPool, handle: ElasticCB) -> None:
+        self.pool = pool
+        self.handle = handle
+
+    def __len__(self) -> int:
+        return min(self.pool.num_free_blocks, self.pool.available_blocks())
+
+    def popleft(self) -> int:
+        return _alloc_one(self.pool, self.handle, "block")
+
+    def append(self, block: int) -> None:
+        self.handle._touch()
+        self.pool.free([block])
+
+    def extend(self, blocks: Iterable[int]) -> None:
+        blocks = list(blocks)
+        if blocks:
+            self.handle._touch()
+            self.pool.free(blocks)
+
+
+def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
+    base_pool = getattr(cache_mod, "CachePool", object)
 
     class VattnCachePool(base_pool):
-        """transformers' CachePool whose sectors come from an ElasticPool: mapped when handed
-        to an allocator, given back to the pool as soon as all their blocks are free."""
+        """("sectors") transformers' CachePool whose sectors come from an ElasticPool: mapped when
+        handed to an allocator, given back to the pool as soon as all their blocks are free."""
 
-        def __init__(self, num_sectors: int, num_allocators: int, elastic: ElasticPool,
+        def __init__(self, num_sectors: int, num_allocators: int, elastic: ElasticPool, handle: ElasticCB,
                      num_reserved_sectors: int = TRASH_SECTORS) -> None:
             self.elastic = elastic
+            self.handle = handle
             self._held: set[int] = set()  # data sectors handed to allocators
             self._pos: dict[int, int] = {}  # free sector -> its index in free_sectors
             super().__init__(num_sectors, num_allocators, num_reserved_sectors)
@@ -397,12 +650,7 @@ def _make_classes(cache_mod: Any, base: type) -> type:
             return min(len(self.free_sectors), self.elastic.available_blocks())
 
         def allocate_sector(self, index: int) -> None:
-            got = self.elastic.alloc(1)
-            if got is None:
-                raise OutOfPhysicalMemoryError(
-                    "vattn could not back a cache sector transformers' scheduler had counted as free (another model "
-                    "of the same budget took the memory in between); raise memory_limit or the budget")
-            sector = got[0]
+            sector = _alloc_one(self.elastic, self.handle, "sector")
             i, last = self._pos.pop(sector), self.free_sectors[-1]  # move it last: the base class pops the last one
             self.free_sectors[i], self.free_sectors[-1] = last, sector
             if last != sector:
@@ -420,6 +668,7 @@ def _make_classes(cache_mod: Any, base: type) -> type:
                 self.elastic.free(freed)
 
         def free_blocks(self, index: int, block_ids: list[int]) -> None:
+            self.handle._touch()
             super().free_blocks(index, block_ids)
             self.try_to_free_sectors()  # a sector with no block in use goes back now, not at the next schedule
 
@@ -434,13 +683,23 @@ def _make_classes(cache_mod: Any, base: type) -> type:
                 return
             if getattr(distributed_helper, "tp_size", 1) > 1:
                 raise InvalidConfigError("vattn.integrations.hf_cb does not support tensor parallelism yet")
-            build = {"cache": self, "handle": handle, "tensor": None, "pool": None}
+            build = {"kind": kind, "cache": self, "handle": handle, "tensors": [], "pool": None}
             with _lock:  # one vattn cache is built at a time; other threads see torch itself
                 saved = cache_mod.torch
                 _intercept.build = build
                 cache_mod.torch = _TorchProxy()
                 try:
                     super().__init__(config, continuous_batching_config, device, distributed_helper, *args, **kwargs)
+                    pool = build["pool"]
+                    if kind == "sectors":
+                        expected = [self.cache_tensor]
+                        self._adopt_sectors(pool, handle)
+                    else:
+                        expected = [t for kv in zip(self.key_cache, self.value_cache) for t in kv]
+                        self._adopt_blocks(pool, handle)
+                    if pool is None or len(expected) != len(build["tensors"]) or \
+                            any(a is not b for a, b in zip(expected, build["tensors"])):
+                        raise InvalidConfigError("transformers did not build its cache tensors where vattn expected")
                 except BaseException:
                     if build["pool"] is not None:
                         build["pool"].close()
@@ -448,20 +707,31 @@ def _make_classes(cache_mod: Any, base: type) -> type:
                 finally:
                     cache_mod.torch = saved
                     _intercept.build = None
-            pool = build["pool"]
-            if build["tensor"] is None or self.cache_tensor is not build["tensor"]:
-                raise InvalidConfigError("transformers did not build its cache tensor where vattn expected")
+            self.vattn_pool = pool
+            handle._track(_calling_manager())
+
+        def _adopt_sectors(self, pool: ElasticPool | None, handle: ElasticCB) -> None:
+            """Swap the CachePool for one whose sector calls go through `pool`."""
             old = self.pool
-            new = VattnCachePool(old.num_sectors, old.num_allocators, pool, old.num_reserved_sectors)
+            if pool is None:
+                return
+            new = VattnCachePool(old.num_sectors, old.num_allocators, pool, handle, old.num_reserved_sectors)
             for i, bps in enumerate(old.blocks_per_sector):
                 new.set_blocks_per_sector(i, bps)
             for allocator in self.cache_allocators.values():
                 if allocator.pool is not old:
-                    pool.close()
                     raise InvalidConfigError("a transformers cache allocator does not use the cache's CachePool")
                 allocator.pool = new
             self.pool = new
-            self.vattn_pool = pool
+
+        def _adopt_blocks(self, pool: ElasticPool | None, handle: ElasticCB) -> None:
+            """Swap the BlockManager's free-block deque for the pool's free blocks."""
+            bm = self._block_manager
+            if pool is None:
+                return
+            if len(bm._uninit_block_ids) != bm.num_blocks or bm.num_blocks + TRASH_SECTORS != pool.config.num_blocks:
+                raise InvalidConfigError("transformers' BlockManager does not start with every block free")
+            bm._uninit_block_ids = _FreeBlocks(pool, handle)
 
     PagedAttentionCache.__qualname__ = base.__qualname__
     PagedAttentionCache.__module__ = __name__

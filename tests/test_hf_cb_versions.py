@@ -1,0 +1,79 @@
+"""tests/test_hf_cb.py on every transformers version `hf_cb` supports, not only the installed one.
+
+Each version is installed once (pip, `--target` a cache directory: the environment's own
+transformers is left alone) with whatever of its requirements the environment does not
+satisfy, and the test module runs in a subprocess with that directory first on
+PYTHONPATH: the same greedy-equality tests (Llama, Qwen2, sliding-window Mistral), the
+memory, limit and budget tests, and a test that checks the version it ran on.
+Marked `slow` (downloads): `python -m pytest -m slow tests/test_hf_cb_versions.py`.
+The cache directory is $VATTN_TRANSFORMERS_CACHE or ~/.cache/vattn/transformers.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+hf_cb = pytest.importorskip("vattn.integrations.hf_cb")
+pytest.importorskip("transformers")
+from packaging.requirements import Requirement  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# The exact release each supported major.minor was verified with
+TESTED = {"5.17": "5.17.0", "5.18": "5.18.0", "5.19": "5.19.0", "5.20": "5.20.2", "5.21": "5.21.1",
+          "5.22": "5.22.2", "5.23": "5.23.0"}
+INSTALLED = ".".join(metadata.version("transformers").split(".")[:2])
+
+
+def install(version: str) -> Path:
+    """transformers==version in its own directory, plus the requirements this environment misses."""
+    root = Path(os.environ.get("VATTN_TRANSFORMERS_CACHE", Path.home() / ".cache" / "vattn" / "transformers"))
+    target = root / version
+    done = target / ".complete"
+    if done.exists():
+        return target
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(target)]
+    subprocess.run([*pip, "--no-deps", f"transformers=={version}"], check=True, timeout=600)
+    info = next(target.glob(f"transformers-{version}.dist-info"))
+    missing = []
+    for line in (info / "METADATA").read_text().splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # an extra's requirement
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            have = None
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            missing.append(str(req))
+    if missing:  # with their own requirements, into the same directory
+        subprocess.run([*pip, "--upgrade", *missing], check=True, timeout=600)
+    done.touch()
+    return target
+
+
+def test_every_supported_version_has_a_tested_release():
+    assert set(hf_cb.SUPPORTED_VERSIONS) <= set(TESTED)
+    assert {"5.17", "5.23"} <= set(hf_cb.SUPPORTED_VERSIONS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("minor", [v for v in hf_cb.SUPPORTED_VERSIONS if v != INSTALLED])
+def test_hf_cb_tests_pass_on(minor):
+    version = TESTED[minor]
+    target = install(version)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(REPO)]), VATTN_EXPECT_TRANSFORMERS=version,
+               OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                          "tests/test_hf_cb.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    summary = out.strip().splitlines()[-1]
+    assert re.search(r"\b\d+ passed\b", summary) and "skipped" not in summary and "failed" not in summary, summary
