@@ -40,8 +40,10 @@ DEPS = ["pyzmq", "urllib3", "msgspec", "cbor2", "aiohttp", "multidict", "attrs",
         "aiohappyeyeballs", "aiosignal", "frozenlist", "requests", "certifi", "openai-harmony", "pybase64",
         "cachetools", "cloudpickle", "uvloop", "py-cpuinfo", "prometheus-client", "xgrammar", "apache-tvm-ffi",
         "partial-json-parser", "llguidance", "einops"]
-VLLM_TESTS = ["tests/v1/core/test_prefix_caching.py", "tests/v1/core/test_single_type_kv_cache_manager.py",
-              "tests/v1/core/test_kv_cache_utils.py", "tests/v1/core/test_scheduler.py"]
+# The block pool's and KV cache manager's tests (seconds). The nixl/HiSparse ones wait for
+# transfer libraries that are not installed; the scheduler's build a model config (network).
+VLLM_TESTS = ["tests/v1/core/test_prefix_caching.py", "tests/v1/core/test_single_type_kv_cache_manager.py"]
+VLLM_DESELECT = "not nixl and not hisparse"
 
 
 def _version(patch: Path) -> str:
@@ -282,10 +284,9 @@ def _vllm_tests(root: Path) -> Path:
 
 
 def _pytest(root: Path, extra_env: dict, plugin: bool) -> dict[str, str]:
-    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rA", *VLLM_TESTS]
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-rA", "-k", VLLM_DESELECT, *VLLM_TESTS]
     if plugin:
         (root / "vattn_vllm_plugin.py").write_text(textwrap.dedent(PLUGIN))
-        args[1:1] = []
         args += ["-p", "vattn_vllm_plugin"]
     e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(REPO), str(_deps())]), **extra_env)
     r = subprocess.run([sys.executable, *args], cwd=root, env=e, capture_output=True, text=True, timeout=3600)
@@ -310,6 +311,28 @@ def test_vllm_unit_tests_on_the_patched_tree(tree):
     report.write_text("\n".join(f"{t}\toff={off.get(t)}\ton={on.get(t)}" for t in sorted(set(off) | set(on))))
     print(f"VATTN_VLLM=0: {len(passed_off)}/{len(off)} passed; vattn on: {len(passed_on)}/{len(on)} passed; "
           f"report: {report}")
+    assert passed_off == set(off), "with VATTN_VLLM=0 the patched tree must pass vLLM's tests"
     for t in sorted(passed_off - passed_on):
-        print("fails only with vattn:", t)
-    assert len(passed_off) > 0.9 * len(off)  # the patch changes nothing when off (stock failures aside)
+        reads_queue = _reads_free_queue(root, t)
+        print("fails only with vattn:", t, "(reads vLLM's free_block_queue)" if reads_queue else "")
+        # By design vLLM's free queue holds only the free blocks that must stay mapped; a test
+        # that counts or walks it sees fewer blocks. Any other failure is a bug.
+        assert reads_queue, f"{t} fails with vattn and does not inspect the free queue"
+    assert len(passed_on) > 0.9 * len(on)
+
+
+def _reads_free_queue(root: Path, test_id: str) -> bool:
+    """Whether a test function, or a helper it calls (transitively), reads `free_block_queue`."""
+    path, name = test_id.split("::")[:2]
+    src = (root / path).read_text()
+    funcs = dict(re.findall(r"\ndef (\w+)\((.*?)(?=\n(?:def |@|class )|\Z)", src, re.S))
+    todo, seen = [name.split("[")[0]], set()
+    while todo:
+        f = todo.pop()
+        if f in seen or f not in funcs:
+            continue
+        seen.add(f)
+        if "free_block_queue" in funcs[f]:
+            return True
+        todo += [g for g in funcs if re.search(rf"\b{g}\(", funcs[f])]
+    return False
