@@ -553,3 +553,43 @@ def test_limit_too_small_for_the_null_block(monkeypatch):
     monkeypatch.setenv("VATTN_VLLM_LIMIT", "lots")
     with pytest.raises(vv.InvalidConfigError, match="VATTN_VLLM_LIMIT"):
         vv.memory_limit()
+
+
+def test_worker_on_the_cuda_backend_with_the_strict_fake_driver(fake_cuda, monkeypatch):
+    """The worker's replay on vattn's CUDA backend (the C path), under tests/fake_cuda's
+    driver rules: granularity-aligned maps in a live reservation, whole-mapping unmaps,
+    no release of a mapped handle; nothing left live afterwards."""
+    import gc
+
+    backend = fake_cuda.backend()
+    P = backend.granularity
+    monkeypatch.setenv("VATTN_VLLM_PAGE_SIZE", str(P))
+    cfg = kv_config(num_blocks=4 * P // 8192, layers=3)  # 8 KiB blocks: 4 pages a layer
+    bp = BlockPool(cfg.num_blocks)
+    skv = vv.attach(bp, cfg)
+    w = vv.WorkerKV(cfg, cfg.kv_cache_tensors[0].size, "cpu", backend=backend)
+    per_page = P // 8192
+    a = bp.get_new_blocks(2 * per_page - 1)  # pages 0 (with the null block) and 1
+    b = bp.get_new_blocks(per_page)  # page 2
+    w.apply(skv.drain())
+    for x in a + b:
+        write(w, x.block_id)
+    bp.free_blocks(a)
+    assert skv.trim() == 3 * P  # page 1; page 0 keeps the null block
+    w.apply(skv.drain())
+    for x in b:
+        check(w, x.block_id)
+    c = bp.get_new_blocks(2 * per_page)
+    w.apply(skv.drain())
+    for x in b:
+        check(w, x.block_id)
+    assert fake_cuda.num_violations == 0, fake_cuda.violations()
+    bp.free_blocks(b + c)
+    skv.trim()
+    w.apply(skv.drain())
+    assert w.mapped_bytes == 3 * P
+    w.close()
+    backend.close()
+    del w
+    gc.collect()
+    assert fake_cuda.num_violations == 0, fake_cuda.violations()

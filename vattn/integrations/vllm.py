@@ -533,6 +533,7 @@ class WorkerKV:
         if size > g.reserved_bytes:
             raise UnsupportedLayoutError(f"an allocation of {size} bytes is larger than the KV cache's {g.size}")
         self.backend = backend if backend is not None else make_backend(self.device)
+        self._own_backend = backend is None
         self.backend.check_page_size(g.page_size)
         self._range = self.backend.reserve(g.reserved_bytes, g.page_size)
         self.whole = self.backend.tensor(self._range, 0, (g.reserved_bytes,), (1,), torch.int8)
@@ -618,10 +619,15 @@ class WorkerKV:
         self.closed = True
         self.synchronize()
         P = self.geometry.page_size
-        self.backend.unmap(self.bases, [p * P for p in self.mapped], P)
-        self.mapped.clear()
-        self.backend.release(list(self.groups.values()))
-        self.groups.clear()
+        try:
+            self.backend.unmap(self.bases, [p * P for p in self.mapped], P)
+            self.mapped.clear()
+            self.backend.release(list(self.groups.values()))
+            self.groups.clear()
+        finally:
+            if self._own_backend:
+                self.backend.close()
+            self.whole = self.tensor = self._range = None  # the address space goes with the last view
 
 
 _workers: dict[str, WorkerKV] = {}  # device -> this process's KV cache on vattn memory
