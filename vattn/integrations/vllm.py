@@ -1,0 +1,695 @@
+"""vLLM v1 on vattn memory: everything `patches/vllm-<version>.patch` calls.
+
+The patch keeps vLLM's block tables, prefix caching, scheduler and kernels. It changes
+where the KV cache's *physical* memory comes from: the one backing allocation of the KV
+cache becomes reserved virtual memory, and physical pages are mapped under the blocks in
+use only. `gpu_memory_utilization` still sizes the allocation (the block-id space), but
+it is now a limit: memory grows with load and goes back when the engine is idle.
+
+Two processes, one set of books
+-------------------------------
+In vLLM v1 the scheduler (EngineCore: `BlockPool`) and the workers (the KV tensors) are
+different processes (one process with multiprocessing off; the code path is the same).
+
+```
+ EngineCore (scheduler)                              worker (one per GPU)
+ BlockPool ── SchedulerKV: an ElasticPool            WorkerKV: the backing allocation,
+   get_new_blocks → take()   over a RecordingBackend   reserved virtual, never moves
+   free_blocks    → release()  (no memory: it          apply(ops): create / map / unmap /
+   get_num_free_blocks         records page ops)        release, in order, before the
+   schedule() ── SchedulerOutput.vattn_ops ───────────▶ forward of that step
+   idle       ── collective_rpc(apply_rpc, ops) ─────▶ (the same, when no step follows)
+```
+
+- **Who decides.** The scheduler alone: `SchedulerKV` holds an `ElasticPool` whose
+  backend records what it would do (page-aware placement, the limit, what to give back)
+  as page operations numbered in sequence. The pool's block ids are vLLM's block ids.
+- **Who maps, when.** Every `schedule()` drains the log into `SchedulerOutput.vattn_ops`;
+  each worker applies it at the top of `Worker.execute_model`, before the forward that
+  writes the new blocks (and before vLLM zeroes or copies blocks for that step). With
+  tensor or pipeline parallelism every worker applies the same page operations to its
+  own shard. A worker checks the sequence numbers: a lost or repeated batch is an error,
+  never a silent divergence.
+- **The fence.** A block is freed by the scheduler after the output of a step that read
+  it came back, but with async scheduling or a batch queue later steps that still read it
+  may already be enqueued. Every such step was enqueued on the worker before the
+  scheduler output carrying the unmap reached it (one worker runs its messages in order),
+  so the worker waits for the whole device (`torch.cuda.synchronize`, every stream)
+  before its first unmap of a batch. Unmaps happen only when memory is wanted (the limit,
+  a trim), so that wait is rare; maps never wait.
+- **Which blocks may lose their pages.** A vLLM block keeps its pages while it is in use
+  (`ref_cnt > 0`), while it holds a prefix-cache hash (a cached block that a later
+  request may hit), while a reuse watcher reads it (`unpin_blocks`), and block 0 (the
+  null block, which padding reads) always. Only a free block with none of these goes
+  back to the elastic pool, and a page is unmapped only when no block on it is held.
+- **Idle.** When the engine has had no work for `VATTN_VLLM_IDLE_TRIM_S` seconds
+  (default 30; 0: at once; negative: never), EngineCore evicts the prefix-cache blocks
+  nobody uses, gives back every page no block holds, and sends the operations to the
+  workers with `collective_rpc` (no step follows to carry them).
+- **Short of memory** (the limit, `VATTN_VLLM_LIMIT` bytes per worker or `set_limit`):
+  `get_num_free_blocks` counts what can be backed now, so `allocate_slots` returns None
+  and vLLM preempts or waits, as when its own pool is full. Cached prefix blocks are
+  handed out (evicted) only after the memory under the limit is used.
+
+Environment: `VATTN_VLLM=0` turns it off (stock vLLM, for A/B runs), `VATTN_VLLM_PAGE_SIZE`
+(bytes; default 2 MiB, the CUDA granularity), `VATTN_VLLM_LIMIT`, `VATTN_VLLM_IDLE_TRIM_S`.
+The scheduler and the workers read the same variables (workers inherit the environment).
+
+Layouts: the KV cache's block-compact layouts (`LBNHC`/NHD, `LBHNC`/HND, `BLNHC`,
+`BLHNC`), attention layers only. Anything else (Mamba raw buffers, HiSparse host pools,
+non-block-compact layouts) is detected from the `KVCacheConfig` on both sides alike, and
+vLLM then runs on its own memory with a warning.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from vattn.errors import InvalidConfigError, VattnError
+from vattn.pool import ElasticPool, PoolStats
+from vattn.vmem import make_backend
+from vattn.vmem.base import Backend
+
+logger = logging.getLogger("vattn.vllm")
+
+DEFAULT_PAGE_SIZE = 2 << 20  # the CUDA granularity on stock drivers
+DEFAULT_IDLE_TRIM_S = 30.0
+NULL_BLOCK = 0  # vLLM's null block: padding and skipped blocks read it; always mapped
+
+
+class UnsupportedLayoutError(VattnError, ValueError):
+    """This KV cache configuration cannot be put on vattn memory (vLLM keeps its own)."""
+
+
+class OpsOutOfOrderError(VattnError, RuntimeError):
+    """A worker got page operations out of sequence: its pages no longer match the books."""
+
+
+# ------------------------------------------------------------------ configuration ----
+def enabled() -> bool:
+    """False when `VATTN_VLLM=0` (stock vLLM memory)."""
+    return os.environ.get("VATTN_VLLM", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def page_size() -> int:
+    """Bytes of one page (per region); `VATTN_VLLM_PAGE_SIZE`, default 2 MiB."""
+    return _env_int("VATTN_VLLM_PAGE_SIZE", DEFAULT_PAGE_SIZE, low=1)
+
+
+def memory_limit() -> int | None:
+    """`VATTN_VLLM_LIMIT`: bytes of KV pages each worker may hold (None: the whole cache)."""
+    v = os.environ.get("VATTN_VLLM_LIMIT")
+    return None if v in (None, "") else _env_int("VATTN_VLLM_LIMIT", 0, low=0)
+
+
+def idle_trim_s() -> float | None:
+    """Seconds of idleness before memory goes back; None: never."""
+    v = os.environ.get("VATTN_VLLM_IDLE_TRIM_S")
+    if v in (None, ""):
+        return DEFAULT_IDLE_TRIM_S
+    try:
+        s = float(v)
+    except ValueError:
+        raise InvalidConfigError(f"VATTN_VLLM_IDLE_TRIM_S must be a number of seconds, got {v!r}") from None
+    return None if s < 0 else s
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    v = os.environ.get(name)
+    if v in (None, ""):
+        return default
+    try:
+        n = int(v, 0)
+    except ValueError:
+        raise InvalidConfigError(f"{name} must be an integer number of bytes, got {v!r}") from None
+    if n < low:
+        raise InvalidConfigError(f"{name} must be >= {low}, got {n}")
+    return n
+
+
+# ----------------------------------------------------------------------- geometry ----
+@dataclass(frozen=True)
+class Geometry:
+    """Where each block's bytes are in the KV cache's backing allocation.
+
+    Block `b` occupies `[region + b * block_bytes, region + (b + 1) * block_bytes)` in every
+    region (a layer's K/V pages with a layer-outer layout, the whole cache with a
+    block-outer one). Page `p` of every region is mapped and unmapped together (one page
+    group of the elastic pool). Regions start on page boundaries and do not overlap.
+    """
+
+    num_blocks: int
+    block_bytes: int
+    page_size: int
+    regions: tuple[int, ...]  # byte offsets into the backing allocation
+    size: int  # bytes of the backing allocation vLLM asked for
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.num_blocks * self.block_bytes // self.page_size)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Address space to reserve: the allocation, and every region's last page whole."""
+        end = max(self.size, max(self.regions) + self.num_pages * self.page_size)
+        return -(-end // self.page_size) * self.page_size
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """What the scheduler's and a worker's page numbering depend on."""
+        return (self.num_blocks, self.block_bytes, self.page_size)
+
+
+def _layer_spec(kv_cache_config: Any, layer: str) -> Any:
+    for group in kv_cache_config.kv_cache_groups:
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+            return specs[layer] if isinstance(specs, dict) else spec
+    raise UnsupportedLayoutError(f"layer {layer!r} is in no KV cache group")
+
+
+def geometry(kv_cache_config: Any, page: int | None = None) -> Geometry:
+    """The `Geometry` of a vLLM `KVCacheConfig` (read by duck typing: `num_blocks`,
+    `kv_cache_tensors` with `size, layers, layer_stride, block_stride, offset`, and
+    `kv_cache_groups` with `layer_names, kv_cache_spec.page_size_bytes`).
+
+    Raises `UnsupportedLayoutError` when the blocks are not contiguous runs laid out
+    regularly (then vLLM keeps its own memory)."""
+    P = page_size() if page is None else page
+    tensors = list(kv_cache_config.kv_cache_tensors)
+    N = int(kv_cache_config.num_blocks)
+    if not tensors:
+        raise UnsupportedLayoutError("the model has no KV cache tensors")
+    if len({t.size for t in tensors}) != 1:
+        raise UnsupportedLayoutError("KV cache tensors of different sizes (more than one backing allocation)")
+    size = tensors[0].size
+    strides, regions = set(), set()
+    for t in tensors:
+        if getattr(t, "host_resident", False):
+            raise UnsupportedLayoutError("host-resident KV cache tensors (HiSparse)")
+        specs = [_layer_spec(kv_cache_config, name) for name in t.layers]
+        if not all(getattr(s, "has_layer_views", True) for s in specs):
+            raise UnsupportedLayoutError("layers without per-layer views (e.g. Mamba state) lay out their own bytes")
+        pages = [s.page_size_bytes for s in specs]
+        L, ls, bs, off = len(t.layers), t.layer_stride, t.block_stride, getattr(t, "offset", 0)
+        pg = max(pages)
+        if off + (L - 1) * ls + pg <= bs:  # block-outer: block b is [b * bs, (b + 1) * bs) of the whole allocation
+            strides.add(bs)
+            regions.add(0)
+        elif pg <= bs and (L == 1 or ls >= N * bs):  # layer-outer, block-compact: a region per layer
+            strides.add(bs)
+            regions.update(off + i * ls for i in range(L))
+        else:
+            raise UnsupportedLayoutError(
+                f"layout with layer_stride={ls}, block_stride={bs}, page={pg} is not block-compact; "
+                "use VLLM_KV_CACHE_LAYOUT=NHD (LBNHC) or HND (LBHNC)")
+    if len(strides) != 1:
+        raise UnsupportedLayoutError(f"block strides differ between KV cache tensors: {sorted(strides)}")
+    B = strides.pop()
+    g = Geometry(N, B, P, tuple(sorted(regions)), size)
+    span = g.num_pages * P
+    for a, b in zip(g.regions, g.regions[1:]):
+        if a % P or b - a < span:
+            raise UnsupportedLayoutError(
+                f"regions at {a} and {b} share a page of {P} bytes: the number of blocks ({N}) times the block "
+                f"stride ({B}) must be a multiple of the page size (the patch aligns num_blocks for this)")
+    if g.regions[-1] % P:
+        raise UnsupportedLayoutError(f"a region at {g.regions[-1]} does not start on a page of {P} bytes")
+    return g
+
+
+def align_num_blocks(num_blocks: int, kv_cache_groups: Sequence[Any], block_outermost: bool,
+                     block_stride: Any = None) -> int:
+    """vLLM's planning hook: with a layer-outer layout, layer `l`'s blocks start at
+    `l * num_blocks * stride`; round `num_blocks` down so that this is a whole number of
+    pages (at most one page per layer is lost; at least one page's worth is kept).
+    `block_stride(spec)`: vLLM's padded per-layer block stride (default: the page size)."""
+    if not enabled() or block_outermost or num_blocks <= 1:
+        return num_blocks
+    P = page_size()
+    m = 1
+    for group in kv_cache_groups:
+        for name in group.layer_names:
+            spec = group.kv_cache_spec
+            specs = getattr(spec, "kv_cache_specs", None)
+            spec = specs[name] if isinstance(specs, dict) else spec
+            s = block_stride(spec) if block_stride is not None else spec.page_size_bytes
+            m = math.lcm(m, P // math.gcd(P, s))
+    return max(m, num_blocks - num_blocks % m)
+
+
+# -------------------------------------------------------------- the page log ----
+@dataclass
+class PageOps:
+    """A batch of page operations, numbered; applied in order by every worker.
+
+    `ops`: ("create", [group ids]) · ("map", [pages], [group ids]) · ("unmap", [pages]) ·
+    ("release", [group ids]). `seq` counts batches from 1; `key` is the geometry's."""
+
+    seq: int
+    key: tuple[int, int, int]
+    ops: list[tuple] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for op in self.ops:
+            out[op[0]] = out.get(op[0], 0) + len(op[1])
+        return out
+
+
+class _Range:
+    addr = 0
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+class RecordingBackend(Backend):
+    """The scheduler's backend: no memory; it writes the page operations the elastic
+    pool makes into a log (page indices and group ids) for the workers to replay."""
+
+    def __init__(self, page: int) -> None:
+        super().__init__()
+        self.device = torch.device("cpu")
+        self.granularity = page
+        self.default_page_size = page
+        self.page = page
+        self.log: list[tuple] = []
+        self._next = 0
+        self.num_groups = 0  # created and not released
+
+    def reserve(self, nbytes: int, alignment: int) -> _Range:
+        return _Range(nbytes)
+
+    def tensor(self, rng: Any, offset: int, shape: Sequence[int], strides: Sequence[int],
+               dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device="meta")
+
+    def _create(self, n: int, num_buffers: int, page_size: int) -> list:
+        ids = list(range(self._next, self._next + n))
+        self._next += n
+        self.num_groups += n
+        self.log.append(("create", ids))
+        return ids
+
+    def _release(self, groups: list) -> None:
+        self.num_groups -= len(groups)
+        self.log.append(("release", list(groups)))
+
+    def _map(self, bases, offsets, groups, page_size) -> None:
+        self.log.append(("map", [o // page_size for o in offsets], list(groups)))
+
+    def _unmap(self, bases, offsets, page_size) -> None:
+        self.log.append(("unmap", [o // page_size for o in offsets]))
+
+    def drain(self) -> list[tuple]:
+        log, self.log = self.log, []
+        return log
+
+
+def _new_books(g: Geometry, limit: int | None) -> tuple[ElasticPool, RecordingBackend]:
+    """The scheduler's books and their first operations (block 0 mapped). Deterministic:
+    a worker builds the same books to know the state its allocation starts in."""
+    rec = RecordingBackend(g.page_size)
+    pool = ElasticPool(g.num_blocks, (g.block_bytes,), torch.uint8, len(g.regions), device="cpu",
+                       page_size=g.page_size, limit=limit, grow=1, backend=rec)
+    if pool.take([NULL_BLOCK]) is None:
+        group = pool.stats().group_bytes
+        pool.close()
+        raise InvalidConfigError(f"VATTN_VLLM_LIMIT={limit} cannot hold even the null block's pages "
+                                 f"({group} bytes a page group)")
+    return pool, rec
+
+
+# --------------------------------------------------------------- scheduler side ----
+class SchedulerKV:
+    """vattn under one vLLM `BlockPool` (the scheduler's side). vLLM's free queue keeps
+    only the free blocks that must stay mapped (prefix-cached, watched); the others are
+    free blocks of the elastic pool, which hands them out page-aware."""
+
+    def __init__(self, block_pool: Any, g: Geometry, limit: int | None = None) -> None:
+        if block_pool.num_gpu_blocks != g.num_blocks:
+            raise InvalidConfigError(f"the block pool has {block_pool.num_gpu_blocks} blocks, the KV cache "
+                                     f"configuration {g.num_blocks}")
+        self.block_pool = block_pool
+        self.geometry = g
+        self.pool, self.recorder = _new_books(g, limit)
+        self.recorder.drain()  # the workers start in this state (see WorkerKV)
+        self.seq = 0
+        self.idle_since: float | None = None
+        self.trimmed = False
+        q = block_pool.free_block_queue
+        for b in q.popleft_n(q.num_free_blocks):  # every block is cold and free: the pool's now
+            assert b.ref_cnt == 0 and b.block_hash is None, b
+
+    # ---------------------------------------------------------- BlockPool hooks ----
+    def num_free_blocks(self) -> int:
+        """Blocks `get_new_blocks` can give now: vLLM's mapped free blocks and what the
+        elastic pool can back under its limit."""
+        return self.block_pool.free_block_queue.num_free_blocks + self.pool.available_blocks()
+
+    def num_unused_blocks(self) -> int:
+        """Free blocks whatever the memory (for `reset_prefix_cache`'s "nothing in use")."""
+        return self.block_pool.free_block_queue.num_free_blocks + self.pool.num_free_blocks
+
+    def take(self, n: int) -> list:
+        """`n` blocks for `get_new_blocks`: the elastic pool's first (packed into mapped
+        pages, then fresh pages under the limit), then vLLM's free queue (evicting prefix
+        -cached blocks in its LRU order, as stock vLLM does)."""
+        bp = self.block_pool
+        k = min(n, self.pool.available_blocks())
+        ids = self.pool.alloc(k) if k else []
+        if ids is None:  # the estimate was high (a shared budget changed meanwhile)
+            ids = []
+        rest = n - len(ids)
+        if rest > bp.free_block_queue.num_free_blocks:
+            if ids:
+                self.pool.free(ids)
+            raise ValueError(f"Cannot get {n} free blocks from the pool (vattn: memory is short)")
+        blocks = [bp.blocks[i] for i in ids]
+        for b in blocks:
+            assert b.ref_cnt == 0 and b.block_hash is None and b.prev_free_block is None, b
+        return blocks + (bp.free_block_queue.popleft_n(rest) if rest else [])
+
+    def release(self, blocks: list) -> None:
+        """`free_blocks`' blocks to reuse first (no hash): those no watcher reads go back to
+        the elastic pool (their pages stay mapped until memory is wanted); the others go to
+        the front of vLLM's queue, as in stock vLLM."""
+        mine, keep = self._split(blocks)
+        if mine:
+            self.pool.free([b.block_id for b in mine])
+        self.block_pool.free_block_queue.prepend_n(keep)
+
+    def _split(self, blocks: Iterable) -> tuple[list, list]:
+        watched = self.block_pool._reuse_watchers
+        mine, keep = [], []
+        for b in blocks:
+            (keep if b.block_hash is not None or b.block_id in watched or b.block_id == NULL_BLOCK
+             else mine).append(b)
+        return mine, keep
+
+    # --------------------------------------------------------------- memory ----
+    def reclaim(self) -> int:
+        """Move free blocks vLLM holds without a reason (their hash was evicted or reset)
+        from its queue to the elastic pool. Returns how many."""
+        q = self.block_pool.free_block_queue
+        mine, _ = self._split(_queue(q))
+        for b in mine:
+            q.remove(b)
+        if mine:
+            self.pool.free([b.block_id for b in mine])
+        return len(mine)
+
+    def trim(self, evict_prefix_cache: bool = True) -> int:
+        """Give back every page no block holds (after evicting the free prefix-cached
+        blocks, unless `evict_prefix_cache` is False). Returns bytes given back; the
+        operations go to the workers with the next `drain`."""
+        bp = self.block_pool
+        if evict_prefix_cache:
+            for b in list(_queue(bp.free_block_queue)):
+                if b.block_hash is not None and b.block_id not in bp._reuse_watchers:
+                    bp._maybe_evict_cached_block(b)
+        self.reclaim()
+        return self.pool.trim()
+
+    def set_limit(self, limit: int | None) -> None:
+        """Change the bytes of pages the workers may hold; cached pages over it go back
+        with the next batch of operations (used ones when their blocks are freed)."""
+        self.reclaim()
+        self.pool.set_limit(limit)
+
+    def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def drain(self) -> PageOps | None:
+        """The operations since the last drain, as the next numbered batch (None: none)."""
+        ops = self.recorder.drain()
+        if not ops:
+            return None
+        self.seq += 1
+        return PageOps(self.seq, self.geometry.key, ops)
+
+    def check_invariants(self) -> None:
+        """Every block vLLM uses, caches or watches is in use in the elastic pool (mapped)."""
+        bp = self.block_pool
+        self.pool.check_invariants()
+        in_queue = {b.block_id for b in _queue(bp.free_block_queue)}
+        used = self.pool._books.used
+        for b in bp.blocks:
+            if b.block_id == NULL_BLOCK or b.ref_cnt > 0 or b.block_hash is not None or b.block_id in in_queue:
+                assert used[b.block_id], f"block {b.block_id} is held by vLLM but free in vattn"
+            else:
+                assert not used[b.block_id], f"block {b.block_id} is free in vLLM but held in vattn"
+
+
+def _queue(q: Any) -> Iterable:
+    """The blocks of a `FreeKVCacheBlockQueue`, front to back."""
+    b = q.fake_free_list_head.next_free_block
+    while b is not None and b is not q.fake_free_list_tail:
+        nxt = b.next_free_block
+        yield b
+        b = nxt
+
+
+def attach(block_pool: Any, kv_cache_config: Any) -> SchedulerKV | None:
+    """The scheduler's hook (`KVCacheCoordinator.__init__`): put `block_pool` on vattn
+    memory. None (stock vLLM) when `VATTN_VLLM=0` or the layout is not supported; the
+    workers reach the same decision from the same configuration."""
+    block_pool.vattn = None
+    if not enabled():
+        return None
+    try:
+        g = geometry(kv_cache_config)
+    except UnsupportedLayoutError as e:
+        logger.warning("vattn: vLLM keeps its own KV memory: %s", e)
+        return None
+    block_pool.vattn = SchedulerKV(block_pool, g, memory_limit())
+    logger.info("vattn: KV cache of %d blocks on elastic memory (%d regions, %d-byte pages, limit %s)",
+                g.num_blocks, len(g.regions), g.page_size, memory_limit())
+    return block_pool.vattn
+
+
+def _scheduler_kv(scheduler: Any) -> SchedulerKV | None:
+    kv = getattr(scheduler, "kv_cache_manager", scheduler)
+    return getattr(getattr(kv, "block_pool", None), "vattn", None)
+
+
+def take_ops(scheduler: Any) -> PageOps | None:
+    """`Scheduler.schedule()`'s hook: this step's page operations (None when vattn is off
+    or nothing changed). The engine is busy: the idle clock restarts."""
+    skv = _scheduler_kv(scheduler)
+    if skv is None:
+        return None
+    skv.idle_since, skv.trimmed = None, False
+    return skv.drain()
+
+
+def on_idle(engine_core: Any) -> None:
+    """EngineCore's hook, called while it has no work: after `VATTN_VLLM_IDLE_TRIM_S` of
+    idleness give memory back, and send the operations to the workers now."""
+    skv = _scheduler_kv(getattr(engine_core, "scheduler", None))
+    delay = idle_trim_s()
+    if skv is None or delay is None or skv.trimmed:
+        return
+    now = time.monotonic()
+    if skv.idle_since is None:
+        skv.idle_since = now
+    if now - skv.idle_since < delay:
+        return
+    skv.trimmed = True
+    nbytes = skv.trim()
+    ops = skv.drain()
+    if ops is not None:
+        engine_core.model_executor.collective_rpc(apply_rpc, args=(ops,))
+        logger.info("vattn: idle for %.0f s, gave back %.1f MiB of KV memory", now - skv.idle_since, nbytes / 2**20)
+
+
+def idle_wakeup(engine_core: Any) -> float | None:
+    """EngineCore's input-queue timeout while idle: the seconds left until the idle trim
+    (None: block as vLLM does)."""
+    skv = _scheduler_kv(getattr(engine_core, "scheduler", None))
+    delay = idle_trim_s()
+    if skv is None or delay is None or skv.trimmed or skv.idle_since is None:
+        return None
+    return max(0.0, delay - (time.monotonic() - skv.idle_since)) + 0.01
+
+
+# ------------------------------------------------------------------ worker side ----
+class WorkerKV:
+    """A worker's KV cache backing allocation on vattn memory: reserved once (the KV
+    views never move), pages mapped and unmapped by the scheduler's operations."""
+
+    def __init__(self, kv_cache_config: Any, size: int, device: torch.device | str,
+                 backend: Backend | None = None) -> None:
+        self.device = torch.device(device)
+        self.geometry = g = geometry(kv_cache_config)
+        if size > g.reserved_bytes:
+            raise UnsupportedLayoutError(f"an allocation of {size} bytes is larger than the KV cache's {g.size}")
+        self.backend = backend if backend is not None else make_backend(self.device)
+        self._own_backend = backend is None
+        self.backend.check_page_size(g.page_size)
+        self._range = self.backend.reserve(g.reserved_bytes, g.page_size)
+        self.whole = self.backend.tensor(self._range, 0, (g.reserved_bytes,), (1,), torch.int8)
+        self.tensor = self.whole[:size]
+        self.bases = [self._range.addr + r for r in g.regions]
+        self.groups: dict[int, Any] = {}  # scheduler's group id -> this worker's physical group
+        self.mapped: dict[int, int] = {}  # page -> group id
+        self.fresh: set[int] = set()  # created, never mapped: cleared when first mapped
+        self.seq = 0
+        self.closed = False
+        self.zero_new = self.device.type == "cuda"  # new CUDA pages hold garbage; host pages are zero
+        pool, rec = _new_books(g, memory_limit())
+        initial = rec.drain()  # the state the scheduler's books start in
+        pool.close()
+        self._apply(initial)
+
+    def apply(self, ops: PageOps | None) -> None:
+        """Apply the next batch of the scheduler's page operations (in order)."""
+        if ops is None:
+            return
+        if self.closed:
+            raise OpsOutOfOrderError("page operations for a closed vattn KV cache")
+        if ops.key != self.geometry.key:
+            raise OpsOutOfOrderError(f"page operations for geometry {ops.key}, this worker has {self.geometry.key}")
+        if ops.seq != self.seq + 1:
+            raise OpsOutOfOrderError(f"page operations batch {ops.seq} after batch {self.seq}")
+        self._apply(ops.ops)
+        self.seq = ops.seq
+
+    def _apply(self, ops: list[tuple]) -> None:
+        P, synced = self.geometry.page_size, False
+        for op in ops:
+            kind = op[0]
+            if kind == "create":
+                made = self.backend.create(len(op[1]), len(self.bases), P)
+                self.groups.update(zip(op[1], made))
+                self.fresh.update(op[1])
+            elif kind == "map":
+                pages, ids = op[1], op[2]
+                self.backend.map(self.bases, [p * P for p in pages], [self.groups[i] for i in ids], P)
+                self.mapped.update(zip(pages, ids))
+                new = [p for p, i in zip(pages, ids) if i in self.fresh]
+                self.fresh.difference_update(ids)
+                if new and self.zero_new:
+                    self._zero(new)
+            elif kind == "unmap":
+                if not synced:  # the fence: nothing enqueued before this batch reads these pages after
+                    self.synchronize()
+                    synced = True
+                self.backend.unmap(self.bases, [p * P for p in op[1]], P)
+                for p in op[1]:
+                    del self.mapped[p]
+            elif kind == "release":
+                self.backend.release([self.groups.pop(i) for i in op[1]])
+                self.fresh.difference_update(op[1])
+            else:
+                raise OpsOutOfOrderError(f"unknown page operation {kind!r}")
+
+    def _zero(self, pages: list[int]) -> None:
+        P = self.geometry.page_size
+        for r in self.geometry.regions:
+            for p in pages:
+                self.whole[r + p * P:r + (p + 1) * P].zero_()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return len(self.mapped) * self.geometry.page_size * len(self.bases)
+
+    def is_mapped(self, block: int) -> bool:
+        """Whether every page of `block` is mapped here."""
+        g = self.geometry
+        first, last = block * g.block_bytes // g.page_size, ((block + 1) * g.block_bytes - 1) // g.page_size
+        return all(p in self.mapped for p in range(first, last + 1))
+
+    def close(self) -> None:
+        """Unmap and release every page (after the device finished). Views must not be used after."""
+        if self.closed:
+            return
+        self.closed = True
+        self.synchronize()
+        P = self.geometry.page_size
+        try:
+            self.backend.unmap(self.bases, [p * P for p in self.mapped], P)
+            self.mapped.clear()
+            self.backend.release(list(self.groups.values()))
+            self.groups.clear()
+        finally:
+            if self._own_backend:
+                self.backend.close()
+            self.whole = self.tensor = self._range = None  # the address space goes with the last view
+
+
+_workers: dict[str, WorkerKV] = {}  # device -> this process's KV cache on vattn memory
+
+
+def kv_cache_buffer(kv_cache_config: Any, size: int, device: torch.device | str) -> torch.Tensor | None:
+    """The worker's hook (`allocate_kv_cache`): the KV cache's backing allocation as a
+    virtual `int8` tensor of `size` bytes with the null block's pages mapped, or None
+    (vLLM allocates its own) when vattn is off or the layout is not supported. A new
+    allocation on a device replaces the previous one (vLLM's profiling cache)."""
+    if not enabled():
+        return None
+    dev = torch.device(device)
+    if dev.type not in ("cuda", "cpu"):
+        return None
+    try:
+        w = WorkerKV(kv_cache_config, size, dev)
+    except UnsupportedLayoutError as e:
+        logger.warning("vattn: vLLM keeps its own KV memory: %s", e)
+        return None
+    old = _workers.pop(str(dev), None)
+    if old is not None:
+        old.close()
+    _workers[str(dev)] = w
+    return w.tensor
+
+
+def worker_kv(device: torch.device | str | None = None) -> WorkerKV | None:
+    """This process's `WorkerKV` (the only one when `device` is None)."""
+    if device is None:
+        return next(iter(_workers.values()), None) if len(_workers) == 1 else None
+    return _workers.get(str(torch.device(device)))
+
+
+def apply(scheduler_output: Any) -> None:
+    """The worker's hook (top of `Worker.execute_model`): map and unmap what the scheduler
+    decided for this step, before the forward."""
+    ops = getattr(scheduler_output, "vattn_ops", None)
+    if ops is None:
+        return
+    w = worker_kv()
+    if w is None:
+        raise OpsOutOfOrderError("the scheduler sent vattn page operations but this worker's KV cache is not "
+                                 "on vattn memory (is VATTN_VLLM the same for the scheduler and the workers?)")
+    w.apply(ops)
+
+
+def apply_rpc(worker: Any, ops: PageOps) -> None:
+    """`collective_rpc` target for the operations of an idle trim."""
+    w = worker_kv()
+    if w is not None:
+        w.apply(ops)
+
+
+def reset_worker() -> None:
+    """Close every `WorkerKV` of this process (tests; a worker shutting down)."""
+    while _workers:
+        _workers.popitem()[1].close()
+
+
+__all__ = [
+    "Geometry", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "UnsupportedLayoutError",
+    "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "enabled", "geometry",
+    "idle_wakeup", "kv_cache_buffer", "on_idle", "take_ops", "worker_kv",
+]
