@@ -235,8 +235,8 @@ def plot(result: dict) -> Any:
         bottom.plot(r["step_ms"], lw=0.9, color=c, label=f"{r['mode']}: cache.step at boundaries "
                     f"{s['step_boundary_mean_ms']:.2f} ms, elsewhere {s['step_other_median_ms']:.3f} ms (median)")
     top.set(ylabel="iteration latency (ms)",
-            title=f"{result['device']}, {len(result['prompt_lens'])} requests decoding, {result['tokens_per_page']} "
-                  "tokens per page (grey: page boundaries): pages allocated in step (sync) vs by the background worker")
+            title=f"{result['device']}: {len(result['prompt_lens'])} requests decoding, {result['tokens_per_page']} "
+                  "tokens/page (grey: page boundaries); pages allocated in step (sync) or by the worker")
     bottom.set(xlabel="decode iteration", ylabel="in cache.step (ms)")
     top.legend(fontsize=8)
     bottom.legend(fontsize=8)

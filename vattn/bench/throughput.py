@@ -12,7 +12,8 @@ Three systems serve the same greedy requests, one after another in one run:
 Each system runs every request twice: with 1 new token (prefill tok/s = prompt tokens / that
 time), then with its `max_tokens` (decode tok/s = (output tokens - requests) / (t_N - t_1),
 which takes the prefill out; output tok/s = output tokens / t_N). Wall and CPU time are both
-recorded. Greedy agreement: each system's tokens against `hf_generate`'s (per request, its
+recorded: on a shared machine the CPU time of the whole run (all threads of the process) is
+the steadier figure. Greedy agreement: each system's tokens against `hf_generate`'s (per request, its
 first `max_tokens`). For vattn it also records the time per iteration outside the model's
 forward (scheduling, `step`, sampling, bookkeeping).
 
@@ -302,14 +303,17 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(result: dict) -> tuple[list[str], list[list]]:
-    headers = ["workload", "system", "prefill tok/s", "decode tok/s", "output tok/s", "total s",
-               "vattn x (output)", "greedy = generate"]
+    headers = ["workload", "system", "prefill tok/s", "decode tok/s", "output tok/s", "total s", "CPU s",
+               "vattn x (output tok/s)", "vattn x (CPU time)", "greedy = generate"]
     rows = []
     for w, e in result["workloads"].items():
+        v = e["systems"].get("vattn")
         for s, x in e["systems"].items():
             ratio = e.get("vattn_over", {}).get(s, {}).get("output", "-")
+            cpu = x["total_cpu_s"] / v["total_cpu_s"] if v is not None and s != "vattn" else "-"
             agree = e.get("agreement_with_hf_generate", {}).get(s)
-            rows.append([w, s, x["prefill_tok_s"], x["decode_tok_s"], x["output_tok_s"], x["total_s"], ratio,
+            rows.append([w, s, x["prefill_tok_s"], x["decode_tok_s"], x["output_tok_s"], x["total_s"],
+                         x["total_cpu_s"], ratio, cpu,
                          "-" if agree is None else f"{agree['sequences_equal']}/{agree['sequences']}"])
     return headers, rows
 
@@ -337,5 +341,5 @@ def plot(result: dict) -> Any:
         ax.set_title(label, fontsize=10)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"vattn.LLM vs transformers generate / continuous batching ({result['device']}, "
-                 f"{result['threads']} threads, {result['parameters'] / 1e6:.0f} M parameters)", fontsize=10)
+                 f"threads={result['threads']}, {result['parameters'] / 1e6:.0f} M parameters)", fontsize=10)
     return fig
