@@ -289,7 +289,8 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     A group's keys are a strided view of consecutive slots, so no K/V byte is copied. Keys
     are not gathered across slots into one padded call: on the CPU a decode reads its K/V
     once, memory-bound, and a gather reads and writes them once more before the kernel reads
-    the copy (`sdpa_padded_attention`: 1.5-5x slower per layer on this host). A decode
+    the copy (`sdpa_padded_attention`: twice the CPU time of a whole 32-request engine run on a
+    2-CPU host, one thread). A decode
     (n = 1) runs with its query heads folded onto their KV head, `[c, H_kv, H_q / H_kv, D]`
     against `[c, H_kv, L, D]`, which reads each KV head once (`enable_gqa` reads it once per
     query head); the result is the same attention, equal to `enable_gqa` within float
@@ -324,8 +325,8 @@ def sdpa_padded_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     `[S, H_q, n_max, D]`, one boolean mask `[S, 1, n_max, L_max]` (causal, window, length).
 
     The gather copies every key and value the kernel reads, which on the CPU costs more than
-    the per-call overhead it saves (measured in `vattn bench throughput --attention
-    sdpa_padded`); `sdpa_attention` is the default. Equal to it within float rounding.
+    the per-call overhead it saves (`vattn bench throughput --attention sdpa_padded` compares);
+    `sdpa_attention` is the default. Equal to it within float rounding.
     """
     T, Hq, D = query.shape
     Hkv = k_cache.shape[2]
