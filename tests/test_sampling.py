@@ -94,3 +94,21 @@ def test_extreme_seeds_and_tiny_temperature_run() -> None:
     with pytest.raises(InvalidConfigError, match="seed"):
         LLM(tiny_config(), seed=2**64)
 
+
+
+def test_greedy_argmax_follows_torch_argmax() -> None:
+    """The sampler's row-wise argmax (numpy's on the CPU): torch.argmax's result, ties to the
+    first maximum, a NaN counts as the maximum; inference tensors and strided rows too."""
+    from vattn.engine.model_runner import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3000, generator=g)
+    x[1, 10] = x[1, 2000] = x[1].max() + 1  # a tie: the first one
+    x[2, 5], x[2, 9] = float("nan"), float("inf")  # NaN wins
+    x[3, :] = float("-inf")
+    with torch.inference_mode():
+        y = x * 1.0
+    for t in (x, y, x[::2], x.t().contiguous().t()):
+        assert argmax_rows(t) == t.argmax(-1).tolist()
+    assert argmax_rows(x)[1:4] == [10, 5, 0]
+    assert argmax_rows(x.double()) == x.argmax(-1).tolist()  # other dtypes: torch's own

@@ -17,8 +17,13 @@ Kernels, chosen once per engine by `select_kernel`:
 - `torch_flash`: PyTorch's own FlashAttention-2, `aten._flash_attention_forward` varlen with
   `cum_seq_k` pointing at each slot's row of the flat `[B * slot_tokens, H, D]` view and
   `seqused_k` = context lengths (CUDA, fp16/bf16): the whole batch in one call.
-- `sdpa`: `torch.nn.functional.scaled_dot_product_attention` per request on
-  `k_cache[slot, :context_len]` (CPU, and the fallback everywhere).
+- `sdpa`: `torch.nn.functional.scaled_dot_product_attention` on the cache rows (CPU, and
+  the fallback everywhere): one call per *group*, sequences in consecutive slots with the
+  same start and query length, whose rows are one strided view `k_cache[s:s + c, lo:ctx]`
+  (no copy); a decode folds its GQA query heads onto their KV head (K/V read once, not
+  once per query head). See `sdpa_attention` for why keys are not gathered into one call.
+- `sdpa_padded`: every sequence in one call on keys gathered into a padded buffer with a
+  mask (measured slower on CPU: see `sdpa_padded_attention`).
 
 The two CUDA kernels are checked against `sdpa` on their first call and dropped (with a
 warning) if they fail or disagree, so a kernel that cannot read this layout never
@@ -30,14 +35,14 @@ import contextlib
 import importlib.util
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from vattn.errors import VattnError
 
-KERNELS = ("flash_attn", "torch_flash", "sdpa")
+KERNELS = ("flash_attn", "torch_flash", "sdpa", "sdpa_padded")
 
 
 @dataclass
@@ -56,6 +61,7 @@ class AttentionMetadata:
     slot_tokens: int  # slot stride of the cache in tokens (>= max_context_len)
     device: torch.device
     _cuda: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _plans: dict[tuple, Any] = field(default_factory=dict, repr=False)  # per-iteration plans, shared by layers
 
     @classmethod
     def build(cls, slots: Sequence[int], starts: Sequence[int], query_lens: Sequence[int],
@@ -98,6 +104,87 @@ class AttentionMetadata:
                 "slots": torch.tensor(self.slots, **i32),
             }
         return self._cuda
+
+    def sdpa_groups(self, sliding_window: int | None) -> list[SdpaGroup]:
+        """The CPU path's SDPA calls of this iteration (built once, shared by every layer with
+        the same window): runs of sequences in consecutive slots with equal start and query
+        length. Their queries are adjacent packed rows (slot-ascending packing) and their keys
+        one strided view of the cache."""
+        key = (sliding_window,)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _plan_groups(self, sliding_window)
+        return plan
+
+    def padded_plan(self, sliding_window: int | None, slot_tokens: int) -> dict[str, Any]:
+        """Index tensors and the mask of `sdpa_padded_attention` (built once per iteration)."""
+        key = ("padded", sliding_window, slot_tokens)
+        plan = self._plans.get(key)
+        if plan is None:
+            dev = self.device
+            n_max, ctx = max(self.query_lens), torch.tensor(self.context_lens, device=dev)  # [S]
+            lo = ctx.new_tensor([0 if sliding_window is None else max(0, s - sliding_window + 1)
+                                 for s in self.starts])  # [S]: first key any query of the sequence sees
+            width = int((ctx - lo).max())
+            kpos = lo[:, None] + torch.arange(width, device=dev)  # [S, width]: key positions
+            kvalid = kpos < ctx[:, None]
+            slots = torch.tensor(self.slots, device=dev)
+            kv_index = slots[:, None] * slot_tokens + torch.where(kvalid, kpos, lo[:, None])  # [S, width]
+            i = torch.arange(n_max, device=dev)
+            qn = torch.tensor(self.query_lens, device=dev)
+            qpos = ctx[:, None] - qn[:, None] + i  # [S, n_max]: query positions
+            mask = kvalid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # [S, n_max, width]
+            if sliding_window is not None:
+                mask &= kpos[:, None, :] > qpos[:, :, None] - sliding_window
+            q_index = (torch.arange(len(self.slots), device=dev)[:, None] * n_max + i)[i < qn[:, None]]  # [T]
+            plan = self._plans[key] = dict(n_max=n_max, kv_index=kv_index.reshape(-1), q_index=q_index,
+                                           mask=mask[:, None])
+        return plan
+
+
+@dataclass(frozen=True)
+class SdpaGroup:
+    """One `scaled_dot_product_attention` call of the CPU path.
+
+    ```
+    slots slot .. slot+count-1 (consecutive), each with n new tokens at start .. ctx-1:
+       queries  = packed rows row .. row + count * n           -> [count, H_q, n, D]
+       keys     = k_cache[slot:slot + count, lo:ctx]           -> [count, H_kv, ctx - lo, D] (a view)
+    ```
+    """
+
+    slot: int
+    count: int
+    row: int  # first packed query row
+    n: int  # query length of each sequence
+    lo: int  # first key position any query sees (sliding window)
+    ctx: int  # context length after this iteration (keys lo .. ctx-1)
+    causal: bool  # a whole prompt: SDPA's own causal mask
+    mask: torch.Tensor | None  # [n, ctx - lo] bool: a chunk (causal aligned to the end, and the window)
+
+
+def _plan_groups(meta: AttentionMetadata, sliding_window: int | None) -> list[SdpaGroup]:
+    groups: list[SdpaGroup] = []
+    prev = None
+    for slot, start, n, row in zip(meta.slots, meta.starts, meta.query_lens, meta.cu_query_lens):
+        if prev is not None and slot == prev.slot + prev.count and start == prev.ctx - prev.n and n == prev.n:
+            prev = groups[-1] = SdpaGroup(prev.slot, prev.count + 1, prev.row, n, prev.lo, prev.ctx, prev.causal,
+                                          prev.mask)
+            continue
+        ctx = start + n
+        lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        mask, causal = None, False
+        if n > 1 and lo == 0 and start == 0 and (sliding_window is None or ctx <= sliding_window):
+            causal = True  # a whole prompt: top-left and bottom-right alignment agree
+        elif n > 1:  # a chunk: causal aligned to the end, and the window
+            q_pos = torch.arange(start, ctx, device=meta.device)[:, None]  # [n, 1]
+            k_pos = torch.arange(lo, ctx, device=meta.device)[None, :]  # [1, ctx - lo]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        prev = SdpaGroup(slot, 1, row, n, lo, ctx, causal, mask)
+        groups.append(prev)
+    return groups
 
 
 # ------------------------------------------------------------------ forward context ----
@@ -167,6 +254,8 @@ class AttentionKernel:
         v_cache[meta.slot_ids, meta.positions] = value
         if self.name == "sdpa":
             return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+        if self.name == "sdpa_padded":
+            return sdpa_padded_attention(query, k_cache, v_cache, meta, scale, sliding_window)
         fn = flash_attn_attention if self.name == "flash_attn" else torch_flash_attention
         try:
             out = fn(query.contiguous(), k_cache, v_cache, meta, scale, sliding_window)
@@ -192,32 +281,64 @@ def _batch_kinds(meta: AttentionMetadata) -> set[str]:
 
 def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Per-request `scaled_dot_product_attention` on `k_cache[slot, lo:context_len]`.
+    """`scaled_dot_product_attention` on the cache rows, one call per `SdpaGroup`.
 
     Query i of a chunk starting at `start` sits at position start + i and sees keys
     `start + i - window < j <= start + i` (no lower bound without a sliding window).
+
+    A group's keys are a strided view of consecutive slots, so no K/V byte is copied. Keys
+    are not gathered across slots into one padded call: on the CPU a decode reads its K/V
+    once, memory-bound, and a gather reads and writes them once more before the kernel reads
+    the copy (`sdpa_padded_attention`: twice the CPU time of a whole 32-request engine run on a
+    2-CPU host, one thread). A decode
+    (n = 1) runs with its query heads folded onto their KV head, `[c, H_kv, H_q / H_kv, D]`
+    against `[c, H_kv, L, D]`, which reads each KV head once (`enable_gqa` reads it once per
+    query head); the result is the same attention, equal to `enable_gqa` within float
+    rounding (not bit for bit: the kernel multiplies other shapes).
     """
+    T, Hq, D = query.shape
+    Hkv = k_cache.shape[2]
     out = torch.empty_like(query)  # [T, H_q, D]
-    enable_gqa = query.shape[1] != k_cache.shape[2]
-    for slot, start, n, a in zip(meta.slots, meta.starts, meta.query_lens, meta.cu_query_lens):
-        ctx = start + n
-        lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
-        q = query[a:a + n].transpose(0, 1).unsqueeze(0)  # [1, H_q, n, D]
-        k = k_cache[slot, lo:ctx].transpose(0, 1).unsqueeze(0)  # [1, H_kv, ctx - lo, D]
-        v = v_cache[slot, lo:ctx].transpose(0, 1).unsqueeze(0)
-        mask, causal = None, False
-        if n > 1 and lo == 0 and start == 0 and (sliding_window is None or ctx <= sliding_window):
-            causal = True  # a whole prompt: top-left and bottom-right alignment agree
-        elif n > 1:  # a chunk: causal aligned to the end, and the window
-            q_pos = torch.arange(start, ctx, device=query.device)[:, None]  # [n, 1]
-            k_pos = torch.arange(lo, ctx, device=query.device)[None, :]  # [1, ctx - lo]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                           enable_gqa=enable_gqa)  # [1, H_q, n, D]
-        out[a:a + n] = o[0].transpose(0, 1)
+    for g in meta.sdpa_groups(sliding_window):
+        c, n, a = g.count, g.n, g.row
+        k = k_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)  # [c, H_kv, ctx - lo, D], a view
+        v = v_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)
+        if n == 1 and _FOLD_GQA_DECODE:
+            q = query[a:a + c].view(c, Hkv, Hq // Hkv, D)  # query head h -> KV head h // (H_q / H_kv)
+            out[a:a + c] = F.scaled_dot_product_attention(q, k, v, scale=scale).view(c, Hq, D)
+            continue
+        q = query[a:a + c * n].view(c, n, Hq, D).transpose(1, 2)  # [c, H_q, n, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, is_causal=g.causal, scale=scale,
+                                           enable_gqa=Hq != Hkv)  # [c, H_q, n, D]
+        out[a:a + c * n] = o.transpose(1, 2).reshape(c * n, Hq, D)
     return out
+
+
+_FOLD_GQA_DECODE = True  # False: decodes use enable_gqa too (for comparisons)
+
+
+def sdpa_padded_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Every sequence of the iteration in one `scaled_dot_product_attention` call: keys and
+    values gathered from the cache rows into `[S, H_kv, L_max, D]` (positions past a
+    sequence's context point at its first key and are masked out), queries padded to
+    `[S, H_q, n_max, D]`, one boolean mask `[S, 1, n_max, L_max]` (causal, window, length).
+
+    The gather copies every key and value the kernel reads, which on the CPU costs more than
+    the per-call overhead it saves (`vattn bench throughput --attention sdpa_padded` compares);
+    `sdpa_attention` is the default. Equal to it within float rounding.
+    """
+    T, Hq, D = query.shape
+    Hkv = k_cache.shape[2]
+    S = len(meta.slots)
+    p = meta.padded_plan(sliding_window, k_cache.stride(0) // k_cache.stride(1))
+    k = _flat_rows(k_cache).index_select(0, p["kv_index"]).view(S, -1, Hkv, D).transpose(1, 2)
+    v = _flat_rows(v_cache).index_select(0, p["kv_index"]).view(S, -1, Hkv, D).transpose(1, 2)
+    q = query.new_zeros(S * p["n_max"], Hq, D)
+    q[p["q_index"]] = query
+    q = q.view(S, p["n_max"], Hq, D).transpose(1, 2)  # [S, H_q, n_max, D]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=p["mask"], scale=scale, enable_gqa=Hq != Hkv)
+    return o.transpose(1, 2).reshape(S * p["n_max"], Hq, D)[p["q_index"]]  # [T, H_q, D]
 
 
 def _flat_rows(cache: torch.Tensor) -> torch.Tensor:
@@ -272,5 +393,6 @@ def flash_attn_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 __all__ = [
     "AttentionMetadata", "AttentionKernel", "ForwardContext", "forward_context", "get_forward_context",
-    "select_kernel", "sdpa_attention", "torch_flash_attention", "flash_attn_attention", "KERNELS",
+    "select_kernel", "sdpa_attention", "sdpa_padded_attention", "SdpaGroup", "torch_flash_attention",
+    "flash_attn_attention", "KERNELS",
 ]

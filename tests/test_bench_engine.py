@@ -1,0 +1,65 @@
+"""`vattn bench overlap` and `vattn bench throughput` on tiny settings: they run the real engine
+and transformers, write JSON with the environment and a PNG; no speed is asserted."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from vattn import bench  # noqa: E402
+
+ENV_KEYS = {"device", "device_kind", "python", "torch", "vattn", "kernel", "commit", "date"}
+TINY_MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--device", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VATTN_BENCH_QUIET", "1")
+
+
+def _load(tmp_path: Path, name: str) -> dict:
+    data = json.loads((tmp_path / f"{name}_host.json").read_text())
+    assert ENV_KEYS <= set(data["environment"]), data["environment"]
+    assert data["benchmark"] == name.split("_")[0]
+    assert (tmp_path / f"{name}_host.png").stat().st_size > 1000
+    return data["result"]
+
+
+def test_throughput_compares_with_transformers_and_agrees(tmp_path: Path) -> None:
+    argv = ["throughput", *TINY_MODEL, "--vocab", "256", "--intermediate", "128", "--requests", "5",
+            "--prompt-len", "4", "30", "--output-len", "2", "9", "--equal-requests", "2", "--equal-prompt", "12",
+            "--equal-output", "4", "--max-batch-size", "3", "--max-num-batched-tokens", "48", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    r = _load(tmp_path, "throughput")
+    assert r["greedy_agreement"] is True
+    assert set(r["workloads"]) == {"mixed", "equal"}
+    for w in r["workloads"].values():
+        assert set(w["systems"]) == {"vattn", "hf_generate", "hf_cb"}
+        assert w["agreement_with_hf_generate"]["vattn"]["equal"]
+        assert w["agreement_with_hf_generate"]["hf_cb"]["equal"]
+        for s in w["systems"].values():
+            assert s["prefill_tok_s"] > 0 and s["output_tok_s"] > 0 and s["total_cpu_s"] > 0
+        engine = w["systems"]["vattn"]["engine"]
+        assert engine["iterations"] > 0 and engine["kernel"] == "sdpa"
+        assert 0 <= engine["forward_ms"] <= engine["step_ms"]
+        assert set(w["vattn_over"]) == {"hf_generate", "hf_cb"}
+
+
+def test_overlap_maps_at_page_boundaries_only_when_synchronous(tmp_path: Path) -> None:
+    argv = ["overlap", *TINY_MODEL, "--head-dim", "16", "--batch", "2", "--page-size", "4096", "--iters", "40",
+            "--warmup", "2", "--stagger", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    r = _load(tmp_path, "overlap")
+    assert r["tokens_per_page"] == 4096 // (2 * 16 * 4)
+    assert set(r["modes"]) == {"sync", "background"}
+    assert r["boundary_iterations"]  # staggered: each request crosses once in the window
+    sync = next(run for run in r["runs"] if run["mode"] == "sync")
+    assert len(sync["latency_ms"]) == len(sync["step_ms"]) == 40
+    mapped_at = [i for i, n in enumerate(sync["mapped_groups"]) if n]
+    assert mapped_at == r["boundary_iterations"]  # on demand: exactly where a request enters a new page
+    assert r["modes"]["sync"]["iterations_mapping"] == len(mapped_at)
+    assert r["modes"]["background"]["iterations_mapping"] <= len(mapped_at)
