@@ -189,9 +189,6 @@ if [ $HAVE_CUDA = 1 ]; then
     GPU_LIMIT=$(( $(left) - 100 > 60 ? $(left) - 100 : 60 ))
     step bench_gpu 300 $GPU_LIMIT "^(kernel|alloc|overlap|e2e) +\||wrote|Error" "$PY" -m vattn bench gpu --quick \
         --out "$OUT" --budget-s $(( GPU_LIMIT - 40 > 20 ? GPU_LIMIT - 40 : 20 ))
-    if [ ! -f vattn/bench/overlap.py ] && [ -f benchmarks/gpu_overlap.py ]; then  # until `vattn bench overlap` exists
-        step gpu_overlap 45 120 "background/premapped mean|wrote|Error" "$PY" benchmarks/gpu_overlap.py --quick --out "$OUT"
-    fi
 else
     skip bench_gpu "no CUDA"
     if [ -n "${VATTN_SUITE_CPU_CHECKS:-}" ]; then  # the benchmarks' tiny CPU versions (harness checks)

@@ -93,30 +93,7 @@ def _steps(results: dict[str, Any]) -> str:
                    s.get("seconds"), s.get("timeout"), s.get("note", "")] for s in steps])
 
 
-def _overlap(d: dict) -> str:
-    m = d.get("model", {})
-    a = d.get("args", {})
-    runs = d.get("runs", [])
-    kernel = runs[0]["kernel"] if runs else "?"
-    parts = [f"{m.get('layers')} layers x hidden {m.get('hidden')} ({(m.get('parameters') or 0) / 1e9:.2f} B params), "
-             f"batch {a.get('batch')}, {a.get('layout')}, {a.get('iters')} timed decode iterations x {a.get('repeats')}, "
-             f"attention kernel {kernel}", "",
-             table(["mode", "mean ms", "p50 ms", "p99 ms", "max ms", "iterations mapping"],
-                   [[k, v["mean_ms"], v["p50_ms"], v["p99_ms"], v["max_ms"], v["iterations_with_mapping"]]
-                    for k, v in d.get("by_mode", {}).items()])]
-    for k, v in d.get("ratios", {}).items():
-        parts.append(f"- {k}: {_fmt(v)}")
-    r = d.get("ratios", {}).get("background/premapped mean")
-    if r is not None:
-        parts.append(f"- background within 2% of premapped (mean): {_fmt(r <= 1.02)}")
-    parts += [f"- ERROR {e}" for e in d.get("errors", [])]
-    return "\n".join(parts)
-
-
-FORMATTERS: list[tuple[str, str, Callable[[dict], str]]] = [  # the old script's files (the suite's fallback step)
-    ("gpu_overlap", "Hidden allocation latency in a decode loop (gpu_overlap.py)", _overlap),
-    ("gpu_overlap_cpu_check", "CPU check of gpu_overlap.py (host backend; timings meaningless)", _overlap),
-]
+FORMATTERS: list[tuple[str, str, Callable[[dict], str]]] = []  # formatters of scripts outside vattn bench (none now)
 # `vattn bench` payloads, summarised with each module's own table(), in this order
 BENCH_ORDER = ("gpu", "kernel", "alloc", "overlap", "e2e", "throughput")
 BENCH_MODULES = {"e2e": "_e2e"}

@@ -57,6 +57,8 @@ def _argv(mod: ModuleType, part: str, args: argparse.Namespace, left: float | No
     argv = ["--device", args.device] if "--device" in options else []
     if args.quick and "--quick" in options:
         argv.append("--quick")
+    if part == "overlap" and "--modes" in options:  # the paper's claim: background as fast as all pages premapped
+        argv += ["--modes", "sync", "background", "premapped"]
     if left is not None and part in BUDGET_SHARE and "--budget-s" in options:
         argv += ["--budget-s", f"{max(10.0, BUDGET_SHARE[part] * left):.0f}"]  # it starts no new case after that
     return argv

@@ -18,7 +18,7 @@ allocation), and how many iterations mapped pages inside `step`.
 
 On the host the model is small and deep (many buffers per page group, little compute) so
 that allocation is visible against the forward; `--reserve` creates the physical pages
-before timing (then only mapping is measured, as `benchmarks/gpu_overlap.py` does on CUDA).
+before timing (then only mapping is measured).
 """
 from __future__ import annotations
 
