@@ -139,8 +139,8 @@ def run_vattn(model: Any, reqs: Requests, args: argparse.Namespace, device: str,
         forward[1] += 1
 
     hooks = [llm.runner.model.register_forward_pre_hook(pre), llm.runner.model.register_forward_hook(post)]
-    step = [0.0, 0]  # seconds in LLM.step, steps
-    inner_step = llm.step
+    step = [0.0, 0]  # seconds in LLM._step (one iteration: what step() and generate() run), steps
+    inner_step = llm._step
 
     def timed_step() -> Any:
         t = time.perf_counter()
@@ -149,7 +149,7 @@ def run_vattn(model: Any, reqs: Requests, args: argparse.Namespace, device: str,
         step[1] += 1
         return out
 
-    llm.step = timed_step  # type: ignore[method-assign]
+    llm._step = timed_step  # type: ignore[method-assign]
 
     def serve(reqs: Requests) -> tuple[_Timer, list[list[int]]]:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
