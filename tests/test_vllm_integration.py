@@ -530,6 +530,39 @@ def test_idle_trim_off(monkeypatch):
         vv.on_idle(core)
 
 
+@pytest.mark.parametrize("trim_s", ["30", "-1"])
+def test_set_limit_on_an_idle_engine_reaches_the_workers(monkeypatch, trim_s):
+    """While idle (idle trim off, or not due yet) no step follows: the limit's unmaps must
+    reach the workers now, not with the next request."""
+    monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", trim_s)
+    bp, skv, w, _ = engine(kv_config(num_blocks=256))
+    sent = []
+
+    class Executor:
+        def collective_rpc(self, method, args=()):
+            sent.append(args[0])
+            return [method(SimpleNamespace(), *args)]
+
+    core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=bp)),
+                           model_executor=Executor())
+    a = bp.get_new_blocks(40)
+    step(skv)
+    bp.free_blocks(a[20:])
+    vv.on_idle(core)
+    assert not sent and (vv.idle_wakeup(core) is None) == (trim_s == "-1")  # block, or wait ~30 s
+    skv.set_limit(4 * 2 * PAGE)  # in the EngineCore process, e.g. from a utility call
+    assert vv.idle_wakeup(core) == 0.0  # the idle loop comes back at once
+    vv.on_idle(core)
+    assert sent and w.mapped_bytes <= 4 * 2 * PAGE and w.seq == skv.seq
+    assert vv.idle_wakeup(core) != 0.0
+    for b in a[:20]:
+        assert w.is_mapped(b.block_id)
+    n = len(sent)
+    vv.set_limit(core, 3 * 2 * PAGE)  # the in-process API sends at once
+    assert len(sent) == n + 1 and w.mapped_bytes <= 3 * 2 * PAGE and w.seq == skv.seq
+    skv.check_invariants()
+
+
 def test_block_outer_layout_blocks_span_pages():
     cfg = kv_config(num_blocks=40, layers=12, layout="block-outer")  # 96 KiB a block: 1.5 pages
     bp, skv, w, _ = engine(cfg)

@@ -421,7 +421,9 @@ class SchedulerKV:
 
     def set_limit(self, limit: int | None) -> None:
         """Change the bytes of pages the workers may hold; cached pages over it go back
-        with the next batch of operations (used ones when their blocks are freed)."""
+        with the next batch of operations (used ones when their blocks are freed): the
+        next step's, or, while the engine is idle, the next `on_idle`'s (the module's
+        `set_limit(engine_core, limit)` sends them at once)."""
         self.reclaim()
         self.pool.set_limit(limit)
 
@@ -491,12 +493,42 @@ def take_ops(scheduler: Any) -> PageOps | None:
     return skv.drain()
 
 
-def on_idle(engine_core: Any) -> None:
-    """EngineCore's hook, called while it has no work: after `VATTN_VLLM_IDLE_TRIM_S` of
-    idleness give memory back, and send the operations to the workers now."""
+def _send(engine_core: Any, skv: SchedulerKV) -> PageOps | None:
+    """Send the operations recorded since the last step to the workers now (no step
+    follows to carry them): the same `collective_rpc` as the idle trim."""
+    ops = skv.drain()
+    if ops is not None:
+        engine_core.model_executor.collective_rpc(apply_rpc, args=(ops,))
+    return ops
+
+
+def set_limit(engine_core: Any, limit: int | None) -> None:
+    """Change the bytes of KV pages each worker may hold, at run time, and send the page
+    operations this makes (cached pages over the new limit unmapped) to the workers now.
+
+    In-process only: `engine_core` is vLLM's `EngineCore` object, and this must run on the
+    thread that drives it (with `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+    `llm.llm_engine.engine_core.engine_core`, between `generate` calls). With the default
+    multiprocess engine the scheduler is in another process: set `VATTN_VLLM_LIMIT` at
+    start instead."""
     skv = _scheduler_kv(getattr(engine_core, "scheduler", None))
+    if skv is None:
+        raise InvalidConfigError("this vLLM engine's KV cache is not on vattn memory")
+    skv.set_limit(limit)
+    _send(engine_core, skv)
+
+
+def on_idle(engine_core: Any) -> None:
+    """EngineCore's hook, called while it has no work: send page operations recorded
+    since the last step (a `SchedulerKV.set_limit`) to the workers at once; after
+    `VATTN_VLLM_IDLE_TRIM_S` of idleness give memory back, and send the operations now."""
+    skv = _scheduler_kv(getattr(engine_core, "scheduler", None))
+    if skv is None:
+        return
+    if skv.recorder.log:  # nothing else would carry them: no step follows while idle
+        _send(engine_core, skv)
     delay = idle_trim_s()
-    if skv is None or delay is None or skv.trimmed:
+    if delay is None or skv.trimmed:
         return
     now = time.monotonic()
     if skv.idle_since is None:
@@ -505,18 +537,20 @@ def on_idle(engine_core: Any) -> None:
         return
     skv.trimmed = True
     nbytes = skv.trim()
-    ops = skv.drain()
-    if ops is not None:
-        engine_core.model_executor.collective_rpc(apply_rpc, args=(ops,))
+    if _send(engine_core, skv) is not None:
         logger.info("vattn: idle for %.0f s, gave back %.1f MiB of KV memory", now - skv.idle_since, nbytes / 2**20)
 
 
 def idle_wakeup(engine_core: Any) -> float | None:
     """EngineCore's input-queue timeout while idle: the seconds left until the idle trim
-    (None: block as vLLM does)."""
+    (0 when page operations wait to be sent; None: block as vLLM does)."""
     skv = _scheduler_kv(getattr(engine_core, "scheduler", None))
+    if skv is None:
+        return None
+    if skv.recorder.log:
+        return 0.0
     delay = idle_trim_s()
-    if skv is None or delay is None or skv.trimmed or skv.idle_since is None:
+    if delay is None or skv.trimmed or skv.idle_since is None:
         return None
     return max(0.0, delay - (time.monotonic() - skv.idle_since)) + 0.01
 
@@ -691,5 +725,5 @@ def reset_worker() -> None:
 __all__ = [
     "Geometry", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "UnsupportedLayoutError",
     "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "enabled", "geometry",
-    "idle_wakeup", "kv_cache_buffer", "on_idle", "take_ops", "worker_kv",
+    "idle_wakeup", "kv_cache_buffer", "on_idle", "set_limit", "take_ops", "worker_kv",
 ]
