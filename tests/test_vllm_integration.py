@@ -470,6 +470,20 @@ def test_batches_out_of_order_are_refused():
         w.apply(bad)
 
 
+def test_the_layout_key_covers_the_regions():
+    """Same blocks, block bytes and page, another number of regions: a different layout,
+    and a worker refuses its batches."""
+    one = vv.geometry(kv_config(num_blocks=64, layers=1))
+    two = vv.geometry(kv_config(num_blocks=64, layers=2))
+    assert one.key[:3] == two.key[:3] and one.key != two.key
+    bp, skv, w, _ = engine(kv_config(num_blocks=64, layers=2))
+    bp.get_new_blocks(10)
+    ops = skv.drain()
+    with pytest.raises(vv.OpsOutOfOrderError, match="geometry"):
+        w.apply(vv.PageOps(ops.seq, one.key, ops.ops))
+    w.apply(ops)
+
+
 def test_ops_without_a_vattn_worker_are_an_error():
     bp, skv, w, _ = engine()
     bp.get_new_blocks(10)

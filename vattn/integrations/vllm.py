@@ -57,8 +57,12 @@ The scheduler and the workers read the same variables (workers inherit the envir
 
 Layouts: the KV cache's block-compact layouts (`LBNHC`/NHD, `LBHNC`/HND, `BLNHC`,
 `BLHNC`), attention layers only. Anything else (Mamba raw buffers, HiSparse host pools,
-non-block-compact layouts) is detected from the `KVCacheConfig` on both sides alike, and
-vLLM then runs on its own memory with a warning.
+non-block-compact layouts) is detected by the scheduler and by each worker from the
+`KVCacheConfig` (the same one, with the same environment), and vLLM then runs on its own
+memory with a warning. Every batch carries the layout's `Geometry.key`; a worker refuses a
+batch for another layout. A worker on vattn memory under a scheduler that fell back gets
+no batches at all, which is not detected (it needs different `VATTN_VLLM*` variables in
+the two processes).
 """
 from __future__ import annotations
 
@@ -161,9 +165,10 @@ class Geometry:
         return -(-end // self.page_size) * self.page_size
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        """What the scheduler's and a worker's page numbering depend on."""
-        return (self.num_blocks, self.block_bytes, self.page_size)
+    def key(self) -> tuple:
+        """The whole layout the scheduler's and a worker's page operations depend on: the
+        blocks, their bytes, the page, and the regions (their number and offsets)."""
+        return (self.num_blocks, self.block_bytes, self.page_size, self.regions)
 
 
 def _layer_spec(kv_cache_config: Any, layer: str) -> Any:
@@ -254,7 +259,7 @@ class PageOps:
     ("release", [group ids]). `seq` counts batches from 1; `key` is the geometry's."""
 
     seq: int
-    key: tuple[int, int, int]
+    key: tuple
     ops: list[tuple] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
