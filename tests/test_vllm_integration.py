@@ -491,6 +491,8 @@ def test_ops_without_a_vattn_worker_are_an_error():
     vv.reset_worker()
     with pytest.raises(vv.OpsOutOfOrderError, match="VATTN_VLLM"):
         vv.apply(SimpleNamespace(vattn_ops=ops))
+    with pytest.raises(vv.OpsOutOfOrderError, match="VATTN_VLLM"):  # the idle path alike
+        vv.apply_rpc(SimpleNamespace(), ops)
     vv.apply(SimpleNamespace(vattn_ops=None))  # nothing to do
 
 

@@ -704,7 +704,15 @@ def worker_kv(device: torch.device | str | None = None) -> WorkerKV | None:
 def apply(scheduler_output: Any) -> None:
     """The worker's hook (top of `Worker.execute_model`): map and unmap what the scheduler
     decided for this step, before the forward."""
-    ops = getattr(scheduler_output, "vattn_ops", None)
+    _apply_here(getattr(scheduler_output, "vattn_ops", None))
+
+
+def apply_rpc(worker: Any, ops: PageOps) -> None:
+    """`collective_rpc` target for the operations sent while idle (idle trim, `set_limit`)."""
+    _apply_here(ops)
+
+
+def _apply_here(ops: PageOps | None) -> None:
     if ops is None:
         return
     w = worker_kv()
@@ -712,13 +720,6 @@ def apply(scheduler_output: Any) -> None:
         raise OpsOutOfOrderError("the scheduler sent vattn page operations but this worker's KV cache is not "
                                  "on vattn memory (is VATTN_VLLM the same for the scheduler and the workers?)")
     w.apply(ops)
-
-
-def apply_rpc(worker: Any, ops: PageOps) -> None:
-    """`collective_rpc` target for the operations of an idle trim."""
-    w = worker_kv()
-    if w is not None:
-        w.apply(ops)
 
 
 def reset_worker() -> None:
