@@ -632,7 +632,7 @@ class _FreeBlocks:
         self.handle = handle
 
     def __len__(self) -> int:
-        return min(self.pool.num_free_blocks, self.pool.available_blocks())
+        return self.pool.available_blocks()  # never more than the free blocks
 
     def popleft(self) -> int:
         return _alloc_one(self.pool, self.handle, "block")

@@ -57,7 +57,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -76,8 +75,6 @@ SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
 REFUSED_RETRY_S = 1.0  # after the device refused new pages, report no growth this long
 
 logger = logging.getLogger("vattn.sglang")
-_lock = threading.Lock()
-_live: list[weakref.ref] = []  # ElasticKV objects of this process
 
 
 # ------------------------------------------------------------------ settings ----
@@ -202,11 +199,8 @@ class ElasticKV:
         self.idle_since = 0.0  # ...and when (no clock on the allocation path)
         self.trimmed_generation = -1
         self.refused_until = 0.0
-        self.num_refills = 0
         self.num_drained_chunks = 0
         self._pin(0)
-        with _lock:
-            _live[:] = [r for r in _live if r() is not None] + [weakref.ref(self)]
 
     # ---------------------------------------------------------------- geometry ----
     def valid_units(self, chunk: int) -> range:
@@ -274,7 +268,6 @@ class ElasticKV:
             self._zero(got)
             units = torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64) for r in map(self.valid_units, got)])
             alloc.free_pages = torch.cat((alloc.free_pages, units.to(alloc.free_pages.device)))
-            self.num_refills += 1
         return True
 
     def _give_back(self, chunks: list[int]) -> None:
@@ -376,12 +369,6 @@ def _take_free_list(alloc: Any) -> torch.Tensor:
         free = torch.cat((free, release))
         alloc.release_pages = release[:0]
     return free
-
-
-def kv_caches() -> list[ElasticKV]:
-    """The live vattn KV backings of this process."""
-    with _lock:
-        return [kv for r in _live if (kv := r()) is not None]
 
 
 # ------------------------------------------------------------- the patch's calls ----
@@ -523,4 +510,4 @@ def check_sglang(version: str) -> None:
 
 
 __all__ = ["SUPPORTED_VERSIONS", "KVSettings", "ElasticKV", "enabled", "kv_settings", "create_kv_buffers", "bind",
-           "ensure", "extra_tokens", "unbacked_tokens", "reset", "on_idle", "kv_caches", "chunk_page", "check_sglang"]
+           "ensure", "extra_tokens", "unbacked_tokens", "reset", "on_idle", "chunk_page", "check_sglang"]

@@ -288,7 +288,6 @@ class RecordingBackend(Backend):
         self.page = page
         self.log: list[tuple] = []
         self._next = 0
-        self.num_groups = 0  # created and not released
 
     def reserve(self, nbytes: int, alignment: int) -> _Range:
         return _Range(nbytes)
@@ -300,12 +299,10 @@ class RecordingBackend(Backend):
     def _create(self, n: int, num_buffers: int, page_size: int) -> list:
         ids = list(range(self._next, self._next + n))
         self._next += n
-        self.num_groups += n
         self.log.append(("create", ids))
         return ids
 
     def _release(self, groups: list) -> None:
-        self.num_groups -= len(groups)
         self.log.append(("release", list(groups)))
 
     def _map(self, bases, offsets, groups, page_size) -> None:
@@ -371,8 +368,9 @@ class SchedulerKV:
         bp = self.block_pool
         k = min(n, self.pool.available_blocks())
         ids = self.pool.alloc(k) if k else []
-        if ids is None:  # the estimate was high (a shared budget changed meanwhile)
-            ids = []
+        # available_blocks is a lower bound of alloc; these books have no shared budget and
+        # the recording backend never refuses, so alloc(k) cannot miss
+        assert ids is not None, "vattn: the scheduler's pool refused blocks it counted as available"
         rest = n - len(ids)
         if rest > bp.free_block_queue.num_free_blocks:
             if ids:
@@ -570,7 +568,8 @@ class WorkerKV:
         self.device = torch.device(device)
         self.geometry = g = geometry(kv_cache_config)
         if size > g.reserved_bytes:
-            raise UnsupportedLayoutError(f"an allocation of {size} bytes is larger than the KV cache's {g.size}")
+            raise UnsupportedLayoutError(f"an allocation of {size} bytes is larger than the KV cache's reservation "
+                                         f"of {g.reserved_bytes} bytes")
         self.backend = backend if backend is not None else make_backend(self.device)
         self._own_backend = backend is None
         self.backend.check_page_size(g.page_size)
