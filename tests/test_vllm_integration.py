@@ -544,6 +544,9 @@ def test_idle_trim_off(monkeypatch):
     monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", "soon")
     with pytest.raises(vv.InvalidConfigError, match="seconds"):
         vv.on_idle(core)
+    monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", "nan")
+    with pytest.raises(vv.InvalidConfigError, match="seconds"):
+        vv.on_idle(core)
 
 
 @pytest.mark.parametrize("trim_s", ["30", "-1"])

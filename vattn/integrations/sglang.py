@@ -67,6 +67,7 @@ import torch
 from vattn.budget import Budget
 from vattn.config import MAX_PAGE_SIZE
 from vattn.errors import InvalidConfigError, VattnError
+from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
 
@@ -95,31 +96,17 @@ class KVSettings:
     @staticmethod
     def from_env(env: Any = None) -> KVSettings:
         env = os.environ if env is None else env
-
-        def number(name: str, cast: Any, default: Any) -> Any:
-            raw = env.get(name, "").strip()
-            if not raw:
-                return default
-            try:
-                return cast(raw)
-            except ValueError:
-                raise InvalidConfigError(f"{name}={raw!r} is not a number") from None
-
-        limit = number("VATTN_SGLANG_MEMORY_LIMIT", int, None)
-        page = number("VATTN_SGLANG_PAGE_SIZE", int, None)
-        if limit is not None and limit < 0:
-            raise InvalidConfigError(f"VATTN_SGLANG_MEMORY_LIMIT must be >= 0 bytes, got {limit}")
-        if page is not None and page <= 0:
-            raise InvalidConfigError(f"VATTN_SGLANG_PAGE_SIZE must be > 0 bytes, got {page}")
-        return KVSettings(memory_limit=limit, page_size=page,
-                          idle_trim_s=number("VATTN_SGLANG_IDLE_TRIM_S", float, 2.0),
-                          zero_new_pages=env.get("VATTN_SGLANG_ZERO", "1").strip() != "0")
+        nbytes = "an integer number of bytes"
+        limit = _env.number("VATTN_SGLANG_MEMORY_LIMIT", int, None, low=0, env=env, what=nbytes)
+        page = _env.number("VATTN_SGLANG_PAGE_SIZE", int, None, low=1, env=env, what=nbytes)
+        trim = _env.idle_trim_s("VATTN_SGLANG_IDLE_TRIM_S", 2.0, env=env)
+        return KVSettings(memory_limit=limit, page_size=page, idle_trim_s=-1.0 if trim is None else trim,
+                          zero_new_pages=_env.flag("VATTN_SGLANG_ZERO", env))
 
 
 def enabled(env: Any = None) -> bool:
     """False when `VATTN_SGLANG=0` (the patched SGLang then uses its own memory)."""
-    env = os.environ if env is None else env
-    return env.get("VATTN_SGLANG", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env.flag("VATTN_SGLANG", env)
 
 
 _said: set[str] = set()

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -76,6 +75,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from vattn.errors import InvalidConfigError, VattnError
+from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
 from vattn.vmem.base import Backend
@@ -98,43 +98,22 @@ class OpsOutOfOrderError(VattnError, RuntimeError):
 # ------------------------------------------------------------------ configuration ----
 def enabled() -> bool:
     """False when `VATTN_VLLM=0` (stock vLLM memory)."""
-    return os.environ.get("VATTN_VLLM", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env.flag("VATTN_VLLM")
 
 
 def page_size() -> int:
     """Bytes of one page (per region); `VATTN_VLLM_PAGE_SIZE`, default 2 MiB."""
-    return _env_int("VATTN_VLLM_PAGE_SIZE", DEFAULT_PAGE_SIZE, low=1)
+    return _env.number("VATTN_VLLM_PAGE_SIZE", int, DEFAULT_PAGE_SIZE, low=1, what="an integer number of bytes")
 
 
 def memory_limit() -> int | None:
     """`VATTN_VLLM_LIMIT`: bytes of KV pages each worker may hold (None: the whole cache)."""
-    v = os.environ.get("VATTN_VLLM_LIMIT")
-    return None if v in (None, "") else _env_int("VATTN_VLLM_LIMIT", 0, low=0)
+    return _env.number("VATTN_VLLM_LIMIT", int, None, low=0, what="an integer number of bytes")
 
 
 def idle_trim_s() -> float | None:
     """Seconds of idleness before memory goes back; None: never."""
-    v = os.environ.get("VATTN_VLLM_IDLE_TRIM_S")
-    if v in (None, ""):
-        return DEFAULT_IDLE_TRIM_S
-    try:
-        s = float(v)
-    except ValueError:
-        raise InvalidConfigError(f"VATTN_VLLM_IDLE_TRIM_S must be a number of seconds, got {v!r}") from None
-    return None if s < 0 else s
-
-
-def _env_int(name: str, default: int, low: int) -> int:
-    v = os.environ.get(name)
-    if v in (None, ""):
-        return default
-    try:
-        n = int(v, 0)
-    except ValueError:
-        raise InvalidConfigError(f"{name} must be an integer number of bytes, got {v!r}") from None
-    if n < low:
-        raise InvalidConfigError(f"{name} must be >= {low}, got {n}")
-    return n
+    return _env.idle_trim_s("VATTN_VLLM_IDLE_TRIM_S", DEFAULT_IDLE_TRIM_S)
 
 
 # ----------------------------------------------------------------------- geometry ----
