@@ -40,6 +40,13 @@ allocators, block tables, attention and scheduler run as they are. When memory i
 what memory can back, so it waits, offloads or soft-resets requests as it does when its
 own cache is full.
 
+Limit: memory given back (`trim`, the idle policy) can be taken by another process, and
+the free count transformers reads looks only at `memory_limit` and the budget, not at
+the device. If the device then refuses pages for a block transformers counted as free,
+the allocation waits `ALLOC_RETRY_S` (2 s) and raises `OutOfPhysicalMemoryError` inside
+transformers' generation loop, which stops and fails the requests in flight. Sharing a
+GPU, give each process a `memory_limit` (and the servers theirs) whose sum fits it.
+
 Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py, see
 tests/test_hf_cb_versions.py). The hook checks the exact names and source lines it relies
 on and raises `InvalidConfigError` on any other version or a changed one.

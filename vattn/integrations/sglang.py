@@ -22,7 +22,11 @@ memory comes from:
   appends their pages to the free list. When memory cannot back the whole request it
   lends nothing and the allocator returns None, nothing changed, as when its static pool
   is full; `available_size()` counted only what memory can back, so SGLang's scheduler
-  evicts from the radix cache, retracts or waits first.
+  evicts from the radix cache, retracts or waits first. "What memory can back" is the
+  limit and the budget, not the device: if the device refuses pages they allow (another
+  process took what an idle trim gave back), the alloc returns None and SGLang raises
+  "Prefill/Decode out of memory", which stops its scheduler. Sharing a GPU, give each
+  process a `VATTN_SGLANG_MEMORY_LIMIT` whose sum fits it.
 - **Giving back (scheduler thread, when idle).** SGLang frees pages into its free list;
   they stay mapped. `on_idle` (after `idle_trim_s` of full idleness), `trim()` and the
   allocator's `clear()` (flush_cache) *drain*: the chunks whose pages are all in the free

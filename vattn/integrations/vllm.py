@@ -49,7 +49,10 @@ different processes (one process with multiprocessing off; the code path is the 
 - **Short of memory** (the limit, `VATTN_VLLM_LIMIT` bytes per worker or `set_limit`):
   `get_num_free_blocks` counts what can be backed now, so `allocate_slots` returns None
   and vLLM preempts or waits, as when its own pool is full. Cached prefix blocks are
-  handed out (evicted) only after the memory under the limit is used.
+  handed out (evicted) only after the memory under the limit is used. The count looks at
+  the limit only: if the device refuses pages the limit allows (another process took the
+  memory an idle trim gave back), the worker's `create` raises inside `execute_model` and
+  the engine dies. Sharing a GPU, give each process a limit whose sum fits it.
 
 Environment: `VATTN_VLLM=0` turns it off (stock vLLM, for A/B runs), `VATTN_VLLM_PAGE_SIZE`
 (bytes; default 2 MiB, the CUDA granularity), `VATTN_VLLM_LIMIT`, `VATTN_VLLM_IDLE_TRIM_S`.
