@@ -45,7 +45,8 @@ different processes (one process with multiprocessing off; the code path is the 
 - **Idle.** When the engine has had no work for `VATTN_VLLM_IDLE_TRIM_S` seconds
   (default 30; 0: at once; negative: never), EngineCore evicts the prefix-cache blocks
   nobody uses, gives back every page no block holds, and sends the operations to the
-  workers with `collective_rpc` (no step follows to carry them).
+  workers with `collective_rpc` (no step follows to carry them). Operations recorded
+  while idle otherwise (`set_limit`) are sent the same way at once.
 - **Short of memory** (the limit, `VATTN_VLLM_LIMIT` bytes per worker or `set_limit`):
   `get_num_free_blocks` counts what can be backed now, so `allocate_slots` returns None
   and vLLM preempts or waits, as when its own pool is full. Cached prefix blocks are
