@@ -166,6 +166,42 @@ def test_idle_policy_gives_memory_back(models, cleanup):
 
 
 @needs_cb
+def test_enable_again_restarts_or_stops_the_idle_policy(models, cleanup, caplog):
+    """enable() again without idle_trim_s stops the idle thread cleanly (it used to die on
+    None / 4); with it, the policy runs again. A trim that fails for a reason other than a
+    closed pool is logged, not swallowed."""
+    ms, refs = models
+    model = ms["qwen2"]
+    cb = hf_cb.enable(model, page_size=PAGE, idle_trim_s=0.05)
+    assert generate(model, persistent=True) == refs["qwen2"]  # the cache stays: the policy has a pool
+    first = cb._idle_thread
+    assert first is not None and first.is_alive()
+    errors = []
+    old_hook, threading.excepthook = threading.excepthook, errors.append
+    try:
+        assert hf_cb.enable(model, page_size=PAGE) is cb  # idle_trim_s None: the policy stops
+        first.join(5)
+        assert not first.is_alive() and not errors
+        hf_cb.enable(model, page_size=PAGE, idle_trim_s=0.05)  # and starts again
+        second = cb._idle_thread
+        assert second is not first and second.is_alive()
+
+        def broken(manager=None):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        cb.trim = broken
+        cb._touch()
+        deadline = time.monotonic() + 10
+        while "idle trim" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "idle trim of a continuous-batching cache failed" in caplog.text and "CUDA error" in caplog.text
+        assert second.is_alive() and not errors
+    finally:
+        threading.excepthook = old_hook
+        cb.close()
+
+
+@needs_cb
 def test_two_models_share_one_budget(models, cleanup):
     ms, refs = models
     budget = vattn.Budget(16 * SECTOR)

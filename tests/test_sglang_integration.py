@@ -481,6 +481,13 @@ def test_settings_and_declines(monkeypatch):
     monkeypatch.setenv("VATTN_SGLANG_MEMORY_LIMIT", "lots")
     with pytest.raises(vattn.InvalidConfigError, match="VATTN_SGLANG_MEMORY_LIMIT"):
         vs.kv_settings()
+    monkeypatch.setenv("VATTN_SGLANG_MEMORY_LIMIT", "0x100000")  # read as the vLLM variables are
+    assert vs.kv_settings().memory_limit == 1 << 20
+    monkeypatch.setenv("VATTN_SGLANG_IDLE_TRIM_S", "nan")
+    with pytest.raises(vattn.InvalidConfigError, match="VATTN_SGLANG_IDLE_TRIM_S"):
+        vs.kv_settings()
+    monkeypatch.setenv("VATTN_SGLANG_IDLE_TRIM_S", "-3")  # never
+    assert vs.kv_settings().idle_trim_s < 0
     # pools vattn does not back keep SGLang's own memory
     for kwargs in ({"layout": "hnd"}, {"v_head_dim": 8}):
         pool = MHATokenToKVPool(64, 1, vs.KVSettings(page_size=VPAGE), **kwargs)

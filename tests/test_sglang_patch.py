@@ -208,7 +208,7 @@ class _Adapter:
 def _make(mods, page_size: int, size: int, **settings):
     from tests.test_sglang_integration import VPAGE, MHATokenToKVPool
 
-    settings.setdefault("page_size", VPAGE)
+    settings["page_size"] = settings.pop("vpage", VPAGE)  # vattn's page (page_size is SGLang's)
     settings.setdefault("idle_trim_s", 0.0)
     pool = MHATokenToKVPool(size, page_size, vs.KVSettings(**settings))
     if page_size == 1:
@@ -256,6 +256,34 @@ def test_real_allocators_under_a_limit(sglang_alloc, page_size):
         assert _Adapter(alloc).alloc_decode([1] * n, [0] * n) is None
     assert torch.equal(alloc.free_pages, free) and mapped(kv) <= limit
     check_books(kv, alloc, [])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_real_allocators_keep_the_drain_order(sglang_alloc, page_size):
+    """drain() puts the pages of the fullest chunks first; SGLang's merge_and_sort_free,
+    which its alloc paths call when the free list runs short, re-sorts only with need_sort
+    (PD disaggregation, where vattn keeps SGLang's memory), so the order holds."""
+    from tests.test_sglang_integration import VPAGE, whole
+
+    vpage = VPAGE if page_size == 1 else 4 * VPAGE  # at least 4 SGLang pages a chunk
+    pool, alloc, kv = _make(sglang_alloc, page_size, whole(page_size, 4096), vpage=vpage)
+    c = kv.chunk_pages
+    assert c >= 4 and kv.num_chunks > 3 and not alloc.need_sort
+    held = alloc.alloc((len(kv.valid_units(0)) + 2 * c) * page_size)  # chunks 0, 1 and 2 whole
+    pages = held.view(-1, page_size)[:, 0] // page_size if page_size > 1 else held
+    of = {int(u): int(u) // c for u in pages}
+    one = [u for u in of if of[u] == 1]
+    two = [u for u in of if of[u] == 2]
+    to_tokens = (lambda us: (torch.tensor(us)[:, None] * page_size + torch.arange(page_size)).reshape(-1))
+    alloc.free(to_tokens(one[:-1]))  # chunk 1: all free but one page
+    alloc.free(to_tokens(two[:2]))  # chunk 2: two pages free (the fullest)
+    assert kv.drain(alloc) == 0  # no chunk all free: nothing given back, the list reordered
+    first = alloc.free_pages[:2].tolist()
+    assert all(u // c == 2 for u in first), first
+    short = len(alloc.free_pages) + 1  # more than the free list: merge_and_sort_free, then a lent chunk
+    got = alloc.alloc(short * page_size)
+    got = (got.view(-1, page_size)[:, 0] // page_size if page_size > 1 else got).tolist()
+    assert got[:2] == first  # the fullest chunk's pages still came first
 
 
 def test_sglang_own_allocator_tests(tree, sglang_alloc, tmp_path):

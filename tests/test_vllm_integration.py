@@ -470,6 +470,20 @@ def test_batches_out_of_order_are_refused():
         w.apply(bad)
 
 
+def test_the_layout_key_covers_the_regions():
+    """Same blocks, block bytes and page, another number of regions: a different layout,
+    and a worker refuses its batches."""
+    one = vv.geometry(kv_config(num_blocks=64, layers=1))
+    two = vv.geometry(kv_config(num_blocks=64, layers=2))
+    assert one.key[:3] == two.key[:3] and one.key != two.key
+    bp, skv, w, _ = engine(kv_config(num_blocks=64, layers=2))
+    bp.get_new_blocks(10)
+    ops = skv.drain()
+    with pytest.raises(vv.OpsOutOfOrderError, match="geometry"):
+        w.apply(vv.PageOps(ops.seq, one.key, ops.ops))
+    w.apply(ops)
+
+
 def test_ops_without_a_vattn_worker_are_an_error():
     bp, skv, w, _ = engine()
     bp.get_new_blocks(10)
@@ -477,6 +491,8 @@ def test_ops_without_a_vattn_worker_are_an_error():
     vv.reset_worker()
     with pytest.raises(vv.OpsOutOfOrderError, match="VATTN_VLLM"):
         vv.apply(SimpleNamespace(vattn_ops=ops))
+    with pytest.raises(vv.OpsOutOfOrderError, match="VATTN_VLLM"):  # the idle path alike
+        vv.apply_rpc(SimpleNamespace(), ops)
     vv.apply(SimpleNamespace(vattn_ops=None))  # nothing to do
 
 
@@ -528,6 +544,42 @@ def test_idle_trim_off(monkeypatch):
     monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", "soon")
     with pytest.raises(vv.InvalidConfigError, match="seconds"):
         vv.on_idle(core)
+    monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", "nan")
+    with pytest.raises(vv.InvalidConfigError, match="seconds"):
+        vv.on_idle(core)
+
+
+@pytest.mark.parametrize("trim_s", ["30", "-1"])
+def test_set_limit_on_an_idle_engine_reaches_the_workers(monkeypatch, trim_s):
+    """While idle (idle trim off, or not due yet) no step follows: the limit's unmaps must
+    reach the workers now, not with the next request."""
+    monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", trim_s)
+    bp, skv, w, _ = engine(kv_config(num_blocks=256))
+    sent = []
+
+    class Executor:
+        def collective_rpc(self, method, args=()):
+            sent.append(args[0])
+            return [method(SimpleNamespace(), *args)]
+
+    core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=bp)),
+                           model_executor=Executor())
+    a = bp.get_new_blocks(40)
+    step(skv)
+    bp.free_blocks(a[20:])
+    vv.on_idle(core)
+    assert not sent and (vv.idle_wakeup(core) is None) == (trim_s == "-1")  # block, or wait ~30 s
+    skv.set_limit(4 * 2 * PAGE)  # in the EngineCore process, e.g. from a utility call
+    assert vv.idle_wakeup(core) == 0.0  # the idle loop comes back at once
+    vv.on_idle(core)
+    assert sent and w.mapped_bytes <= 4 * 2 * PAGE and w.seq == skv.seq
+    assert vv.idle_wakeup(core) != 0.0
+    for b in a[:20]:
+        assert w.is_mapped(b.block_id)
+    n = len(sent)
+    vv.set_limit(core, 3 * 2 * PAGE)  # the in-process API sends at once
+    assert len(sent) == n + 1 and w.mapped_bytes <= 3 * 2 * PAGE and w.seq == skv.seq
+    skv.check_invariants()
 
 
 def test_block_outer_layout_blocks_span_pages():

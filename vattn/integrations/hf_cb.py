@@ -40,6 +40,13 @@ allocators, block tables, attention and scheduler run as they are. When memory i
 what memory can back, so it waits, offloads or soft-resets requests as it does when its
 own cache is full.
 
+Limit: memory given back (`trim`, the idle policy) can be taken by another process, and
+the free count transformers reads looks only at `memory_limit` and the budget, not at
+the device. If the device then refuses pages for a block transformers counted as free,
+the allocation waits `ALLOC_RETRY_S` (2 s) and raises `OutOfPhysicalMemoryError` inside
+transformers' generation loop, which stops and fails the requests in flight. Sharing a
+GPU, give each process a `memory_limit` (and the servers theirs) whose sum fits it.
+
 Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py, see
 tests/test_hf_cb_versions.py). The hook checks the exact names and source lines it relies
 on and raises `InvalidConfigError` on any other version or a changed one.
@@ -49,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import logging
 import os
 import re
 import sys
@@ -60,8 +68,10 @@ from typing import Any, Iterable
 import torch
 
 from vattn.budget import Budget
-from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError
+from vattn.errors import ClosedError, InvalidConfigError, OutOfPhysicalMemoryError
 from vattn.pool import ElasticPool, PoolStats
+
+logger = logging.getLogger("vattn.hf_cb")
 
 # transformers major.minor -> the design of its continuous-batching cache, each verified with tests/test_hf_cb.py
 DESIGNS = {"5.17": "blocks", "5.18": "sectors", "5.19": "sectors", "5.20": "sectors", "5.21": "sectors", "5.22": "sectors",
@@ -218,7 +228,8 @@ class ElasticCB:
                     with m.pause():
                         _evict_cached_blocks(cache)
             except RuntimeError:  # the loop stopped in between: pause() refuses; nothing to evict now
-                pass
+                if m.is_running():  # anything else (a CUDA error...) is the caller's to see
+                    raise
         return sum(p.trim() for p in self.pools)
 
     @property
@@ -237,20 +248,45 @@ class ElasticCB:
     def _touch(self) -> None:
         self.last_activity = time.monotonic()
 
-    def _idle_loop(self) -> None:
+    def _idle_loop(self, stop: threading.Event) -> None:
         """The idle policy (`idle_trim_s`): once no block was handed out or given back for that
         long and no request is in flight, trim (prefix-sharing blocks evicted) once per idle period."""
         done_for = None
-        while not self._stop.wait(max(0.02, min(1.0, self.idle_trim_s / 4))):
+        while True:
+            delay = self.idle_trim_s
+            if delay is None or stop.wait(max(0.02, min(1.0, delay / 4))):
+                return
             last = self.last_activity
-            if done_for == last or time.monotonic() - last < self.idle_trim_s or not self.pools or self.busy():
+            if done_for == last or time.monotonic() - last < delay or not self.pools or self.busy():
                 continue
             try:
                 self.trim()
                 self.num_idle_trims += 1
-            except Exception:  # a pool closed in between: the next period looks again
+            except ClosedError:  # a pool closed in between: the next period looks again
                 pass
+            except Exception:  # a real failure (CUDA...): say so; the next idle period tries again
+                logger.warning("vattn: the idle trim of a continuous-batching cache failed", exc_info=True)
             done_for = self.last_activity  # the blocks the trim itself gave back are no new activity
+
+    def _start_idle(self) -> None:
+        """Run the idle policy's thread when `idle_trim_s` is set and a pool exists (once)."""
+        if self.idle_trim_s is None or not self._pools:
+            return
+        if self._idle_thread is not None and self._idle_thread.is_alive() and not self._stop.is_set():
+            return
+        self._stop = threading.Event()  # the old thread, if any, keeps its own (set) event and ends
+        self._idle_thread = threading.Thread(target=self._idle_loop, args=(self._stop,), name="vattn-hf-idle-trim",
+                                             daemon=True)
+        self._idle_thread.start()
+
+    def _set_idle_trim_s(self, idle_trim_s: float | None) -> None:
+        """A new idle policy: the thread stops when it is None, starts (or goes on with the
+        new delay) otherwise."""
+        self.idle_trim_s = idle_trim_s
+        if idle_trim_s is None:
+            self._stop.set()
+        else:
+            self._start_idle()
 
     def close(self) -> None:
         """Stop the idle policy's thread (live pools stay)."""
@@ -277,10 +313,7 @@ class ElasticCB:
                            page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device")
         self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
         self.num_caches += 1
-        if self.idle_trim_s is not None and (self._idle_thread is None or not self._idle_thread.is_alive()):
-            self._stop.clear()
-            self._idle_thread = threading.Thread(target=self._idle_loop, name="vattn-hf-idle-trim", daemon=True)
-            self._idle_thread.start()
+        self._start_idle()
         return pool
 
     def _track(self, manager: Any) -> None:
@@ -331,7 +364,7 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
             _handles[id(config)] = (ref, handle)
         else:
             handle.memory_limit, handle.budget, handle.page_size = memory_limit, budget, page_size
-            handle.idle_trim_s = idle_trim_s
+            handle._set_idle_trim_s(idle_trim_s)
         return handle
 
 
@@ -606,7 +639,7 @@ class _FreeBlocks:
         self.handle = handle
 
     def __len__(self) -> int:
-        return min(self.pool.num_free_blocks, self.pool.available_blocks())
+        return self.pool.available_blocks()  # never more than the free blocks
 
     def popleft(self) -> int:
         return _alloc_one(self.pool, self.handle, "block")

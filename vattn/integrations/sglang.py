@@ -22,7 +22,11 @@ memory comes from:
   appends their pages to the free list. When memory cannot back the whole request it
   lends nothing and the allocator returns None, nothing changed, as when its static pool
   is full; `available_size()` counted only what memory can back, so SGLang's scheduler
-  evicts from the radix cache, retracts or waits first.
+  evicts from the radix cache, retracts or waits first. "What memory can back" is the
+  limit and the budget, not the device: if the device refuses pages they allow (another
+  process took what an idle trim gave back), the alloc returns None and SGLang raises
+  "Prefill/Decode out of memory", which stops its scheduler. Sharing a GPU, give each
+  process a `VATTN_SGLANG_MEMORY_LIMIT` whose sum fits it.
 - **Giving back (scheduler thread, when idle).** SGLang frees pages into its free list;
   they stay mapped. `on_idle` (after `idle_trim_s` of full idleness), `trim()` and the
   allocator's `clear()` (flush_cache) *drain*: the chunks whose pages are all in the free
@@ -57,7 +61,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -68,6 +71,7 @@ import torch
 from vattn.budget import Budget
 from vattn.config import MAX_PAGE_SIZE
 from vattn.errors import InvalidConfigError, VattnError
+from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
 
@@ -76,8 +80,6 @@ SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
 REFUSED_RETRY_S = 1.0  # after the device refused new pages, report no growth this long
 
 logger = logging.getLogger("vattn.sglang")
-_lock = threading.Lock()
-_live: list[weakref.ref] = []  # ElasticKV objects of this process
 
 
 # ------------------------------------------------------------------ settings ----
@@ -98,31 +100,17 @@ class KVSettings:
     @staticmethod
     def from_env(env: Any = None) -> KVSettings:
         env = os.environ if env is None else env
-
-        def number(name: str, cast: Any, default: Any) -> Any:
-            raw = env.get(name, "").strip()
-            if not raw:
-                return default
-            try:
-                return cast(raw)
-            except ValueError:
-                raise InvalidConfigError(f"{name}={raw!r} is not a number") from None
-
-        limit = number("VATTN_SGLANG_MEMORY_LIMIT", int, None)
-        page = number("VATTN_SGLANG_PAGE_SIZE", int, None)
-        if limit is not None and limit < 0:
-            raise InvalidConfigError(f"VATTN_SGLANG_MEMORY_LIMIT must be >= 0 bytes, got {limit}")
-        if page is not None and page <= 0:
-            raise InvalidConfigError(f"VATTN_SGLANG_PAGE_SIZE must be > 0 bytes, got {page}")
-        return KVSettings(memory_limit=limit, page_size=page,
-                          idle_trim_s=number("VATTN_SGLANG_IDLE_TRIM_S", float, 2.0),
-                          zero_new_pages=env.get("VATTN_SGLANG_ZERO", "1").strip() != "0")
+        nbytes = "an integer number of bytes"
+        limit = _env.number("VATTN_SGLANG_MEMORY_LIMIT", int, None, low=0, env=env, what=nbytes)
+        page = _env.number("VATTN_SGLANG_PAGE_SIZE", int, None, low=1, env=env, what=nbytes)
+        trim = _env.idle_trim_s("VATTN_SGLANG_IDLE_TRIM_S", 2.0, env=env)
+        return KVSettings(memory_limit=limit, page_size=page, idle_trim_s=-1.0 if trim is None else trim,
+                          zero_new_pages=_env.flag("VATTN_SGLANG_ZERO", env))
 
 
 def enabled(env: Any = None) -> bool:
     """False when `VATTN_SGLANG=0` (the patched SGLang then uses its own memory)."""
-    env = os.environ if env is None else env
-    return env.get("VATTN_SGLANG", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env.flag("VATTN_SGLANG", env)
 
 
 _said: set[str] = set()
@@ -202,11 +190,8 @@ class ElasticKV:
         self.idle_since = 0.0  # ...and when (no clock on the allocation path)
         self.trimmed_generation = -1
         self.refused_until = 0.0
-        self.num_refills = 0
         self.num_drained_chunks = 0
         self._pin(0)
-        with _lock:
-            _live[:] = [r for r in _live if r() is not None] + [weakref.ref(self)]
 
     # ---------------------------------------------------------------- geometry ----
     def valid_units(self, chunk: int) -> range:
@@ -274,7 +259,6 @@ class ElasticKV:
             self._zero(got)
             units = torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64) for r in map(self.valid_units, got)])
             alloc.free_pages = torch.cat((alloc.free_pages, units.to(alloc.free_pages.device)))
-            self.num_refills += 1
         return True
 
     def _give_back(self, chunks: list[int]) -> None:
@@ -376,12 +360,6 @@ def _take_free_list(alloc: Any) -> torch.Tensor:
         free = torch.cat((free, release))
         alloc.release_pages = release[:0]
     return free
-
-
-def kv_caches() -> list[ElasticKV]:
-    """The live vattn KV backings of this process."""
-    with _lock:
-        return [kv for r in _live if (kv := r()) is not None]
 
 
 # ------------------------------------------------------------- the patch's calls ----
@@ -523,4 +501,4 @@ def check_sglang(version: str) -> None:
 
 
 __all__ = ["SUPPORTED_VERSIONS", "KVSettings", "ElasticKV", "enabled", "kv_settings", "create_kv_buffers", "bind",
-           "ensure", "extra_tokens", "unbacked_tokens", "reset", "on_idle", "kv_caches", "chunk_page", "check_sglang"]
+           "ensure", "extra_tokens", "unbacked_tokens", "reset", "on_idle", "chunk_page", "check_sglang"]

@@ -45,11 +45,15 @@ different processes (one process with multiprocessing off; the code path is the 
 - **Idle.** When the engine has had no work for `VATTN_VLLM_IDLE_TRIM_S` seconds
   (default 30; 0: at once; negative: never), EngineCore evicts the prefix-cache blocks
   nobody uses, gives back every page no block holds, and sends the operations to the
-  workers with `collective_rpc` (no step follows to carry them).
+  workers with `collective_rpc` (no step follows to carry them). Operations recorded
+  while idle otherwise (`set_limit`) are sent the same way at once.
 - **Short of memory** (the limit, `VATTN_VLLM_LIMIT` bytes per worker or `set_limit`):
   `get_num_free_blocks` counts what can be backed now, so `allocate_slots` returns None
   and vLLM preempts or waits, as when its own pool is full. Cached prefix blocks are
-  handed out (evicted) only after the memory under the limit is used.
+  handed out (evicted) only after the memory under the limit is used. The count looks at
+  the limit only: if the device refuses pages the limit allows (another process took the
+  memory an idle trim gave back), the worker's `create` raises inside `execute_model` and
+  the engine dies. Sharing a GPU, give each process a limit whose sum fits it.
 
 Environment: `VATTN_VLLM=0` turns it off (stock vLLM, for A/B runs), `VATTN_VLLM_PAGE_SIZE`
 (bytes; default 2 MiB, the CUDA granularity), `VATTN_VLLM_LIMIT`, `VATTN_VLLM_IDLE_TRIM_S`.
@@ -57,14 +61,17 @@ The scheduler and the workers read the same variables (workers inherit the envir
 
 Layouts: the KV cache's block-compact layouts (`LBNHC`/NHD, `LBHNC`/HND, `BLNHC`,
 `BLHNC`), attention layers only. Anything else (Mamba raw buffers, HiSparse host pools,
-non-block-compact layouts) is detected from the `KVCacheConfig` on both sides alike, and
-vLLM then runs on its own memory with a warning.
+non-block-compact layouts) is detected by the scheduler and by each worker from the
+`KVCacheConfig` (the same one, with the same environment), and vLLM then runs on its own
+memory with a warning. Every batch carries the layout's `Geometry.key`; a worker refuses a
+batch for another layout. A worker on vattn memory under a scheduler that fell back gets
+no batches at all, which is not detected (it needs different `VATTN_VLLM*` variables in
+the two processes).
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -72,6 +79,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from vattn.errors import InvalidConfigError, VattnError
+from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
 from vattn.vmem.base import Backend
@@ -94,43 +102,22 @@ class OpsOutOfOrderError(VattnError, RuntimeError):
 # ------------------------------------------------------------------ configuration ----
 def enabled() -> bool:
     """False when `VATTN_VLLM=0` (stock vLLM memory)."""
-    return os.environ.get("VATTN_VLLM", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env.flag("VATTN_VLLM")
 
 
 def page_size() -> int:
     """Bytes of one page (per region); `VATTN_VLLM_PAGE_SIZE`, default 2 MiB."""
-    return _env_int("VATTN_VLLM_PAGE_SIZE", DEFAULT_PAGE_SIZE, low=1)
+    return _env.number("VATTN_VLLM_PAGE_SIZE", int, DEFAULT_PAGE_SIZE, low=1, what="an integer number of bytes")
 
 
 def memory_limit() -> int | None:
     """`VATTN_VLLM_LIMIT`: bytes of KV pages each worker may hold (None: the whole cache)."""
-    v = os.environ.get("VATTN_VLLM_LIMIT")
-    return None if v in (None, "") else _env_int("VATTN_VLLM_LIMIT", 0, low=0)
+    return _env.number("VATTN_VLLM_LIMIT", int, None, low=0, what="an integer number of bytes")
 
 
 def idle_trim_s() -> float | None:
     """Seconds of idleness before memory goes back; None: never."""
-    v = os.environ.get("VATTN_VLLM_IDLE_TRIM_S")
-    if v in (None, ""):
-        return DEFAULT_IDLE_TRIM_S
-    try:
-        s = float(v)
-    except ValueError:
-        raise InvalidConfigError(f"VATTN_VLLM_IDLE_TRIM_S must be a number of seconds, got {v!r}") from None
-    return None if s < 0 else s
-
-
-def _env_int(name: str, default: int, low: int) -> int:
-    v = os.environ.get(name)
-    if v in (None, ""):
-        return default
-    try:
-        n = int(v, 0)
-    except ValueError:
-        raise InvalidConfigError(f"{name} must be an integer number of bytes, got {v!r}") from None
-    if n < low:
-        raise InvalidConfigError(f"{name} must be >= {low}, got {n}")
-    return n
+    return _env.idle_trim_s("VATTN_VLLM_IDLE_TRIM_S", DEFAULT_IDLE_TRIM_S)
 
 
 # ----------------------------------------------------------------------- geometry ----
@@ -161,9 +148,10 @@ class Geometry:
         return -(-end // self.page_size) * self.page_size
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        """What the scheduler's and a worker's page numbering depend on."""
-        return (self.num_blocks, self.block_bytes, self.page_size)
+    def key(self) -> tuple:
+        """The whole layout the scheduler's and a worker's page operations depend on: the
+        blocks, their bytes, the page, and the regions (their number and offsets)."""
+        return (self.num_blocks, self.block_bytes, self.page_size, self.regions)
 
 
 def _layer_spec(kv_cache_config: Any, layer: str) -> Any:
@@ -254,7 +242,7 @@ class PageOps:
     ("release", [group ids]). `seq` counts batches from 1; `key` is the geometry's."""
 
     seq: int
-    key: tuple[int, int, int]
+    key: tuple
     ops: list[tuple] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
@@ -283,7 +271,6 @@ class RecordingBackend(Backend):
         self.page = page
         self.log: list[tuple] = []
         self._next = 0
-        self.num_groups = 0  # created and not released
 
     def reserve(self, nbytes: int, alignment: int) -> _Range:
         return _Range(nbytes)
@@ -295,12 +282,10 @@ class RecordingBackend(Backend):
     def _create(self, n: int, num_buffers: int, page_size: int) -> list:
         ids = list(range(self._next, self._next + n))
         self._next += n
-        self.num_groups += n
         self.log.append(("create", ids))
         return ids
 
     def _release(self, groups: list) -> None:
-        self.num_groups -= len(groups)
         self.log.append(("release", list(groups)))
 
     def _map(self, bases, offsets, groups, page_size) -> None:
@@ -366,8 +351,9 @@ class SchedulerKV:
         bp = self.block_pool
         k = min(n, self.pool.available_blocks())
         ids = self.pool.alloc(k) if k else []
-        if ids is None:  # the estimate was high (a shared budget changed meanwhile)
-            ids = []
+        # available_blocks is a lower bound of alloc; these books have no shared budget and
+        # the recording backend never refuses, so alloc(k) cannot miss
+        assert ids is not None, "vattn: the scheduler's pool refused blocks it counted as available"
         rest = n - len(ids)
         if rest > bp.free_block_queue.num_free_blocks:
             if ids:
@@ -421,7 +407,9 @@ class SchedulerKV:
 
     def set_limit(self, limit: int | None) -> None:
         """Change the bytes of pages the workers may hold; cached pages over it go back
-        with the next batch of operations (used ones when their blocks are freed)."""
+        with the next batch of operations (used ones when their blocks are freed): the
+        next step's, or, while the engine is idle, the next `on_idle`'s (the module's
+        `set_limit(engine_core, limit)` sends them at once)."""
         self.reclaim()
         self.pool.set_limit(limit)
 
@@ -491,12 +479,42 @@ def take_ops(scheduler: Any) -> PageOps | None:
     return skv.drain()
 
 
-def on_idle(engine_core: Any) -> None:
-    """EngineCore's hook, called while it has no work: after `VATTN_VLLM_IDLE_TRIM_S` of
-    idleness give memory back, and send the operations to the workers now."""
+def _send(engine_core: Any, skv: SchedulerKV) -> PageOps | None:
+    """Send the operations recorded since the last step to the workers now (no step
+    follows to carry them): the same `collective_rpc` as the idle trim."""
+    ops = skv.drain()
+    if ops is not None:
+        engine_core.model_executor.collective_rpc(apply_rpc, args=(ops,))
+    return ops
+
+
+def set_limit(engine_core: Any, limit: int | None) -> None:
+    """Change the bytes of KV pages each worker may hold, at run time, and send the page
+    operations this makes (cached pages over the new limit unmapped) to the workers now.
+
+    In-process only: `engine_core` is vLLM's `EngineCore` object, and this must run on the
+    thread that drives it (with `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+    `llm.llm_engine.engine_core.engine_core`, between `generate` calls). With the default
+    multiprocess engine the scheduler is in another process: set `VATTN_VLLM_LIMIT` at
+    start instead."""
     skv = _scheduler_kv(getattr(engine_core, "scheduler", None))
+    if skv is None:
+        raise InvalidConfigError("this vLLM engine's KV cache is not on vattn memory")
+    skv.set_limit(limit)
+    _send(engine_core, skv)
+
+
+def on_idle(engine_core: Any) -> None:
+    """EngineCore's hook, called while it has no work: send page operations recorded
+    since the last step (a `SchedulerKV.set_limit`) to the workers at once; after
+    `VATTN_VLLM_IDLE_TRIM_S` of idleness give memory back, and send the operations now."""
+    skv = _scheduler_kv(getattr(engine_core, "scheduler", None))
+    if skv is None:
+        return
+    if skv.recorder.log:  # nothing else would carry them: no step follows while idle
+        _send(engine_core, skv)
     delay = idle_trim_s()
-    if skv is None or delay is None or skv.trimmed:
+    if delay is None or skv.trimmed:
         return
     now = time.monotonic()
     if skv.idle_since is None:
@@ -505,18 +523,20 @@ def on_idle(engine_core: Any) -> None:
         return
     skv.trimmed = True
     nbytes = skv.trim()
-    ops = skv.drain()
-    if ops is not None:
-        engine_core.model_executor.collective_rpc(apply_rpc, args=(ops,))
+    if _send(engine_core, skv) is not None:
         logger.info("vattn: idle for %.0f s, gave back %.1f MiB of KV memory", now - skv.idle_since, nbytes / 2**20)
 
 
 def idle_wakeup(engine_core: Any) -> float | None:
     """EngineCore's input-queue timeout while idle: the seconds left until the idle trim
-    (None: block as vLLM does)."""
+    (0 when page operations wait to be sent; None: block as vLLM does)."""
     skv = _scheduler_kv(getattr(engine_core, "scheduler", None))
+    if skv is None:
+        return None
+    if skv.recorder.log:
+        return 0.0
     delay = idle_trim_s()
-    if skv is None or delay is None or skv.trimmed or skv.idle_since is None:
+    if delay is None or skv.trimmed or skv.idle_since is None:
         return None
     return max(0.0, delay - (time.monotonic() - skv.idle_since)) + 0.01
 
@@ -531,7 +551,8 @@ class WorkerKV:
         self.device = torch.device(device)
         self.geometry = g = geometry(kv_cache_config)
         if size > g.reserved_bytes:
-            raise UnsupportedLayoutError(f"an allocation of {size} bytes is larger than the KV cache's {g.size}")
+            raise UnsupportedLayoutError(f"an allocation of {size} bytes is larger than the KV cache's reservation "
+                                         f"of {g.reserved_bytes} bytes")
         self.backend = backend if backend is not None else make_backend(self.device)
         self._own_backend = backend is None
         self.backend.check_page_size(g.page_size)
@@ -665,7 +686,15 @@ def worker_kv(device: torch.device | str | None = None) -> WorkerKV | None:
 def apply(scheduler_output: Any) -> None:
     """The worker's hook (top of `Worker.execute_model`): map and unmap what the scheduler
     decided for this step, before the forward."""
-    ops = getattr(scheduler_output, "vattn_ops", None)
+    _apply_here(getattr(scheduler_output, "vattn_ops", None))
+
+
+def apply_rpc(worker: Any, ops: PageOps) -> None:
+    """`collective_rpc` target for the operations sent while idle (idle trim, `set_limit`)."""
+    _apply_here(ops)
+
+
+def _apply_here(ops: PageOps | None) -> None:
     if ops is None:
         return
     w = worker_kv()
@@ -673,13 +702,6 @@ def apply(scheduler_output: Any) -> None:
         raise OpsOutOfOrderError("the scheduler sent vattn page operations but this worker's KV cache is not "
                                  "on vattn memory (is VATTN_VLLM the same for the scheduler and the workers?)")
     w.apply(ops)
-
-
-def apply_rpc(worker: Any, ops: PageOps) -> None:
-    """`collective_rpc` target for the operations of an idle trim."""
-    w = worker_kv()
-    if w is not None:
-        w.apply(ops)
 
 
 def reset_worker() -> None:
@@ -691,5 +713,5 @@ def reset_worker() -> None:
 __all__ = [
     "Geometry", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "UnsupportedLayoutError",
     "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "enabled", "geometry",
-    "idle_wakeup", "kv_cache_buffer", "on_idle", "take_ops", "worker_kv",
+    "idle_wakeup", "kv_cache_buffer", "on_idle", "set_limit", "take_ops", "worker_kv",
 ]
