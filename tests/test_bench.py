@@ -108,3 +108,37 @@ def test_gpu_runs_its_parts_into_out(tmp_path) -> None:
     assert [(p["part"], p["status"]) for p in res["parts"]] == [("kernel", "passed")]
     assert "--budget-s" in res["parts"][0]["argv"] and not res["failures"]
     assert _load(tmp_path, "kernel_host")["rows"]
+
+
+def test_alloc_vmm_calls_on_both_fake_drivers(monkeypatch: pytest.MonkeyPatch, fake_cuda) -> None:
+    """`alloc --device cuda`'s driver-call timings through the C extension (tests/fake_cuda) and
+    cuda-python (the recording driver of test_cuda_driver): every call timed, nothing left live."""
+    import argparse
+    import math
+
+    import vattn
+    from tests.test_cuda_driver import FakeDriver
+    from vattn.bench import alloc
+    from vattn.vmem.cuda import CudaBackend
+
+    drivers: dict[str, FakeDriver] = {}
+
+    def cache(args, driver, reps):
+        if driver == "cext":
+            backend = fake_cuda.backend()
+        else:
+            drivers[driver] = FakeDriver()
+            backend = CudaBackend(0, "cuda-python", driver_module=drivers[driver], host_memory=True)
+        return vattn.KVCache(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16", device="cpu",
+                             max_batch_size=1, max_context_len=reps * 1024, backend=backend, prefetch=False)
+
+    monkeypatch.setattr(alloc, "_vmm_cache", cache)
+    rows = alloc.vmm_calls(argparse.Namespace(device="cuda"), reps=3)
+    assert [r["driver"] for r in rows] == ["cext", "cuda-python"]
+    for r in rows:
+        assert "error" not in r, r
+        assert all(r[k] > 0 for k in ("create", "map", "unmap", "release")), r
+    assert math.isnan(rows[0]["set_access"]) and rows[1]["set_access"] > 0  # cext: map and access in one call
+    fake = drivers["cuda-python"]
+    assert sum(c[0] == "cuMemCreate" for c in fake.calls) == 3 and not fake.handles and not fake.mapped
+    assert fake.current() == 0  # the caller's (no) context is current again
