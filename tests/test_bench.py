@@ -142,3 +142,26 @@ def test_alloc_vmm_calls_on_both_fake_drivers(monkeypatch: pytest.MonkeyPatch, f
     fake = drivers["cuda-python"]
     assert sum(c[0] == "cuMemCreate" for c in fake.calls) == 3 and not fake.handles and not fake.mapped
     assert fake.current() == 0  # the caller's (no) context is current again
+
+
+def test_the_saved_device_is_the_one_run_used(tmp_path) -> None:
+    """overlap and throughput pick cuda inside run() when --device is not given: the file name
+    and the environment follow what run used, not the default before it."""
+    import argparse
+    import types
+
+    from vattn import bench
+
+    mod = types.SimpleNamespace(NAME="fake", NEEDS_GPU=False, table=lambda r: (["x"], [[1]]), plot=lambda r: None)
+
+    def run(args):  # as overlap/throughput do: the device is chosen here
+        args.device = args.device or "cuda"
+        return dict(device=args.device)
+
+    mod.run = run
+    payload = bench.execute(mod, "fake", argparse.Namespace(device=None, out=str(tmp_path), no_plot=True))
+    assert payload["path"].endswith("fake_cuda.json") and payload["environment"]["device_kind"] == "cuda"
+    mod.run = lambda args: {}  # no device in the result: args.device
+    payload = bench.execute(mod, "fake", argparse.Namespace(device="cpu", out=str(tmp_path), no_plot=True))
+    assert payload["path"].endswith("fake_host.json")
+

@@ -69,6 +69,13 @@ def device_tag(device: str) -> str:
     return "cuda" if str(device).startswith("cuda") else "host"
 
 
+def used_device(mod: ModuleType, args: argparse.Namespace, result: dict | None = None) -> str:
+    """The device a benchmark ran on: what its result records, else `args.device` after `run`
+    (overlap and throughput pick cuda there when `--device` is not given), else its default."""
+    device = (result or {}).get("device") if isinstance(result, dict) else None
+    return str(device or getattr(args, "device", None) or ("cuda" if getattr(mod, "NEEDS_GPU", False) else "cpu"))
+
+
 def needs_gpu_here(mod: ModuleType, device: str) -> bool:
     """True when `mod` needs a GPU for `device` and this machine has none (the caller skips)."""
     if not (getattr(mod, "NEEDS_GPU", False) and device.startswith("cuda")):  # `--device cpu`: a harness check
@@ -91,8 +98,8 @@ def execute(mod: ModuleType, name: str, args: argparse.Namespace) -> dict:
     """Run one benchmark module: run, print its table, save JSON (+ PNG); returns the saved payload."""
     from . import _common
 
-    device = getattr(args, "device", None) or ("cuda" if getattr(mod, "NEEDS_GPU", False) else "cpu")
     result = mod.run(args)
+    device = used_device(mod, args, result)
     headers, rows = mod.table(result)
     _common.print_table(headers, rows)
     fig = None if args.no_plot else mod.plot(result)
@@ -111,8 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     its result lists `failures` (checks that failed, parts of `vattn bench gpu` that failed)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     mod = _module(args.bench)
-    device = getattr(args, "device", None) or ("cuda" if getattr(mod, "NEEDS_GPU", False) else "cpu")
-    if needs_gpu_here(mod, device):
+    if needs_gpu_here(mod, used_device(mod, args)):
         print(f"vattn bench {args.bench}: needs a CUDA GPU and none is available here; nothing to do.")
         return 0
     payload = execute(mod, args.bench, args)
