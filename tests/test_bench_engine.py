@@ -63,3 +63,15 @@ def test_overlap_maps_at_page_boundaries_only_when_synchronous(tmp_path: Path) -
     assert mapped_at == r["boundary_iterations"]  # on demand: exactly where a request enters a new page
     assert r["modes"]["sync"]["iterations_mapping"] == len(mapped_at)
     assert r["modes"]["background"]["iterations_mapping"] <= len(mapped_at)
+
+
+def test_overlap_quick_and_budget(tmp_path: Path) -> None:
+    """--quick: one page's worth of timed iterations; --budget-s: no new mode once it is spent
+    (the first always runs)."""
+    argv = ["overlap", *TINY_MODEL, "--head-dim", "16", "--batch", "2", "--page-size", "4096", "--warmup", "2",
+            "--quick", "--budget-s", "0", "--no-plot", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    r = json.loads((tmp_path / "overlap_host.json").read_text())["result"]
+    assert r["timed_iterations"] == r["tokens_per_page"] == 4096 // (2 * 16 * 4)
+    assert list(r["modes"]) == ["sync"] and [x["mode"] for x in r["runs"]] == ["sync"]
+    assert r["skipped"] == ["background repeat 0: time budget spent"]
