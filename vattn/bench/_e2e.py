@@ -32,14 +32,15 @@ them to the GPU (free memory rises by the bytes of the pages created).
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 import traceback
 from typing import Any
 
 import torch
 
-from ._common import progress
+from ._common import agreement, progress
+from ._common import sync as _sync
+from ._models import build_model, llama_config
 
 NAME = "e2e"
 HELP = "end-to-end decode throughput: vattn.LLM vs transformers generate and generate_batch"
@@ -57,29 +58,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def model_config(name: str, args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig
-
     cuda = args.device.startswith("cuda")
     shape = dict(MODELS[name]) if cuda else dict(TINY)
     if cuda and name == "llama-3-8b" and args.layers_8b:
         shape["num_hidden_layers"] = args.layers_8b
-    return LlamaConfig(vocab_size=128256 if cuda else 512, max_position_embeddings=8192 if cuda else 1024,
-                       bos_token_id=None, eos_token_id=None, pad_token_id=None, **shape)
-
-
-def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0) -> Any:
-    """Random weights made directly on `device` in `dtype` (no host copy)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
-    return model.eval()
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    return llama_config(vocab_size=128256 if cuda else 512, max_position_embeddings=8192 if cuda else 1024, **shape)
 
 
 def _reset_peak(device: str) -> None:
@@ -266,21 +249,6 @@ def run_hf_cb(model: Any, prompts: list[list[int]], args: argparse.Namespace) ->
 
 
 # ------------------------------------------------------------------------ compare ----
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    """Fraction of equal tokens (position by position) and of the common prefix."""
-    eq = tot = pre = 0
-    for x, y in zip(a, b):
-        n = max(len(x), len(y))
-        tot += n
-        eq += sum(p == q for p, q in zip(x, y))
-        k = 0
-        while k < min(len(x), len(y)) and x[k] == y[k]:
-            k += 1
-        pre += k
-    return dict(token_match=eq / tot if tot else float("nan"), prefix_match=pre / tot if tot else float("nan"),
-                sequences_equal=sum(x == y for x, y in zip(a, b)), sequences=len(a))
-
-
 def logits_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
     x = torch.stack([t.float().cpu() for t in a])
     y = torch.stack([t.float().cpu() for t in b])

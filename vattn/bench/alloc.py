@@ -31,6 +31,7 @@ import torch
 import vattn
 
 from ._common import latency_stats, progress
+from ._common import sync as _sync
 
 NAME = "alloc"
 HELP = "step latency vs pages mapped, sync vs background mapping, allocation bandwidth (host; CUDA with --device)"
@@ -43,11 +44,6 @@ def _cfg(args: argparse.Namespace, layout: str, page: int, **kw: Any) -> dict[st
     # Llama-3-8B per-GPU shape: 8 KV heads x 128, fp16 -> 2 KiB per token per buffer
     return dict(num_layers=args.layers, num_kv_heads=8, head_dim=128, dtype="float16", device=args.device,
                 page_size=page, layout=layout, **kw)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------- 1. step vs pages ----

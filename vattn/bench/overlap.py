@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from vattn.bench._common import latency_stats, progress
+from vattn.bench._models import build_model, llama_config
 
 NAME = "overlap"
 HELP = "decode iteration latency: pages mapped in step vs by the background worker (paper Fig. 10)"
@@ -73,12 +74,10 @@ def _defaults(args: argparse.Namespace) -> None:
 
 
 def model_config(args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=256 if not args.device.startswith("cuda") else 32000, hidden_size=args.hidden,
-                       intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-                       max_position_embeddings=1 << 16, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return llama_config(vocab_size=256 if not args.device.startswith("cuda") else 32000, hidden_size=args.hidden,
+                        intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                        max_position_embeddings=1 << 16)
 
 
 def prompt_lens(batch: int, tokens_per_page: int, warmup: int, stagger: bool) -> list[int]:
@@ -157,16 +156,11 @@ def run_mode(model: Any, mode: str, args: argparse.Namespace, dtype: torch.dtype
 
 def run(args: argparse.Namespace) -> dict:
     """Every mode on the same requests; latency series and spike statistics."""
-    from transformers import AutoModelForCausalLM
-
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _defaults(args)
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        with torch.device(args.device):
-            model = AutoModelForCausalLM.from_config(model_config(args), dtype=dtype).eval()
+    model = build_model(model_config(args), args.device, dtype, args.seed)
     elem = torch.empty((), dtype=dtype).element_size()
     token_bytes = args.kv_heads * args.head_dim * elem * (args.layers if args.layout == "fused" else 1)
     tpp = args.page_size // token_bytes  # tokens per page of one buffer
