@@ -90,6 +90,25 @@ def test_kernel_harness_on_the_cpu(tmp_path) -> None:
         assert "error" not in r and "check_failed" not in r and r["equal_to_contiguous"], r
     assert all(r["paged16_kernel"].startswith("gather") and r["paged32_us"] > 0 for r in per_layer)
     assert not res["failures"]
+    # what ran is what the figures are called: the gather stand-in is gather<bs>, never paged<bs>
+    assert "decode gather16/virtual" in res["summary"] and not any("paged" in k for k in res["summary"])
+    from vattn.bench import kernel
+
+    headers, _ = kernel.table(res)
+    assert "gather16 us" in headers and not any(h.startswith("paged") for h in headers)
+    rows = [dict(paged16_kernel="aten._flash_attention_forward block_table"), dict(paged16_kernel="gather + x")]
+    assert [kernel.block_label(rows[:1], 16), kernel.block_label(rows, 16)] == ["paged16", "paged|gather16"]
+
+
+def test_kernel_skips_cases_over_the_memory_estimate(tmp_path) -> None:
+    from vattn.bench import kernel
+
+    assert kernel.per_layer_bytes(64, 32768, 3, cuda=True) == 80 << 30  # over 70 GiB: skipped on an 80 GB GPU
+    assert main(["bench", "kernel", "--device", "cpu", "--batches", "2", "--contexts", "40", "--max-GiB", "0",
+                 "--no-plot", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "kernel_host.json").read_text())["result"]
+    assert {r["layout"] for r in res["rows"]} == {"fused"}
+    assert any("per-layer B=2 T=40: needs about" in s for s in res["skipped"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without a GPU")
