@@ -4,7 +4,8 @@ end-to-end benchmarks, each writing its own `<name>_cuda.json` and `.png` into `
 Parts, in order (a part that fails is recorded and the run goes on; `--budget-s` is shared:
 a part starts only while time is left; kernel gets 35 %, overlap 40 % and e2e 80 % of what
 is left when they start as their own budget, after which they start no new case):
-- `kernel`: `vattn bench kernel` (attention on the vattn cache vs contiguous and paged);
+- `kernel`: `vattn bench kernel` (attention on the vattn cache vs contiguous, and paged or
+  gathered blocks);
 - `alloc`: `vattn bench alloc --device cuda` (step latency vs pages, bandwidth, VMM calls);
 - `overlap`: `vattn bench overlap --device cuda --modes sync background premapped`;
 - `e2e`: end-to-end decode throughput, `vattn.LLM` vs transformers' `generate` and
