@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 RESULTS, SUMMARY = "results.json", "summary.md"
 
@@ -93,22 +93,21 @@ def _steps(results: dict[str, Any]) -> str:
                    s.get("seconds"), s.get("timeout"), s.get("note", "")] for s in steps])
 
 
-FORMATTERS: list[tuple[str, str, Callable[[dict], str]]] = []  # formatters of scripts outside vattn bench (none now)
 # `vattn bench` payloads, summarised with each module's own table(), in this order
 BENCH_ORDER = ("gpu", "kernel", "alloc", "overlap", "e2e", "throughput")
-BENCH_MODULES = {"e2e": "_e2e"}
 
 
 def _bench(d: dict) -> str:
     """A `vattn bench` payload (benchmark, environment, config, result) as its module's table
     and printed notes (importing the module imports torch)."""
     import contextlib
-    import importlib
     import io
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    mod = importlib.import_module(f"vattn.bench.{BENCH_MODULES.get(d['benchmark'], d['benchmark'])}")
+    from vattn.bench import module
+
+    mod = module(d["benchmark"])
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         headers, rows = mod.table(d["result"])
@@ -132,7 +131,7 @@ def summary(results: dict[str, Any]) -> str:
                      key=lambda k: (BENCH_ORDER.index(results[k]["benchmark"]) if results[k]["benchmark"] in BENCH_ORDER
                                     else len(BENCH_ORDER), k))
     sections = [(k, f"vattn bench {results[k]['benchmark']} ({k})", _bench) for k in benches]
-    for name, title, fmt in sections + [f for f in FORMATTERS if f[0] in results]:
+    for name, title, fmt in sections:
         try:
             body = fmt(results[name])
         except Exception as e:  # a summary must never break the suite

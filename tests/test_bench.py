@@ -90,6 +90,25 @@ def test_kernel_harness_on_the_cpu(tmp_path) -> None:
         assert "error" not in r and "check_failed" not in r and r["equal_to_contiguous"], r
     assert all(r["paged16_kernel"].startswith("gather") and r["paged32_us"] > 0 for r in per_layer)
     assert not res["failures"]
+    # what ran is what the figures are called: the gather stand-in is gather<bs>, never paged<bs>
+    assert "decode gather16/virtual" in res["summary"] and not any("paged" in k for k in res["summary"])
+    from vattn.bench import kernel
+
+    headers, _ = kernel.table(res)
+    assert "gather16 us" in headers and not any(h.startswith("paged") for h in headers)
+    rows = [dict(paged16_kernel="aten._flash_attention_forward block_table"), dict(paged16_kernel="gather + x")]
+    assert [kernel.block_label(rows[:1], 16), kernel.block_label(rows, 16)] == ["paged16", "paged|gather16"]
+
+
+def test_kernel_skips_cases_over_the_memory_estimate(tmp_path) -> None:
+    from vattn.bench import kernel
+
+    assert kernel.per_layer_bytes(64, 32768, 3, cuda=True) == 80 << 30  # over 70 GiB: skipped on an 80 GB GPU
+    assert main(["bench", "kernel", "--device", "cpu", "--batches", "2", "--contexts", "40", "--max-GiB", "0",
+                 "--no-plot", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "kernel_host.json").read_text())["result"]
+    assert {r["layout"] for r in res["rows"]} == {"fused"}
+    assert any("per-layer B=2 T=40: needs about" in s for s in res["skipped"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without a GPU")
@@ -108,3 +127,60 @@ def test_gpu_runs_its_parts_into_out(tmp_path) -> None:
     assert [(p["part"], p["status"]) for p in res["parts"]] == [("kernel", "passed")]
     assert "--budget-s" in res["parts"][0]["argv"] and not res["failures"]
     assert _load(tmp_path, "kernel_host")["rows"]
+
+
+def test_alloc_vmm_calls_on_both_fake_drivers(monkeypatch: pytest.MonkeyPatch, fake_cuda) -> None:
+    """`alloc --device cuda`'s driver-call timings through the C extension (tests/fake_cuda) and
+    cuda-python (the recording driver of test_cuda_driver): every call timed, nothing left live."""
+    import argparse
+    import math
+
+    import vattn
+    from tests.test_cuda_driver import FakeDriver
+    from vattn.bench import alloc
+    from vattn.vmem.cuda import CudaBackend
+
+    drivers: dict[str, FakeDriver] = {}
+
+    def cache(args, driver, reps):
+        if driver == "cext":
+            backend = fake_cuda.backend()
+        else:
+            drivers[driver] = FakeDriver()
+            backend = CudaBackend(0, "cuda-python", driver_module=drivers[driver], host_memory=True)
+        return vattn.KVCache(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16", device="cpu",
+                             max_batch_size=1, max_context_len=reps * 1024, backend=backend, prefetch=False)
+
+    monkeypatch.setattr(alloc, "_vmm_cache", cache)
+    rows = alloc.vmm_calls(argparse.Namespace(device="cuda"), reps=3)
+    assert [r["driver"] for r in rows] == ["cext", "cuda-python"]
+    for r in rows:
+        assert "error" not in r, r
+        assert all(r[k] > 0 for k in ("create", "map", "unmap", "release")), r
+    assert math.isnan(rows[0]["set_access"]) and rows[1]["set_access"] > 0  # cext: map and access in one call
+    fake = drivers["cuda-python"]
+    assert sum(c[0] == "cuMemCreate" for c in fake.calls) == 3 and not fake.handles and not fake.mapped
+    assert fake.current() == 0  # the caller's (no) context is current again
+
+
+def test_the_saved_device_is_the_one_run_used(tmp_path) -> None:
+    """overlap and throughput pick cuda inside run() when --device is not given: the file name
+    and the environment follow what run used, not the default before it."""
+    import argparse
+    import types
+
+    from vattn import bench
+
+    mod = types.SimpleNamespace(NAME="fake", NEEDS_GPU=False, table=lambda r: (["x"], [[1]]), plot=lambda r: None)
+
+    def run(args):  # as overlap/throughput do: the device is chosen here
+        args.device = args.device or "cuda"
+        return dict(device=args.device)
+
+    mod.run = run
+    payload = bench.execute(mod, "fake", argparse.Namespace(device=None, out=str(tmp_path), no_plot=True))
+    assert payload["path"].endswith("fake_cuda.json") and payload["environment"]["device_kind"] == "cuda"
+    mod.run = lambda args: {}  # no device in the result: args.device
+    payload = bench.execute(mod, "fake", argparse.Namespace(device="cpu", out=str(tmp_path), no_plot=True))
+    assert payload["path"].endswith("fake_host.json")
+

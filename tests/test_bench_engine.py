@@ -63,3 +63,29 @@ def test_overlap_maps_at_page_boundaries_only_when_synchronous(tmp_path: Path) -
     assert mapped_at == r["boundary_iterations"]  # on demand: exactly where a request enters a new page
     assert r["modes"]["sync"]["iterations_mapping"] == len(mapped_at)
     assert r["modes"]["background"]["iterations_mapping"] <= len(mapped_at)
+
+
+def test_overlap_quick_and_budget(tmp_path: Path) -> None:
+    """--quick: one page's worth of timed iterations; --budget-s: no new mode once it is spent
+    (the first always runs)."""
+    argv = ["overlap", *TINY_MODEL, "--head-dim", "16", "--batch", "2", "--page-size", "4096", "--warmup", "2",
+            "--quick", "--budget-s", "0", "--no-plot", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    r = json.loads((tmp_path / "overlap_host.json").read_text())["result"]
+    assert r["timed_iterations"] == r["tokens_per_page"] == 4096 // (2 * 16 * 4)
+    assert list(r["modes"]) == ["sync"] and [x["mode"] for x in r["runs"]] == ["sync"]
+    assert r["skipped"] == ["background repeat 0: time budget spent"]
+
+
+def test_e2e_part_runs_all_systems_on_the_cpu(tmp_path: Path) -> None:
+    """The end-to-end part of `vattn bench gpu` on the CPU (tiny model): every system decodes,
+    agrees with generate, and has both decode figures (continuous batching: one manager)."""
+    assert bench.main(["gpu", "--device", "cpu", "--quick", "--parts", "e2e", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "e2e_host.json").read_text())["result"]
+    assert not r["failures"] and r["results"]
+    for res in r["results"]:
+        assert set(res["systems"]) == {"vattn", "hf_generate", "hf_continuous_batching"}, res["errors"]
+        for s in res["systems"].values():
+            assert s["decode_tok_s"] > 0 and s["decode_tok_s_in_run"] > 0, s
+        for system in ("vattn", "hf_continuous_batching"):
+            assert res[f"{system}_vs_hf_generate"]["token_match"] == 1.0

@@ -34,27 +34,22 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
-def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"vattn.bench.{BENCHMARKS[name]}")
+# every benchmark name a saved payload can carry -> its module: the commands, and the part of
+# `vattn bench gpu` that is not a command of its own (gpu.py and benchmarks/gpu_summary.py use this)
+MODULES: dict[str, str] = {**BENCHMARKS, "e2e": "_e2e"}
 
 
-def _available() -> dict[str, ModuleType]:
-    """The registered benchmarks whose module exists (a module missing is skipped, not an error)."""
-    mods = {}
-    for name in BENCHMARKS:
-        try:
-            mods[name] = _module(name)
-        except ModuleNotFoundError as e:
-            if e.name != f"vattn.bench.{BENCHMARKS[name]}":
-                raise
-    return mods
+def module(name: str) -> ModuleType:
+    """The module of benchmark `name` (a command or a part of `vattn bench gpu`)."""
+    return importlib.import_module(f"vattn.bench.{MODULES[name]}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vattn bench", description="vattn's benchmarks: each prints a table and "
                                 "writes JSON (device, versions, commit, date) and a PNG to benchmarks/results/.")
     sub = p.add_subparsers(dest="bench", required=True, metavar="NAME")
-    for name, mod in _available().items():
+    for name in BENCHMARKS:
+        mod = module(name)
         b = sub.add_parser(name, help=mod.HELP, description=(mod.__doc__ or mod.HELP).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(b)
@@ -67,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 def device_tag(device: str) -> str:
     """The file-name suffix of a device: host for the CPU, cuda for any GPU."""
     return "cuda" if str(device).startswith("cuda") else "host"
+
+
+def used_device(mod: ModuleType, args: argparse.Namespace, result: dict | None = None) -> str:
+    """The device a benchmark ran on: what its result records, else `args.device` after `run`
+    (overlap and throughput pick cuda there when `--device` is not given), else its default."""
+    device = (result or {}).get("device") if isinstance(result, dict) else None
+    return str(device or getattr(args, "device", None) or ("cuda" if getattr(mod, "NEEDS_GPU", False) else "cpu"))
 
 
 def needs_gpu_here(mod: ModuleType, device: str) -> bool:
@@ -91,8 +93,8 @@ def execute(mod: ModuleType, name: str, args: argparse.Namespace) -> dict:
     """Run one benchmark module: run, print its table, save JSON (+ PNG); returns the saved payload."""
     from . import _common
 
-    device = getattr(args, "device", None) or ("cuda" if getattr(mod, "NEEDS_GPU", False) else "cpu")
     result = mod.run(args)
+    device = used_device(mod, args, result)
     headers, rows = mod.table(result)
     _common.print_table(headers, rows)
     fig = None if args.no_plot else mod.plot(result)
@@ -110,9 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one benchmark; 0 on success (also when a GPU benchmark skips for want of a GPU), 1 when
     its result lists `failures` (checks that failed, parts of `vattn bench gpu` that failed)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    mod = _module(args.bench)
-    device = getattr(args, "device", None) or ("cuda" if getattr(mod, "NEEDS_GPU", False) else "cpu")
-    if needs_gpu_here(mod, device):
+    mod = module(args.bench)
+    if needs_gpu_here(mod, used_device(mod, args)):
         print(f"vattn bench {args.bench}: needs a CUDA GPU and none is available here; nothing to do.")
         return 0
     payload = execute(mod, args.bench, args)

@@ -119,3 +119,25 @@ def progress(iterable: Any = None, *, total: int | None = None, desc: str = "", 
 
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True,
                 disable=bool(os.environ.get("VATTN_BENCH_QUIET")))
+
+
+def sync(device: str) -> None:
+    """Wait for the GPU (a no-op on the CPU), before and after a timed block."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def agreement(got: Sequence[Sequence[int]], ref: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Greedy agreement of token sequences with reference ones: the fraction of equal tokens
+    (position by position) and of the common prefix, the sequences equal, and `equal` (all)."""
+    eq = tot = pre = 0
+    for x, y in zip(got, ref):
+        tot += max(len(x), len(y))
+        eq += sum(a == b for a, b in zip(x, y))
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        pre += k
+    same = sum(list(x) == list(y) for x, y in zip(got, ref))
+    return dict(equal=same == len(ref) and len(got) == len(ref), sequences_equal=same, sequences=len(ref),
+                token_match=eq / tot if tot else 1.0, prefix_match=pre / tot if tot else 1.0)

@@ -31,6 +31,7 @@ import torch
 import vattn
 
 from ._common import latency_stats, progress
+from ._common import sync as _sync
 
 NAME = "alloc"
 HELP = "step latency vs pages mapped, sync vs background mapping, allocation bandwidth (host; CUDA with --device)"
@@ -43,11 +44,6 @@ def _cfg(args: argparse.Namespace, layout: str, page: int, **kw: Any) -> dict[st
     # Llama-3-8B per-GPU shape: 8 KV heads x 128, fp16 -> 2 KiB per token per buffer
     return dict(num_layers=args.layers, num_kv_heads=8, head_dim=128, dtype="float16", device=args.device,
                 page_size=page, layout=layout, **kw)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------- 1. step vs pages ----
@@ -188,13 +184,19 @@ def _t(fn: Any, *a: Any) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
+def _vmm_cache(args: argparse.Namespace, driver: str, reps: int) -> vattn.KVCache:
+    """A one-layer cache on `driver` ("cext" or "cuda-python"); the tests build it on fake drivers."""
+    return vattn.KVCache(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16", device=args.device,
+                         max_batch_size=1, max_context_len=reps * 1024, cuda_driver=driver, prefetch=False)
+
+
 def vmm_calls(args: argparse.Namespace, reps: int) -> list[dict]:
-    """Latency (us, median) of each VMM call through each CUDA driver path."""
+    """Latency (us, median) of each VMM call through each CUDA driver path. A driver path that
+    cannot start (cuda-python not installed) is a row with its error; anything else raises."""
     rows = []
     for driver in ("cext", "cuda-python"):
         try:
-            cache = vattn.KVCache(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16", device=args.device,
-                                  max_batch_size=1, max_context_len=reps * 1024, cuda_driver=driver, prefetch=False)
+            cache = _vmm_cache(args, driver, reps)
         except vattn.VattnError as e:
             rows.append(dict(driver=driver, error=str(e)))
             continue
@@ -207,22 +209,22 @@ def _per_call(cache: vattn.KVCache, reps: int) -> dict[str, float]:
     be, g, a = cache.backend, cache.geometry, cache.allocator
     drv, page = be.drv, g.page_size
     reps = min(reps, g.pages_per_slot)
-    if drv.name == "cuda-python":
+    if drv.name == "cuda-python":  # one driver call at a time, the device's context current around them
         d = drv.d
-        drv._ctx_current()
         ts: dict[str, list[float]] = {k: [] for k in ("create", "map", "set_access", "unmap", "release")}
-        for i in range(reps):
-            t0 = time.perf_counter(); h = drv._check("cuMemCreate", d.cuMemCreate(page, drv._prop, 0))[1]
-            ts["create"].append(time.perf_counter() - t0)
-            addr = a.bases[0] + g.page_offset(0, i)
-            t0 = time.perf_counter(); drv._check("cuMemMap", d.cuMemMap(addr, page, 0, h, 0))
-            ts["map"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter(); drv._check("cuMemSetAccess", d.cuMemSetAccess(addr, page, [drv._access], 1))
-            ts["set_access"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter(); drv._check("cuMemUnmap", d.cuMemUnmap(addr, page))
-            ts["unmap"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter(); drv._check("cuMemRelease", d.cuMemRelease(h))
-            ts["release"].append(time.perf_counter() - t0)
+        with drv._in_ctx():
+            for i in range(reps):
+                t0 = time.perf_counter(); h = drv._check("cuMemCreate", d.cuMemCreate(page, drv._prop, 0))[1]
+                ts["create"].append(time.perf_counter() - t0)
+                addr = a.bases[0] + g.page_offset(0, i)
+                t0 = time.perf_counter(); drv._check("cuMemMap", d.cuMemMap(addr, page, 0, h, 0))
+                ts["map"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter(); drv._check("cuMemSetAccess", d.cuMemSetAccess(addr, page, [drv._access], 1))
+                ts["set_access"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter(); drv._check("cuMemUnmap", d.cuMemUnmap(addr, page))
+                ts["unmap"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter(); drv._check("cuMemRelease", d.cuMemRelease(h))
+                ts["release"].append(time.perf_counter() - t0)
         return {k: statistics.median(v) * 1e6 for k, v in ts.items()}
     base = array("Q", a.bases[:1])  # cext: cuMemMap and cuMemSetAccess in one batched call
     hs: list[int] = []

@@ -2,11 +2,12 @@
 end-to-end benchmarks, each writing its own `<name>_cuda.json` and `.png` into `--out`.
 
 Parts, in order (a part that fails is recorded and the run goes on; `--budget-s` is shared:
-a part starts only while time is left; kernel gets 35 % and e2e 80 % of what is left when
-they start as their own budget, after which they start no new case):
-- `kernel`: `vattn bench kernel` (attention on the vattn cache vs contiguous and paged);
+a part starts only while time is left; kernel gets 35 %, overlap 40 % and e2e 80 % of what
+is left when they start as their own budget, after which they start no new case):
+- `kernel`: `vattn bench kernel` (attention on the vattn cache vs contiguous, and paged or
+  gathered blocks);
 - `alloc`: `vattn bench alloc --device cuda` (step latency vs pages, bandwidth, VMM calls);
-- `overlap`: `vattn bench overlap --device cuda`, when that module exists (skipped if not);
+- `overlap`: `vattn bench overlap --device cuda --modes sync background premapped`;
 - `e2e`: end-to-end decode throughput, `vattn.LLM` vs transformers' `generate` and
   `generate_batch` (vattn/bench/_e2e.py).
 `bash benchmarks/gpu_suite.sh OUTDIR` runs this after the GPU tests.
@@ -16,7 +17,6 @@ they start as their own budget, after which they start no new case):
 from __future__ import annotations
 
 import argparse
-import importlib
 import time
 import traceback
 from types import ModuleType
@@ -26,9 +26,8 @@ NAME = "gpu"
 HELP = "every GPU benchmark in one run (kernel, alloc and overlap on CUDA, end-to-end), into --out"
 NEEDS_GPU = True
 
-PARTS = ("kernel", "alloc", "overlap", "e2e")
-MODULES = {"kernel": "kernel", "alloc": "alloc", "overlap": "overlap", "e2e": "_e2e"}
-BUDGET_SHARE = {"kernel": 0.35, "e2e": 0.8}  # parts with their own --budget-s: this share of the time left
+PARTS = ("kernel", "alloc", "overlap", "e2e")  # their modules: vattn.bench.MODULES (e2e is _e2e.py)
+BUDGET_SHARE = {"kernel": 0.35, "overlap": 0.4, "e2e": 0.8}  # parts with their own --budget-s: this share of the time left
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,17 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="each part's quick setting (the GPU suite)")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS), help="which parts (default: all)")
     p.add_argument("--budget-s", type=float, default=None, help="seconds for all parts together (default: no limit)")
-
-
-def _load(part: str) -> ModuleType | None:
-    """The part's module, or None when it does not exist (overlap comes from another change)."""
-    name = f"vattn.bench.{MODULES[part]}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        return None
 
 
 def _argv(mod: ModuleType, part: str, args: argparse.Namespace, left: float | None) -> list[str]:
@@ -65,7 +53,7 @@ def _argv(mod: ModuleType, part: str, args: argparse.Namespace, left: float | No
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from . import execute, module_args
+    from . import execute, module, module_args
     from ._common import progress
 
     start = time.perf_counter()
@@ -75,10 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if left is not None and left < 20:
             parts.append(dict(part=part, status="skipped", note="the time budget is spent"))
             continue
-        mod = _load(part)
-        if mod is None:
-            parts.append(dict(part=part, status="skipped", note=f"no module vattn.bench.{MODULES[part]}"))
-            continue
+        mod = module(part)
         argv = _argv(mod, part, args, left)
         t0 = time.perf_counter()
         print(f"\n===== vattn bench gpu: {part} {' '.join(argv)}", flush=True)

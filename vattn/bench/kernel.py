@@ -17,10 +17,18 @@ heads x 128, bf16) from
   2. flash-attn's `flash_attn_varlen_func(..., block_table=)` (when installed),
   3. otherwise `gather`: the block table gathered into a contiguous copy, then the same
      kernel: NOT a paged kernel; it bounds what paging costs a kernel that cannot read
-     blocks (the GPU image has torch 2.11 and no flash-attn). Each row says which ran.
+     blocks (the GPU image has torch 2.11 and no flash-attn). Each row says which ran
+     (`paged<bs>_kernel`); the table, summary and plot call a block size `gather<bs>` when
+     the gather ran and `paged<bs>` only when a block-table kernel did.
 Decode: one query per request. Prefill: `context` causal queries per request. Timing: CUDA-
 event-timed replays of a CUDA graph of back-to-back calls (eager if capture fails or with
 `--no-graphs`) after a warm-up, the copies interleaved, the median of several repeats.
+
+Memory: a per-layer case holds K and V (kv = 2 x B x T x 8 x 128 x 2 bytes) as the contiguous
+copy, the vattn cache and one block pool per block size, and with the gather stand-in each
+block size's CUDA graph keeps its gathered copy, plus the eager calls' copies: about
+(4 + 2 x blocks) x kv, 10 x 8 GiB = 80 GiB at B=64, T=32768. Cases estimated above
+`--max-GiB` (default 85 % of the GPU's memory) are skipped and listed.
 
 Needs a GPU; `--device cpu` runs the same harness with tiny shapes on the host backend and
 an SDPA stand-in that reads the flat rows through the same `cu_seqlens_k` / `seqused_k`
@@ -354,6 +362,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-driver", default="auto", choices=["auto", "cext", "cuda-python"])
     p.add_argument("--fused-max-GiB", type=float, default=None,
                    help="skip fused cases whose 32-layer cache needs more (default 16 quick, 32 full)")
+    p.add_argument("--max-GiB", type=float, default=None,
+                   help="skip per-layer cases estimated to need more GPU memory (default: 85 %% of the GPU's)")
     p.add_argument("--prefill-max-tokens", type=int, default=65536, help="prefill only where batch x context <= this")
     p.add_argument("--check-tokens", type=int, default=4096, help="compare with SDPA where batch x queries <= this")
     p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
@@ -375,6 +385,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.warmup, args.repeats = 1, 2
     fused_max = (args.fused_max_GiB if args.fused_max_GiB is not None else (16 if args.quick else 32)) * GB
     tok_bytes_fused = 2 * FUSED_LAYERS * HKV * D * 2 if cuda else 2 * FUSED_LAYERS * 2 * 16 * 4
+    max_bytes = (args.max_GiB * GB if args.max_GiB is not None
+                 else 0.85 * torch.cuda.get_device_properties(torch.device(args.device)).total_memory if cuda
+                 else float("inf"))
     start = time.perf_counter()
     rows: list[dict] = []
     skipped: list[str] = []
@@ -384,6 +397,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name = f"{layout} B={B} T={ctx}"
         if layout == "fused" and B * ctx * tok_bytes_fused > fused_max:
             skipped.append(f"{name}: the 32-layer fused cache needs {B * ctx * tok_bytes_fused / GB:.0f} GiB")
+            continue
+        if layout == "per-layer" and (need := per_layer_bytes(B, ctx, len(args.blocks), cuda)) > max_bytes:
+            skipped.append(f"{name}: needs about {need / GB:.0f} GiB of GPU memory, over --max-GiB "
+                           f"{max_bytes / GB:.0f}")
             continue
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
             skipped.append(f"{name}: time budget of {args.budget_s:.0f} s spent")
@@ -404,14 +421,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         for r in rows if "error" in r or "check_failed" in r])
 
 
+def per_layer_bytes(B: int, ctx: int, num_blocks: int, cuda: bool) -> int:
+    """Peak device memory of a per-layer case, about: K + V as the contiguous copy, the vattn
+    cache and one block pool per block size; each block size's graph keeps a gathered copy
+    (the gather stand-in), and the eager warm-up calls leave two more in the allocator."""
+    kv = 2 * B * ctx * (HKV * D * 2 if cuda else 2 * 16 * 4)
+    return kv * (4 + 2 * num_blocks)
+
+
+def _blocks(rows: list[dict]) -> list[int]:
+    return sorted({int(k[5:-3]) for r in rows for k in r if k.startswith("paged") and k.endswith("_us")})
+
+
+def block_label(rows: list[dict], bs: int) -> str:
+    """What the block-size-`bs` figures measured: `paged<bs>` when a block-table kernel ran,
+    `gather<bs>` when the block table was gathered into a contiguous copy for the contiguous
+    kernel (no paged kernel here), `paged|gather<bs>` when cases differ."""
+    kernels = {r[f"paged{bs}_kernel"] for r in rows if r.get(f"paged{bs}_kernel")}
+    gathered = {k for k in kernels if k.startswith("gather")}
+    if kernels and gathered == kernels:
+        return f"gather{bs}"
+    return f"paged{bs}" if not gathered else f"paged|gather{bs}"
+
+
 def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
     """One row per (layout, phase, batch, context): microseconds and ratios."""
     ok = [r for r in result["rows"] if "error" not in r]
-    blocks = sorted({int(k[5:-3]) for r in ok for k in r if k.startswith("paged") and k.endswith("_us")})
+    blocks = _blocks(ok)
+    label = {bs: block_label(ok, bs) for bs in blocks}
     print(f"\nkernel: {result['kernel']}")
-    for r in ok[:1]:
-        for bs in blocks:
-            print(f"paged{bs}: {r.get(f'paged{bs}_kernel')}")
+    for bs in blocks:
+        print(f"{label[bs]}: " + ", ".join(sorted({r[f'paged{bs}_kernel'] for r in ok if f'paged{bs}_kernel' in r})))
     for n in result["notes"]:
         print(f"note: {n}")
     for k, v in result["summary"].items():
@@ -421,7 +461,7 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
     for s in result["skipped"]:
         print(f"skipped {s}")
     headers = ["layout", "phase", "B", "T", "virtual us", "contiguous us", "virt/contig"] + \
-        [f"paged{bs} us" for bs in blocks] + [f"paged{bs}/virt" for bs in blocks] + ["strided/contig", "equal"]
+        [f"{label[bs]} us" for bs in blocks] + [f"{label[bs]}/virt" for bs in blocks] + ["strided/contig", "equal"]
     rows = [[r["layout"], r["phase"], r["batch"], r["context"], r["virtual_us"], r["contiguous_us"],
              r["virtual_vs_contiguous"]] + [r.get(f"paged{bs}_us", "-") for bs in blocks]
             + [r.get(f"paged{bs}_vs_virtual", "-") for bs in blocks]
@@ -443,7 +483,7 @@ def _summary(rows: list[dict], blocks: list[int]) -> dict[str, Any]:
         for phase in ("decode", "prefill"):
             ratios = [r[f"paged{bs}_vs_virtual"] for r in rows if r["phase"] == phase and f"paged{bs}_vs_virtual" in r]
             if ratios:
-                out[f"{phase} paged{bs}/virtual"] = dict(median=statistics.median(ratios), min=min(ratios),
+                out[f"{phase} {block_label(rows, bs)}/virtual"] = dict(median=statistics.median(ratios), min=min(ratios),
                                                           max=max(ratios), cases=len(ratios))
     fused = [r for r in rows if r["layout"] == "fused" and r["phase"] == "decode"]
     if fused:
@@ -464,7 +504,9 @@ def plot(result: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if "error" not in r]
-    blocks = sorted({int(k[5:-3]) for r in rows for k in r if k.startswith("paged") and k.endswith("_us")})
+    blocks = _blocks(rows)
+    label = {bs: block_label(rows, bs) for bs in blocks}
+    gather = any(lab.startswith("gather") for lab in label.values())
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, phase in zip(axes, ("decode", "prefill")):
         for B in sorted({r["batch"] for r in rows}):
@@ -476,9 +518,11 @@ def plot(result: dict[str, Any]) -> Any:
                            label=f"vattn B={B}")
             for bs, ls in zip(blocks, ("--", ":", "-.")):
                 ax.plot([r["context"] for r in rs], [r[f"paged{bs}_vs_virtual"] for r in rs], ls, marker="s",
-                        color=line[0].get_color(), alpha=0.7, label=f"paged{bs} B={B}")
+                        color=line[0].get_color(), alpha=0.7, label=f"{label[bs]} B={B}")
         ax.axhline(1.0, color="gray", lw=0.5)
         ax.set(xscale="log", xlabel="context (tokens)",
-               ylabel="latency / vattn (paged) or / contiguous (vattn)", title=f"{phase}: paged vs vattn")
+               ylabel="latency / vattn (blocks) or / contiguous (vattn)",
+               title=f"{phase}: " + ("blocks gathered, then the contiguous kernel (no paged kernel here)"
+                                     if gather else "paged kernel") + " vs vattn")
         ax.legend(fontsize=6, ncol=2)
     return fig

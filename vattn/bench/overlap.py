@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from vattn.bench._common import latency_stats, progress
+from vattn.bench._models import build_model, llama_config
 
 NAME = "overlap"
 HELP = "decode iteration latency: pages mapped in step vs by the background worker (paper Fig. 10)"
@@ -43,7 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--modes", nargs="+", default=["sync", "background"], choices=MODES)
     p.add_argument("--batch", type=int, default=None, help="requests decoding together (default: 16 host, 8 CUDA)")
-    p.add_argument("--iters", type=int, default=None, help="timed decode iterations (default: 3 pages' worth)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed decode iterations (default: 3 pages' worth; 1 page's with --quick)")
+    p.add_argument("--quick", action="store_true", help="one page's worth of iterations per mode (the GPU suite)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new mode or repeat after this many seconds (default: no limit)")
     p.add_argument("--warmup", type=int, default=4, help="decode iterations before timing")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 16 host, 8 CUDA)")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: 64 host, 4096 CUDA)")
@@ -69,12 +74,10 @@ def _defaults(args: argparse.Namespace) -> None:
 
 
 def model_config(args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=256 if not args.device.startswith("cuda") else 32000, hidden_size=args.hidden,
-                       intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-                       max_position_embeddings=1 << 16, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return llama_config(vocab_size=256 if not args.device.startswith("cuda") else 32000, hidden_size=args.hidden,
+                        intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                        max_position_embeddings=1 << 16)
 
 
 def prompt_lens(batch: int, tokens_per_page: int, warmup: int, stagger: bool) -> list[int]:
@@ -153,26 +156,26 @@ def run_mode(model: Any, mode: str, args: argparse.Namespace, dtype: torch.dtype
 
 def run(args: argparse.Namespace) -> dict:
     """Every mode on the same requests; latency series and spike statistics."""
-    from transformers import AutoModelForCausalLM
-
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     _defaults(args)
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        with torch.device(args.device):
-            model = AutoModelForCausalLM.from_config(model_config(args), dtype=dtype).eval()
+    model = build_model(model_config(args), args.device, dtype, args.seed)
     elem = torch.empty((), dtype=dtype).element_size()
     token_bytes = args.kv_heads * args.head_dim * elem * (args.layers if args.layout == "fused" else 1)
     tpp = args.page_size // token_bytes  # tokens per page of one buffer
-    iters = args.iters or 3 * tpp
+    iters = args.iters or (tpp if args.quick else 3 * tpp)
     lens = prompt_lens(args.batch, tpp, args.warmup, args.stagger)
     max_tokens = args.warmup + iters + 1
     runs: list[dict] = []
+    skipped: list[str] = []
+    start = time.perf_counter()
     bar = progress(total=args.repeats * len(args.modes), desc="overlap", unit="run")
     for rep in range(args.repeats):
         for mode in args.modes:
+            if runs and args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                skipped.append(f"{mode} repeat {rep}: time budget spent")
+                continue
             bar.set_postfix_str(mode)
             r = run_mode(model, mode, args, dtype, lens, max_tokens)
             window = slice(args.warmup, args.warmup + iters)
@@ -188,6 +191,8 @@ def run(args: argparse.Namespace) -> dict:
     others = set(range(iters)) - set(boundary)
     for mode in args.modes:
         rs = [r for r in runs if r["mode"] == mode]
+        if not rs:  # the budget was spent before it ran
+            continue
 
         def at(key: str, idx: Any) -> list[float]:
             return [r[key][i] for r in rs for i in sorted(idx) if i < len(r[key])]
@@ -204,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
                  iterations_creating=sum(c > 0 for r in rs for c in r["created_groups"]))
     return dict(device=args.device, dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
                 tokens_per_page=tpp, prompt_lens=lens, timed_iterations=iters, boundary_iterations=boundary,
-                group_KiB=runs[0]["group_KiB"], modes=modes, runs=runs)
+                group_KiB=runs[0]["group_KiB"], modes=modes, runs=runs, skipped=skipped)
 
 
 def table(result: dict) -> tuple[list[str], list[list]]:

@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
-from vattn.bench._common import progress
+from vattn.bench._common import agreement, progress
+from vattn.bench._common import sync as _sync
+from vattn.bench._models import build_model, llama_config
 
 NAME = "throughput"
 HELP = "vattn.LLM prefill/decode tokens/s against transformers' generate and generate_batch"
@@ -69,23 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------ inputs ----
 def model_config(args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                       num_key_value_heads=args.kv_heads, max_position_embeddings=4096, bos_token_id=None,
-                       eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-
-
-def build_model(config: Any, device: str, dtype: torch.dtype, seed: int) -> Any:
-    """Random weights, seeded, made on `device` (no download, no checkpoint)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
+    return llama_config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                        num_key_value_heads=args.kv_heads, max_position_embeddings=4096, tie_word_embeddings=False)
 
 
 def workload(name: str, args: argparse.Namespace) -> Requests:
@@ -116,11 +104,6 @@ class _Timer:
     def __exit__(self, *exc: Any) -> None:
         _sync(self.device)
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def run_vattn(model: Any, reqs: Requests, args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
@@ -236,17 +219,6 @@ def run_hf_cb(model: Any, reqs: Requests, args: argparse.Namespace, device: str)
 
 
 # ----------------------------------------------------------------------- compare ----
-def agreement(got: list[list[int]], ref: list[list[int]]) -> dict:
-    """Equal sequences, and the fraction of equal tokens position by position."""
-    eq = tot = 0
-    for x, y in zip(got, ref):
-        tot += max(len(x), len(y))
-        eq += sum(a == b for a, b in zip(x, y))
-    same = sum(x == y for x, y in zip(got, ref))
-    return dict(equal=same == len(ref) and len(got) == len(ref), sequences_equal=same, sequences=len(ref),
-                token_match=eq / tot if tot else 1.0)
-
-
 def _figures(r: dict, reqs: Requests) -> dict:
     t1, tn = r.pop("t1"), r.pop("tn")
     prompt_tokens = sum(len(p) for p, _ in reqs)
@@ -263,7 +235,7 @@ def run(args: argparse.Namespace) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.device = device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = build_model(model_config(args), device, dtype, args.seed)
+    model = build_model(model_config(args), device, dtype, args.seed, attn_implementation="sdpa")
     result: dict[str, Any] = dict(device=device, dtype=str(dtype).removeprefix("torch."),
                                   threads=torch.get_num_threads(),
                                   parameters=sum(p.numel() for p in model.parameters()), workloads={})

@@ -1,0 +1,36 @@
+"""The benchmarks' models: Llama-shaped configs with random, seeded weights made directly on the
+device (no download, no checkpoint). Used by overlap, throughput and the end-to-end part of
+`vattn bench gpu`; transformers is imported only when a model is made."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def llama_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+                 num_attention_heads: int, num_key_value_heads: int, max_position_embeddings: int,
+                 **extra: Any) -> Any:
+    """A `LlamaConfig` without special tokens (greedy decoding never stops early); `extra`:
+    head_dim, tie_word_embeddings, ..."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                       num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                       num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra)
+
+
+def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0, attn_implementation: str | None = None
+                ) -> Any:
+    """Random weights from `seed` (the global RNG is left as it was), made on `device` in `dtype`
+    (no host copy), in eval mode. `config` is copied (transformers edits the one it is given)."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {} if attn_implementation is None else dict(attn_implementation=attn_implementation)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype, **kw)
+    return model.eval()
