@@ -350,6 +350,23 @@ def test_sharded_config_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> Non
         LLM(tiny_config(), tensor_parallel_size=2)
 
 
+def test_shard_runs_in_the_devices_dtype() -> None:
+    """A config (or a checkpoint without safetensors) is sharded in the dtype of the rank's
+    device, as at TP 1: the half type on CUDA (nothing is moved here: no GPU needed)."""
+    from vattn.engine.config import EngineConfig
+    from vattn.engine.parallel import TensorParallel
+
+    tp = TensorParallel.__new__(TensorParallel)
+    tp.rank, tp.size, tp.device = 0, WORLD, torch.device("cuda", 0)
+    loaded = tp.load_model(tiny_config(), EngineConfig.from_kwargs())
+    assert loaded.dtype == torch.float16
+    assert loaded.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+    tp.device = torch.device("cpu")
+    assert tp.load_model(tiny_config(), EngineConfig.from_kwargs()).dtype == torch.float32
+    with pytest.raises(InvalidConfigError, match="got int"):
+        tp.load_model(3, EngineConfig.from_kwargs())
+
+
 def test_cli_tells_how_to_launch() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])

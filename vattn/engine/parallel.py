@@ -247,7 +247,7 @@ class TensorParallel:
     # -------------------------------------------------------------- the model ----
     def load_model(self, model: Any, config: EngineConfig) -> LoadedModel:
         """This rank's shard of `model` (a checkpoint directory, a config or a loaded model)."""
-        from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
+        from transformers import AutoConfig, GenerationConfig
 
         if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
             path = os.fspath(model)
@@ -265,9 +265,10 @@ class TensorParallel:
                     pass
                 return LoadedModel(shard, load_tokenizer(path), dtype)
             logger.warning("vattn: %s has no safetensors weights: every rank reads the whole checkpoint", path)
-        if not isinstance(model, (str, os.PathLike, PretrainedConfig, PreTrainedModel)):
-            load_model(model, config, self.device)  # raises its error for the wrong type
-        full = load_model(model, config, torch.device("cpu"))  # a config: the seeded full weights, as at TP 1
+        # a config: the seeded full weights, as at TP 1 (on the host: load_model does not move
+        # them; the device only picks the dtype, the half type on CUDA as at TP 1); the wrong
+        # type raises load_model's error
+        full = load_model(model, config, self.device)
         shard = shard_model(full.model.config, _StateDictSource(full.model.state_dict()), self.rank, self.size,
                             full.dtype, self)
         shard.generation_config = copy.deepcopy(full.model.generation_config)
