@@ -27,7 +27,7 @@ from helpers import (  # noqa: E402
 
 from vattn import LLM, SamplingParams  # noqa: E402
 from vattn.engine.parallel import RankCacheError, TensorParallelError, shard_config  # noqa: E402
-from vattn.errors import BackendError, InvalidConfigError, OutOfPhysicalMemoryError  # noqa: E402
+from vattn.errors import BackendError, FatalEngineError, InvalidConfigError, OutOfPhysicalMemoryError  # noqa: E402
 
 WORLD = 2
 MODELS = [("llama", 4), ("llama", 2), ("qwen2", 2), ("llama", 1)]  # MHA, GQA, GQA, 1 kv head on 2 ranks
@@ -342,6 +342,7 @@ def test_sharded_config_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> Non
     six.num_attention_heads = 6
     with pytest.raises(InvalidConfigError, match="num_key_value_heads=2"):
         shard_config(six, 3)
+    assert issubclass(TensorParallelError, FatalEngineError)  # the scheduler lets it propagate
     with pytest.raises(InvalidConfigError, match="prefix_caching"):
         LLM(tiny_config(), tensor_parallel_size=2, enable_prefix_caching=True)
     for name in ("RANK", "WORLD_SIZE"):

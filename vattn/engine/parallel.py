@@ -55,7 +55,7 @@ import torch
 
 from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, load_tokenizer, run_dtype
-from vattn.errors import InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError
+from vattn.errors import FatalEngineError, InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ DEFAULT_PLAN = {
 }
 
 
-class TensorParallelError(VattnError, RuntimeError):
+class TensorParallelError(FatalEngineError, RuntimeError):
     """Tensor-parallel ranks could not go on together: a rank raised or exited, a collective
     timed out, or the ranks were given different requests. The engine cannot be used again;
     close it (and restart every rank)."""
