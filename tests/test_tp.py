@@ -144,6 +144,8 @@ def _outputs(rank: int, ports: list[int], checkpoint: str) -> dict:
     with LLM(tiny_config(), **{**TP, "max_batch_size": 4, "physical_memory": 48 << 10}) as llm:
         res["preempted"] = online(llm, check_books)
         res["num_preemptions"] = llm.num_preemptions
+    # every engine destroyed its own gloo group at close; the user's default group is left
+    res["groups_left"] = (dist.is_initialized(), len(dist.distributed_c10d._world.pg_map))
     return res
 
 
@@ -222,6 +224,9 @@ def _agreement(rank: int, ports: list[int]) -> dict:
         res["fork"] = [[c.token_ids for c in o.outputs] for o in outs]
         res["fork_calls"] = len(forks)
         check_books(llm)
+        llm.tp.fail("injected on every rank")  # tears down the engine's group, not the user's
+    dist.barrier()  # the user's default group still works
+    res["user_group_kept"] = (dist.is_initialized(), len(dist.distributed_c10d._world.pg_map))
     return res
 
 
@@ -242,6 +247,15 @@ def _failures(rank: int, ports: list[int]) -> dict:
         except Exception as e:  # noqa: BLE001 - what the test checks
             res[name] = (type(e).__name__, str(e), time.monotonic() - t)
         llm.close()
+
+    # two engines on the default group vattn created: closing one leaves it to the other;
+    # the last close destroys it
+    os.environ["MASTER_PORT"] = str(ports[3])
+    first, second = LLM(tiny_config(), **TP), LLM(tiny_config(), **TP)
+    first.close()
+    res["second engine"] = [o.token_ids for o in second.generate([[5, 6, 7]], greedy_params()[0])]
+    second.close()
+    res["group after close"] = dist.is_initialized()
 
     attempt("diverged", ports[0], lambda r: [5, 6, 7 + r])
     forwards = [0]
@@ -293,6 +307,7 @@ def test_tp2_outputs_equal_tp1_and_transformers(tmp_path: Path) -> None:
     assert tp["checkpoint heads"] == 1
     assert tp["preempted"] == [list(r) for r in reference()]
     assert tp["num_preemptions"] == other["num_preemptions"] > 0
+    assert tp["groups_left"] == other["groups_left"] == (True, 1), "engines' gloo groups leaked"
 
 
 def test_ranks_agree_on_budget_and_failed_steps(tmp_path: Path) -> None:
@@ -316,11 +331,14 @@ def test_ranks_agree_on_budget_and_failed_steps(tmp_path: Path) -> None:
         tp1 = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts()[:3], params)]
     assert r0["fork"] == tp1 and r1["fork"] == []
     assert r0["fork_calls"] == r1["fork_calls"] >= 3 * 2 + 1  # two forks per request, one retried (or more)
+    assert r0["user_group_kept"] == r1["user_group_kept"] == (True, 1), "fail() destroyed the user's group"
 
 
 def test_a_failing_rank_stops_the_others_soon(tmp_path: Path) -> None:
-    (r0, r1), codes = spawn("failures", tmp_path, num_ports=3)
+    (r0, r1), codes = spawn("failures", tmp_path, num_ports=4)
     assert r1 is None and codes[1] == 3, "rank 1 died in the last phase"
+    assert len(r0["second engine"]) == 1 and r0["second engine"][0], "the second engine kept its group"
+    assert r0["group after close"] is False, "the last engine destroyed the group vattn created"
     for name in ("diverged", "raised", "died"):
         kind, message, seconds = r0[name]
         assert kind == "TensorParallelError", (name, kind, message)
