@@ -39,8 +39,10 @@ physical budget (the minimum over ranks), each `step`'s outcome (failed on one r
 failed on all, the union of the failed requests, before the scheduler preempts), each new
 slot. Every iteration first checks that the ranks' schedules are equal. Rank 0 samples and
 broadcasts the tokens. A rank whose forward raises, or that sees a collective fail (a peer
-died or raised), tears the group down so that the others fail at once too
-(`TensorParallelError`), instead of waiting in a collective.
+died or raised), tears down what vattn owns so that the others fail at once too
+(`TensorParallelError`), instead of waiting in a collective. "At once" is verified on gloo
+only: on NCCL a peer blocked in the model's all-reduce waits for torch's watchdog timeout
+(`distributed_timeout_s`) before it raises.
 """
 from __future__ import annotations
 
