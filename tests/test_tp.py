@@ -177,7 +177,7 @@ def _agreement(rank: int, ports: list[int]) -> dict:
 
         llm.cache.step = counting_step
         if rank == 1:  # this rank runs short: 3 page groups of the 16 agreed
-            llm.cache.allocator.max_pages = 3
+            llm.cache.allocator.set_max_pages(3)
         res["short"] = online(llm, check_books)
         res["short_failures"] = local_failures
         res["short_preemptions"] = llm.num_preemptions

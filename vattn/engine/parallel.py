@@ -61,7 +61,8 @@ import torch
 
 from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, load_tokenizer, run_dtype
-from vattn.errors import FatalEngineError, InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError
+from vattn.errors import (
+    FatalEngineError, InvalidConfigError, InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError)
 
 logger = logging.getLogger(__name__)
 
@@ -301,8 +302,11 @@ class TensorParallel:
         pages = min(self.all_gather_int(alloc.max_pages))
         if cache.config.physical_memory is None and cache.config.torch_device.type == "cpu":
             pages = max(1, pages // self.local_world_size)
-        with alloc._lock:
-            alloc.max_pages = pages
+        try:
+            alloc.set_max_pages(pages)
+        except InvalidRequestError as e:  # this rank already created more: not expected here
+            raise self.fail(f"rank {self.rank} cannot lower its KV budget to the agreed {pages} page groups ({e})") \
+                from e
 
     # -------------------------------------------------------------- the model ----
     def load_model(self, model: Any, config: EngineConfig) -> LoadedModel:
