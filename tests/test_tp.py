@@ -386,6 +386,41 @@ def test_shard_runs_in_the_devices_dtype() -> None:
         tp.load_model(3, EngineConfig.from_kwargs())
 
 
+def test_cross_thread_abort_refused_under_tp() -> None:
+    """Under TP an abort from another thread while generate runs would land at a different
+    point of each rank's schedule: refused (InvalidRequestError), and generate goes on. A
+    TP-1 engine with a stand-in for its rank's group (no processes)."""
+    import threading
+    import types
+
+    from vattn.errors import InvalidRequestError
+
+    with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=8) as llm:
+        llm.tp = types.SimpleNamespace(rank=0, check_same_schedule=lambda _s: None, note_request=lambda *_: None,
+                                       note_abort=lambda _ids: None, close=lambda: None)
+        errors: list = []
+
+        def abort_from_another_thread(*_):
+            if not errors:
+                t = threading.Thread(target=lambda: errors.append(_raised(lambda: llm.abort_request(0))))
+                t.start()
+                t.join(5)  # refused at once (the step holds the engine's lock meanwhile)
+
+        llm.runner.model.model.layers[0].register_forward_hook(abort_from_another_thread)
+        outs = llm.generate(prompts()[:2], greedy_params()[:2])
+        assert all(o.outputs[0].finish_reason != "abort" for o in outs)
+        assert isinstance(errors[0], InvalidRequestError) and "tensor parallelism" in str(errors[0])
+        assert llm.abort_request(12345) == []  # from the thread that steps, between steps: fine
+
+
+def _raised(fn: Callable[[], Any]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - what the test checks
+        return e
+    return None
+
+
 def test_cli_tells_how_to_launch() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])

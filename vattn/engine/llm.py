@@ -87,6 +87,11 @@ class LLM:
     Threads: add_request, abort_request and step may be called from different threads
     (one lock; abort_request waits for the iteration in flight). generate steps the engine
     itself: run one generate at a time, and abort its requests from another thread.
+    Under tensor parallelism every rank must make the same calls at the same point of its
+    schedule, aborts included: a thread cannot time that, so abort_request while another
+    thread is in generate raises InvalidRequestError there, and an abort made on some ranks
+    only (or between different steps) makes the ranks' schedules differ, which is fatal
+    (TensorParallelError at the next step). Abort from the thread that steps, between steps.
 
     Idle give-back (`idle_trim_s`): once the engine has had no request for that many
     seconds, it calls `cache.trim()` (every page no live token needs goes back to the device
@@ -131,6 +136,7 @@ class LLM:
         self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
         self._lock = threading.Lock()
         self._closed = False
+        self._generating: int | None = None  # the thread in generate, if any
         self.num_idle_trims = 0  # times the idle engine gave its unused pages back
         self._idle_since: float | None = None  # when the engine last ran out of work (None: busy)
         self._idle_trimmed = False  # this idle period's trim is done
@@ -153,8 +159,14 @@ class LLM:
         final outputs are returned by the next `step()` (and by `generate`, for its own).
         Ids of requests that already finished, or that this engine never issued, are
         ignored: a client may go away just as its request finishes. Returns the ids it
-        aborted. Raises InvalidRequestError for an id that is not an int."""
+        aborted. Raises InvalidRequestError for an id that is not an int, and under tensor
+        parallelism while another thread is in generate (see the class docstring)."""
         ids = [request_id] if is_int(request_id) else _as_id_list(request_id)
+        generating = self._generating  # read without the lock: generate may hold it for a step
+        if self.tp is not None and generating is not None and generating != threading.get_ident():
+            raise InvalidRequestError(
+                "under tensor parallelism every rank must abort at the same point of its schedule; an abort from "
+                "another thread while generate runs cannot be: abort from the thread that steps, between steps")
         with self._lock:
             self._check_open()
             if self.tp is not None:
@@ -219,6 +231,7 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(seqs), desc="generate", unit="req")
+        self._generating = threading.get_ident()
         try:
             while pending:
                 for out in self._step():
@@ -238,6 +251,7 @@ class LLM:
                 self._unclaimed = [o for o in self._unclaimed if o.request_id not in pending]
             raise
         finally:
+            self._generating = None
             if bar is not None:
                 bar.close()
         if not self.is_output_rank:
