@@ -421,6 +421,49 @@ def _raised(fn: Callable[[], Any]) -> BaseException | None:
     return None
 
 
+def test_closing_releases_the_group_whatever_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank's group is closed when building the scheduler raises (the runner too), and at
+    close() even when the runner's close raises. A stand-in for the group (no processes)."""
+    import types
+
+    import vattn.engine.llm as llm_module
+    from vattn.engine.model_runner import load_model
+
+    closed: list[str] = []
+    stub = types.SimpleNamespace(
+        rank=0, device=torch.device("cpu"), agree_budget=lambda _cache: None,
+        load_model=lambda model, config: load_model(model, config, torch.device("cpu")),
+        close=lambda: closed.append("group"))
+    monkeypatch.setattr(llm_module.TensorParallel, "start", classmethod(lambda cls, config: stub))
+    real_close = llm_module.TPModelRunner.close
+
+    def runner_close(self):
+        closed.append("runner")
+        real_close(self)
+
+    monkeypatch.setattr(llm_module.TPModelRunner, "close", runner_close)
+
+    def no_scheduler(*_args, **_kwargs):
+        raise RuntimeError("injected: no scheduler")
+
+    with monkeypatch.context() as m:
+        m.setattr(llm_module, "Scheduler", no_scheduler)
+        with pytest.raises(RuntimeError, match="injected"):
+            LLM(tiny_config(), tensor_parallel_size=2)
+    assert closed == ["runner", "group"]
+    closed.clear()
+    llm = LLM(tiny_config(), tensor_parallel_size=2)
+
+    def failing_close(self):
+        runner_close(self)
+        raise RuntimeError("injected: the runner's close failed")
+
+    monkeypatch.setattr(llm_module.TPModelRunner, "close", failing_close)
+    with pytest.raises(RuntimeError, match="the runner's close failed"):
+        llm.close()
+    assert closed == ["runner", "group"]
+
+
 def test_cli_tells_how_to_launch() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])

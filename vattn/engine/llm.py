@@ -111,7 +111,11 @@ class LLM:
         loaded = load_model(model, self.config, device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.dtype, device, self.config)
-        self._start(loaded, self.runner.cache)
+        try:
+            self._start(loaded, self.runner.cache)
+        except BaseException:
+            self.runner.close()
+            raise
 
     def _start_parallel(self, model: Any, tokenizer: Any) -> None:
         """This rank's shard, cache and agreed view of it (see vattn.engine.parallel)."""
@@ -119,11 +123,18 @@ class LLM:
         try:
             loaded = tp.load_model(model, self.config)
             self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
-            self.runner = TPModelRunner(loaded.model, loaded.dtype, tp.device, self.config, tp)
+            self.runner = TPModelRunner(loaded.model, loaded.dtype, tp.device, self.config, tp)  # closed if it raises
         except BaseException:
             tp.close()
             raise
-        self._start(loaded, AgreedSlots(self.runner.cache, tp))
+        try:
+            self._start(loaded, AgreedSlots(self.runner.cache, tp))
+        except BaseException:
+            try:
+                self.runner.close()
+            finally:
+                tp.close()
+            raise
 
     def _start(self, loaded: LoadedModel, kv: Any) -> None:
         self.prefix_cache = None
@@ -298,9 +309,11 @@ class LLM:
                 self._closed = True
                 if self._idle_timer is not None:
                     self._idle_timer.cancel()
-                self.runner.close()
-                if self.tp is not None:
-                    self.tp.close()
+                try:
+                    self.runner.close()
+                finally:
+                    if self.tp is not None:
+                        self.tp.close()
 
     def __enter__(self) -> LLM:
         return self
