@@ -239,6 +239,26 @@ def test_reserve_physical_and_stats(make_cache):
         cache.reserve_physical(11 * g.group_bytes)
 
 
+def test_set_max_pages(make_cache):
+    """The public way to change the budget (tensor parallelism agrees on the ranks' minimum):
+    checked, and what step and stats see."""
+    cache = make_cache(page_size=4 * KB, physical_memory=10 * 4 * KB * 4, prefetch=False)
+    alloc, g = cache.allocator, cache.geometry
+    assert cache.reserve_physical(3 * g.group_bytes) == 3
+    alloc.set_max_pages(4)
+    assert cache.stats().max_pages == 4
+    r = cache.alloc_reqid()
+    assert cache.step({r: 4 * 32})  # 4 pages: the whole budget
+    assert not cache.step({r: 5 * 32})  # over the budget
+    for bad in (2, 0, -1):
+        with pytest.raises(vattn.InvalidRequestError, match="max_pages must be >= 1 and >= the 4 page groups"):
+            alloc.set_max_pages(bad)
+    with pytest.raises(vattn.InvalidRequestError):
+        alloc.set_max_pages(4.5)
+    alloc.set_max_pages(6)
+    assert cache.step({r: 5 * 32}) and alloc.max_pages == 6
+
+
 def test_several_instances_in_one_process(make_cache):
     a, b = make_cache(page_size=4 * KB), make_cache(page_size=8 * KB, layout="fused")
     ra, rb = a.alloc_reqid(), b.alloc_reqid()

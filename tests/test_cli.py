@@ -19,6 +19,17 @@ def test_demo_synthetic(capsys):
     assert "12 /" in out
 
 
+def test_demo_synthetic_refuses_tensor_parallelism(capsys, monkeypatch):
+    """--synthetic has no model to split: a TP size > 1 is a usage error, not silently ignored
+    (also under torchrun, WORLD_SIZE set)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--synthetic", "--tensor-parallel-size", "2", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err
+    assert "--synthetic drives the allocator alone" in err and "--tensor-parallel-size 2" in err
+
+
 def test_demo_engine_as_module():
     p = subprocess.run([sys.executable, "-m", "vattn", "demo", "--requests", "6", "--device", "cpu"],
                        capture_output=True, text=True, timeout=300)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from vattn.engine.scheduler import Scheduler, SchedulerConfig
 from vattn.engine.sequence import SequenceStatus
-from vattn.errors import InvalidConfigError
+from vattn.errors import FatalEngineError, InvalidConfigError
 
 
 def test_scheduler_decodes_first_then_prefill_chunks() -> None:
@@ -166,3 +166,31 @@ def test_scheduler_random_workloads_with_samples_swaps_and_prefixes(
     assert sorted(kv.free) == list(range(slots)) and not sched.has_unfinished() and not sched.requests
     if mode == "recompute":
         assert not kv.swaps
+
+
+class _Fatal(FatalEngineError):
+    """What a failed tensor-parallel collective raises (TensorParallelError derives from it)."""
+
+
+def test_fatal_engine_errors_propagate_from_the_cache() -> None:
+    """A FatalEngineError from the cache is no cache failure: no preemption, no failure
+    counted, no fallback; it leaves schedule() as it is (a peer rank died, say)."""
+    kv = FakeKV(4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    a = make_seq(0, 5, max_tokens=4, n=2)
+    sched.add(a)
+    fake_advance(sched, sched.schedule())  # a's prompt is computed: sample 1 waits for a fork
+
+    def fatal(*_args):
+        raise _Fatal("the group failed")
+
+    kv.fork = fatal
+    with pytest.raises(_Fatal):
+        sched.schedule()
+    del kv.fork
+    kv.step = fatal
+    with pytest.raises(_Fatal):
+        sched.schedule()
+    assert sched.num_preemptions == 0 and a.num_preemptions == 0
+    assert all(s.num_failures == 0 for s in a.samples)
+    assert a.status is SequenceStatus.RUNNING and a.num_computed_tokens == 5

@@ -27,7 +27,7 @@ from helpers import (  # noqa: E402
 
 from vattn import LLM, SamplingParams  # noqa: E402
 from vattn.engine.parallel import RankCacheError, TensorParallelError, shard_config  # noqa: E402
-from vattn.errors import BackendError, InvalidConfigError, OutOfPhysicalMemoryError  # noqa: E402
+from vattn.errors import BackendError, FatalEngineError, InvalidConfigError, OutOfPhysicalMemoryError  # noqa: E402
 
 WORLD = 2
 MODELS = [("llama", 4), ("llama", 2), ("qwen2", 2), ("llama", 1)]  # MHA, GQA, GQA, 1 kv head on 2 ranks
@@ -144,6 +144,8 @@ def _outputs(rank: int, ports: list[int], checkpoint: str) -> dict:
     with LLM(tiny_config(), **{**TP, "max_batch_size": 4, "physical_memory": 48 << 10}) as llm:
         res["preempted"] = online(llm, check_books)
         res["num_preemptions"] = llm.num_preemptions
+    # every engine destroyed its own gloo group at close; the user's default group is left
+    res["groups_left"] = (dist.is_initialized(), len(dist.distributed_c10d._world.pg_map))
     return res
 
 
@@ -175,7 +177,7 @@ def _agreement(rank: int, ports: list[int]) -> dict:
 
         llm.cache.step = counting_step
         if rank == 1:  # this rank runs short: 3 page groups of the 16 agreed
-            llm.cache.allocator.max_pages = 3
+            llm.cache.allocator.set_max_pages(3)
         res["short"] = online(llm, check_books)
         res["short_failures"] = local_failures
         res["short_preemptions"] = llm.num_preemptions
@@ -222,6 +224,9 @@ def _agreement(rank: int, ports: list[int]) -> dict:
         res["fork"] = [[c.token_ids for c in o.outputs] for o in outs]
         res["fork_calls"] = len(forks)
         check_books(llm)
+        llm.tp.fail("injected on every rank")  # tears down the engine's group, not the user's
+    dist.barrier()  # the user's default group still works
+    res["user_group_kept"] = (dist.is_initialized(), len(dist.distributed_c10d._world.pg_map))
     return res
 
 
@@ -242,6 +247,15 @@ def _failures(rank: int, ports: list[int]) -> dict:
         except Exception as e:  # noqa: BLE001 - what the test checks
             res[name] = (type(e).__name__, str(e), time.monotonic() - t)
         llm.close()
+
+    # two engines on the default group vattn created: closing one leaves it to the other;
+    # the last close destroys it
+    os.environ["MASTER_PORT"] = str(ports[3])
+    first, second = LLM(tiny_config(), **TP), LLM(tiny_config(), **TP)
+    first.close()
+    res["second engine"] = [o.token_ids for o in second.generate([[5, 6, 7]], greedy_params()[0])]
+    second.close()
+    res["group after close"] = dist.is_initialized()
 
     attempt("diverged", ports[0], lambda r: [5, 6, 7 + r])
     forwards = [0]
@@ -293,6 +307,7 @@ def test_tp2_outputs_equal_tp1_and_transformers(tmp_path: Path) -> None:
     assert tp["checkpoint heads"] == 1
     assert tp["preempted"] == [list(r) for r in reference()]
     assert tp["num_preemptions"] == other["num_preemptions"] > 0
+    assert tp["groups_left"] == other["groups_left"] == (True, 1), "engines' gloo groups leaked"
 
 
 def test_ranks_agree_on_budget_and_failed_steps(tmp_path: Path) -> None:
@@ -316,11 +331,14 @@ def test_ranks_agree_on_budget_and_failed_steps(tmp_path: Path) -> None:
         tp1 = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts()[:3], params)]
     assert r0["fork"] == tp1 and r1["fork"] == []
     assert r0["fork_calls"] == r1["fork_calls"] >= 3 * 2 + 1  # two forks per request, one retried (or more)
+    assert r0["user_group_kept"] == r1["user_group_kept"] == (True, 1), "fail() destroyed the user's group"
 
 
 def test_a_failing_rank_stops_the_others_soon(tmp_path: Path) -> None:
-    (r0, r1), codes = spawn("failures", tmp_path, num_ports=3)
+    (r0, r1), codes = spawn("failures", tmp_path, num_ports=4)
     assert r1 is None and codes[1] == 3, "rank 1 died in the last phase"
+    assert len(r0["second engine"]) == 1 and r0["second engine"][0], "the second engine kept its group"
+    assert r0["group after close"] is False, "the last engine destroyed the group vattn created"
     for name in ("diverged", "raised", "died"):
         kind, message, seconds = r0[name]
         assert kind == "TensorParallelError", (name, kind, message)
@@ -342,12 +360,108 @@ def test_sharded_config_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> Non
     six.num_attention_heads = 6
     with pytest.raises(InvalidConfigError, match="num_key_value_heads=2"):
         shard_config(six, 3)
+    assert issubclass(TensorParallelError, FatalEngineError)  # the scheduler lets it propagate
     with pytest.raises(InvalidConfigError, match="prefix_caching"):
         LLM(tiny_config(), tensor_parallel_size=2, enable_prefix_caching=True)
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(InvalidConfigError, match="torchrun --nproc-per-node 2"):
         LLM(tiny_config(), tensor_parallel_size=2)
+
+
+def test_shard_runs_in_the_devices_dtype() -> None:
+    """A config (or a checkpoint without safetensors) is sharded in the dtype of the rank's
+    device, as at TP 1: the half type on CUDA (nothing is moved here: no GPU needed)."""
+    from vattn.engine.config import EngineConfig
+    from vattn.engine.parallel import TensorParallel
+
+    tp = TensorParallel.__new__(TensorParallel)
+    tp.rank, tp.size, tp.device = 0, WORLD, torch.device("cuda", 0)
+    loaded = tp.load_model(tiny_config(), EngineConfig.from_kwargs())
+    assert loaded.dtype == torch.float16
+    assert loaded.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+    tp.device = torch.device("cpu")
+    assert tp.load_model(tiny_config(), EngineConfig.from_kwargs()).dtype == torch.float32
+    with pytest.raises(InvalidConfigError, match="got int"):
+        tp.load_model(3, EngineConfig.from_kwargs())
+
+
+def test_cross_thread_abort_refused_under_tp() -> None:
+    """Under TP an abort from another thread while generate runs would land at a different
+    point of each rank's schedule: refused (InvalidRequestError), and generate goes on. A
+    TP-1 engine with a stand-in for its rank's group (no processes)."""
+    import threading
+    import types
+
+    from vattn.errors import InvalidRequestError
+
+    with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=8) as llm:
+        llm.tp = types.SimpleNamespace(rank=0, check_same_schedule=lambda _s: None, note_request=lambda *_: None,
+                                       note_abort=lambda _ids: None, close=lambda: None)
+        errors: list = []
+
+        def abort_from_another_thread(*_):
+            if not errors:
+                t = threading.Thread(target=lambda: errors.append(_raised(lambda: llm.abort_request(0))))
+                t.start()
+                t.join(5)  # refused at once (the step holds the engine's lock meanwhile)
+
+        llm.runner.model.model.layers[0].register_forward_hook(abort_from_another_thread)
+        outs = llm.generate(prompts()[:2], greedy_params()[:2])
+        assert all(o.outputs[0].finish_reason != "abort" for o in outs)
+        assert isinstance(errors[0], InvalidRequestError) and "tensor parallelism" in str(errors[0])
+        assert llm.abort_request(12345) == []  # from the thread that steps, between steps: fine
+
+
+def _raised(fn: Callable[[], Any]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - what the test checks
+        return e
+    return None
+
+
+def test_closing_releases_the_group_whatever_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank's group is closed when building the scheduler raises (the runner too), and at
+    close() even when the runner's close raises. A stand-in for the group (no processes)."""
+    import types
+
+    import vattn.engine.llm as llm_module
+    from vattn.engine.model_runner import load_model
+
+    closed: list[str] = []
+    stub = types.SimpleNamespace(
+        rank=0, device=torch.device("cpu"), agree_budget=lambda _cache: None,
+        load_model=lambda model, config: load_model(model, config, torch.device("cpu")),
+        close=lambda: closed.append("group"))
+    monkeypatch.setattr(llm_module.TensorParallel, "start", classmethod(lambda cls, config: stub))
+    real_close = llm_module.TPModelRunner.close
+
+    def runner_close(self):
+        closed.append("runner")
+        real_close(self)
+
+    monkeypatch.setattr(llm_module.TPModelRunner, "close", runner_close)
+
+    def no_scheduler(*_args, **_kwargs):
+        raise RuntimeError("injected: no scheduler")
+
+    with monkeypatch.context() as m:
+        m.setattr(llm_module, "Scheduler", no_scheduler)
+        with pytest.raises(RuntimeError, match="injected"):
+            LLM(tiny_config(), tensor_parallel_size=2)
+    assert closed == ["runner", "group"]
+    closed.clear()
+    llm = LLM(tiny_config(), tensor_parallel_size=2)
+
+    def failing_close(self):
+        runner_close(self)
+        raise RuntimeError("injected: the runner's close failed")
+
+    monkeypatch.setattr(llm_module.TPModelRunner, "close", failing_close)
+    with pytest.raises(RuntimeError, match="the runner's close failed"):
+        llm.close()
+    assert closed == ["runner", "group"]
 
 
 def test_cli_tells_how_to_launch() -> None:

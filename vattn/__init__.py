@@ -22,6 +22,7 @@ from vattn.errors import (
     BackendError,
     ClosedError,
     ContextLengthError,
+    FatalEngineError,
     InvalidConfigError,
     InvalidRequestError,
     MapCountLimitError,
@@ -100,6 +101,7 @@ __all__ = [
     "k_cache", "v_cache", "close", "VattnError", "InvalidConfigError", "InvalidRequestError",
     "UnknownReqIdError", "ContextLengthError", "NoFreeSlotError", "OutOfVirtualMemoryError",
     "OutOfPhysicalMemoryError", "MapCountLimitError", "BackendError", "NotInitializedError", "ClosedError",
+    "FatalEngineError",
     "ElasticPool", "PoolStats", "UnknownBlockError", "Budget",
 ]
 

@@ -636,6 +636,18 @@ class PageAllocator:
                 self.pool.extend(reversed(groups))
             return self.num_created - before
 
+    def set_max_pages(self, n: int) -> None:
+        """Set the physical budget to `n` page groups (e.g. the minimum over tensor-parallel
+        ranks). `n` is an int >= 1 and >= the groups that exist now (`trim()` first to go
+        lower); the page groups' size is `geometry.group_bytes`. Raises InvalidRequestError."""
+        n = self._index(n, "max_pages")
+        with self._quiet():
+            if n < max(1, self.num_created):
+                raise InvalidRequestError(
+                    f"max_pages must be >= 1 and >= the {self.num_created} page groups that exist now, got {n}; "
+                    "trim() first to give unused pages back")
+            self.max_pages = n
+
     def _fence_ran(self) -> None:
         """Record a fence for the slots the last iteration read: calls between iterations
         that may unmap pages (fork, map_pinned, trim, resume) must wait for that iteration."""

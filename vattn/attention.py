@@ -303,7 +303,7 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         c, n, a = g.count, g.n, g.row
         k = k_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)  # [c, H_kv, ctx - lo, D], a view
         v = v_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)
-        if n == 1 and _FOLD_GQA_DECODE:
+        if n == 1:
             q = query[a:a + c].view(c, Hkv, Hq // Hkv, D)  # query head h -> KV head h // (H_q / H_kv)
             out[a:a + c] = F.scaled_dot_product_attention(q, k, v, scale=scale).view(c, Hq, D)
             continue
@@ -312,9 +312,6 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                                            enable_gqa=Hq != Hkv)  # [c, H_q, n, D]
         out[a:a + c * n] = o.transpose(1, 2).reshape(c * n, Hq, D)
     return out
-
-
-_FOLD_GQA_DECODE = True  # False: decodes use enable_gqa too (for comparisons)
 
 
 def sdpa_padded_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -331,7 +328,7 @@ def sdpa_padded_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     T, Hq, D = query.shape
     Hkv = k_cache.shape[2]
     S = len(meta.slots)
-    p = meta.padded_plan(sliding_window, k_cache.stride(0) // k_cache.stride(1))
+    p = meta.padded_plan(sliding_window, meta.slot_tokens)  # the cache's slot stride in tokens
     k = _flat_rows(k_cache).index_select(0, p["kv_index"]).view(S, -1, Hkv, D).transpose(1, 2)
     v = _flat_rows(v_cache).index_select(0, p["kv_index"]).view(S, -1, Hkv, D).transpose(1, 2)
     q = query.new_zeros(S * p["n_max"], Hq, D)

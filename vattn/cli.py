@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve requests on a tiny built-in model (or, with --synthetic, drive the "
                        "allocator alone) and print figures. Exits 1 if any request failed.")
     d.add_argument("--synthetic", action="store_true",
-                   help="drive the allocator alone with synthetic requests (no model)")
+                   help="drive the allocator alone with synthetic requests (no model; tensor-parallel size 1)")
     d.add_argument("--requests", type=_positive_int, default=32, help="number of requests (default: 32)")
     d.add_argument("--seed", type=int, default=0, help="seed of the request mix and the model weights (default: 0)")
     d.add_argument("--device", default=None, help="cpu (host backend) or cuda[:N]; default: cuda if available")
@@ -141,7 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except VattnError as e:
             print(f"vattn: error: {e}", file=sys.stderr)
             return 2
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd == "demo" and args.synthetic and args.tensor_parallel_size > 1:
+        parser.error(f"demo --synthetic drives the allocator alone, with no model to split over ranks: "
+                     f"--tensor-parallel-size {args.tensor_parallel_size} needs the model demo (drop --synthetic, "
+                     "launch with torchrun)")
     if args.tensor_parallel_size > 1 and "WORLD_SIZE" not in os.environ:
         print(_torchrun_message(args.tensor_parallel_size, argv), file=sys.stderr)
         return 2

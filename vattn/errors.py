@@ -6,6 +6,11 @@ class VattnError(Exception):
     """Base class of every vattn error."""
 
 
+class FatalEngineError(VattnError):
+    """The engine cannot go on (e.g. its tensor-parallel group failed): never retried, never
+    turned into a per-request failure; close the engine. The scheduler lets it propagate."""
+
+
 class InvalidConfigError(VattnError, ValueError):
     """A configuration value is wrong (sizes, dtype, page size, layout, device)."""
 

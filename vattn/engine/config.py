@@ -49,7 +49,9 @@ class EngineConfig:
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
     heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`, recompute
     preemption only, no prefix caching), distributed_timeout_s (seconds a collective may wait
-    for the other ranks before it fails, when vattn creates the process group).
+    for the other ranks before it fails: the engine's control messages always, the model's
+    all-reduces when vattn creates the process group; on NCCL also how long a rank blocked
+    in an all-reduce waits when a peer failed).
     """
 
     max_batch_size: int = 16

@@ -87,6 +87,11 @@ class LLM:
     Threads: add_request, abort_request and step may be called from different threads
     (one lock; abort_request waits for the iteration in flight). generate steps the engine
     itself: run one generate at a time, and abort its requests from another thread.
+    Under tensor parallelism every rank must make the same calls at the same point of its
+    schedule, aborts included: a thread cannot time that, so abort_request while another
+    thread is in generate raises InvalidRequestError there, and an abort made on some ranks
+    only (or between different steps) makes the ranks' schedules differ, which is fatal
+    (TensorParallelError at the next step). Abort from the thread that steps, between steps.
 
     Idle give-back (`idle_trim_s`): once the engine has had no request for that many
     seconds, it calls `cache.trim()` (every page no live token needs goes back to the device
@@ -106,7 +111,11 @@ class LLM:
         loaded = load_model(model, self.config, device)
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.dtype, device, self.config)
-        self._start(loaded, self.runner.cache)
+        try:
+            self._start(loaded, self.runner.cache)
+        except BaseException:
+            self.runner.close()
+            raise
 
     def _start_parallel(self, model: Any, tokenizer: Any) -> None:
         """This rank's shard, cache and agreed view of it (see vattn.engine.parallel)."""
@@ -114,11 +123,18 @@ class LLM:
         try:
             loaded = tp.load_model(model, self.config)
             self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
-            self.runner = TPModelRunner(loaded.model, loaded.dtype, tp.device, self.config, tp)
+            self.runner = TPModelRunner(loaded.model, loaded.dtype, tp.device, self.config, tp)  # closed if it raises
         except BaseException:
             tp.close()
             raise
-        self._start(loaded, AgreedSlots(self.runner.cache, tp))
+        try:
+            self._start(loaded, AgreedSlots(self.runner.cache, tp))
+        except BaseException:
+            try:
+                self.runner.close()
+            finally:
+                tp.close()
+            raise
 
     def _start(self, loaded: LoadedModel, kv: Any) -> None:
         self.prefix_cache = None
@@ -131,6 +147,7 @@ class LLM:
         self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
         self._lock = threading.Lock()
         self._closed = False
+        self._generating: int | None = None  # the thread in generate, if any
         self.num_idle_trims = 0  # times the idle engine gave its unused pages back
         self._idle_since: float | None = None  # when the engine last ran out of work (None: busy)
         self._idle_trimmed = False  # this idle period's trim is done
@@ -153,8 +170,14 @@ class LLM:
         final outputs are returned by the next `step()` (and by `generate`, for its own).
         Ids of requests that already finished, or that this engine never issued, are
         ignored: a client may go away just as its request finishes. Returns the ids it
-        aborted. Raises InvalidRequestError for an id that is not an int."""
+        aborted. Raises InvalidRequestError for an id that is not an int, and under tensor
+        parallelism while another thread is in generate (see the class docstring)."""
         ids = [request_id] if is_int(request_id) else _as_id_list(request_id)
+        generating = self._generating  # read without the lock: generate may hold it for a step
+        if self.tp is not None and generating is not None and generating != threading.get_ident():
+            raise InvalidRequestError(
+                "under tensor parallelism every rank must abort at the same point of its schedule; an abort from "
+                "another thread while generate runs cannot be: abort from the thread that steps, between steps")
         with self._lock:
             self._check_open()
             if self.tp is not None:
@@ -219,6 +242,7 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(seqs), desc="generate", unit="req")
+        self._generating = threading.get_ident()
         try:
             while pending:
                 for out in self._step():
@@ -238,6 +262,7 @@ class LLM:
                 self._unclaimed = [o for o in self._unclaimed if o.request_id not in pending]
             raise
         finally:
+            self._generating = None
             if bar is not None:
                 bar.close()
         if not self.is_output_rank:
@@ -284,9 +309,11 @@ class LLM:
                 self._closed = True
                 if self._idle_timer is not None:
                     self._idle_timer.cancel()
-                self.runner.close()
-                if self.tp is not None:
-                    self.tp.close()
+                try:
+                    self.runner.close()
+                finally:
+                    if self.tp is not None:
+                        self.tp.close()
 
     def __enter__(self) -> LLM:
         return self

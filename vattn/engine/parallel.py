@@ -9,7 +9,10 @@ torchrun --nproc-per-node 2 my_script.py       # my_script: LLM(model, tensor_pa
 ```
 
 The process group is NCCL on GPUs (rank r uses cuda:LOCAL_RANK) and gloo on CPUs; control
-messages (the schedule's agreement, sampled tokens) go over a gloo group in both cases.
+messages (the schedule's agreement, sampled tokens) go over a gloo group of each engine's own
+in both cases (on CPUs the model's all-reduces too). A default group vattn created (from
+torchrun's environment) is destroyed when the last engine using it closes; one the user
+created is left alone.
 
 Sharding (Megatron-style, rank r of N, plain tensors: no DTensor):
 
@@ -36,8 +39,10 @@ physical budget (the minimum over ranks), each `step`'s outcome (failed on one r
 failed on all, the union of the failed requests, before the scheduler preempts), each new
 slot. Every iteration first checks that the ranks' schedules are equal. Rank 0 samples and
 broadcasts the tokens. A rank whose forward raises, or that sees a collective fail (a peer
-died or raised), tears the group down so that the others fail at once too
-(`TensorParallelError`), instead of waiting in a collective.
+died or raised), tears down what vattn owns so that the others fail at once too
+(`TensorParallelError`), instead of waiting in a collective. "At once" is verified on gloo
+only: on NCCL a peer blocked in the model's all-reduce waits for torch's watchdog timeout
+(`distributed_timeout_s`) before it raises.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ import datetime
 import json
 import logging
 import os
+import threading
 import zlib
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
@@ -55,7 +61,8 @@ import torch
 
 from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, load_tokenizer, run_dtype
-from vattn.errors import InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError
+from vattn.errors import (
+    FatalEngineError, InvalidConfigError, InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError)
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +74,7 @@ DEFAULT_PLAN = {
 }
 
 
-class TensorParallelError(VattnError, RuntimeError):
+class TensorParallelError(FatalEngineError, RuntimeError):
     """Tensor-parallel ranks could not go on together: a rank raised or exited, a collective
     timed out, or the ranks were given different requests. The engine cannot be used again;
     close it (and restart every rank)."""
@@ -79,11 +86,59 @@ class RankCacheError(VattnError, RuntimeError):
 
 
 # ----------------------------------------------------------------- the group ----
+# The default process group vattn created (from torchrun's environment), and how many open
+# engines use it: the last one to close destroys it. A group the user created is theirs.
+_owned_default: Any = None
+_default_owners = 0
+_owners_lock = threading.Lock()
+
+
+def _join_default(config: EngineConfig, device: torch.device) -> bool:
+    """Create the default process group if there is none; returns whether this engine is
+    one of its owners (vattn created it). Lock held by the caller."""
+    import torch.distributed as dist
+
+    global _owned_default, _default_owners
+    n = config.tensor_parallel_size
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise InvalidConfigError(
+                f"tensor_parallel_size={n} runs one process per rank: launch the script with "
+                f"`torchrun --nproc-per-node {n} SCRIPT` (several nodes: --nnodes, see the README), or "
+                "call torch.distributed.init_process_group() yourself first")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.distributed_timeout_s))
+        _owned_default, _default_owners = dist.group.WORLD, 0
+    if _owned_default is None or dist.group.WORLD is not _owned_default:
+        return False  # the user's group (or vattn's was destroyed and the user made another)
+    _default_owners += 1
+    return True
+
+
+def _leave_default() -> None:
+    """One owner of vattn's default group is done with it; the last destroys it."""
+    import torch.distributed as dist
+
+    global _owned_default, _default_owners
+    with _owners_lock:
+        _default_owners = max(0, _default_owners - 1)
+        if _default_owners == 0 and _owned_default is not None:
+            try:
+                if dist.is_initialized() and dist.group.WORLD is _owned_default:
+                    dist.destroy_process_group()
+            finally:
+                _owned_default = None
+
+
 class TensorParallel:
     """This process's place in the tensor-parallel group, and the collectives the engine uses.
 
     `start(config)` joins the default process group, creating it from torchrun's environment
-    when it does not exist yet (and destroying it again at `close()`)."""
+    when it does not exist yet (vattn then destroys it when the last engine using it closes;
+    a group the user created is left alone). Each engine has a gloo group of its own for the
+    control messages (and, on gloo, the model's all-reduces), destroyed at `close()` / `fail()`."""
 
     def __init__(self, size: int, timeout_s: float, device: torch.device, owns_group: bool) -> None:
         import torch.distributed as dist
@@ -91,10 +146,13 @@ class TensorParallel:
         self.size, self.timeout_s, self.device, self.owns_group = size, timeout_s, device, owns_group
         self.rank = dist.get_rank()
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-        # control messages are small CPU tensors: a gloo group beside NCCL
-        self.cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # control messages are small CPU tensors: a gloo group of this engine's own, so that
+        # fail() can tear it down without touching a default group someone else uses
+        self.cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # the model's all-reduces: the default group on NCCL; on gloo the engine's own group
+        self.model_group = self.cpu_group if dist.get_backend() == "gloo" else None
         self.broken: str | None = None  # why the group cannot be used any more
+        self._released = False
         self._inputs = 0  # a running digest of every request and abort, in call order
 
     @classmethod
@@ -103,20 +161,10 @@ class TensorParallel:
 
         n = config.tensor_parallel_size
         device = config.torch_device()
-        owns = False
         if not dist.is_available():
             raise InvalidConfigError("tensor_parallel_size > 1 needs torch.distributed, which this torch build lacks")
-        if not dist.is_initialized():
-            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-                raise InvalidConfigError(
-                    f"tensor_parallel_size={n} runs one process per rank: launch the script with "
-                    f"`torchrun --nproc-per-node {n} SCRIPT` (several nodes: --nnodes, see the README), or "
-                    "call torch.distributed.init_process_group() yourself first")
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            if device.type == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.distributed_timeout_s))
-            owns = True
+        with _owners_lock:
+            owns = _join_default(config, device)
         try:
             if dist.get_world_size() != n:
                 raise InvalidConfigError(
@@ -128,7 +176,7 @@ class TensorParallel:
             return cls(n, config.distributed_timeout_s, device, owns)
         except BaseException:
             if owns:
-                dist.destroy_process_group()
+                _leave_default()
             raise
 
     # ------------------------------------------------------------- collectives ----
@@ -185,30 +233,43 @@ class TensorParallel:
 
         if self.broken is not None:
             raise TensorParallelError(f"the tensor-parallel group failed earlier ({self.broken})")
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.model_group)
 
     def fail(self, message: str) -> TensorParallelError:
-        """Mark the group unusable and tear it down, so that ranks waiting in a collective
-        with this one get an error now rather than at the timeout. Returns the error to raise."""
-        import torch.distributed as dist
-
+        """Mark the group unusable and tear down what vattn owns (this engine's gloo group,
+        and the default group if vattn created it and no other engine uses it), so that
+        ranks waiting in a collective with this one get an error now rather than at the
+        timeout. Verified on gloo; on NCCL a peer blocked in the model's all-reduce waits for
+        the watchdog (`distributed_timeout_s`). Returns the error to raise."""
         if self.broken is None:
             self.broken = message
             logger.error("vattn: tensor parallelism: %s", message)
-            try:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - tearing down a failed group may fail too
-                logger.debug("vattn: destroying the process group failed", exc_info=True)
+            self._release()
         return TensorParallelError(message)
 
     def close(self) -> None:
-        """Destroy the process group if `start` created it."""
+        """Destroy this engine's gloo group, and the default group if vattn created it and
+        this is the last engine using it. Idempotent."""
+        self.broken = self.broken or "closed"
+        self._release()
+
+    def _release(self) -> None:
         import torch.distributed as dist
 
-        if self.owns_group and self.broken is None and dist.is_initialized():
-            dist.destroy_process_group()
-        self.broken = self.broken or "closed"
+        if self._released:
+            return
+        self._released = True
+        try:
+            if dist.is_initialized():  # else it went with the default group
+                dist.destroy_process_group(self.cpu_group)
+        except Exception:  # noqa: BLE001 - tearing down a failed group may fail too
+            logger.debug("vattn: destroying the engine's gloo group failed", exc_info=True)
+        finally:
+            if self.owns_group:
+                try:
+                    _leave_default()
+                except Exception:  # noqa: BLE001 - idem
+                    logger.debug("vattn: destroying the default process group failed", exc_info=True)
 
     # ------------------------------------------------------ one schedule for all ----
     def note_request(self, request_id: int, token_ids: list[int], params: Any) -> None:
@@ -241,13 +302,16 @@ class TensorParallel:
         pages = min(self.all_gather_int(alloc.max_pages))
         if cache.config.physical_memory is None and cache.config.torch_device.type == "cpu":
             pages = max(1, pages // self.local_world_size)
-        with alloc._lock:
-            alloc.max_pages = pages
+        try:
+            alloc.set_max_pages(pages)
+        except InvalidRequestError as e:  # this rank already created more: not expected here
+            raise self.fail(f"rank {self.rank} cannot lower its KV budget to the agreed {pages} page groups ({e})") \
+                from e
 
     # -------------------------------------------------------------- the model ----
     def load_model(self, model: Any, config: EngineConfig) -> LoadedModel:
         """This rank's shard of `model` (a checkpoint directory, a config or a loaded model)."""
-        from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
+        from transformers import AutoConfig, GenerationConfig
 
         if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
             path = os.fspath(model)
@@ -265,9 +329,10 @@ class TensorParallel:
                     pass
                 return LoadedModel(shard, load_tokenizer(path), dtype)
             logger.warning("vattn: %s has no safetensors weights: every rank reads the whole checkpoint", path)
-        if not isinstance(model, (str, os.PathLike, PretrainedConfig, PreTrainedModel)):
-            load_model(model, config, self.device)  # raises its error for the wrong type
-        full = load_model(model, config, torch.device("cpu"))  # a config: the seeded full weights, as at TP 1
+        # a config: the seeded full weights, as at TP 1 (on the host: load_model does not move
+        # them; the device only picks the dtype, the half type on CUDA as at TP 1); the wrong
+        # type raises load_model's error
+        full = load_model(model, config, self.device)
         shard = shard_model(full.model.config, _StateDictSource(full.model.state_dict()), self.rank, self.size,
                             full.dtype, self)
         shard.generation_config = copy.deepcopy(full.model.generation_config)

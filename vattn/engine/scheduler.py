@@ -59,7 +59,9 @@ scheduled is sent back to the waiting queue like a preempted one (it keeps its g
 tokens and recomputes). A sequence whose iteration fails that way `MAX_FAILURES` times in
 a row finishes with "error" and the cache's message; one that completes an iteration
 starts counting again. The cache keeps its books consistent when its `step` raises (a
-failed map changes nothing; see `vattn.allocator`), so the engine keeps serving.
+failed map changes nothing; see `vattn.allocator`), so the engine keeps serving. A
+`FatalEngineError` (e.g. a tensor-parallel collective that failed because a peer died) is
+no cache failure: the scheduler lets it propagate from every cache call, untouched.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ from typing import Any, Collection, Iterable, Mapping, NamedTuple, Protocol
 
 from vattn.checks import as_int
 from vattn.engine.sequence import FinishReason, Sequence, SequenceStatus
-from vattn.errors import InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError
+from vattn.errors import FatalEngineError, InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +224,8 @@ class Scheduler:
         while plan:
             try:
                 backed = self.kv.step({s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in plan})
+            except FatalEngineError:  # e.g. a failed collective: the engine stops
+                raise
             except Exception as e:  # noqa: BLE001 - any cache failure: see the module docstring
                 self._fail([s.seq for s in plan], e, preempted, finished)
                 plan = []
@@ -252,6 +256,8 @@ class Scheduler:
                 if self.running:
                     return False  # wait for memory: the running sequences will free some
                 seq.swap = None  # nothing runs that could free memory: recompute instead
+            except FatalEngineError:  # e.g. a failed collective: the engine stops
+                raise
             except Exception as e:  # noqa: BLE001 - the cache's books hold: recompute instead
                 logger.warning("vattn: swapping request %d back in failed (%s: %s); it recomputes",
                                seq.request_id, type(e).__name__, e)
@@ -266,6 +272,8 @@ class Scheduler:
                 seq.slot = self.kv.fork(source.slot, seq.num_prompt_tokens)
             except (NoFreeSlotError, OutOfPhysicalMemoryError):
                 return False  # no page for the copy of the partial page: wait for memory
+            except FatalEngineError:  # e.g. a failed collective: the engine stops
+                raise
             except Exception as e:  # noqa: BLE001 - the cache's books hold: compute the prompt instead
                 logger.warning("vattn: forking request %d's prompt failed (%s: %s); sample %d computes it",
                                seq.request_id, type(e).__name__, e, seq.index)
@@ -276,6 +284,8 @@ class Scheduler:
         if self.prefix_cache is not None:
             try:
                 seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids)
+            except FatalEngineError:  # e.g. a failed collective: the engine stops
+                raise
             except Exception as e:  # noqa: BLE001 - a miss: the books hold, the sequence computes it all
                 logger.warning("vattn: mapping cached prefix pages for request %d failed (%s: %s)",
                                seq.request_id, type(e).__name__, e)
@@ -401,6 +411,8 @@ class Scheduler:
         when the copy fails."""
         try:
             seq.swap = self.kv.swap_out(seq.slot, seq.num_computed_tokens)
+        except FatalEngineError:  # e.g. a failed collective: the engine stops
+            raise
         except Exception as e:  # noqa: BLE001 - e.g. no host memory: recompute instead
             logger.warning("vattn: swapping request %d out failed (%s: %s); it recomputes",
                            seq.request_id, type(e).__name__, e)
@@ -432,6 +444,8 @@ class Scheduler:
             return
         try:
             self.prefix_cache.insert(seq.slot, token_ids)
+        except FatalEngineError:  # e.g. a failed collective: the engine stops
+            raise
         except Exception as e:  # noqa: BLE001 - not cached: later requests compute it
             logger.warning("vattn: caching the prefix of request %d failed (%s: %s)",
                            seq.request_id, type(e).__name__, e)
