@@ -506,18 +506,24 @@ def test_a_new_allocation_replaces_the_profiling_one():
 
 
 # ---------------------------------------------------------------------- idle ----
-def test_idle_trim_after_the_delay_reaches_the_workers(monkeypatch):
-    monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", "0.05")
-    bp, skv, w, _ = engine(kv_config(num_blocks=256))
-    sent = []
+def engine_core(bp, sent: list) -> SimpleNamespace:
+    """A stand-in EngineCore whose executor applies each collective_rpc on one worker and
+    records the batch it sent in `sent`."""
 
     class Executor:
         def collective_rpc(self, method, args=()):
             sent.append(args[0])
             return [method(SimpleNamespace(), *args)]
 
-    core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=bp)),
+    return SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=bp)),
                            model_executor=Executor())
+
+
+def test_idle_trim_after_the_delay_reaches_the_workers(monkeypatch):
+    monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", "0.05")
+    bp, skv, w, _ = engine(kv_config(num_blocks=256))
+    sent: list = []
+    core = engine_core(bp, sent)
     a = bp.get_new_blocks(40)
     step(skv)
     bp.free_blocks(a)
@@ -555,15 +561,8 @@ def test_set_limit_on_an_idle_engine_reaches_the_workers(monkeypatch, trim_s):
     reach the workers now, not with the next request."""
     monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", trim_s)
     bp, skv, w, _ = engine(kv_config(num_blocks=256))
-    sent = []
-
-    class Executor:
-        def collective_rpc(self, method, args=()):
-            sent.append(args[0])
-            return [method(SimpleNamespace(), *args)]
-
-    core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=bp)),
-                           model_executor=Executor())
+    sent: list = []
+    core = engine_core(bp, sent)
     a = bp.get_new_blocks(40)
     step(skv)
     bp.free_blocks(a[20:])
