@@ -3,6 +3,7 @@ real host memory, fences, several pools on one budget, threads."""
 from __future__ import annotations
 
 import gc
+import os
 import random
 import threading
 
@@ -244,6 +245,7 @@ def test_bad_alloc_counts(pool, n):
     (dict(sync="never"), "sync"),
     (dict(device="tpu"), "device"),
     (dict(budget=10), "budget"),
+    (dict(zero_new=1), "zero_new"),
 ])
 def test_bad_configs(kw, match):
     args = dict(num_blocks=8, block_shape=(256,), dtype="float32", page_size=PAGE) | kw
@@ -461,3 +463,116 @@ def test_threads_alloc_and_free_concurrently():
     for p in pools:
         p.close()
     assert budget.used == 0
+
+
+# ------------------------------------------------------------ zero_new and pin ----
+class DirtyHost(HostBackend):
+    """The host backend as a GPU's memory behaves: new pages hold old data (0xAB bytes),
+    real mappings otherwise."""
+
+    new_pages_zeroed = False
+
+    def _create(self, n, num_buffers, page_size):
+        groups = super()._create(n, num_buffers, page_size)
+        for g in groups:
+            for b in range(num_buffers):
+                os.pwrite(g.fd, b"\xab" * page_size, g.offset + b * g.stride)
+        return groups
+
+
+def reads(pool: vattn.ElasticPool, ids, byte: int) -> bool:
+    """Whether every byte of blocks `ids` is `byte` in every buffer."""
+    return all(bool((buf[b].view(torch.uint8) == byte).all()) for buf in pool.buffers for b in ids)
+
+
+@pytest.mark.parametrize("zero_new", [False, True])
+def test_zero_new_clears_pages_mapped_with_new_memory(zero_new):
+    """A page mapped, written, unmapped (its memory given back) and mapped again reads
+    zeros with zero_new, and what the new memory held (0xAB) without it; a page given a
+    group moved from the pool's own cached page keeps that page's data either way."""
+    new = 0 if zero_new else 0xAB
+    with make(16, zero_new=zero_new, backend=DirtyHost()) as pool:  # 4 blocks a page
+        assert pool.take([0]) == [0] and reads(pool, range(4), new)  # the whole page
+        fill(pool, [0], 1)
+        assert pool.take([1]) == [1]  # a mapped page: not cleared again
+        check(pool, [0], 1)
+        pool.free([0, 1])
+        assert pool.trim() == 2 * PAGE  # unmapped, released
+        assert pool.take([2]) == [2] and reads(pool, range(4), new)  # mapped again: new memory
+        fill(pool, [2], 2)
+        pool.free([2])
+        old = [buf[0:4].clone() for buf in pool.buffers]
+        pool.set_limit(2 * PAGE)  # one page group: the cached one
+        created = pool.backend.num_pages_created
+        assert pool.take([4]) == [4]  # page 1 gets page 0's group (moved, not new)
+        assert pool.backend.num_pages_created == created and pool.stats().num_mapped_pages == 1
+        assert all(torch.equal(buf[4:8], o) for buf, o in zip(pool.buffers, old))
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize("zero_new", [False, True])
+def test_zero_new_clears_spare_groups_when_they_are_mapped(zero_new):
+    with make(16, grow=4, zero_new=zero_new, backend=DirtyHost()) as pool:
+        pool.take([0])  # one group mapped, three created spare
+        assert pool.stats().num_spare_pages == 3
+        fill(pool, [0], 1)
+        pool.take([4, 8])  # two spare groups: never mapped, new memory
+        assert pool.stats().num_spare_pages == 1
+        assert reads(pool, [4, 5, 6, 7, 8, 9, 10, 11], 0 if zero_new else 0xAB)
+        check(pool, [0], 1)
+        pool.check_invariants()
+
+
+def test_zero_new_does_nothing_where_new_memory_reads_zeros(monkeypatch):
+    backend = HostBackend()
+    calls = []
+    monkeypatch.setattr(backend, "zero", lambda *a: calls.append(a))
+    with make(16, zero_new=True, backend=backend) as pool:
+        assert pool.alloc(8) is not None and reads(pool, range(8), 0)
+    backend.close()
+    assert not calls
+
+
+def test_memory_zero_new_failed_to_clear_is_never_handed_out(monkeypatch):
+    backend = DirtyHost()
+    real = backend.zero
+
+    def fail_once(*a):
+        monkeypatch.setattr(backend, "zero", real)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(backend, "zero", fail_once)
+    with make(16, zero_new=True, backend=backend) as pool:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            pool.take([0])
+        s = pool.stats()
+        assert s.num_used_blocks == 0 and s.num_mapped_pages == 0 and s.held_bytes == 0
+        pool.check_invariants()
+        assert pool.take([0]) == [0] and reads(pool, range(4), 0)
+
+
+def test_pin_takes_blocks_that_must_stay_mapped_or_raises():
+    with make(16, limit=2 * PAGE) as pool:  # one page group
+        assert pool.pin([3], "the padding block", "raise the limit") == [3]
+        with pytest.raises(vattn.OutOfPhysicalMemoryError,
+                           match=r"^no memory for the null block \(1 page group\(s\) of 8192 bytes under a limit of "
+                                 r"8192 bytes\); raise the limit$"):
+            pool.pin([4], "the null block", "raise the limit")
+        with pytest.raises(vattn.InvalidConfigError, match="VATTN_X_LIMIT"):
+            pool.pin([4, 12], "two blocks", "raise VATTN_X_LIMIT", error=vattn.InvalidConfigError)
+        s = pool.stats()
+        assert s.num_used_blocks == 1 and s.num_mapped_pages == 1  # nothing changed
+        with pytest.raises(vattn.UnknownBlockError):
+            pool.pin([3], "the padding block", "")
+        pool.check_invariants()
+
+
+def test_pin_with_zero_clears_blocks_that_held_data():
+    with make(16) as pool:
+        fill(pool, pool.take([0, 1, 2, 5]), 1)
+        pool.free([0, 1, 2])  # cached: still mapped, still holding data
+        assert pool.pin([0, 1], "the trash blocks", "", zero=True) == [0, 1]
+        assert reads(pool, [0, 1], 0)
+        assert pool.pin([2], "a block", "") == [2]  # without zero it keeps its data
+        check(pool, [2, 5], 1)
+        pool.check_invariants()

@@ -23,11 +23,19 @@ the blocks in use:
   fences of the blocks freed on it, and only when memory is wanted: `trim()`,
   `set_limit()` below the mapped bytes, another pool of the same `Budget` short of
   memory, or this pool's own alloc over its limit.
+- `zero_new=True` clears the pages mapped with new memory (page groups the pool creates:
+  the device's, which may hold another process's data) before `alloc` returns them, so
+  that memory no block of this pool wrote reads zeros, as a `torch.zeros` cache does.
+  A page given a group moved from the pool's own cached pages keeps its data (this pool's,
+  as a reused block does). Nothing is done where new memory reads zeros (the host backend).
+- `pin(ids, ...)`: blocks that must stay mapped (a server's null, padding or trash blocks):
+  a `take` that raises when memory cannot back them.
 - One lock guards the books; backend calls are made under it. A budget's reclaim
   callback runs without the requesting pool's lock (see `vattn.budget`).
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import threading
@@ -73,7 +81,8 @@ class PoolConfig:
     "device" (also every stream of the device: for servers that read the cache on
     streams of their own, e.g. transformers' continuous batching). `grow`: page groups
     created at least at a time (the extra ones stay spare until used, trimmed, or wanted
-    by the limit or the budget); default: up to 8, at most 16 MiB.
+    by the limit or the budget); default: up to 8, at most 16 MiB. `zero_new`: clear the
+    pages mapped with new memory before `alloc` returns them (see the module docstring).
     """
 
     num_blocks: int
@@ -86,6 +95,7 @@ class PoolConfig:
     sync: str = "stream"
     cuda_driver: str = "auto"
     grow: int | None = None
+    zero_new: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_blocks", _positive("num_blocks", self.num_blocks))
@@ -119,6 +129,8 @@ class PoolConfig:
             raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {self.cuda_driver!r}")
         if self.grow is not None:
             object.__setattr__(self, "grow", _positive("grow", self.grow))
+        if not isinstance(self.zero_new, bool):
+            raise InvalidConfigError(f"zero_new must be True or False, got {self.zero_new!r}")
 
     @property
     def block_bytes(self) -> int:
@@ -165,9 +177,11 @@ class _Books:
     mapped; in `warm[first page]`) or *cold* (in `cold`, a lazy min-heap of block ids)."""
 
     def __init__(self, config: PoolConfig, backend: Backend, bases: list[int], page_size: int,
-                 budget: Budget | None, grow: int, device_sync: Callable[[], None] | None = None) -> None:
+                 budget: Budget | None, grow: int, device_sync: Callable[[], None] | None = None,
+                 zero_pages: Callable[[list[int]], None] | None = None) -> None:
         self.config = config
         self.device_sync = device_sync  # sync="device": wait for every stream before an unmap
+        self.zero_pages = zero_pages  # zero_new: clears the pages mapped with new memory
         self.grow = grow  # groups created at least per creation (the rest kept spare)
         self.backend = backend
         self.bases = bases
@@ -310,6 +324,7 @@ class _Books:
             return None, 0
         picked: list[int] = []
         planned: list[int] = []  # pages to map
+        new: list[int] = []  # the planned pages given new memory
         try:
             for i in range(count):
                 b = self._pick() if ids is None else ids[i]
@@ -320,9 +335,16 @@ class _Books:
                         planned.append(p)
                 self._use(b)
                 picked.append(b)
-            ok, need = self._back(planned)
+            ok, need, new = self._back(planned)
+            if ok and new and self.zero_pages is not None:
+                self.zero_pages(new)
         except BaseException:
             self._undo(picked, planned)
+            if new:  # mapped but maybe not cleared: never hand that memory out
+                try:
+                    self._release(self._unmap(new))
+                except Exception:
+                    pass
             raise
         if not ok:
             self._undo(picked, planned)
@@ -330,14 +352,15 @@ class _Books:
         self.peak_mapped = max(self.peak_mapped, self.num_mapped)
         return picked, 0
 
-    def _back(self, planned: list[int]) -> tuple[bool, int]:
+    def _back(self, planned: list[int]) -> tuple[bool, int, list[int]]:
         """Give physical groups to the planned pages: spare groups first, then the pool's own
         cached pages (moved), then new ones, created `grow` at a time within the limit and
-        the budget (the extra ones stay spare). (False, bytes the budget could not give) when
-        memory is short; then nothing was mapped and no new group is held."""
+        the budget (the extra ones stay spare). (False, bytes the budget could not give, [])
+        when memory is short; then nothing was mapped and no new group is held. Else (True,
+        0, the pages given memory never mapped before: spare or created groups)."""
         k = len(planned)
         if not k:
-            return True, 0
+            return True, 0, []
         lp = self.limit_pages
         cached = sorted(self.cached, reverse=True)  # the pool's own free memory, highest pages first
         s = min(k, len(self.spare))
@@ -347,7 +370,7 @@ class _Books:
         # groups to let go to stay within the limit: what is held after must fit
         drop = 0 if lp is None else max(0, held + n - lp)
         if drop > (len(self.spare) - s) + (len(cached) - c):
-            return False, 0  # the pool's own limit: a miss
+            return False, 0, []  # the pool's own limit: a miss
         drop_spare = min(drop, len(self.spare) - s)
         drop_cached = drop - drop_spare
         extra = 0  # created beyond need, kept spare: fewer, larger creations
@@ -362,7 +385,7 @@ class _Books:
             elif self.budget.try_take(n * self.G):
                 taken, extra = n * self.G, 0
             else:
-                return False, n * self.G  # the budget is asked to make this much free
+                return False, n * self.G, []  # the budget is asked to make this much free
         unmapped: list[Any] = []
         created: list[Any] = []
         try:
@@ -391,7 +414,7 @@ class _Books:
                 except Exception:
                     pass  # kept in `unreleased`, retried at close
             if isinstance(e, OutOfPhysicalMemoryError):
-                return False, 0  # the device refused new pages now: a shortage, not an error
+                return False, 0, []  # the device refused new pages now: a shortage, not an error
             raise
         del self.spare[len(self.spare) - s:]
         for p, g in zip(planned, groups):
@@ -405,7 +428,7 @@ class _Books:
             self._release(let_go)  # over the limit
         except Exception:
             pass
-        return True, 0
+        return True, 0, planned[:s] + planned[s + c:]
 
     def _undo(self, picked: list[int], planned: list[int]) -> None:
         for b in reversed(picked):
@@ -612,11 +635,12 @@ class ElasticPool:
     def __init__(self, num_blocks: int, block_shape: int | Sequence[int], dtype: torch.dtype | str = torch.float16,
                  num_buffers: int = 1, *, device: str | torch.device = "cpu", page_size: int | None = None,
                  limit: int | None = None, budget: Budget | None = None, sync: str = "stream",
-                 cuda_driver: str = "auto", grow: int | None = None, backend: Backend | None = None) -> None:
+                 cuda_driver: str = "auto", grow: int | None = None, zero_new: bool = False,
+                 backend: Backend | None = None) -> None:
         """See `PoolConfig` for the arguments. `backend`: a ready `vattn.vmem.Backend` instead of
         the one `device` names (tests)."""
         self.config = c = PoolConfig(num_blocks, block_shape, dtype, num_buffers, device, page_size, limit, sync,
-                                     cuda_driver, grow)
+                                     cuda_driver, grow, zero_new)
         if budget is not None and not isinstance(budget, Budget):
             raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
         self.backend = backend if backend is not None else make_backend(torch.device(c.device), c.cuda_driver)
@@ -638,11 +662,14 @@ class ElasticPool:
             strides[d] = strides[d + 1] * shape[d + 1]
         self._buffers = [self.backend.tensor(self._range, i * buffer_bytes, shape, strides, c.dtype)
                          for i in range(c.num_buffers)]
+        self._bytes: list[torch.Tensor] = []  # each buffer's reserved bytes, uint8 (zero_new)
         group = page * c.num_buffers
         grow = c.grow if c.grow is not None else max(1, min(8, (16 << 20) // group))
         dev = self.backend.device
         sync = (lambda: torch.cuda.synchronize(dev)) if c.sync == "device" and dev.type == "cuda" else None
-        self._books = _Books(c, self.backend, bases, page, budget, grow, sync)
+        zero = functools.partial(_zero_new_pages, weakref.ref(self)) if c.zero_new and \
+            not self.backend.new_pages_zeroed else None
+        self._books = _Books(c, self.backend, bases, page, budget, grow, sync, zero)
         self._finalizer = weakref.finalize(self, _close, self._books, self.backend)
 
     # ----------------------------------------------------------------- tensors ----
@@ -674,6 +701,23 @@ class ElasticPool:
     def take(self, ids: Iterable[int]) -> list[int] | None:
         """Allocate these free blocks (a server that picks its own ids); None when memory is short."""
         return self._alloc(None, self._ids(ids))
+
+    def pin(self, ids: Iterable[int], what: str, hint: str, *, zero: bool = False,
+            error: type[Exception] = OutOfPhysicalMemoryError) -> list[int]:
+        """Take blocks that must stay mapped (a server's null, padding or trash blocks, or
+        every block when it cannot run on elastic memory), or raise `error` ("no memory for
+        `what` ...; `hint`") when memory cannot back them now (nothing changed then). `zero`:
+        clear them too, whatever `zero_new` says (blocks read as padding must read zeros).
+        The caller never frees them, or frees them as any block."""
+        ids = self._ids(ids)
+        if self.take(ids) is None:
+            books = self._books
+            pages = {p for b in ids for p in range(books.pages_of(b)[0], books.pages_of(b)[1] + 1)}
+            under = "" if books.limit is None else f" under a limit of {books.limit} bytes"
+            raise error(f"no memory for {what} ({len(pages)} page group(s) of {books.G} bytes{under}); {hint}")
+        if zero:
+            self._zero_blocks(ids)
+        return ids
 
     def _alloc(self, n: int | None, ids: list[int] | None) -> list[int] | None:
         books = self._books
@@ -752,11 +796,26 @@ class ElasticPool:
         with self._books.lock:
             self._books.check_invariants()
 
+    # ---------------------------------------------------------------- clearing ----
+    def _zero_blocks(self, ids: list[int]) -> None:
+        if ids:
+            idx = torch.tensor(ids, dtype=torch.int64, device=self._buffers[0].device)
+            for buf in self._buffers:
+                buf.index_fill_(0, idx, 0)
+            self._cleared()
+
+    def _cleared(self) -> None:
+        """With sync="device" (other streams read the blocks) wait for the clearing, which
+        was enqueued on the current stream, before the caller sees the blocks."""
+        dev = self.backend.device
+        if self.config.sync == "device" and dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+
     # ----------------------------------------------------------------- closing ----
     def close(self) -> None:
         """Release all physical memory and leave the budget. Idempotent."""
         self._finalizer()
-        self._buffers = []
+        self._buffers, self._bytes = [], []
         self._range = None  # the address space goes when the last tensor view goes
 
     def __enter__(self) -> ElasticPool:
@@ -769,6 +828,19 @@ class ElasticPool:
         c = self.config
         return (f"ElasticPool(num_blocks={c.num_blocks}, block_shape={c.block_shape}, dtype={c.dtype}, "
                 f"num_buffers={c.num_buffers}, device={c.device}, page_size={self.page_size}, limit={self.limit})")
+
+
+def _zero_new_pages(ref: weakref.ref, pages: list[int]) -> None:
+    """zero_new: clear the pages an alloc just mapped with new memory (the books' lock is
+    held: no other alloc hands out a block on them before they are clear)."""
+    pool = ref()
+    if pool is None:
+        return
+    if not pool._bytes:
+        pool._bytes = [pool.backend.tensor(pool._range, i * pool.buffer_bytes, (pool.buffer_bytes,), (1,), torch.uint8)
+                       for i in range(pool.config.num_buffers)]
+    pool.backend.zero(pool._bytes, pages, pool.page_size)
+    pool._cleared()
 
 
 def _close(books: _Books, backend: Backend) -> None:

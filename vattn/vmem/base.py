@@ -23,6 +23,7 @@ class Backend(ABC):
     granularity: int  # smallest page size, bytes
     default_page_size: int
     default_memory_fraction = 0.9  # of free_memory() at init: the default physical budget
+    new_pages_zeroed = False  # memory `create` gives reads zeros (the host's); a GPU's may hold old data
 
     def __init__(self) -> None:
         self.num_map_calls = 0
@@ -71,6 +72,16 @@ class Backend(ABC):
         self.num_unmap_calls += 1
         self.num_pages_unmapped += len(offsets)
 
+    def zero(self, views: Sequence[torch.Tensor], pages: Sequence[int], page_size: int) -> None:
+        """Clear `pages` (page indices) of every buffer, each given as a flat byte view of
+        its reserved range, on the current stream (a backend that records its operations
+        records this)."""
+        pages = sorted(pages)
+        for i, k in runs(pages, 1):
+            lo, hi = pages[i] * page_size, (pages[i] + k) * page_size
+            for view in views:
+                view[lo:hi].zero_()
+
     # -- ordering against device work -----------------------------------------------
     def fence(self) -> Any:
         """A marker of the device work enqueued so far (None where work is synchronous)."""
@@ -101,3 +112,15 @@ class Backend(ABC):
 
     @abstractmethod
     def _unmap(self, bases: array, offsets: array, page_size: int) -> None: ...
+
+
+def runs(offsets: Sequence[int], step: int) -> list[tuple[int, int]]:
+    """(first index, count) of each run of `offsets` that follow one another by `step`."""
+    out, i = [], 0
+    while i < len(offsets):
+        j = i + 1
+        while j < len(offsets) and offsets[j] == offsets[j - 1] + step:
+            j += 1
+        out.append((i, j - i))
+        i = j
+    return out

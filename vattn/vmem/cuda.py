@@ -42,7 +42,7 @@ from vattn.errors import (
     VattnError,
 )
 from vattn.vmem import dlpack
-from vattn.vmem.base import Backend
+from vattn.vmem.base import Backend, runs
 
 CUDA_ERROR_OUT_OF_MEMORY = 2
 
@@ -104,18 +104,6 @@ class _CextDriver:
 
     def unmap(self, bases: array, offsets: array, page: int) -> None:
         self._call(self.d.unmap, bases, offsets, page, self.dev)
-
-
-def _runs(offsets: Sequence[int], page: int) -> list[tuple[int, int]]:
-    """(first index, count) of each run of contiguous page offsets."""
-    runs, i = [], 0
-    while i < len(offsets):
-        j = i + 1
-        while j < len(offsets) and offsets[j] == offsets[j - 1] + page:
-            j += 1
-        runs.append((i, j - i))
-        i = j
-    return runs
 
 
 class _PyRange:
@@ -238,7 +226,7 @@ class _PyDriver:
                     for i, off in enumerate(offsets):
                         self._check("cuMemMap", self.d.cuMemMap(base + off, page, 0, handles[i * nb + b], 0))
                         done.append(base + off)
-                    for i, k in _runs(offsets, page):  # one SetAccess per contiguous run
+                    for i, k in runs(offsets, page):  # one SetAccess per contiguous run
                         self._check("cuMemSetAccess",
                                     self.d.cuMemSetAccess(base + offsets[i], k * page, [self._access], 1))
             except BaseException:  # atomic: undo what this call mapped
@@ -249,7 +237,7 @@ class _PyDriver:
     def unmap(self, bases: array, offsets: array, page: int) -> None:
         with self._in_ctx():
             for base in bases:
-                for i, k in _runs(offsets, page):
+                for i, k in runs(offsets, page):
                     self._check("cuMemUnmap", self.d.cuMemUnmap(base + offsets[i], k * page))
 
 

@@ -142,6 +142,7 @@ class HostBackend(Backend):
     """Linux mmap/memfd backend. Page size: any multiple of the OS page size."""
 
     default_memory_fraction = 0.5  # of available_memory() at init: the model and the rest need memory too
+    new_pages_zeroed = True  # a new memfd range (or a punched hole) reads zeros
 
     def __init__(self) -> None:
         super().__init__()
