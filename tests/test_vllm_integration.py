@@ -606,6 +606,45 @@ def test_limit_too_small_for_the_null_block(monkeypatch):
         vv.memory_limit()
 
 
+def test_workers_clear_pages_mapped_with_new_memory(monkeypatch):
+    """The scheduler's pool (zero_new) sends a "zero" for each page mapped with new memory;
+    a worker whose new memory may hold old data (a GPU: here the host backend made to
+    behave so) clears them, a worker on the host (new memory reads zeros) skips it."""
+    from tests.test_pool import DirtyHost
+    from vattn.vmem.host import HostBackend
+
+    cfg = kv_config(num_blocks=64)  # 8 blocks a page
+    bp = BlockPool(cfg.num_blocks)
+    skv = vv.attach(bp, cfg)
+    dirty = vv.WorkerKV(cfg, cfg.kv_cache_tensors[0].size, "cpu", backend=DirtyHost())
+    host = HostBackend()
+    cleared = []
+    real = host.zero
+    monkeypatch.setattr(host, "zero", lambda *a: (cleared.append(a[1]), real(*a)))
+    plain = vv.WorkerKV(cfg, cfg.kv_cache_tensors[0].size, "cpu", backend=host)
+    page = lambda w, p: [w.whole[r + p * PAGE:r + (p + 1) * PAGE] for r in w.geometry.regions]  # noqa: E731
+    assert all(bool((x == 0).all()) for x in page(dirty, 0))  # the null block's page
+    a = bp.get_new_blocks(10)  # the rest of page 0 and page 1 (new memory)
+    ops = skv.drain()
+    assert ("zero", [1]) in ops.ops
+    for w in (dirty, plain):
+        w.apply(ops)
+        for b in a:
+            write(w, b.block_id)
+    bp.free_blocks(a)
+    skv.trim()  # page 1 goes back
+    bp.get_new_blocks(10)  # page 1 again: new memory
+    ops = skv.drain()
+    for w in (dirty, plain):
+        w.apply(ops)
+        assert all(bool((x == 0).all()) for x in page(w, 1))
+    assert not cleared
+    for w in (dirty, plain):
+        w.close()
+        w.backend.close()
+    skv.pool.close()
+
+
 def test_worker_on_the_cuda_backend_with_the_strict_fake_driver(fake_cuda, monkeypatch):
     """The worker's replay on vattn's CUDA backend (the C path), under tests/fake_cuda's
     driver rules: granularity-aligned maps in a live reservation, whole-mapping unmaps,

@@ -238,7 +238,8 @@ def align_num_blocks(num_blocks: int, kv_cache_groups: Sequence[Any], block_oute
 class PageOps:
     """A batch of page operations, numbered; applied in order by every worker.
 
-    `ops`: ("create", [group ids]) · ("map", [pages], [group ids]) · ("unmap", [pages]) ·
+    `ops`: ("create", [group ids]) · ("map", [pages], [group ids]) · ("zero", [pages]: just
+    mapped with new memory, see `ElasticPool(zero_new=True)`) · ("unmap", [pages]) ·
     ("release", [group ids]). `seq` counts batches from 1; `key` is the geometry's."""
 
     seq: int
@@ -294,6 +295,9 @@ class RecordingBackend(Backend):
     def _unmap(self, bases, offsets, page_size) -> None:
         self.log.append(("unmap", [o // page_size for o in offsets]))
 
+    def zero(self, views, pages, page_size) -> None:
+        self.log.append(("zero", sorted(pages)))  # each worker clears them unless its new memory reads zeros
+
     def drain(self) -> list[tuple]:
         log, self.log = self.log, []
         return log
@@ -301,15 +305,16 @@ class RecordingBackend(Backend):
 
 def _new_books(g: Geometry, limit: int | None) -> tuple[ElasticPool, RecordingBackend]:
     """The scheduler's books and their first operations (block 0 mapped). Deterministic:
-    a worker builds the same books to know the state its allocation starts in."""
+    a worker builds the same books to know the state its allocation starts in. Pages
+    mapped with new memory are cleared (`zero_new`: a "zero" operation for the workers)."""
     rec = RecordingBackend(g.page_size)
     pool = ElasticPool(g.num_blocks, (g.block_bytes,), torch.uint8, len(g.regions), device="cpu",
-                       page_size=g.page_size, limit=limit, grow=1, backend=rec)
-    if pool.take([NULL_BLOCK]) is None:
-        group = pool.stats().group_bytes
+                       page_size=g.page_size, limit=limit, grow=1, zero_new=True, backend=rec)
+    try:
+        pool.pin([NULL_BLOCK], "the null block", f"VATTN_VLLM_LIMIT={limit} is too small", error=InvalidConfigError)
+    except InvalidConfigError:
         pool.close()
-        raise InvalidConfigError(f"VATTN_VLLM_LIMIT={limit} cannot hold even the null block's pages "
-                                 f"({group} bytes a page group)")
+        raise
     return pool, rec
 
 
@@ -562,10 +567,10 @@ class WorkerKV:
         self.bases = [self._range.addr + r for r in g.regions]
         self.groups: dict[int, Any] = {}  # scheduler's group id -> this worker's physical group
         self.mapped: dict[int, int] = {}  # page -> group id
-        self.fresh: set[int] = set()  # created, never mapped: cleared when first mapped
+        # each region's bytes, for the "zero" operations (skipped where new memory reads zeros: the host)
+        self.regions = [self.whole[r:r + g.num_pages * g.page_size] for r in g.regions]
         self.seq = 0
         self.closed = False
-        self.zero_new = self.device.type == "cuda"  # new CUDA pages hold garbage; host pages are zero
         pool, rec = _new_books(g, memory_limit())
         initial = rec.drain()  # the state the scheduler's books start in
         pool.close()
@@ -591,15 +596,13 @@ class WorkerKV:
             if kind == "create":
                 made = self.backend.create(len(op[1]), len(self.bases), P)
                 self.groups.update(zip(op[1], made))
-                self.fresh.update(op[1])
             elif kind == "map":
                 pages, ids = op[1], op[2]
                 self.backend.map(self.bases, [p * P for p in pages], [self.groups[i] for i in ids], P)
                 self.mapped.update(zip(pages, ids))
-                new = [p for p, i in zip(pages, ids) if i in self.fresh]
-                self.fresh.difference_update(ids)
-                if new and self.zero_new:
-                    self._zero(new)
+            elif kind == "zero":
+                if not self.backend.new_pages_zeroed:
+                    self.backend.zero(self.regions, op[1], P)
             elif kind == "unmap":
                 if not synced:  # the fence: nothing enqueued before this batch reads these pages after
                     self.synchronize()
@@ -609,15 +612,8 @@ class WorkerKV:
                     del self.mapped[p]
             elif kind == "release":
                 self.backend.release([self.groups.pop(i) for i in op[1]])
-                self.fresh.difference_update(op[1])
             else:
                 raise OpsOutOfOrderError(f"unknown page operation {kind!r}")
-
-    def _zero(self, pages: list[int]) -> None:
-        P = self.geometry.page_size
-        for r in self.geometry.regions:
-            for p in pages:
-                self.whole[r + p * P:r + (p + 1) * P].zero_()
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -649,6 +645,7 @@ class WorkerKV:
             if self._own_backend:
                 self.backend.close()
             self.whole = self.tensor = self._range = None  # the address space goes with the last view
+            self.regions = []
 
 
 _workers: dict[str, WorkerKV] = {}  # device -> this process's KV cache on vattn memory
