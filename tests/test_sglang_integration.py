@@ -447,6 +447,33 @@ def test_new_chunks_read_zeros_and_padding_page_is_mapped():
         assert bool((pool.k_buffer[layer][again] == 0).all()) and bool((pool.v_buffer[layer][again] == 0).all())
 
 
+@pytest.mark.parametrize("zero", [True, False])
+def test_new_memory_is_cleared_unless_off_and_the_padding_chunk_always(zero):
+    """On memory whose new pages hold old data (a GPU's; here the host backend made to
+    behave so): chunks lent on new memory read zeros unless `VATTN_SGLANG_ZERO=0`, and
+    chunk 0 (the padding page) reads zeros whatever it says."""
+    from tests.test_pool import DirtyHost
+
+    size = 2047  # 2048 rows: 64 chunks of 32
+    pool = MHATokenToKVPool(size, 1, None)
+    kv = vs.ElasticKV(rows=size + 1, page_size=1, head_num=H, head_dim=D, layer_num=L, dtype=torch.float32,
+                      device="cpu", settings=vs.KVSettings(page_size=VPAGE, idle_trim_s=0, zero_new_pages=zero),
+                      backend=DirtyHost())
+    pool.k_buffer, pool.v_buffer, pool.vattn = kv.k_buffers, kv.v_buffers, kv
+    alloc = TokenToKVPoolAllocator(size, pool)
+    vs.bind(pool, alloc)
+
+    def rows(idx, byte) -> bool:  # (no tensor in the assert: pytest's repr would read unmapped rows)
+        return all(bool((b[idx].view(torch.uint8) == byte).all()) for b in pool.k_buffer + pool.v_buffer)
+
+    padding_clear = rows(slice(0, kv.chunk_pages), 0)
+    assert padding_clear
+    locs = alloc.alloc(200)
+    new_as_expected = rows(locs[locs >= kv.chunk_pages], 0 if zero else 0xAB)
+    assert new_as_expected
+    kv.close()
+
+
 def test_budget_shared_with_another_pool():
     """Two KV pools on one vattn.Budget: the short one is a miss, and trimming the other
     (at its idle) lets it grow."""

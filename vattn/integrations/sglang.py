@@ -18,8 +18,9 @@ memory comes from:
 - **Mapping (scheduler thread, at allocation).** When an `alloc`/`alloc_extend`/
   `alloc_decode` needs more pages than the free list holds, `ensure` takes chunks from
   the `ElasticPool` (page-aware: cached pages first, then the lowest unmapped, mapped in
-  one batched call), clears them (SGLang's `torch.zeros` buffers started at zero) and
-  appends their pages to the free list. When memory cannot back the whole request it
+  one batched call; the pages mapped with new memory are cleared, as SGLang's
+  `torch.zeros` buffers started at zero: `ElasticPool(zero_new=True)`) and appends their
+  pages to the free list. When memory cannot back the whole request it
   lends nothing and the allocator returns None, nothing changed, as when its static pool
   is full; `available_size()` counted only what memory can back, so SGLang's scheduler
   evicts from the radix cache, retracts or waits first. "What memory can back" is the
@@ -54,7 +55,7 @@ Settings (environment of the SGLang server processes):
 default none but the reservation and the device), `VATTN_SGLANG_PAGE_SIZE` (vattn page
 bytes; default `chunk_page`: a multiple of the backend's, 2 MiB on CUDA), `VATTN_SGLANG_IDLE_TRIM_S` (seconds of full
 idleness before giving memory back; default 2; negative: never), `VATTN_SGLANG_ZERO=0`
-(do not clear newly lent chunks).
+(do not clear new memory).
 """
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ class KVSettings:
     """How a KV pool uses vattn memory. `memory_limit`: bytes of mapped pages (None: the
     reservation and the device bound it). `page_size`: vattn page bytes (None: the
     backend's). `idle_trim_s`: full idleness before `on_idle` gives memory back (< 0:
-    never). `zero_new_pages`: clear chunks when first lent. `budget`: a `vattn.Budget`
+    never). `zero_new_pages`: clear pages mapped with new memory (`ElasticPool(zero_new=)`;
+    chunk 0 is cleared whatever this says). `budget`: a `vattn.Budget`
     shared with other pools of this process."""
 
     memory_limit: int | None = None
@@ -168,7 +170,8 @@ class ElasticKV:
             self.num_chunks = -(-self.total_units // self.chunk_pages)
             self.pool = ElasticPool(self.num_chunks, (self.chunk_pages * page_size, head_num, head_dim), dtype,
                                     2 * layer_num, device=device, page_size=page, limit=settings.memory_limit,
-                                    budget=settings.budget, sync="device", backend=backend)
+                                    budget=settings.budget, sync="device", zero_new=settings.zero_new_pages,
+                                    backend=backend)
         except BaseException:
             if own:
                 backend.close()
@@ -200,24 +203,12 @@ class ElasticKV:
         return range(max(chunk * c, 1), min((chunk + 1) * c, self.units + 1))
 
     def _pin(self, chunk: int) -> None:
-        got = self.pool.take([chunk])
-        if got is None:
-            raise InvalidConfigError(f"vattn: no memory for the KV cache's chunk {chunk} "
-                                     f"({self.pool.stats().group_bytes} bytes); raise VATTN_SGLANG_MEMORY_LIMIT")
+        """Lend `chunk` for good, cleared (padded tokens write and read it)."""
+        self.pool.pin([chunk], f"the KV cache's chunk {chunk}", "raise VATTN_SGLANG_MEMORY_LIMIT", zero=True,
+                      error=InvalidConfigError)
         self.lent.add(chunk)
         self.pinned.add(chunk)
         self.lent_units += len(self.valid_units(chunk))
-        self._zero([chunk], force=True)
-
-    def _zero(self, chunks: list[int], force: bool = False) -> None:
-        if not chunks or not (force or self.settings.zero_new_pages):
-            return
-        first = self.pool.buffer(0)
-        idx = torch.tensor(chunks, dtype=torch.int64, device=first.device)
-        for buf in self.pool.buffers:
-            buf.index_fill_(0, idx, 0)
-        if first.is_cuda:  # done before SGLang sees the pages: no kernel on another stream
-            torch.cuda.current_stream(first.device).synchronize()  # (overlap scheduling) can race it
 
     # ------------------------------------------------------- the allocator side ----
     def extra_units(self) -> int:
@@ -255,8 +246,7 @@ class ElasticKV:
         if short > 0:  # all or nothing, as SGLang's own allocator
             self._give_back(got)
             return False
-        if got:
-            self._zero(got)
+        if got:  # the pool cleared the pages it mapped with new memory (zero_new) and synchronized
             units = torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64) for r in map(self.valid_units, got)])
             alloc.free_pages = torch.cat((alloc.free_pages, units.to(alloc.free_pages.device)))
         return True
@@ -431,12 +421,10 @@ def bind(kv_pool: Any, allocator: Any) -> None:
     if why is not None:
         _say_once(f"vattn: backing the whole KV cache up front: {why}")
         rest = sorted(set(range(kv.num_chunks)) - kv.lent)
-        if rest and kv.pool.take(rest) is None:
-            raise InvalidConfigError(f"vattn: no memory to back the whole KV cache ({why}); "
-                                     "lower --mem-fraction-static or set VATTN_SGLANG=0")
+        kv.pool.pin(rest, f"the whole KV cache ({why})", "lower --mem-fraction-static or set VATTN_SGLANG=0",
+                    zero=True, error=InvalidConfigError)  # cleared, as SGLang's torch.zeros buffers
         kv.lent.update(rest)
         kv.lent_units = kv.units
-        kv._zero(rest, force=True)
         return
     kv.allocator = weakref.ref(allocator)
     allocator.vattn = kv
