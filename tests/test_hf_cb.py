@@ -296,6 +296,29 @@ def test_a_block_counted_as_free_waits_for_memory_then_fails_clearly(monkeypatch
         pool.close()
 
 
+@pytest.mark.parametrize("kind", ["sectors", "blocks"])
+def test_trash_blocks_are_pinned_cleared_or_a_clear_error(kind):
+    """The two trash blocks (padding tokens write and read them) are mapped for good and
+    read zeros; when memory cannot back them, a clear error (the cache's constructor closes
+    the pool)."""
+    handle = hf_cb.ElasticCB(None, None, None, PAGE)
+    build = {"kind": kind, "handle": handle, "pool": None}
+    pool = hf_cb._new_cache_pool(build, 8, (SECTOR,), torch.uint8, 1, "cpu")
+    trash = [0, 1] if kind == "sectors" else [8, 9]
+    try:
+        assert build["pool"] is pool and pool.stats().num_used_blocks == 2
+        assert pool._books.used[trash[0]] and pool._books.used[trash[1]]
+        assert bool((pool.buffer(0)[trash] == 0).all())
+    finally:
+        pool.close()
+    handle = hf_cb.ElasticCB(None, SECTOR // 2, None, PAGE)  # below one page group
+    build = {"kind": kind, "handle": handle, "pool": None}
+    with pytest.raises(vattn.OutOfPhysicalMemoryError, match="no memory for the 2 trash blocks .*raise memory_limit"):
+        hf_cb._new_cache_pool(build, 8, (SECTOR,), torch.uint8, 1, "cpu")
+    assert build["pool"] is not None and build["pool"].stats().num_used_blocks == 0
+    build["pool"].close()
+
+
 # ----------------------------------------------------------------- VAttnCache ----
 def padded_batch(lens=(5, 17, 33, 3)) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts and their attention mask."""

@@ -29,6 +29,11 @@ tensors with one `ElasticPool` in both:
    the trash stays mapped
 ```
 
+Pages mapped with new memory are cleared before transformers gets them
+(`ElasticPool(zero_new=True)`: on a GPU; the host's new pages read zeros), as its
+`torch.zeros` cache started at zero, and the trash blocks, which padding tokens read, are
+cleared when taken.
+
 The hook, smallest that works: `continuous_api.PagedAttentionCache` (the name
 `ContinuousBatchingManager` builds its cache with) becomes a subclass that, for a model
 that was enabled, (1) lets transformers' own `__init__` run unchanged except that the
@@ -310,7 +315,8 @@ class ElasticCB:
     def _new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
                   device: torch.device | str) -> ElasticPool:
         pool = ElasticPool(num_blocks, block_shape, dtype, num_buffers, device=torch.device(device),
-                           page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device")
+                           page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device",
+                           zero_new=True)
         self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
         self.num_caches += 1
         self._start_idle()
@@ -535,7 +541,6 @@ def _zeros(*size: Any, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(*size, **kwargs)
     pool = _new_cache_pool(build, cache.num_sectors, (sector,), torch.uint8, 1, kwargs.get("device", cache.device))
     tensor = pool.buffer(0).view(-1)  # [(num_sectors + 2) * sector] uint8
-    tensor[:TRASH_SECTORS * sector].zero_()  # the read trash must read zeros (device memory is not cleared)
     build["tensors"].append(tensor)
     return tensor
 
@@ -565,15 +570,14 @@ def _empty(*size: Any, **kwargs: Any) -> torch.Tensor:
 def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
                     device: Any) -> ElasticPool:
     """The pool of a cache being built: `num_blocks` data blocks then the two trash blocks
-    transformers keeps for padding tokens, mapped at once and for good (5.23 puts them first)."""
+    transformers keeps for padding tokens, mapped at once and for good, cleared (the read
+    trash must read zeros; 5.23 puts them first). When memory cannot back them,
+    OutOfPhysicalMemoryError (the cache's constructor then closes the pool)."""
     pool = build["handle"]._new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
     build["pool"] = pool
     trash = list(range(TRASH_SECTORS)) if build["kind"] == "sectors" else [num_blocks, num_blocks + 1]
-    if pool.take(trash) is None:
-        pool.close()
-        raise OutOfPhysicalMemoryError(
-            f"no memory for the {TRASH_SECTORS} trash blocks ({TRASH_SECTORS * pool.config.block_bytes * num_buffers} "
-            "bytes) of the continuous-batching cache; raise memory_limit or the budget")
+    pool.pin(trash, f"the {TRASH_SECTORS} trash blocks of the continuous-batching cache",
+             "raise memory_limit or the budget", zero=True)
     return pool
 
 
