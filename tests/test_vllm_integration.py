@@ -555,6 +555,31 @@ def test_idle_trim_off(monkeypatch):
         vv.on_idle(core)
 
 
+@pytest.mark.parametrize("raw, delay", [("30", 30.0), ("0", 0.0), ("0.25", 0.25), ("-1", None), ("-0.5", None),
+                                        ("inf", None), ("", "default")])
+def test_one_idle_trim_rule_for_the_three_integrations(monkeypatch, raw, delay):
+    """vattn.integrations._env: seconds >= 0; None, a negative number or infinity: never;
+    the same for the environment variables and the Python settings."""
+    from vattn.integrations import _env, hf_cb
+    from vattn.integrations import sglang as vs
+
+    monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", raw)
+    monkeypatch.setenv("VATTN_SGLANG_IDLE_TRIM_S", raw)
+    assert vv.idle_trim_s() == (vv.DEFAULT_IDLE_TRIM_S if delay == "default" else delay)
+    assert vs.KVSettings.from_env().idle_trim_s == (vs.KVSettings().idle_trim_s if delay == "default" else delay)
+    if delay != "default":
+        value = float(raw)
+        assert vs.KVSettings(idle_trim_s=value).idle_trim_s == delay
+        assert hf_cb._check_settings(None, None, value) == delay
+        assert _env.idle_delay(int(value) if value.is_integer() else value) == delay
+    assert _env.idle_delay(None) is None and vs.KVSettings(idle_trim_s=None).idle_trim_s is None
+    for bad in (float("nan"), "2", True):
+        with pytest.raises(vv.InvalidConfigError, match="idle_trim_s must be a number of seconds"):
+            _env.idle_delay(bad)
+        with pytest.raises(vv.InvalidConfigError, match="idle_trim_s"):
+            vs.KVSettings(idle_trim_s=bad)
+
+
 @pytest.mark.parametrize("trim_s", ["30", "-1"])
 def test_set_limit_on_an_idle_engine_reaches_the_workers(monkeypatch, trim_s):
     """While idle (idle trim off, or not due yet) no step follows: the limit's unmaps must

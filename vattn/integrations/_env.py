@@ -1,4 +1,11 @@
-"""The environment variables of the server integrations (vLLM, SGLang), read alike."""
+"""The settings of the server integrations (vLLM, SGLang, transformers' continuous
+batching), read alike: environment variables, and the one idle-trim rule.
+
+Idle trim (`VATTN_VLLM_IDLE_TRIM_S`, `VATTN_SGLANG_IDLE_TRIM_S`, `KVSettings.idle_trim_s`,
+`hf_cb.enable(idle_trim_s=)`, `vattn serve --idle-trim-s`): the seconds of idleness after
+which memory goes back, 0 at once. None means never; so does a negative number (the way
+an environment variable says it) and infinity. Unset or empty variables take the
+integration's default; NaN and anything not a number are errors."""
 from __future__ import annotations
 
 import math
@@ -35,7 +42,16 @@ def number(name: str, cast: Callable[[str], Any], default: Any, *, low: Any = No
     return n
 
 
-def idle_trim_s(name: str, default: float, env: Any = None) -> float | None:
-    """Seconds of idleness before memory goes back; None (a negative value): never."""
-    s = number(name, float, default, env=env, what="a number of seconds")
-    return None if s < 0 else s
+def idle_delay(value: Any, name: str = "idle_trim_s") -> float | None:
+    """`value` by the idle-trim rule (see the module docstring): seconds >= 0, or None for
+    never (None, a negative number or infinity)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidConfigError(f"{name} must be a number of seconds (None or negative: never), got {value!r}")
+    return None if value < 0 or math.isinf(value) else float(value)
+
+
+def idle_trim_s(name: str, default: float | None, env: Any = None) -> float | None:
+    """The environment variable `name` by the idle-trim rule (unset or empty: `default`)."""
+    return idle_delay(number(name, float, default, env=env, what="a number of seconds"), name)

@@ -74,6 +74,7 @@ import torch
 
 from vattn.budget import Budget
 from vattn.errors import ClosedError, InvalidConfigError, OutOfPhysicalMemoryError
+from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 
 logger = logging.getLogger("vattn.hf_cb")
@@ -333,11 +334,7 @@ def _check_settings(memory_limit: Any, budget: Any, idle_trim_s: Any) -> float |
     if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)
                                      or memory_limit < 0):
         raise InvalidConfigError(f"memory_limit must be >= 0 bytes or None, got {memory_limit!r}")
-    if idle_trim_s is None:
-        return None
-    if isinstance(idle_trim_s, bool) or not isinstance(idle_trim_s, (int, float)) or not 0 <= idle_trim_s < float("inf"):
-        raise InvalidConfigError(f"idle_trim_s must be None or a finite number of seconds >= 0, got {idle_trim_s!r}")
-    return float(idle_trim_s)
+    return _env.idle_delay(idle_trim_s)
 
 
 def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None = None,
@@ -349,7 +346,8 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
     `page_size`: the pool's page (default: the backend's: 2 MiB on CUDA, 64 KiB on the
     host). `idle_trim_s`: the idle policy: once no block was handed out or given back for
     that many seconds and no request is in flight, `trim()` (prefix-sharing blocks
-    evicted) from a background thread (None: only explicit `trim`). Returns the model's
+    evicted) from a background thread (None or negative: only explicit `trim`; the
+    integrations' idle-trim rule, `vattn.integrations._env`). Returns the model's
     `ElasticCB` handle (the same one if already enabled, with the new settings)."""
     check_transformers()
     idle_trim_s = _check_settings(memory_limit, budget, idle_trim_s)
@@ -477,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--memory-limit", type=int, default=None, help="bytes of KV pages (default: no limit)")
     ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
     ap.add_argument("--idle-trim-s", type=float, default=None,
-                    help="give the KV memory back after this many idle seconds (default: never by itself)")
+                    help="give the KV memory back after this many idle seconds (default, or negative: never by itself)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--num-blocks", type=int, default=None, help="transformers' cache size in blocks (virtual)")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per cache block")

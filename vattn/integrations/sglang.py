@@ -88,16 +88,20 @@ logger = logging.getLogger("vattn.sglang")
 class KVSettings:
     """How a KV pool uses vattn memory. `memory_limit`: bytes of mapped pages (None: the
     reservation and the device bound it). `page_size`: vattn page bytes (None: the
-    backend's). `idle_trim_s`: full idleness before `on_idle` gives memory back (< 0:
+    backend's). `idle_trim_s`: full idleness before `on_idle` gives memory back, by the
+    integrations' idle-trim rule (`vattn.integrations._env`: None, or a negative number,
     never). `zero_new_pages`: clear pages mapped with new memory (`ElasticPool(zero_new=)`;
     chunk 0 is cleared whatever this says). `budget`: a `vattn.Budget`
     shared with other pools of this process."""
 
     memory_limit: int | None = None
     page_size: int | None = None
-    idle_trim_s: float = 2.0
+    idle_trim_s: float | None = 2.0
     zero_new_pages: bool = True
     budget: Budget | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "idle_trim_s", _env.idle_delay(self.idle_trim_s, "idle_trim_s"))
 
     @staticmethod
     def from_env(env: Any = None) -> KVSettings:
@@ -106,7 +110,7 @@ class KVSettings:
         limit = _env.number("VATTN_SGLANG_MEMORY_LIMIT", int, None, low=0, env=env, what=nbytes)
         page = _env.number("VATTN_SGLANG_PAGE_SIZE", int, None, low=1, env=env, what=nbytes)
         trim = _env.idle_trim_s("VATTN_SGLANG_IDLE_TRIM_S", 2.0, env=env)
-        return KVSettings(memory_limit=limit, page_size=page, idle_trim_s=-1.0 if trim is None else trim,
+        return KVSettings(memory_limit=limit, page_size=page, idle_trim_s=trim,
                           zero_new_pages=_env.flag("VATTN_SGLANG_ZERO", env))
 
 
@@ -469,7 +473,7 @@ def on_idle(allocator: Any) -> None:
     `idle_trim_s` with no allocation, give back every chunk no request and no radix-cache
     node uses, once per idle period."""
     kv = getattr(allocator, "vattn", None)
-    if kv is None or kv.settings.idle_trim_s < 0 or kv.trimmed_generation == kv.generation:
+    if kv is None or kv.settings.idle_trim_s is None or kv.trimmed_generation == kv.generation:
         return
     now = time.monotonic()
     if kv.idle_generation != kv.generation:  # allocations since the last call: idle from now
