@@ -25,7 +25,7 @@ the blocks in use:
   memory, or this pool's own alloc over its limit.
 - `zero_new=True` clears the pages mapped with new memory (page groups the pool creates:
   the device's, which may hold another process's data) before `alloc` returns them, so
-  that memory no block of this pool wrote reads zeros, as a `torch.zeros` cache does.
+  that memory the pool did not hold before reads zeros, as a `torch.zeros` cache does.
   A page given a group moved from the pool's own cached pages keeps its data (this pool's,
   as a reused block does). Nothing is done where new memory reads zeros (the host backend).
 - `pin(ids, ...)`: blocks that must stay mapped (a server's null, padding or trash blocks):
@@ -708,7 +708,7 @@ class ElasticPool:
         every block when it cannot run on elastic memory), or raise `error` ("no memory for
         `what` ...; `hint`") when memory cannot back them now (nothing changed then). `zero`:
         clear them too, whatever `zero_new` says (blocks read as padding must read zeros).
-        The caller never frees them, or frees them as any block."""
+        They are blocks in use like any other: they stay mapped until the caller frees them."""
         ids = self._ids(ids)
         if self.take(ids) is None:
             books = self._books
