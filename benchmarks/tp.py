@@ -117,7 +117,8 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int, max_tokens: int, timer: C
     r = dict(decode_tokens=tokens, decode_steps=steps, seconds=seconds, tokens_per_s=tokens / seconds,
              ms_per_step=1e3 * seconds / steps)
     if timer is not None:
-        r.update(control_round_trips_per_step=timer.round_trips / steps, control_us_per_step=1e6 * timer.seconds / steps)
+        r.update(control_round_trips_per_step=timer.round_trips / steps,
+                 control_us_per_step=1e6 * timer.seconds / steps)
     return r
 
 
