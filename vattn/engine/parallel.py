@@ -347,8 +347,8 @@ class TensorParallel:
         for row in rows:
             union = [a | b for a, b in zip(union, row[4:])]
         return Agreement(tuple(r for r, row in enumerate(rows) if row[2]), tuple(row[3] for row in rows),
-                         frozenset(i * _SLOT_BITS + b for i, w in enumerate(union) for b in range(_SLOT_BITS)
-                                   if w >> b & 1))
+                         frozenset(i * _SLOT_BITS + b for i, w in enumerate(union) if w
+                                   for b in range(w.bit_length()) if w >> b & 1))
 
     def agree_budget(self, cache: Any) -> None:
         """Every rank's cache gets the smallest physical budget of all ranks (page groups are
