@@ -46,8 +46,9 @@ only: on NCCL a peer blocked in the model's all-reduce waits for torch's watchdo
 (`distributed_timeout_s`) before it raises.
 
 The control messages of an iteration (gloo round trips; the model's all-reduces apart), in
-order; every one is an all-gather of one int64 row per rank, [what, digest, error, value,
-slot bits] (`TensorParallel.agree`), but the token broadcast:
+order. Each agreement is one all-gather of an int64 row per rank, [what, digest, error,
+value, slot bits] (`TensorParallel.agree`); the others are the token broadcast and, on the
+rare paths, the errors' text:
 
 ```
   decode (steady state)     step's agreement (+ the digest), tokens' broadcast         2
