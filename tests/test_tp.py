@@ -258,6 +258,13 @@ def _failures(rank: int, ports: list[int]) -> dict:
     res["group after close"] = dist.is_initialized()
 
     attempt("diverged", ports[0], lambda r: [5, 6, 7 + r])
+    os.environ["MASTER_PORT"] = str(ports[4])  # rank 1 has a request, rank 0 none: they meet all the same
+    with LLM(tiny_config(), **TP) as llm:
+        if rank == 1:
+            llm.add_request([5, 6, 7], greedy_params()[0])
+        t = time.monotonic()
+        error = _raised(llm.step)
+        res["one idle"] = (type(error).__name__, str(error), time.monotonic() - t)
     forwards = [0]
 
     def raise_on_rank1(*_):
@@ -277,7 +284,103 @@ def _failures(rank: int, ports: list[int]) -> dict:
     return res
 
 
-CASES = {"outputs": _outputs, "agreement": _agreement, "failures": _failures}
+class ControlLog:
+    """The round trips this rank's engine makes on its control group: every tensor
+    collective on the engine's gloo group (all_gather_object and broadcast_object_list are
+    two each), the model's all-reduces (on gloo, the same group) counted apart."""
+
+    OPS = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter", "barrier")
+
+    def __init__(self, tp: Any) -> None:
+        self.tp, self.calls, self.model_all_reduces, self._in_model = tp, [], 0, False
+        c10d = dist.distributed_c10d
+        for op in self.OPS:  # vattn calls dist.X; the *_object collectives call c10d's X
+            wrapped = self._wrap(op, getattr(c10d, op))
+            setattr(c10d, op, wrapped)
+            setattr(dist, op, wrapped)
+        real = tp.all_reduce_
+
+        def model_all_reduce(t: Any) -> None:
+            self._in_model, self.model_all_reduces = True, self.model_all_reduces + 1
+            try:
+                real(t)
+            finally:
+                self._in_model = False
+
+        tp.all_reduce_ = model_all_reduce
+
+    def _wrap(self, op: str, real: Callable) -> Callable:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("group") is self.tp.cpu_group and not self._in_model:
+                self.calls.append(op)
+            return real(*args, **kwargs)
+        return counted
+
+    def step(self, llm: LLM) -> tuple[list[str], int]:
+        """One `llm.step()`: its control round trips in order, and its model all-reduces."""
+        self.calls, self.model_all_reduces = [], 0
+        llm.step()
+        return self.calls, self.model_all_reduces
+
+
+def _collectives(rank: int, ports: list[int]) -> dict:
+    """The control round trips of each kind of iteration: idle, admitting two requests,
+    decoding, a step that raised on rank 1, a sample that failed on rank 0."""
+    res: dict[str, Any] = {}
+    with LLM(tiny_config(), **TP) as llm:
+        log = ControlLog(llm.tp)
+        res["idle"] = log.step(llm)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        llm.add_request([5, 6, 7], params)
+        llm.add_request([8, 9, 10, 11], params)
+        res["admit 2"] = log.step(llm)  # both prompts computed: one token each
+        res["decode"] = [log.step(llm) for _ in range(4)]
+        assert all(s.num_uncomputed_tokens == 1 for s in llm.scheduler.running), "decoding"
+
+        real_step, armed = llm.cache.step, [True]
+
+        def step_raises_on_rank1(seq_lens):
+            if rank == 1 and armed[0]:
+                armed[0] = False
+                raise BackendError("map", 1, "INJECTED", "rank 1's map failed")
+            return real_step(seq_lens)
+
+        llm.cache.step = step_raises_on_rank1
+        failures: list[str] = []
+        kv_step = llm.scheduler.kv.step
+
+        def spy(seq_lens):
+            try:
+                return kv_step(seq_lens)
+            except RankCacheError as e:
+                failures.append(str(e))
+                raise
+
+        llm.scheduler.kv.step = spy
+        res["step raised"] = log.step(llm)
+        res["step raised errors"] = failures
+        res["recompute"] = log.step(llm)  # the two requests computed again from their prompts
+
+        sampler = llm.runner.sampler.sampler  # rank 0's: the one that samples
+        real_sample = sampler.sample
+
+        def sample_fails_once(logits, seq_ids, params):
+            out = real_sample(logits, seq_ids, params)
+            if rank == 0 and not res.get("sample failed on rank 0"):
+                res["sample failed on rank 0"] = True
+                out.tokens.pop(seq_ids[0])
+                out.errors[seq_ids[0]] = "injected: sampling failed"
+            return out
+
+        sampler.sample = sample_fails_once
+        res["sample failed"] = log.step(llm)
+        while llm.has_unfinished():
+            log.step(llm)
+        res["idle again"] = log.step(llm)
+    return res
+
+
+CASES = {"outputs": _outputs, "agreement": _agreement, "failures": _failures, "collectives": _collectives}
 OWN_GROUP = ("outputs", "agreement")
 
 
@@ -335,17 +438,41 @@ def test_ranks_agree_on_budget_and_failed_steps(tmp_path: Path) -> None:
 
 
 def test_a_failing_rank_stops_the_others_soon(tmp_path: Path) -> None:
-    (r0, r1), codes = spawn("failures", tmp_path, num_ports=4)
+    (r0, r1), codes = spawn("failures", tmp_path, num_ports=5)
     assert r1 is None and codes[1] == 3, "rank 1 died in the last phase"
     assert len(r0["second engine"]) == 1 and r0["second engine"][0], "the second engine kept its group"
     assert r0["group after close"] is False, "the last engine destroyed the group vattn created"
-    for name in ("diverged", "raised", "died"):
+    for name in ("diverged", "one idle", "raised", "died"):
         kind, message, seconds = r0[name]
         assert kind == "TensorParallelError", (name, kind, message)
         assert seconds < 30, f"{name}: rank 0 took {seconds:.1f} s to notice (timeout 60 s)"
     assert "schedules differ" in r0["diverged"][1]
+    assert "schedules differ" in r0["one idle"][1] and "agreeing on ['the schedule', 'a new slot']" in r0["one idle"][1]
     for name in ("raised", "died"):  # rank 0 learns it from its collective in the forward
         assert "another rank raised or exited" in r0[name][1]
+
+
+def test_control_round_trips_per_iteration(tmp_path: Path) -> None:
+    """The control messages each kind of iteration costs (tensor collectives on the engine's
+    gloo group; the model's all-reduces apart), the same on both ranks: a regression in the
+    number per decode step fails here."""
+    (r0, r1), codes = spawn("collectives", tmp_path)
+    assert codes == [0, 0]
+    assert {k: v for k, v in r0.items() if k != "sample failed on rank 0"} == \
+        {k: v for k, v in r1.items()}, "the ranks made different collectives"
+    gather, bcast = "all_gather", "broadcast"
+    layers = tiny_config().num_hidden_layers
+    # decode: the step's agreement (carrying the schedule's digest), the tokens: 2
+    assert r0["decode"] == [([gather, bcast], 2 * layers)] * 4
+    assert r0["idle"] == r0["idle again"] == ([gather], 0)  # the digest alone
+    # two new slots agreed (the first carries the digest), then as a decode
+    assert r0["admit 2"] == r0["recompute"] == ([gather, gather, gather, bcast], 2 * layers)
+    # rare paths: rank 1's step raised (every rank fetches the errors: all_gather_object, two
+    # round trips; nothing runs), rank 0's sampling failed for one request (its error broadcast)
+    assert r0["step raised"] == ([gather, gather, gather], 0)
+    assert r0["step raised errors"] == r1["step raised errors"] and len(r0["step raised errors"]) == 1
+    assert "rank 1: BackendError" in r0["step raised errors"][0]
+    assert r0["sample failed"] == ([gather, bcast, bcast, bcast], 2 * layers)
 
 
 # ------------------------------------------------------------- no processes ----
@@ -367,6 +494,39 @@ def test_sharded_config_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(InvalidConfigError, match="torchrun --nproc-per-node 2"):
         LLM(tiny_config(), tensor_parallel_size=2)
+
+
+def test_control_message_packs_slots_and_catches_divergence() -> None:
+    """`TensorParallel.agree` without processes (a stand-in all-gather): slot sets over
+    several int64 words, their union, each rank's error flag and value; ranks whose digests
+    or kinds differ raise TensorParallelError."""
+    from vattn.engine import parallel
+
+    tp = parallel.TensorParallel.__new__(parallel.TensorParallel)
+    tp.rank, tp.size, tp.num_slots, tp.broken, tp._released, tp.owns_group = 0, 2, 130, None, False, False
+    tp._digest, tp._checked = 7, False
+    peer: list[int] = []
+    sent: list[list[int]] = []
+    tp.all_gather_ints = lambda mine: sent.append(mine) or [mine, list(peer)]
+    peer[:] = [parallel.STEP, 7, 1, 0, 0, 1 << 2, 1 << 3]  # rank 1: an error; slots 65 and 129
+    agreed = tp.agree(parallel.STEP, value=1, slots=[0, 62, 63, 129])
+    assert len(sent[-1]) == 4 + 3  # [kind, digest, error, value] + ceil(130 / 63) words
+    assert agreed.errors == (1,) and agreed.values == (1, 0) and tp._checked
+    assert agreed.slots == {0, 62, 63, 65, 129}
+    tp.check_schedule()  # the step's message carried the digest: nothing more
+    assert len(sent) == 1
+    tp._checked = False
+    peer[:] = [parallel.CHECK, 7, 0, 0, 0, 0, 0]
+    tp.check_schedule()  # nothing agreed yet this iteration: the digest alone
+    assert len(sent) == 2 and sent[-1][:2] == [parallel.CHECK, 7] and tp._checked
+    peer[:] = [parallel.STEP, 7, 0, 0, 0, 0, 0]
+    with pytest.raises(TensorParallelError, match=r"agreeing on \['a new slot', 'a step'\]"):
+        tp.agree(parallel.ALLOC_REQID, value=3)
+    tp.broken = None
+    peer[:] = [parallel.CHECK, 8, 0, 0, 0, 0, 0]
+    with pytest.raises(TensorParallelError, match=r"schedules differ \(digests \[7, 8\]"):
+        tp.agree(parallel.CHECK)
+    assert tp.broken is not None
 
 
 def test_shard_runs_in_the_devices_dtype() -> None:
@@ -396,8 +556,8 @@ def test_cross_thread_abort_refused_under_tp() -> None:
     from vattn.errors import InvalidRequestError
 
     with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=8) as llm:
-        llm.tp = types.SimpleNamespace(rank=0, check_same_schedule=lambda _s: None, note_request=lambda *_: None,
-                                       note_abort=lambda _ids: None, close=lambda: None)
+        llm.tp = types.SimpleNamespace(rank=0, begin_iteration=lambda _s: None, check_schedule=lambda: None,
+                                       note_request=lambda *_: None, note_abort=lambda _ids: None, close=lambda: None)
         errors: list = []
 
         def abort_from_another_thread(*_):

@@ -209,9 +209,11 @@ class LLM:
         with self._lock:
             self._check_open()
             self._trim_if_idle()
-            if self.tp is not None:
-                self.tp.check_same_schedule(self.scheduler)
+            if self.tp is not None:  # the schedule's digest rides on its control messages
+                self.tp.begin_iteration(self.scheduler)
             batch = self.scheduler.schedule()
+            if self.tp is not None:  # none carried it (nothing scheduled): it goes alone
+                self.tp.check_schedule()
             self._report_finished(batch.finished)  # before the run: kept even if it is interrupted
             output = self.runner.run(batch.scheduled)
             outputs = self._postprocess(batch, output)

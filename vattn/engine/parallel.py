@@ -37,12 +37,30 @@ every process makes the same add_request / generate / abort_request / step calls
 what could differ between ranks is agreed before anyone acts on it (`AgreedSlots`): the
 physical budget (the minimum over ranks), each `step`'s outcome (failed on one rank =
 failed on all, the union of the failed requests, before the scheduler preempts), each new
-slot. Every iteration first checks that the ranks' schedules are equal. Rank 0 samples and
-broadcasts the tokens. A rank whose forward raises, or that sees a collective fail (a peer
+slot. Every iteration checks that the ranks' schedules are equal before any rank acts on
+its own: each control message carries a digest of the rank's inputs and schedule. Rank 0
+samples and broadcasts the tokens. A rank whose forward raises, or that sees a collective fail (a peer
 died or raised), tears down what vattn owns so that the others fail at once too
 (`TensorParallelError`), instead of waiting in a collective. "At once" is verified on gloo
 only: on NCCL a peer blocked in the model's all-reduce waits for torch's watchdog timeout
 (`distributed_timeout_s`) before it raises.
+
+The control messages of an iteration (gloo round trips; the model's all-reduces apart), in
+order. Each agreement is one all-gather of an int64 row per rank, [what, digest, error,
+value, slot bits] (`TensorParallel.agree`); the others are the token broadcast and, on the
+rare paths, the errors' text:
+
+```
+  decode (steady state)     step's agreement (+ the digest), tokens' broadcast         2
+  + each new slot / fork    one agreement each, before the step's (the first carries
+                            the digest)                                                +1
+  idle (nothing scheduled)  the digest alone                                           1
+  a rank's step raised      step's agreement, then every rank's error (all_gather_object,
+                            two round trips); the requests recompute, nothing runs     3
+  slots differ (resync)     the slot's agreement, trim, the slot's agreement again     +1
+  sampling failed (rank 0)  the errors' broadcast after the tokens' (broadcast_object,
+                            two round trips)                                           +2
+```
 """
 from __future__ import annotations
 
@@ -78,6 +96,21 @@ class TensorParallelError(FatalEngineError, RuntimeError):
     """Tensor-parallel ranks could not go on together: a rank raised or exited, a collective
     timed out, or the ranks were given different requests. The engine cannot be used again;
     close it (and restart every rank)."""
+
+
+# what a control message agrees on (`TensorParallel.agree`): ranks agreeing on different
+# things have diverged
+CHECK, ALLOC_REQID, FORK, STEP = 1, 2, 3, 4
+_KIND_NAMES = {CHECK: "the schedule", ALLOC_REQID: "a new slot", FORK: "a fork", STEP: "a step"}
+_SLOT_BITS = 63  # slots per int64 word of a control message's slot set
+
+
+class Agreement(NamedTuple):
+    """Every rank's control message of one `TensorParallel.agree`."""
+
+    errors: tuple[int, ...]  # the ranks that flagged an error
+    values: tuple[int, ...]  # each rank's value, in rank order
+    slots: frozenset[int]  # the union of the ranks' slot sets
 
 
 class RankCacheError(VattnError, RuntimeError):
@@ -154,6 +187,9 @@ class TensorParallel:
         self.broken: str | None = None  # why the group cannot be used any more
         self._released = False
         self._inputs = 0  # a running digest of every request and abort, in call order
+        self._digest = 0  # of this iteration's inputs and schedule: every control message carries it
+        self._checked = True  # whether a control message carried it yet (`check_schedule`)
+        self.num_slots = 0  # the cache's slots, agreed at start (`agree_budget`): a message's slot set
 
     @classmethod
     def start(cls, config: EngineConfig) -> TensorParallel:
@@ -189,22 +225,14 @@ class TensorParallel:
             raise self.fail(f"{what} failed on rank {self.rank}: another rank raised or exited, or it timed "
                             f"out after {self.timeout_s:g} s ({type(e).__name__}: {e})") from e
 
-    def all_reduce_max(self, values: list[int]) -> list[int]:
-        """The element-wise maximum of `values` over the ranks."""
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (the same length on every rank), in rank order: one round trip."""
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.int64)
-        self._collective("an all-reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group))
-        return t.tolist()
-
-    def all_gather_int(self, value: int) -> list[int]:
-        """Every rank's `value`, in rank order."""
-        import torch.distributed as dist
-
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        t = torch.tensor([value], dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.size)]
         self._collective("an all-gather", lambda: dist.all_gather(out, t, group=self.cpu_group))
-        return [int(x) for x in out]
+        return [x.tolist() for x in out]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         import torch.distributed as dist
@@ -279,27 +307,65 @@ class TensorParallel:
     def note_abort(self, request_ids: list[int]) -> None:
         self._inputs = zlib.crc32(repr(("abort", request_ids)).encode(), self._inputs)
 
-    def check_same_schedule(self, scheduler: Any) -> None:
-        """Before an iteration: every rank has had the same requests and holds the same
-        sequences in the same slots; else TensorParallelError (and the group is torn down)."""
+    def begin_iteration(self, scheduler: Any) -> None:
+        """Before an iteration: the digest of this rank's requests (every add and abort) and
+        schedule (the sequences in their slots, the queue), which every control message of
+        the iteration carries (`agree`): its first is also its check that every rank has had
+        the same requests and holds the same sequences in the same slots."""
         state = (self._inputs, [(s.seq_id, s.slot, s.num_computed_tokens, s.num_tokens) for s in scheduler.running],
                  [s.seq_id for s in scheduler.waiting])
-        digests = self.all_gather_int(zlib.crc32(repr(state).encode()))
-        if len(set(digests)) > 1:
+        self._digest, self._checked = zlib.crc32(repr(state).encode()), False
+
+    def check_schedule(self) -> None:
+        """After scheduling, before the forward: if no control message carried the digest
+        yet (nothing was scheduled, so nothing agreed), one with the digest alone. Every
+        rank thus makes one control message at least per iteration, and its first is
+        paired with the others' first: a rank with work and one without meet there."""
+        if not self._checked:
+            self.agree(CHECK)
+
+    def agree(self, kind: int, *, error: bool = False, value: int = 0, slots: Any = ()) -> Agreement:
+        """One round trip: every rank's control message [kind, digest, error, value, slot
+        bits] (`slots`: slot numbers below `num_slots`), all-gathered. Every message has the
+        same length, so that a rank that diverged still meets the others' message (not a
+        collective of another shape) and sees their digests: ranks whose kinds or digests
+        differ raise TensorParallelError, every one of them (and the group is torn down).
+        Fetching the errors' messages is the caller's (`AgreedSlots._raise_agreed`), when
+        some rank flagged one."""
+        words = [0] * -(-self.num_slots // _SLOT_BITS)
+        for s in slots:
+            words[s // _SLOT_BITS] |= 1 << (s % _SLOT_BITS)
+        rows = self.all_gather_ints([kind, self._digest, int(error), value, *words])
+        if any(row[:2] != rows[0][:2] for row in rows):
+            digests = [row[1] for row in rows]
+            kinds = [_KIND_NAMES.get(row[0], row[0]) for row in rows]
             raise self.fail(
-                f"the ranks' schedules differ (digests {digests}): every rank must make the same add_request / "
-                "generate / abort_request / step calls with the same prompts and parameters, in the same order")
+                f"the ranks' schedules differ (digests {digests}, agreeing on {kinds}): every rank must make the same "
+                "add_request / generate / abort_request / step calls with the same prompts and parameters, in the "
+                "same order")
+        self._checked = True
+        union = [0] * len(words)
+        for row in rows:
+            union = [a | b for a, b in zip(union, row[4:])]
+        return Agreement(tuple(r for r, row in enumerate(rows) if row[2]), tuple(row[3] for row in rows),
+                         frozenset(i * _SLOT_BITS + b for i, w in enumerate(union) if w
+                                   for b in range(w.bit_length()) if w >> b & 1))
 
     def agree_budget(self, cache: Any) -> None:
         """Every rank's cache gets the smallest physical budget of all ranks (page groups are
-        the same size on every rank). On the host without physical_memory, ranks on one
-        machine share its memory: the default budget is divided by the ranks per node."""
+        the same size on every rank, and so is the number of slots: the control messages'
+        length). On the host without physical_memory, ranks on one machine share its memory:
+        the default budget is divided by the ranks per node."""
         alloc = cache.allocator
-        group_bytes = self.all_gather_int(cache.geometry.group_bytes)
+        rows = self.all_gather_ints([cache.geometry.group_bytes, cache.config.max_batch_size, alloc.max_pages])
+        group_bytes, slots = [row[0] for row in rows], [row[1] for row in rows]
         if len(set(group_bytes)) > 1:
             raise self.fail(f"the ranks' page groups differ in size ({group_bytes} bytes): give every rank the "
                             "same page_size, layout and dtype")
-        pages = min(self.all_gather_int(alloc.max_pages))
+        if len(set(slots)) > 1:
+            raise self.fail(f"the ranks' caches have different max_batch_size ({slots}): give every rank the same")
+        self.num_slots = slots[0]
+        pages = min(row[2] for row in rows)
         if cache.config.physical_memory is None and cache.config.torch_device.type == "cpu":
             pages = max(1, pages // self.local_world_size)
         try:
@@ -531,6 +597,8 @@ class AgreedSlots:
     - `fork`: done on every rank or on none, into the same slot (like `alloc_reqid`).
     Only shortages on every rank stay NoFreeSlotError / OutOfPhysicalMemoryError (the
     scheduler waits); any other failure of a rank is a RankCacheError on every rank.
+    Each agreement is one control message (`TensorParallel.agree`: it also carries the
+    schedule's digest); the errors' text is fetched only when some rank flagged one.
     """
 
     def __init__(self, cache: Any, tp: TensorParallel) -> None:
@@ -542,35 +610,37 @@ class AgreedSlots:
         return self.cache.num_free_reqids
 
     def alloc_reqid(self) -> int:
-        return self._new_slot("alloc_reqid", self.cache.alloc_reqid)
+        return self._new_slot("alloc_reqid", ALLOC_REQID, self.cache.alloc_reqid)
 
-    def _new_slot(self, what: str, make: Callable[[], int]) -> int:
+    def _new_slot(self, what: str, kind: int, make: Callable[[], int]) -> int:
         """`make()` on every rank, giving the same slot everywhere; when the ranks' slots
         differ, every rank gives back its cached pages (`trim`) and tries once more."""
-        slot = self._same_slot(what, make)
+        slot = self._same_slot(what, kind, make)
         if slot is None:
             self.num_resyncs += 1
             self.cache.trim()
-            slot = self._same_slot(what, make)
+            slot = self._same_slot(what, kind, make)
             if slot is None:
                 raise self.tp.fail(f"the ranks' caches gave different slots for {what} even with no cached pages")
         return slot
 
-    def _same_slot(self, what: str, make: Callable[[], int]) -> int | None:
+    def _same_slot(self, what: str, kind: int, make: Callable[[], int]) -> int | None:
         """The slot `make()` gave, if it is the same on every rank; else None, and nothing
-        kept. Raises on every rank when it raised on any (`_raise_agreed`)."""
+        kept. Raises on every rank when it raised on any (`_raise_agreed`). One round trip
+        (three when some rank raised)."""
         slot: int | None = None
         error: Exception | None = None
         try:
             slot = make()
         except Exception as e:  # noqa: BLE001 - agreed below
             error = e
-        slots = self.tp.all_gather_int(-1 if slot is None else slot)
-        if slot is not None and len(set(slots)) == 1:
+        agreed = self.tp.agree(kind, error=error is not None, value=-1 if slot is None else slot)
+        if not agreed.errors and len(set(agreed.values)) == 1:
             return slot
         if slot is not None:
             self.cache.free_reqid(slot)
-        self._raise_agreed(what, error)
+        if agreed.errors:
+            self._raise_agreed(what, error)
         return None
 
     def free_reqid(self, reqid: int) -> None:
@@ -585,23 +655,20 @@ class AgreedSlots:
             failed, oom = tuple(res.failed), bool(res.out_of_memory)
         except Exception as e:  # noqa: BLE001 - agreed below; raised on every rank
             error = e
-        flags = [0] * (self.cache.config.max_batch_size + 2)
-        flags[0], flags[1] = int(error is not None), int(oom)
-        for slot in failed:
-            flags[2 + slot] = 1
-        agreed = self.tp.all_reduce_max(flags)
-        if agreed[0]:
+        agreed = self.tp.agree(STEP, error=error is not None, value=int(oom), slots=failed)
+        if agreed.errors:
             self._raise_agreed("step", error)
-        return AgreedStep(tuple(s for s in seq_lens if agreed[2 + s]), bool(agreed[1]))
+        return AgreedStep(tuple(s for s in seq_lens if s in agreed.slots), any(agreed.values))
 
     def fork(self, reqid: int, num_tokens: int) -> int:
-        return self._new_slot("fork", lambda: self.cache.fork(reqid, num_tokens))
+        return self._new_slot("fork", FORK, lambda: self.cache.fork(reqid, num_tokens))
 
     def _raise_agreed(self, what: str, error: Exception | None) -> None:
-        """Some rank's `what` raised (`error` here, or None): raise the same error on every
-        rank, naming each rank's failure. Only shortages of slots or memory everywhere stay
-        an OutOfPhysicalMemoryError (the scheduler waits for memory); anything else is a
-        RankCacheError. Returns when no rank raised."""
+        """Some rank's `what` raised (`error` here, or None; the ranks' control message said
+        so): raise the same error on every rank, naming each rank's failure, fetched now
+        (all_gather_object: the rare path). Only shortages of slots or memory everywhere
+        stay an OutOfPhysicalMemoryError (the scheduler waits for memory); anything else is
+        a RankCacheError. Returns when no rank raised."""
         shortages = (NoFreeSlotError, OutOfPhysicalMemoryError)
         mine = None if error is None else (f"{type(error).__name__}: {error}",
                                            next((i for i, k in enumerate(shortages) if isinstance(error, k)), -1))
