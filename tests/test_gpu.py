@@ -22,8 +22,10 @@ def _cache(driver: str, **kw) -> vattn.KVCache:
 @pytest.mark.parametrize("driver", DRIVERS)
 @pytest.mark.parametrize("layout", ["per-layer", "fused"])
 def test_kernel_writes_survive_more_mapping(driver, layout):
-    with _cache(driver, layout=layout) as c:
+    # 2 MiB pages hold 4096 tokens of this per-layer shape: the slots must take 3 pages' worth
+    with _cache(driver, layout=layout, max_context_len=32768) as c:
         tpp = c.page_size // c.geometry.token_bytes  # tokens per page
+        assert 3 * tpp <= c.config.max_context_len, (tpp, c.page_size)
         a, b = c.alloc_reqid(), c.alloc_reqid()
         assert c.step({a: tpp, b: 1})
         x = torch.randn(tpp, 4, 64, device="cuda", dtype=torch.float16)
