@@ -116,7 +116,7 @@ say "  install + import check     30 /  150"
 say "  versions                    5 /   60"
 say "  pytest -m gpu (cext)       60 /  150"
 say "  allocator suite cuda-python 40 / 120"
-say "  vattn bench gpu --quick   300 /  budget left - 100 (kernel, alloc, overlap, e2e)"
+say "  vattn bench gpu --quick   300 /  budget left - 100 (kernel, alloc, overlap, e2e: each in a process of its own)"
 say "  compute-sanitizer demo     75 /  150"
 say "  expected total            ~550 (the tail is skipped, not overrun, if earlier steps run long)"
 if [ $HAVE_CUDA = 1 ]; then say "CUDA: yes"; else say "CUDA: no (torch.cuda.is_available() is False): GPU steps are skipped"; fi
@@ -205,12 +205,17 @@ if [ $HAVE_CUDA = 0 ]; then
 elif [ -z "$SAN" ]; then
     skip compute_sanitizer "compute-sanitizer not found (PATH, /usr/local/cuda*/bin, /opt/nvidia)"
 else
-    # memcheck on a short engine run: a tiny model, 4 requests, the CUDA backend (cext driver).
+    # memcheck on a short engine run: the demo's tiny model, 4 requests of at most 64 + 32 tokens
+    # (greedy and top-p sampling), the CUDA backend (cext driver): `vattn demo` with shorter requests,
+    # as every instrumented kernel launch is slow.
     # API errors are left out (--report-api-errors no): vattn checks every driver call itself,
     # and torch's polling calls would be counted; memory access errors fail the step.
     step compute_sanitizer 75 150 "ERROR SUMMARY|Error" "$SAN" --tool memcheck --report-api-errors no \
         --error-exitcode 99 --print-limit 20 --target-processes all \
-        "$PY" -m vattn demo --requests 4 --device cuda
+        "$PY" -c "import sys; from vattn.engine.demo import run_demo
+r = run_demo(num_requests=4, device='cuda', max_prompt=64, max_output=32, show_progress=False)
+print('vattn demo under memcheck:', r['num_requests'], 'requests,', r['num_errors'], 'errors', r['errors'][:2])
+sys.exit(1 if r['num_errors'] else 0)"
 fi
 
 # ------------------------------------------------------------------------- done ----
