@@ -22,8 +22,10 @@ def _cache(driver: str, **kw) -> vattn.KVCache:
 @pytest.mark.parametrize("driver", DRIVERS)
 @pytest.mark.parametrize("layout", ["per-layer", "fused"])
 def test_kernel_writes_survive_more_mapping(driver, layout):
-    with _cache(driver, layout=layout) as c:
+    # 2 MiB pages hold 4096 tokens of this per-layer shape: the slots must take 3 pages' worth
+    with _cache(driver, layout=layout, max_context_len=32768) as c:
         tpp = c.page_size // c.geometry.token_bytes  # tokens per page
+        assert 3 * tpp <= c.config.max_context_len, (tpp, c.page_size)
         a, b = c.alloc_reqid(), c.alloc_reqid()
         assert c.step({a: tpp, b: 1})
         x = torch.randn(tpp, 4, 64, device="cuda", dtype=torch.float16)
@@ -79,3 +81,28 @@ def test_reclamation_waits_for_running_kernels():
         assert res and res.num_unmapped == c_budget
         torch.cuda.synchronize()
         assert torch.allclose(acc.float(), torch.full((256, 256), 200.0, device="cuda"))
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "fused"])
+def test_torch_flash_reads_only_the_mapped_rows_of_the_vmm_cache(layout):
+    # vattn's torch_flash kernel on the real VMM cache: slot 1 and every page past a slot's
+    # context are unmapped (a read there faults); a decode past the first page, and a prompt.
+    from vattn.attention import AttentionMetadata, sdpa_attention, torch_flash_attention
+
+    dt = torch.bfloat16
+    with _cache("cext", dtype=dt, layout=layout, max_context_len=16384, prefetch=False) as c:
+        tpp = c.page_size // c.geometry.token_bytes  # tokens per page
+        s0, s1, s2 = sorted(c.alloc_reqid() for _ in range(3))
+        used, starts, lens = [s0, s2], [tpp + 5, 0], [1, 300]
+        assert c.step({s: st + n for s, st, n in zip(used, starts, lens)})
+        k, v = c.k_cache(1), c.v_cache(1)  # [B, T, 4, 64]
+        for s, st, n in zip(used, starts, lens):
+            k[s, :st + n] = torch.randn(st + n, 4, 64, device="cuda", dtype=dt)
+            v[s, :st + n] = torch.randn(st + n, 4, 64, device="cuda", dtype=dt)
+        meta = AttentionMetadata.build(used, starts, lens, c.geometry.slot_tokens, torch.device("cuda"))
+        q = torch.randn(sum(lens), 8, 64, device="cuda", dtype=dt)  # GQA: 8 query heads on 4
+        out = torch_flash_attention(q, k, v, meta, 64 ** -0.5, None)
+        ref = sdpa_attention(q, k, v, meta, 64 ** -0.5, None)
+        torch.cuda.synchronize()
+        assert c.stats().mapped_bytes < 2 * c.geometry.pages_per_slot * c.geometry.group_bytes
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -29,7 +29,9 @@ def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0, att
     from transformers import AutoModelForCausalLM
 
     kw = {} if attn_implementation is None else dict(attn_implementation=attn_implementation)
-    with torch.random.fork_rng(devices=[]):
+    dev = torch.device(device)
+    cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # manual_seed seeds the GPU's generator too: restore it after
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype, **kw)

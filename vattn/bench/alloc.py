@@ -152,10 +152,15 @@ def bench_decode(args: argparse.Namespace, page: int) -> list[dict]:
              ("sync pre-map", dict(prefetch=True, background=False)),
              ("background", dict(prefetch=True, background=True))]
     rows = []
+    tpp = page // (8 * 128 * 2)  # tokens per page: 2 KiB a token in each buffer
     for name, kw in modes:
-        with vattn.KVCache(**_cfg(args, "per-layer", page, max_batch_size=args.batch, max_context_len=8192), **kw) as c:
+        with vattn.KVCache(**_cfg(args, "per-layer", page, max_batch_size=args.batch,
+                                  max_context_len=max(8192, 2 * tpp + args.iters)), **kw) as c:
             slots = [c.alloc_reqid() for _ in range(args.batch)]
-            lens = {s: 64 + 33 * i for i, s in enumerate(slots)}  # staggered: page crossings spread out
+            if tpp < args.iters:  # small pages: staggered lengths, every request crosses pages in the loop
+                lens = {s: 64 + 33 * i for i, s in enumerate(slots)}
+            else:  # 2 MiB pages hold 1024 tokens: request i crosses into its 2nd page at iteration ~ (i + 1) x iters / (batch + 1)
+                lens = {s: tpp - (i + 1) * args.iters // (args.batch + 1) for i, s in enumerate(slots)}
             c.reserve_physical(c.geometry.group_bytes
                                * (sum(c.geometry.pages_for(n + args.iters) for n in lens.values()) + 2))
             assert c.step(lens)

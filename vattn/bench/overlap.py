@@ -207,9 +207,12 @@ def run(args: argparse.Namespace) -> dict:
                  step_max_ms=max(x for r in rs for x in r["step_ms"]),
                  iterations_mapping=sum(g > 0 for r in rs for g in r["mapped_groups"]),
                  iterations_creating=sum(c > 0 for r in rs for c in r["created_groups"]))
+    # on CUDA the engine's kernel is torch_flash (or flash_attn); "sdpa" there means it fell back
+    failures = [f"{r['mode']}: the attention kernel fell back to {r['kernel']!r}" for r in runs
+                if cuda and r["kernel"] not in ("flash_attn", "torch_flash")]
     return dict(device=args.device, dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
                 tokens_per_page=tpp, prompt_lens=lens, timed_iterations=iters, boundary_iterations=boundary,
-                group_KiB=runs[0]["group_KiB"], modes=modes, runs=runs, skipped=skipped)
+                group_KiB=runs[0]["group_KiB"], modes=modes, runs=runs, skipped=skipped, failures=failures)
 
 
 def table(result: dict) -> tuple[list[str], list[list]]:
