@@ -96,3 +96,22 @@ def test_pre_mapped_tail_of_a_running_request_waits_too(allocator):
     fence = be.log[0][1]
     assert ("wait", fence) in be.log and be.log.index(("wait", fence)) < be.log.index(("unmap", 1))
     a_.close()
+
+
+def test_parked_slot_waits_for_work_enqueued_before_park(allocator):
+    """`swap_out` enqueues an asynchronous copy out of the slot, then parks it: the slot
+    need not have run in the last iteration (the request the scheduler swaps out is often
+    one the failed step could not back), yet its pages must outlive that copy."""
+    a_, be = allocator(max_pages=4)
+    a, b = a_.alloc_reqid(), a_.alloc_reqid()
+    assert a_.step({a: 192})  # only a runs: b holds no page yet
+    assert a_.step({a: 192, b: 64})
+    a_.ran.pop(a)  # as if a's last step had failed: its slot did not run
+    be.log.clear()
+    slot, _ = a_.park(a)  # the copy out of a's pages is enqueued before this
+    park_fence = be.log[0]
+    assert park_fence[0] == "fence" and a_.last_fence[slot] == park_fence[1]
+    be.log.clear()
+    assert a_.step({b: 256})  # b takes a's parked pages: only after the copy finished
+    assert be.log.index(("wait", park_fence[1])) < be.log.index(("unmap", 3))
+    a_.check_invariants()

@@ -659,9 +659,16 @@ class PageAllocator:
     # ----------------------------------------------------------------- swapping ----
     def park(self, reqid: int) -> tuple[int, int]:
         """`free_reqid`, remembering (slot, epoch): while the slot stays untouched (no new
-        owner, no page taken), `resume` gets it back with its data, with no copy."""
+        owner, no page taken), `resume` gets it back with its data, with no copy.
+
+        The caller may have enqueued device work that reads the slot (`swap_out`'s
+        asynchronous copy to host): a fence taken now keeps its pages mapped until that
+        work finished, even when the slot did not run in the last iteration."""
         with self._lock:
             slot = self._check_active(reqid)
+            fence = self.backend.fence()
+            if fence is not None:
+                self.last_fence[slot] = fence
         self.free_reqid(slot)
         with self._lock:
             return slot, self.epoch[slot]
