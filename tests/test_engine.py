@@ -341,6 +341,23 @@ def test_engine_on_cuda_matches_sdpa_kernel() -> None:
     assert sum(a == b for a, b in zip(runs["sdpa"], runs[None])) >= len(PROMPT_LENS) - 1
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_config_model_is_made_on_the_gpu_in_the_run_dtype() -> None:
+    from vattn.engine.config import EngineConfig
+    from vattn.engine.model_runner import load_model
+
+    host_state, gpu_state = torch.random.get_rng_state(), torch.cuda.get_rng_state()
+    loaded = load_model(tiny_config(), EngineConfig(dtype="bfloat16", seed=0), torch.device("cuda"))
+    params = list(loaded.model.parameters())
+    assert {p.device.type for p in params} == {"cuda"} and {p.dtype for p in params} == {torch.bfloat16}
+    assert loaded.dtype == torch.bfloat16
+    assert torch.equal(torch.random.get_rng_state(), host_state)  # seeding left both generators as they were
+    assert torch.equal(torch.cuda.get_rng_state(), gpu_state)
+    again = load_model(tiny_config(), EngineConfig(dtype="bfloat16", seed=0), torch.device("cuda"))
+    assert all(torch.equal(a, b) for a, b in zip(params, again.model.parameters()))  # seeded
+
+
 # ---------------------------------------------------------------------------- demo ----
 def test_run_demo_small() -> None:
     from vattn.engine.demo import run_demo

@@ -531,17 +531,21 @@ def test_control_message_packs_slots_and_catches_divergence() -> None:
 
 def test_shard_runs_in_the_devices_dtype() -> None:
     """A config (or a checkpoint without safetensors) is sharded in the dtype of the rank's
-    device, as at TP 1: the half type on CUDA (nothing is moved here: no GPU needed)."""
+    device, as at TP 1: float32 on the host, the half type on CUDA (made there: with a GPU only)."""
     from vattn.engine.config import EngineConfig
     from vattn.engine.parallel import TensorParallel
 
     tp = TensorParallel.__new__(TensorParallel)
-    tp.rank, tp.size, tp.device = 0, WORLD, torch.device("cuda", 0)
-    loaded = tp.load_model(tiny_config(), EngineConfig.from_kwargs())
-    assert loaded.dtype == torch.float16
-    assert loaded.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+    tp.rank, tp.size = 0, WORLD
+    if torch.cuda.is_available():
+        tp.device = torch.device("cuda", 0)
+        loaded = tp.load_model(tiny_config(), EngineConfig.from_kwargs())
+        assert loaded.dtype == torch.float16
+        assert loaded.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
     tp.device = torch.device("cpu")
-    assert tp.load_model(tiny_config(), EngineConfig.from_kwargs()).dtype == torch.float32
+    loaded = tp.load_model(tiny_config(), EngineConfig.from_kwargs())
+    assert loaded.dtype == torch.float32
+    assert loaded.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
     with pytest.raises(InvalidConfigError, match="got int"):
         tp.load_model(3, EngineConfig.from_kwargs())
 

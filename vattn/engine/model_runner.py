@@ -58,13 +58,19 @@ def load_model(model: Any, config: EngineConfig, device: torch.device) -> Loaded
     default = torch.float16 if device.type == "cuda" else torch.float32
     if isinstance(model, PretrainedConfig):
         hf_config = copy.deepcopy(model)  # the model keeps (and edits) its config
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
+        dtype = _check_dtype(config.dtype or default)
+        # On CUDA the weights are made on the device in the run dtype: an 8B model built on
+        # the host in float32 first takes ~32 GB and minutes. On the host, as before (float32,
+        # then cast), so the seeded weights equal transformers' own from_config.
+        on_device = dict(dtype=dtype) if device.type == "cuda" else {}
+        gpus = [device.index if device.index is not None else torch.cuda.current_device()] if on_device else []
+        with torch.random.fork_rng(devices=gpus), torch.device(device if on_device else "cpu"):
+            torch.manual_seed(config.seed)  # seeds the GPU's generator too: fork_rng restores it
             try:
-                hf_model = AutoModelForCausalLM.from_config(hf_config)
+                hf_model = AutoModelForCausalLM.from_config(hf_config, **on_device)
             except ValueError as e:
                 raise InvalidConfigError(f"cannot build a causal LM from {type(model).__name__}: {e}") from None
-        return LoadedModel(hf_model, None, _check_dtype(config.dtype or default))
+        return LoadedModel(hf_model, None, dtype)
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isdir(path):

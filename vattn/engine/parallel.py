@@ -395,9 +395,9 @@ class TensorParallel:
                     pass
                 return LoadedModel(shard, load_tokenizer(path), dtype)
             logger.warning("vattn: %s has no safetensors weights: every rank reads the whole checkpoint", path)
-        # a config: the seeded full weights, as at TP 1 (on the host: load_model does not move
-        # them; the device only picks the dtype, the half type on CUDA as at TP 1); the wrong
-        # type raises load_model's error
+        # a config: the seeded full weights, as at TP 1 (on the host in float32; on CUDA made on
+        # this rank's GPU in the run dtype, the whole model for a moment before it is sliced);
+        # the wrong type raises load_model's error
         full = load_model(model, config, self.device)
         shard = shard_model(full.model.config, _StateDictSource(full.model.state_dict()), self.rank, self.size,
                             full.dtype, self)
