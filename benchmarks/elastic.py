@@ -70,13 +70,12 @@ def bursty_trace(args: argparse.Namespace) -> list[list[tuple[list[int], int]]]:
 
 def run_mode(model: Any, mode: str, bursts: list, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    from vattn.bench._models import cb_config
     from vattn.integrations import hf_cb
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.max_new)
-    cbc = ContinuousBatchingConfig(num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
-                                   page_size=args.block_tokens)
+    cbc = cb_config(args.block_tokens, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens)
     handle = hf_cb.enable(model, page_size=args.page_size) if mode == "vattn" else None
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=copy.deepcopy(cbc))
     manager.start()
