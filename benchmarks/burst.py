@@ -45,7 +45,7 @@ def run_mode(mode: str, models: dict[str, Any], work: dict[str, list], args: arg
     from transformers import GenerationConfig
 
     import vattn
-    from vattn.bench._models import cb_config
+    from vattn.bench._models import cb_cache_bytes, cb_config
     from vattn.integrations import hf_cb
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.max_new)
@@ -82,7 +82,7 @@ def run_mode(mode: str, models: dict[str, Any], work: dict[str, list], args: arg
             s = handles[n].stats()
             return s.held_bytes if s is not None else 0
         cache = managers[n].batch_processor.cache
-        return cache.cache_tensor.numel() * cache.cache_tensor.element_size()
+        return cb_cache_bytes(cache)
 
     samples: list[tuple[float, int, int, int]] = []  # t, held A, held B, A's requests in flight
     stop = threading.Event()

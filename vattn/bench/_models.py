@@ -49,3 +49,13 @@ def cb_config(block_tokens: int | None = None, **fields: Any) -> Any:
         names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
         fields["page_size" if "page_size" in names else "block_size"] = block_tokens
     return ContinuousBatchingConfig(**fields)
+
+
+def cb_cache_bytes(cache: Any) -> int:
+    """Bytes of a transformers continuous-batching cache's own KV tensors (`PagedAttentionCache`):
+    one flat `cache_tensor` on 5.18-5.23, per-layer `key_cache` / `value_cache` lists on 5.17."""
+    if hasattr(cache, "cache_tensor"):
+        tensors = [cache.cache_tensor]
+    else:
+        tensors = [*cache.key_cache, *cache.value_cache]
+    return sum(t.numel() * t.element_size() for t in tensors)
