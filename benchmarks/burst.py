@@ -43,16 +43,16 @@ MB = 1 << 20
 
 def run_mode(mode: str, models: dict[str, Any], work: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     import vattn
+    from vattn.bench._models import cb_cache_bytes, cb_config
     from vattn.integrations import hf_cb
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.max_new)
     shared = mode == "shared"
     blocks = args.total_blocks if shared else args.total_blocks // 2
-    cbc = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=args.max_batch_tokens,
-                                   page_size=args.block_tokens, allow_block_sharing=False)
+    cbc = cb_config(args.block_tokens, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens,
+                    allow_block_sharing=False)
     budget, handles = None, {}
     if shared:  # the same bytes as the two halves: data blocks and each cache's two trash blocks
         budget = vattn.Budget((args.total_blocks + 2 * hf_cb.TRASH_SECTORS) * args.block_bytes)
@@ -82,7 +82,7 @@ def run_mode(mode: str, models: dict[str, Any], work: dict[str, list], args: arg
             s = handles[n].stats()
             return s.held_bytes if s is not None else 0
         cache = managers[n].batch_processor.cache
-        return cache.cache_tensor.numel() * cache.cache_tensor.element_size()
+        return cb_cache_bytes(cache)
 
     samples: list[tuple[float, int, int, int]] = []  # t, held A, held B, A's requests in flight
     stop = threading.Event()

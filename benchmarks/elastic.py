@@ -70,13 +70,12 @@ def bursty_trace(args: argparse.Namespace) -> list[list[tuple[list[int], int]]]:
 
 def run_mode(model: Any, mode: str, bursts: list, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    from vattn.bench._models import cb_cache_bytes, cb_config
     from vattn.integrations import hf_cb
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.max_new)
-    cbc = ContinuousBatchingConfig(num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
-                                   page_size=args.block_tokens)
+    cbc = cb_config(args.block_tokens, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens)
     handle = hf_cb.enable(model, page_size=args.page_size) if mode == "vattn" else None
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=copy.deepcopy(cbc))
     manager.start()
@@ -89,7 +88,7 @@ def run_mode(model: Any, mode: str, bursts: list, args: argparse.Namespace) -> d
             s = handle.stats()
             return s.mapped_bytes if s is not None else 0
         cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
-        return cache.cache_tensor.numel() * cache.cache_tensor.element_size() if cache is not None else 0
+        return cb_cache_bytes(cache) if cache is not None else 0
 
     def sampler() -> None:
         while not stop.is_set():

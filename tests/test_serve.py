@@ -4,7 +4,8 @@ real HTTP on 127.0.0.1, with the OpenAI client.
 The checkpoint is built here (a tiny seeded Llama, a character-level tokenizer with a chat
 template; no hub). Answers must equal plain `generate` (greedy) on the same checkpoint.
 Memory: vattn's mapped bytes rise under a burst of concurrent requests and fall back to
-the trash sectors when the idle policy trims; a server whose memory limit is below what
+the trash sectors when the idle policy trims (on transformers 5.17, whose loop cannot pause
+to evict them, the prefix-sharing blocks transformers keeps stay too: see `at_idle_floor`); a server whose memory limit is below what
 the burst needs at once answers every request too (they wait in transformers' scheduler),
 and keeps answering afterwards. `python -m vattn serve` itself starts as a process and
 answers. Needs `transformers[serving]` (the `test` extra has it).
@@ -188,6 +189,18 @@ def wait_for(predicate, timeout: float = 30.0) -> bool:
     return predicate()
 
 
+def at_idle_floor(cb) -> bool:
+    """Whether mapped memory is down to what a trim leaves with no request in flight: the
+    trash sectors alone on 5.18+ (the trim evicts transformers' prefix-sharing blocks inside
+    the paused loop); on 5.17, whose loop cannot pause (README, `ElasticCB.trim`), the trash
+    and exactly the prefix-sharing blocks its BlockManager keeps, and no free page mapped."""
+    s = cb.stats()
+    if hf_cb.design() == "sectors":
+        return s.mapped_bytes == TRASH and s.num_used_blocks == hf_cb.TRASH_SECTORS
+    kept = sum(len(m.batch_processor.cache._block_manager._init_block_ids) for m in cb.managers)
+    return s.num_cached_pages == 0 and s.num_spare_pages == 0 and s.num_used_blocks == hf_cb.TRASH_SECTORS + kept
+
+
 def test_concurrent_requests_answer_like_generate_and_memory_follows_the_load(server, ckpt, expected):
     srv, client = server(idle_trim_s=0.5)
     cb = srv.vattn
@@ -198,8 +211,8 @@ def test_concurrent_requests_answer_like_generate_and_memory_follows_the_load(se
     # rose under load: the burst's blocks, well above the trash sectors
     assert max(sampler.values) >= TRASH + 8 * SECTOR and cb.stats().peak_mapped_bytes >= max(sampler.values)
     # fell back once idle: the idle policy evicted the prefix-sharing blocks and unmapped every free page
-    assert wait_for(lambda: cb.stats().mapped_bytes == TRASH), cb.stats()
-    assert cb.num_idle_trims >= 1 and cb.stats().num_used_blocks == hf_cb.TRASH_SECTORS
+    assert wait_for(lambda: cb.num_idle_trims >= 1 and at_idle_floor(cb)), cb.stats()
+    assert cb.stats().mapped_bytes < max(sampler.values)
     # and it serves again, on the same cache
     assert burst(client, ckpt) == expected
     assert cb.num_caches == 1 and cb.stats().peak_mapped_bytes > TRASH
@@ -215,7 +228,7 @@ def test_a_memory_limit_below_the_load_queues_requests(server, ckpt, expected):
     assert answers == expected
     assert max(sampler.values) <= limit and cb.stats().peak_mapped_bytes <= limit
     assert cb.stats().limit == limit
-    assert cb.trim() >= 0 and cb.stats().mapped_bytes == TRASH  # trim() without a manager evicts too
+    assert cb.trim() >= 0 and at_idle_floor(cb), cb.stats()  # trim() without a manager evicts too
     r = client.completions.create(model=ckpt, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
     assert r.choices[0].text == expected[PROMPTS[0]]  # still healthy
 

@@ -42,7 +42,7 @@ import torch
 
 from ._common import agreement, progress
 from ._common import sync as _sync
-from ._models import build_model, llama_config
+from ._models import build_model, cb_config, llama_config
 
 NAME = "e2e"
 HELP = "end-to-end decode throughput: vattn.LLM vs transformers generate and generate_batch"
@@ -203,19 +203,11 @@ def run_hf_generate(model: Any, prompts: list[list[int]], args: argparse.Namespa
 
 
 def _cb_config(B: int, P: int, N: int, cuda_graphs: bool) -> Any:
-    """A continuous-batching config sized for this batch (fields vary across transformers 5.x)."""
-    import dataclasses
-
-    try:
-        from transformers import ContinuousBatchingConfig
-    except ImportError:
-        from transformers.generation import ContinuousBatchingConfig
-    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    default = ContinuousBatchingConfig()
-    tokens_per_block = getattr(default, "page_size", None) or getattr(default, "block_size", None) or 256
-    want = dict(num_blocks=B * -(-(P + N) // tokens_per_block) + 8, max_batch_tokens=max(B * P, 256),
-                use_cuda_graph=cuda_graphs)
-    return ContinuousBatchingConfig(**{k: v for k, v in want.items() if k in names})
+    """A continuous-batching config sized for this batch: blocks of transformers' default 256
+    tokens (named `block_size` on 5.17, `page_size` on 5.18+: see `cb_config`)."""
+    tokens_per_block = 256
+    return cb_config(tokens_per_block, num_blocks=B * -(-(P + N) // tokens_per_block) + 8,
+                     max_batch_tokens=max(B * P, 256), use_cuda_graph=cuda_graphs)
 
 
 def run_hf_cb(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict:

@@ -36,3 +36,28 @@ def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0, att
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype, **kw)
     return model.eval()
+
+
+def cb_config(block_tokens: int | None = None, **fields: Any) -> Any:
+    """transformers' `ContinuousBatchingConfig(**fields)` with `block_tokens` tokens per cache
+    block. The field's name differs: `page_size` from transformers 5.18 on (5.18-5.23 keep
+    `block_size` only as a deprecated alias that warns), `block_size` on 5.17 (no
+    `page_size`). None: transformers' default (256)."""
+    import dataclasses
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    if block_tokens is not None:
+        names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+        fields["page_size" if "page_size" in names else "block_size"] = block_tokens
+    return ContinuousBatchingConfig(**fields)
+
+
+def cb_cache_bytes(cache: Any) -> int:
+    """Bytes of a transformers continuous-batching cache's own KV tensors (`PagedAttentionCache`):
+    one flat `cache_tensor` on 5.18-5.23, per-layer `key_cache` / `value_cache` lists on 5.17."""
+    if hasattr(cache, "cache_tensor"):
+        tensors = [cache.cache_tensor]
+    else:
+        tensors = [*cache.key_cache, *cache.value_cache]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -32,7 +32,7 @@ import torch
 
 from vattn.bench._common import agreement, progress
 from vattn.bench._common import sync as _sync
-from vattn.bench._models import build_model, llama_config
+from vattn.bench._models import build_model, cb_config, llama_config
 
 NAME = "throughput"
 HELP = "vattn.LLM prefill/decode tokens/s against transformers' generate and generate_batch"
@@ -181,14 +181,13 @@ def run_hf_generate(model: Any, reqs: Requests, args: argparse.Namespace, device
 
 def run_hf_cb(model: Any, reqs: Requests, args: argparse.Namespace, device: str) -> dict:
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     max_len = max(len(p) + n for p, n in reqs)
     block = 256
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(n for _, n in reqs))
-    cbc = ContinuousBatchingConfig(num_blocks=args.max_batch_size * -(-max_len // block) + 4, page_size=block,
-                                   max_batch_tokens=args.max_num_batched_tokens,
-                                   max_requests_per_batch=args.max_batch_size, use_cuda_graph=False)
+    cbc = cb_config(block, num_blocks=args.max_batch_size * -(-max_len // block) + 4,
+                    max_batch_tokens=args.max_num_batched_tokens, max_requests_per_batch=args.max_batch_size,
+                    use_cuda_graph=False)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
     manager.start()
     counter = iter(range(1 << 30))

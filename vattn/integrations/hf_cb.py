@@ -426,6 +426,7 @@ def _handle_for(config: Any) -> ElasticCB | None:
 
 # ------------------------------------------------------------------- serving ----
 SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
+DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.23's own default (see serve)
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
@@ -447,6 +448,12 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
         raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
+    if max_batch_tokens is None and num_blocks is not None and design() == "blocks":
+        # transformers 5.17, given num_blocks alone, sizes max_batch_tokens (its attention mask and IO
+        # buffers, M x (num_blocks * block_size + M)) to fill the device's free memory: 21 GB of a 23 GB
+        # host in tests/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.23 take
+        # 8192 when it is not given: so does 5.17 here.
+        max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
     handle = enable_all(memory_limit=memory_limit, page_size=page_size, idle_trim_s=idle_trim_s)
     from transformers.cli.serve import Serve
 
