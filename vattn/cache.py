@@ -290,9 +290,7 @@ def _zero_pages(ref: weakref.ref, offsets: list[int]) -> None:
     """Clear the pages at `offsets` (bytes into every buffer): zero_reused_pages."""
     cache = ref()
     page = cache.page_size
-    for buf in cache._bytes:  # [buffer_bytes] uint8 each
-        for off in offsets:
-            buf[off:off + page].zero_()
+    cache.backend.zero(cache._bytes, [off // page for off in offsets], page)  # buffers: [buffer_bytes] uint8
 
 
 def _close(allocator: PageAllocator, backend: Any) -> None:
