@@ -123,6 +123,22 @@ def check_books(llm: LLM) -> None:
 
 
 # ------------------------------------------------- what the ranks run (CASES) ----
+def record_rank_cache_errors(llm: LLM) -> list[str]:
+    """The texts of the RankCacheErrors the scheduler's cache steps raise from now on."""
+    failures: list[str] = []
+    kv_step = llm.scheduler.kv.step
+
+    def spy(seq_lens):
+        try:
+            return kv_step(seq_lens)
+        except RankCacheError as e:
+            failures.append(str(e))
+            raise
+
+    llm.scheduler.kv.step = spy
+    return failures
+
+
 def _outputs(rank: int, ports: list[int], checkpoint: str) -> dict:
     """Greedy outputs of every model, a checkpoint read shard by shard, and online arrivals
     under a budget that forces preemption."""
@@ -195,17 +211,7 @@ def _agreement(rank: int, ports: list[int]) -> dict:
             return real_map(*args, **kwargs)
 
         backend.map = faulty_map
-        failures: list[str] = []
-        kv_step = llm.scheduler.kv.step
-
-        def spy(seq_lens):
-            try:
-                return kv_step(seq_lens)
-            except RankCacheError as e:
-                failures.append(str(e))
-                raise
-
-        llm.scheduler.kv.step = spy
+        failures = record_rank_cache_errors(llm)
         res["faulty"] = online(llm, check_books)
         res["faulty_injected"], res["faulty_failures"] = injected[0], failures
 
@@ -346,17 +352,7 @@ def _collectives(rank: int, ports: list[int]) -> dict:
             return real_step(seq_lens)
 
         llm.cache.step = step_raises_on_rank1
-        failures: list[str] = []
-        kv_step = llm.scheduler.kv.step
-
-        def spy(seq_lens):
-            try:
-                return kv_step(seq_lens)
-            except RankCacheError as e:
-                failures.append(str(e))
-                raise
-
-        llm.scheduler.kv.step = spy
+        failures = record_rank_cache_errors(llm)
         res["step raised"] = log.step(llm)
         res["step raised errors"] = failures
         res["recompute"] = log.step(llm)  # the two requests computed again from their prompts
