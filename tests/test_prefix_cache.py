@@ -97,3 +97,36 @@ def test_pin_and_map_errors(make_cache):
         c.map_pinned(a, h)
     with pytest.raises(vattn.InvalidConfigError, match="whole tokens"):
         PrefixCache(make_cache(page_size=4 * KB, head_dim=24))  # 192 B tokens
+
+
+def test_truncate_pinned_keeps_the_agreed_prefix(make_cache):
+    """What a tensor-parallel rank does when another rank mapped fewer cached pages: it unmaps
+    the pages past the agreed tokens from the new slot; they stay pinned, and the slot then
+    computes its own pages from there."""
+    c = make_cache(page_size=4 * KB, prefetch=False)
+    pc = PrefixCache(c)
+    prompt = list(range(100))
+    a = c.alloc_reqid()
+    assert c.step({a: 100})
+    fill(c, a, 0, 100, 1)
+    pc.insert(a, prompt)  # 3 whole pages pinned
+    c.free_reqid(a)
+    b = c.alloc_reqid()
+    assert pc.map_prefix(b, prompt + [1]) == 3 * TPP
+    with pytest.raises(vattn.InvalidRequestError, match="whole number of pages"):
+        c.truncate_pinned(b, TPP + 1)
+    with pytest.raises(vattn.InvalidRequestError, match="whole number of pages"):
+        c.truncate_pinned(b, 4 * TPP)
+    assert c.truncate_pinned(b, TPP) == 2
+    assert c.stats().num_pinned_pages == 3
+    check(c, b, TPP, 1)
+    assert c.step({b: 80})
+    fill(c, b, TPP, 80, 2)  # its own pages: the pinned ones keep a's tokens
+    d = c.alloc_reqid()
+    assert pc.map_prefix(d, prompt + [1]) == 3 * TPP
+    check(c, d, 3 * TPP, 1)
+    e = c.alloc_reqid()
+    assert pc.map_prefix(e, prompt) == 3 * TPP
+    assert c.truncate_pinned(e, 0) == 3  # a miss after all
+    assert c.step({e: 10})
+    c.allocator.check_invariants()

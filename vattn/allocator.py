@@ -897,6 +897,26 @@ class PageAllocator:
             self._pages_changed(slot)
             return self.max_lens[slot]
 
+    def truncate_pinned(self, reqid: int, num_tokens: int) -> int:
+        """Keep only the first `num_tokens` tokens of what `map_pinned` mapped into a request
+        that has not run yet, unmapping the later pages (they stay pinned): tensor-parallel
+        ranks keep the prefix all of them could map. `num_tokens` is a whole number of pages,
+        at most what is mapped. Returns the pages unmapped."""
+        with self._quiet():
+            slot = self._check_active(reqid)
+            g = self.geometry
+            num_tokens = self._index(num_tokens, "num_tokens")
+            tpp = g.page_size // g.token_bytes if g.page_size % g.token_bytes == 0 else 0
+            mapped = self.max_lens[slot]
+            if not tpp or num_tokens < 0 or num_tokens % tpp or num_tokens > mapped:
+                raise InvalidRequestError(
+                    f"num_tokens={num_tokens} must be a whole number of pages of at most the {mapped} tokens "
+                    f"map_pinned mapped into reqid {slot}")
+            drop = len(self.slot_pages[slot]) - num_tokens // tpp
+            unmapped = self._reclaim([(slot, drop)], drop) if drop else 0
+            self.max_lens[slot] = num_tokens
+            return unmapped
+
     def _evict(self, count: int) -> int:
         """Unpin up to `count` pinned groups that no slot maps, least recently used first;
         they go to the pool. Returns how many."""

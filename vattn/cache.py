@@ -189,6 +189,13 @@ class KVCache:
         that was evicted. Returns the number of tokens now in the slot."""
         return self.allocator.map_pinned(reqid, handles)
 
+    def truncate_pinned(self, reqid: int, num_tokens: int) -> int:
+        """Keep only the first `num_tokens` tokens (whole pages) of what `map_pinned` mapped
+        into `reqid` before its first step; the later pages are unmapped from it and stay
+        pinned. Tensor-parallel ranks use it to keep the prefix every rank could map.
+        Returns the pages unmapped."""
+        return self.allocator.truncate_pinned(reqid, num_tokens)
+
     def swap_out(self, reqid: int, num_tokens: int) -> SwapHandle:
         """Preempt `reqid` by swapping: copy its first `num_tokens` tokens (K and V of every
         layer) to host memory (pinned on CUDA, in chunks of at most 256 MiB), then free its

@@ -54,6 +54,18 @@ class PrefixCache:
         """Map the longest cached prefix of `token_ids` into `reqid` (a request that has not
         run yet). At least one token is left to compute, so the request still gets logits.
         Returns the number of tokens mapped (0: a miss)."""
+        keys, handles = self.lookup(token_ids)
+        self.num_query_tokens += len(token_ids)
+        if not handles:
+            return 0
+        n = self.cache.map_pinned(reqid, handles)
+        self.forget_evicted(keys[:len(handles)], n)
+        self.num_hit_tokens += n
+        return n
+
+    def lookup(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[Any]]:
+        """The keys of the whole pages of `token_ids` but its last token, and the handles of
+        the leading ones that are cached (they may have been evicted since)."""
         keys = self.page_hashes(token_ids[:len(token_ids) - 1])
         handles = []
         for key in keys:
@@ -61,14 +73,13 @@ class PrefixCache:
             if handle is None:
                 break
             handles.append(handle)
-        self.num_query_tokens += len(token_ids)
-        if not handles:
-            return 0
-        n = self.cache.map_pinned(reqid, handles)
-        for key in keys[n // self.tokens_per_page:len(handles)]:  # evicted meanwhile
-            del self.entries[key]
-        self.num_hit_tokens += n
-        return n
+        return keys, handles
+
+    def forget_evicted(self, keys: Sequence[bytes], num_mapped: int) -> None:
+        """`map_pinned` mapped `num_mapped` tokens of the handles of `keys`: the pages after
+        those were evicted meanwhile."""
+        for key in keys[num_mapped // self.tokens_per_page:]:
+            self.entries.pop(key, None)
 
     def insert(self, reqid: int, token_ids: Sequence[int]) -> None:
         """Pin the whole pages of `token_ids`, which `reqid` has written (computed) from
