@@ -24,6 +24,7 @@ if not dist.is_available():
 
 from helpers import (  # noqa: E402
     ARRIVALS, MAX_TOKENS, PAGE, build_model, greedy_params, hf_greedy, prompts, reference, tiny_config)
+from test_prefix_caching_engine import SYSTEM_ARRIVALS, system_params, system_prompts, system_reference  # noqa: E402
 
 from vattn import LLM, SamplingParams  # noqa: E402
 from vattn.engine.parallel import RankCacheError, TensorParallelError, shard_config  # noqa: E402
@@ -85,17 +86,20 @@ def spawn(case: str, tmp_path: Path, *args: Any, num_ports: int = 1) -> tuple[li
     return [None if res is None else res["ok"] for res in results], [p.exitcode for p in procs]
 
 
-def online(llm: LLM, check: Callable[[LLM], None] | None = None) -> list:
+def online(llm: LLM, check: Callable[[LLM], None] | None = None, prompt_list: list | None = None,
+           params: list | None = None, arrivals: tuple[int, ...] = ARRIVALS) -> list:
     """helpers.run_online for every rank: each adds the same requests at the same iterations and
-    steps until all finish; rank 0 returns the final outputs in prompt order, the others []."""
-    params = greedy_params()
+    steps until all finish; rank 0 returns the final outputs in prompt order, the others [].
+    Default: helpers' prompts and greedy params."""
+    prompt_list = prompts() if prompt_list is None else prompt_list
+    params = greedy_params() if params is None else params
     index: dict[int, int] = {}
     done: dict[int, Any] = {}
     it = 0
-    while len(index) < len(ARRIVALS) or llm.has_unfinished():
-        for i, a in enumerate(ARRIVALS):
+    while len(index) < len(arrivals) or llm.has_unfinished():
+        for i, a in enumerate(arrivals):
             if a == it:
-                index[llm.add_request(prompts()[i], params[i])] = i
+                index[llm.add_request(prompt_list[i], params[i])] = i
         for out in llm.step():
             if out.finished:
                 done[index[out.request_id]] = out
@@ -106,7 +110,7 @@ def online(llm: LLM, check: Callable[[LLM], None] | None = None) -> list:
     if not llm.is_output_rank:
         assert not done, "a rank other than 0 returned outputs"
         return []
-    return [done[i].token_ids for i in range(len(ARRIVALS))]
+    return [done[i].token_ids for i in range(len(arrivals))]
 
 
 def books(llm: LLM) -> tuple:
@@ -233,6 +237,97 @@ def _agreement(rank: int, ports: list[int]) -> dict:
         llm.tp.fail("injected on every rank")  # tears down the engine's group, not the user's
     dist.barrier()  # the user's default group still works
     res["user_group_kept"] = (dist.is_initialized(), len(dist.distributed_c10d._world.pg_map))
+    return res
+
+
+def spy_calls(obj: Any, name: str) -> list:
+    """Record the results of obj.name (an instance attribute wrapping the real method)."""
+    calls: list = []
+    real = getattr(obj, name)
+
+    def spy(*args: Any) -> Any:
+        out = real(*args)
+        calls.append(out)
+        return out
+
+    setattr(obj, name, spy)
+    return calls
+
+
+def _sharing(rank: int, ports: list[int]) -> dict:
+    """Prefix caching and swap preemption under budgets that evict pinned pages and preempt.
+    Rank 1's cache also differs from rank 0's on purpose: every other lookup there finds its
+    last cached page evicted, and now and then it drops its unmapped pinned pages or trims.
+    So prefixes mapped on rank 0 only are unmapped again (the fewest tokens agreed), and
+    swapped-out slots kept on rank 0 only are swapped in where both agree. Books checked
+    every iteration."""
+    res: dict[str, Any] = {}
+    system = [list(p) for p in system_prompts()]
+    for name, kw in (("prefix", {}), ("prefix+swap", {"preemption_mode": "swap"})):
+        with LLM(tiny_config(), **{**TP, "max_batch_size": 4, "physical_memory": 64 << 10,
+                                   "enable_prefix_caching": True, **kw}) as llm:
+            alloc = llm.cache.allocator
+            evicted = spy_calls(alloc, "_evict")
+            truncated = spy_calls(llm.cache, "truncate_pinned")
+            real_map, lookups = llm.cache.map_pinned, [0]
+
+            def map_pinned(reqid: int, handles: list) -> int:
+                lookups[0] += 1
+                if rank == 1 and lookups[0] % 2:  # as if its last page had been evicted
+                    handles = handles[:-1]
+                return real_map(reqid, handles)
+
+            llm.cache.map_pinned = map_pinned
+            it = [0]
+
+            def evict_on_rank1(llm: LLM) -> None:
+                check_books(llm)
+                it[0] += 1
+                if rank == 1 and it[0] % 4 == 0:
+                    with alloc._quiet():
+                        alloc._evict(len(alloc.pins))
+
+            res[name] = online(llm, evict_on_rank1, system, system_params(), SYSTEM_ARRIVALS)
+            res[f"{name} again"] = online(llm, evict_on_rank1)  # other prompts, same engine
+            stats = llm.prefix_cache_stats()
+            res[f"{name} stats"] = (stats.num_query_tokens, stats.num_hit_tokens, llm.num_preemptions,
+                                    llm.scheduler.num_swapped_out, llm.scheduler.num_swapped_in)
+            res[f"{name} evicted"] = sum(evicted)
+            res[f"{name} truncated"] = len(truncated)
+            alloc.check_invariants()
+
+    # 4 kv heads: 2 a rank, 32 tokens a page as at TP 1 with 2 (test_swap_engine's budget)
+    with LLM(tiny_config("llama", 4), **{**TP, "max_batch_size": 4, "physical_memory": 80 << 10,
+                                         "preemption_mode": "swap"}) as llm:
+        real_swap_out, real_swap_in, outs, copied = llm.cache.swap_out, llm.cache.swap_in, [0], []
+
+        def swap_out(reqid: int, num_tokens: int) -> Any:
+            outs[0] += 1
+            if rank == 1 and outs[0] == 2:
+                raise RuntimeError("injected: rank 1 has no host memory")
+            return real_swap_out(reqid, num_tokens)
+
+        def swap_in(handle: Any) -> int:
+            slot = real_swap_in(handle)
+            copied.append(handle.copied_in)
+            return slot
+
+        llm.cache.swap_out, llm.cache.swap_in = swap_out, swap_in
+        it = [0]
+
+        def trim_on_rank1(llm: LLM) -> None:
+            check_books(llm)
+            it[0] += 1
+            if it[0] % 3 == 0 and len(llm.scheduler.running) > 1:  # what a shortage does, on both ranks
+                llm.scheduler.preempt(max(llm.scheduler.running, key=lambda s: s.seq_id))
+            if rank == 1 and it[0] % 5 == 0:
+                llm.cache.trim()
+
+        res["swap"] = online(llm, trim_on_rank1)
+        res["swap stats"] = (llm.num_preemptions, llm.scheduler.num_swapped_out, llm.scheduler.num_swapped_in)
+        res["swap calls"] = (outs[0], copied)
+        res["swap resyncs"] = llm.scheduler.kv.num_resyncs
+        llm.cache.allocator.check_invariants()
     return res
 
 
@@ -373,11 +468,30 @@ def _collectives(rank: int, ports: list[int]) -> dict:
         while llm.has_unfinished():
             log.step(llm)
         res["idle again"] = log.step(llm)
+
+    os.environ["MASTER_PORT"] = str(ports[1])  # the first engine destroyed the default group vattn made
+    with LLM(tiny_config(), **{**TP, "enable_prefix_caching": True, "preemption_mode": "swap"}) as llm:
+        log = ControlLog(llm.tp)  # 64 tokens a page on each rank (one kv head of 2)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        prompt = [3 + i % 120 for i in range(70)]
+        llm.add_request(prompt, params)
+        res["prefix miss"] = log.step(llm)  # the new slot, its lookup (a miss), the step, the tokens
+        res["prefix decode"] = [log.step(llm) for _ in range(2)]
+        llm.add_request(prompt + [5], params)
+        res["prefix hit"] = log.step(llm)  # the same, with 64 tokens mapped
+        res["prefix hit tokens"] = llm.prefix_cache_stats().num_hit_tokens
+        log.calls = []
+        llm.scheduler.preempt(max(llm.scheduler.running, key=lambda s: s.seq_id))  # as a shortage does
+        res["swap out"] = log.calls
+        res["swap in"] = log.step(llm)  # the swap-in's slot, then as a decode
+        res["swapped"] = (llm.scheduler.num_swapped_out, llm.scheduler.num_swapped_in)
+        res["swap decode"] = log.step(llm)
     return res
 
 
-CASES = {"outputs": _outputs, "agreement": _agreement, "failures": _failures, "collectives": _collectives}
-OWN_GROUP = ("outputs", "agreement")
+CASES = {"outputs": _outputs, "agreement": _agreement, "failures": _failures, "collectives": _collectives,
+         "sharing": _sharing}
+OWN_GROUP = ("outputs", "agreement", "sharing")
 
 
 # ------------------------------------------------------------------------ tests ----
@@ -433,6 +547,28 @@ def test_ranks_agree_on_budget_and_failed_steps(tmp_path: Path) -> None:
     assert r0["user_group_kept"] == r1["user_group_kept"] == (True, 1), "fail() destroyed the user's group"
 
 
+def test_prefix_caching_and_swap_under_tp(tmp_path: Path) -> None:
+    (r0, r1), codes = spawn("sharing", tmp_path)
+    assert codes == [0, 0]
+    system, ref = [list(r) for r in system_reference()], [list(r) for r in reference()]
+    for name in ("prefix", "prefix+swap"):
+        assert r0[name] == system and r0[f"{name} again"] == ref, name
+        assert r1[name] == r1[f"{name} again"] == []
+        queried, hits, preemptions, swapped_out, swapped_in = r0[f"{name} stats"]
+        assert r0[f"{name} stats"] == r1[f"{name} stats"], "the ranks agreed on every hit and preemption"
+        assert hits > 0 and preemptions > 0, name
+        assert (swapped_out > 0) == (name == "prefix+swap"), name
+        assert r0[f"{name} evicted"] > 0, "memory pressure evicted pinned pages"
+        assert r0[f"{name} truncated"] > 0 and r1[f"{name} truncated"] == 0, "rank 0 unmapped what rank 1 lacked"
+    assert r0["swap"] == [list(r) for r in reference("llama", 4)] and r1["swap"] == []
+    assert r0["swap stats"] == r1["swap stats"]
+    preemptions, swapped_out, swapped_in = r0["swap stats"]
+    assert preemptions > 0 and swapped_out > 0 and swapped_in > 0
+    # rank 1's second swap-out failed: rank 0 took its slot back, both recomputed that one
+    assert r0["swap calls"][0] == r1["swap calls"][0] == swapped_out + 1
+    assert r0["swap resyncs"] == r1["swap resyncs"]
+
+
 def test_a_failing_rank_stops_the_others_soon(tmp_path: Path) -> None:
     (r0, r1), codes = spawn("failures", tmp_path, num_ports=5)
     assert r1 is None and codes[1] == 3, "rank 1 died in the last phase"
@@ -452,7 +588,7 @@ def test_control_round_trips_per_iteration(tmp_path: Path) -> None:
     """The control messages each kind of iteration costs (tensor collectives on the engine's
     gloo group; the model's all-reduces apart), the same on both ranks: a regression in the
     number per decode step fails here."""
-    (r0, r1), codes = spawn("collectives", tmp_path)
+    (r0, r1), codes = spawn("collectives", tmp_path, num_ports=2)
     assert codes == [0, 0]
     assert {k: v for k, v in r0.items() if k != "sample failed on rank 0"} == \
         {k: v for k, v in r1.items()}, "the ranks made different collectives"
@@ -469,6 +605,15 @@ def test_control_round_trips_per_iteration(tmp_path: Path) -> None:
     assert r0["step raised errors"] == r1["step raised errors"] and len(r0["step raised errors"]) == 1
     assert "rank 1: BackendError" in r0["step raised errors"][0]
     assert r0["sample failed"] == ([gather, bcast, bcast, bcast], 2 * layers)
+    # prefix caching: every new slot's lookup is agreed too (hit or miss); decode stays at 2
+    assert r0["prefix miss"] == r0["prefix hit"] == ([gather, gather, gather, bcast], 2 * layers)
+    assert r0["prefix hit tokens"] == 64
+    assert r0["prefix decode"] == [([gather, bcast], 2 * layers)] * 2
+    # swap preemption: one agreement to swap out, one to swap in (its slot), decode at 2 again
+    assert r0["swap out"] == [gather]
+    assert r0["swap in"] == ([gather, gather, bcast], 2 * layers)
+    assert r0["swapped"] == (1, 1)
+    assert r0["swap decode"] == ([gather, bcast], 2 * layers)
 
 
 # ------------------------------------------------------------- no processes ----
@@ -484,8 +629,10 @@ def test_sharded_config_and_clear_errors(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(InvalidConfigError, match="num_key_value_heads=2"):
         shard_config(six, 3)
     assert issubclass(TensorParallelError, FatalEngineError)  # the scheduler lets it propagate
-    with pytest.raises(InvalidConfigError, match="prefix_caching"):
-        LLM(tiny_config(), tensor_parallel_size=2, enable_prefix_caching=True)
+    from vattn.engine.config import EngineConfig
+
+    both = EngineConfig(tensor_parallel_size=2, enable_prefix_caching=True, preemption_mode="swap")
+    assert both.enable_prefix_caching and both.preemption_mode == "swap"  # supported under TP
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(InvalidConfigError, match="torchrun --nproc-per-node 2"):

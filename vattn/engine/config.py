@@ -47,8 +47,9 @@ class EngineConfig:
     the cache creates pages only within it, and pages one engine no longer needs go to
     another that is short; see `KVCache(budget=)`).
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
-    heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`, recompute
-    preemption only, no prefix caching), distributed_timeout_s (seconds a collective may wait
+    heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`; prefix
+    caching and both preemption modes work, their per-rank outcomes agreed between the
+    ranks), distributed_timeout_s (seconds a collective may wait
     for the other ranks before it fails: the engine's control messages always, the model's
     all-reduces when vattn creates the process group; on NCCL also how long a rank blocked
     in an all-reduce waits when a peer failed).
@@ -124,9 +125,6 @@ class EngineConfig:
         if timeout <= 0:
             raise InvalidConfigError(f"distributed_timeout_s must be > 0 seconds, got {self.distributed_timeout_s!r}")
         object.__setattr__(self, "distributed_timeout_s", timeout)
-        if self.tensor_parallel_size > 1 and (self.enable_prefix_caching or self.preemption_mode == "swap"):
-            raise InvalidConfigError("tensor_parallel_size > 1 supports neither enable_prefix_caching nor "
-                                     "preemption_mode='swap' yet; use recompute preemption without prefix caching")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -29,7 +29,7 @@ import torch
 from vattn.checks import is_int
 from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, prefix_salt
-from vattn.engine.parallel import AgreedSlots, TensorParallel, TPModelRunner
+from vattn.engine.parallel import AgreedPrefixCache, AgreedSlots, TensorParallel, TPModelRunner
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
@@ -139,7 +139,9 @@ class LLM:
     def _start(self, loaded: LoadedModel, kv: Any) -> None:
         self.prefix_cache = None
         if self.config.enable_prefix_caching:
-            self.prefix_cache = PrefixCache(self.runner.cache, salt=prefix_salt(loaded.model, loaded.dtype))
+            salt = prefix_salt(loaded.model, loaded.dtype)  # the rank's shard config: the same on every rank
+            self.prefix_cache = (PrefixCache(self.runner.cache, salt=salt) if self.tp is None
+                                 else AgreedPrefixCache(self.runner.cache, self.tp, salt=salt))
         self.scheduler = Scheduler(self.config.scheduler_config(), kv,
                                    eos_token_ids=_eos_token_ids(loaded.model), prefix_cache=self.prefix_cache)
         self.max_context_len = self.runner.max_context_len

@@ -37,9 +37,12 @@ every process makes the same add_request / generate / abort_request / step calls
 what could differ between ranks is agreed before anyone acts on it (`AgreedSlots`): the
 physical budget (the minimum over ranks), each `step`'s outcome (failed on one rank =
 failed on all, the union of the failed requests, before the scheduler preempts), each new
-slot. Every iteration checks that the ranks' schedules are equal before any rank acts on
-its own: each control message carries a digest of the rank's inputs and schedule. Rank 0
-samples and broadcasts the tokens. A rank whose forward raises, or that sees a collective fail (a peer
+slot, fork and swap-in (the same slot on every rank), each swap-out (on every rank or on
+none), and with prefix caching each lookup's mapped tokens (the fewest any rank could map:
+each rank evicts its own pinned pages; `AgreedPrefixCache`). Every iteration checks that
+the ranks' schedules are equal before any rank acts on its own: each control message
+carries a digest of the rank's inputs and schedule. Rank 0 samples and broadcasts the
+tokens. A rank whose forward raises, or that sees a collective fail (a peer
 died or raised), tears down what vattn owns so that the others fail at once too
 (`TensorParallelError`), instead of waiting in a collective. "At once" is verified on gloo
 only: on NCCL a peer blocked in the model's all-reduce waits for torch's watchdog timeout
@@ -54,10 +57,17 @@ rare paths, the errors' text:
   decode (steady state)     step's agreement (+ the digest), tokens' broadcast         2
   + each new slot / fork    one agreement each, before the step's (the first carries
                             the digest)                                                +1
+  + each prefix lookup      enable_prefix_caching: a new slot's mapped tokens, hit or
+                            miss (so a new slot costs 2)                               +1
+  + each swap-out / -in     preemption_mode="swap": a swap-out (inside the step's
+                            retries: after the step's agreement) or a swap-in (its
+                            slot, like a new slot)                                     +1
   idle (nothing scheduled)  the digest alone                                           1
   a rank's step raised      step's agreement, then every rank's error (all_gather_object,
                             two round trips); the requests recompute, nothing runs     3
   slots differ (resync)     the slot's agreement, trim, the slot's agreement again     +1
+                            (a new slot, fork or swap-in)
+  a lookup / swap raised    its agreement, then every rank's error (all_gather_object) +2
   sampling failed (rank 0)  the errors' broadcast after the tokens' (broadcast_object,
                             two round trips)                                           +2
 ```
@@ -81,6 +91,7 @@ from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, load_tokenizer, run_dtype
 from vattn.errors import (
     FatalEngineError, InvalidConfigError, InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError)
+from vattn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +111,9 @@ class TensorParallelError(FatalEngineError, RuntimeError):
 
 # what a control message agrees on (`TensorParallel.agree`): ranks agreeing on different
 # things have diverged
-CHECK, ALLOC_REQID, FORK, STEP = 1, 2, 3, 4
-_KIND_NAMES = {CHECK: "the schedule", ALLOC_REQID: "a new slot", FORK: "a fork", STEP: "a step"}
+CHECK, ALLOC_REQID, FORK, STEP, PREFIX, SWAP_OUT, SWAP_IN = 1, 2, 3, 4, 5, 6, 7
+_KIND_NAMES = {CHECK: "the schedule", ALLOC_REQID: "a new slot", FORK: "a fork", STEP: "a step",
+               PREFIX: "a cached prefix", SWAP_OUT: "a swap-out", SWAP_IN: "a swap-in"}
 _SLOT_BITS = 63  # slots per int64 word of a control message's slot set
 
 
@@ -595,6 +607,9 @@ class AgreedSlots:
       rank gives its cached pages back (`trim`: the free slots are then empty everywhere) and
       allocates again.
     - `fork`: done on every rank or on none, into the same slot (like `alloc_reqid`).
+    - `swap_out`: done on every rank or on none (a rank that succeeded takes its untouched
+      slot back when another failed); `swap_in`: the same slot everywhere (like
+      `alloc_reqid`), each rank copying its own shard back when its old slot was taken.
     Only shortages on every rank stay NoFreeSlotError / OutOfPhysicalMemoryError (the
     scheduler waits); any other failure of a rank is a RankCacheError on every rank.
     Each agreement is one control message (`TensorParallel.agree`: it also carries the
@@ -664,28 +679,99 @@ class AgreedSlots:
         return self._new_slot("fork", FORK, lambda: self.cache.fork(reqid, num_tokens))
 
     def _raise_agreed(self, what: str, error: Exception | None) -> None:
-        """Some rank's `what` raised (`error` here, or None; the ranks' control message said
-        so): raise the same error on every rank, naming each rank's failure, fetched now
-        (all_gather_object: the rare path). Only shortages of slots or memory everywhere
-        stay an OutOfPhysicalMemoryError (the scheduler waits for memory); anything else is
-        a RankCacheError. Returns when no rank raised."""
-        shortages = (NoFreeSlotError, OutOfPhysicalMemoryError)
-        mine = None if error is None else (f"{type(error).__name__}: {error}",
-                                           next((i for i, k in enumerate(shortages) if isinstance(error, k)), -1))
-        errors = [(r, e) for r, e in enumerate(self.tp.all_gather_object(mine)) if e is not None]
-        if not errors:
-            return
-        message = f"the KV cache {what} failed on " + "; ".join(f"rank {r}: {m}" for r, (m, _) in errors)
-        kinds = {kind for _, (_, kind) in errors}
-        if len(kinds) == 1 and -1 not in kinds:
-            raise shortages[kinds.pop()](message)
-        raise RankCacheError(message)
+        raise_agreed(self.tp, what, error)
 
     def swap_out(self, reqid: int, num_tokens: int) -> Any:
-        raise InvalidConfigError("preemption_mode='swap' is not supported with tensor parallelism")
+        """`KVCache.swap_out` on every rank (each copies its own heads' K/V to host memory),
+        or on none: a rank whose swap-out succeeded while another's raised takes its slot
+        back (`swap_in` of its untouched slot: no copy), and every rank raises the same
+        error (the scheduler then recomputes the sequence). One round trip."""
+        handle, error = None, None
+        try:
+            handle = self.cache.swap_out(reqid, num_tokens)
+        except Exception as e:  # noqa: BLE001 - agreed below
+            error = e
+        agreed = self.tp.agree(SWAP_OUT, error=error is not None)
+        if not agreed.errors:
+            return handle
+        if handle is not None:
+            try:
+                slot = self.cache.swap_in(handle)
+            except Exception as e:  # noqa: BLE001 - this rank's books no longer match the others'
+                raise self.tp.fail(f"rank {self.tp.rank} could not take back slot {reqid} after another rank's "
+                                   f"swap-out failed ({type(e).__name__}: {e})") from e
+            if slot != reqid:
+                raise self.tp.fail(f"rank {self.tp.rank} took back slot {slot} instead of {reqid} after another "
+                                   "rank's swap-out failed")
+        self._raise_agreed("swap_out", error)
+        raise RankCacheError("the KV cache swap_out failed on another rank")  # not reached: a rank flagged one
 
     def swap_in(self, handle: Any) -> int:
-        raise InvalidConfigError("preemption_mode='swap' is not supported with tensor parallelism")
+        """`KVCache.swap_in` on every rank, giving the same slot everywhere (as `_new_slot`
+        does for a new slot): a rank's old slot may be untouched (no copy) while another's
+        was taken; when the slots differ, every rank gives its slot back, trims, and swaps
+        in again (copying). A shortage on any rank is a shortage on every rank (the sequence
+        waits). Whether a rank copied is its own business: each copies its own shard. One
+        round trip (two when the slots differ)."""
+        return self._new_slot("swap_in", SWAP_IN, lambda: self.cache.swap_in(handle))
+
+
+def raise_agreed(tp: TensorParallel, what: str, error: Exception | None) -> None:
+    """Some rank's `what` raised (`error` here, or None; the ranks' control message said
+    so): raise the same error on every rank, naming each rank's failure, fetched now
+    (all_gather_object: the rare path). Only shortages of slots or memory everywhere stay
+    a NoFreeSlotError / OutOfPhysicalMemoryError (the scheduler waits for memory); anything
+    else is a RankCacheError. Returns when no rank raised."""
+    shortages = (NoFreeSlotError, OutOfPhysicalMemoryError)
+    mine = None if error is None else (f"{type(error).__name__}: {error}",
+                                       next((i for i, k in enumerate(shortages) if isinstance(error, k)), -1))
+    errors = [(r, e) for r, e in enumerate(tp.all_gather_object(mine)) if e is not None]
+    if not errors:
+        return
+    message = f"the KV cache {what} failed on " + "; ".join(f"rank {r}: {m}" for r, (m, _) in errors)
+    kinds = {kind for _, (_, kind) in errors}
+    if len(kinds) == 1 and -1 not in kinds:
+        raise shortages[kinds.pop()](message)
+    raise RankCacheError(message)
+
+
+class AgreedPrefixCache(PrefixCache):
+    """The prefix cache of one rank: every rank inserts the same prompts, but the pinned pages
+    are its own, and memory pressure evicts them on each rank on its own. So how many tokens a new sequence maps (`map_prefix`) is agreed: each rank maps
+    what it still has, and every rank keeps the fewest (`KVCache.truncate_pinned` unmaps the
+    rest, which stays pinned). A rank whose mapping raised makes it a miss on every rank (the
+    same RankCacheError everywhere; the scheduler computes the whole prompt). One round trip
+    per lookup, miss or hit: whether a rank has anything to map is its own. Pinning
+    (`insert`) needs no agreement: a rank that pinned fewer pages maps fewer later, and the
+    minimum holds."""
+
+    def __init__(self, cache: Any, tp: TensorParallel, salt: bytes | str = b"") -> None:
+        super().__init__(cache, salt)
+        self.tp = tp
+
+    def map_prefix(self, reqid: int, token_ids: Any) -> int:
+        keys, handles = self.lookup(token_ids)
+        self.num_query_tokens += len(token_ids)
+        mapped, error = 0, None
+        if handles:
+            try:
+                mapped = self.cache.map_pinned(reqid, handles)
+            except Exception as e:  # noqa: BLE001 - agreed below; the books hold (nothing mapped)
+                error = e
+            else:
+                self.forget_evicted(keys[:len(handles)], mapped)
+        agreed = self.tp.agree(PREFIX, error=error is not None, value=mapped)
+        n = 0 if agreed.errors else min(agreed.values)
+        if mapped > n:
+            try:
+                self.cache.truncate_pinned(reqid, n)
+            except Exception as e:  # noqa: BLE001 - this rank's slot no longer matches the others'
+                raise self.tp.fail(f"rank {self.tp.rank} could not unmap the cached pages past the {n} tokens the "
+                                   f"ranks agreed on ({type(e).__name__}: {e})") from e
+        if agreed.errors:
+            raise_agreed(self.tp, "map_prefix", error)
+        self.num_hit_tokens += n
+        return n
 
 
 class RankZeroSampler:
