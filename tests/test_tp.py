@@ -254,6 +254,36 @@ def spy_calls(obj: Any, name: str) -> list:
     return calls
 
 
+def check_lookups(llm: LLM) -> list:
+    """Record every prefix lookup as it returns: [(slot, tokens or error type, the tokens
+    the slot holds then)], for `assert_lookups_agreed`."""
+    pc, alloc, seen = llm.scheduler.prefix_cache, llm.cache.allocator, []
+    real = pc.map_prefix
+
+    def map_prefix(reqid: int, token_ids: list) -> int:
+        try:
+            out: Any = real(reqid, token_ids)
+        except Exception as e:  # noqa: BLE001 - checked, then raised again
+            out, error = type(e).__name__, e
+        else:
+            error = None
+        seen.append((reqid, out, alloc.max_lens[reqid]))  # checked by the test: the scheduler catches errors
+        if error is not None:
+            raise error
+        return out
+
+    pc.map_prefix = map_prefix
+    return seen
+
+
+def assert_lookups_agreed(r0: list, r1: list) -> None:
+    """Every rank returned the same tokens (or raised the same error) for the same slot, and
+    its slot held exactly those tokens (the pages past them unmapped: `truncate_pinned`)."""
+    assert r0 == r1, "the ranks' lookups diverged"
+    for slot, out, held in r0:
+        assert held == (out if isinstance(out, int) else 0), f"slot {slot} holds {held} tokens, {out} agreed"
+
+
 def _sharing(rank: int, ports: list[int]) -> dict:
     """Prefix caching and swap preemption under budgets that evict pinned pages and preempt.
     Rank 1's cache also differs from rank 0's on purpose: every other lookup there finds its
@@ -278,6 +308,7 @@ def _sharing(rank: int, ports: list[int]) -> dict:
                 return real_map(reqid, handles)
 
             llm.cache.map_pinned = map_pinned
+            lookups_seen = check_lookups(llm)
             it = [0]
 
             def evict_on_rank1(llm: LLM) -> None:
@@ -294,6 +325,7 @@ def _sharing(rank: int, ports: list[int]) -> dict:
                                     llm.scheduler.num_swapped_out, llm.scheduler.num_swapped_in)
             res[f"{name} evicted"] = sum(evicted)
             res[f"{name} truncated"] = len(truncated)
+            res[f"{name} lookups"] = lookups_seen
             alloc.check_invariants()
 
     # 4 kv heads: 2 a rank, 32 tokens a page as at TP 1 with 2 (test_swap_engine's budget)
@@ -560,13 +592,16 @@ def test_prefix_caching_and_swap_under_tp(tmp_path: Path) -> None:
         assert (swapped_out > 0) == (name == "prefix+swap"), name
         assert r0[f"{name} evicted"] > 0, "memory pressure evicted pinned pages"
         assert r0[f"{name} truncated"] > 0 and r1[f"{name} truncated"] == 0, "rank 0 unmapped what rank 1 lacked"
+        assert_lookups_agreed(r0[f"{name} lookups"], r1[f"{name} lookups"])
+        assert any(n for _, n, _ in r0[f"{name} lookups"]), name
     assert r0["swap"] == [list(r) for r in reference("llama", 4)] and r1["swap"] == []
     assert r0["swap stats"] == r1["swap stats"]
     preemptions, swapped_out, swapped_in = r0["swap stats"]
     assert preemptions > 0 and swapped_out > 0 and swapped_in > 0
     # rank 1's second swap-out failed: rank 0 took its slot back, both recomputed that one
     assert r0["swap calls"][0] == r1["swap calls"][0] == swapped_out + 1
-    assert r0["swap resyncs"] == r1["swap resyncs"]
+    assert r0["swap calls"][1] != r1["swap calls"][1], "one rank copied a swap-in back where the other did not"
+    assert r0["swap resyncs"] == r1["swap resyncs"] > 0, "the swap-ins' slots differed, and were agreed"
 
 
 def test_a_failing_rank_stops_the_others_soon(tmp_path: Path) -> None:
