@@ -363,6 +363,94 @@ def _sharing(rank: int, ports: list[int]) -> dict:
     return res
 
 
+def _sharing_failures(rank: int, ports: list[int]) -> dict:
+    """Prefix caching and swap preemption when a cache call raises on one rank only: a
+    lookup's map, a swap-out, a swap-in (short of memory, or failing), then the two that
+    leaves a rank's books unlike the others' (unmapping the pages past an agreed prefix):
+    that raises TensorParallelError on every rank, soon."""
+    res: dict[str, Any] = {}
+    system = [list(p) for p in system_prompts()]
+    with LLM(tiny_config(), **{**TP, "max_batch_size": 4, "physical_memory": 64 << 10,
+                               "enable_prefix_caching": True}) as llm:
+        real_map, maps = llm.cache.map_pinned, [0]
+
+        def failing_map(reqid: int, handles: list) -> int:
+            maps[0] += 1
+            if rank == 1 and maps[0] % 2:
+                raise RuntimeError("injected: rank 1's map of pinned pages failed")
+            return real_map(reqid, handles)
+
+        llm.cache.map_pinned = failing_map
+        lookups = check_lookups(llm)
+        res["map failed"] = online(llm, check_books, system, system_params(), SYSTEM_ARRIVALS)
+        res["map failed lookups"], res["map calls"] = lookups, maps[0]
+        llm.cache.allocator.check_invariants()
+
+    with LLM(tiny_config("llama", 4), **{**TP, "max_batch_size": 4, "physical_memory": 80 << 10,
+                                         "preemption_mode": "swap", "enable_prefix_caching": True}) as llm:
+        real_out, real_in, calls = llm.cache.swap_out, llm.cache.swap_in, {"out": 0, "in": 0}
+
+        def swap_out(reqid: int, num_tokens: int) -> Any:
+            calls["out"] += 1
+            if rank == 0 and calls["out"] == 3:
+                raise RuntimeError("injected: rank 0 has no host memory")
+            return real_out(reqid, num_tokens)
+
+        def swap_in(handle: Any) -> int:
+            calls["in"] += 1
+            if rank == 1 and calls["in"] in (2, 5):
+                raise OutOfPhysicalMemoryError("injected: rank 1 has no page for the swap-in")
+            if rank == 0 and calls["in"] == 8:
+                raise RuntimeError("injected: rank 0's swap-in failed")
+            return real_in(handle)
+
+        llm.cache.swap_out, llm.cache.swap_in = swap_out, swap_in
+        agreed_in, seen = llm.scheduler.kv.swap_in, []
+
+        def seen_swap_in(handle: Any) -> int:
+            try:
+                slot = agreed_in(handle)
+            except Exception as e:  # noqa: BLE001 - recorded for the test
+                seen.append(type(e).__name__)
+                raise
+            seen.append(slot)
+            return slot
+
+        llm.scheduler.kv.swap_in = seen_swap_in
+        it = [0]
+
+        def preempt_now_and_then(llm: LLM) -> None:
+            check_books(llm)
+            it[0] += 1
+            if it[0] % 3 == 0 and len(llm.scheduler.running) > 1:  # what a shortage does, on both ranks
+                llm.scheduler.preempt(max(llm.scheduler.running, key=lambda s: s.seq_id))
+
+        res["swap failed"] = online(llm, preempt_now_and_then)
+        res["swap failed stats"] = (llm.num_preemptions, llm.scheduler.num_swapped_out,
+                                    llm.scheduler.num_swapped_in)
+        res["swap-ins seen"], res["swap calls"] = seen, calls
+        llm.cache.allocator.check_invariants()
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [3 + i % 120 for i in range(70)]  # a whole page of 64 tokens (one kv head a rank)
+    with LLM(tiny_config(), **{**TP, "enable_prefix_caching": True}) as llm:
+        real_map, real_truncate = llm.cache.map_pinned, llm.cache.truncate_pinned
+
+        def map_fewer(reqid: int, handles: list) -> int:  # as if rank 1 had its page evicted
+            return real_map(reqid, handles[:-1] if rank == 1 else handles)
+
+        def failing_truncate(reqid: int, num_tokens: int) -> int:
+            raise RuntimeError("injected: rank 0 could not unmap")
+
+        llm.cache.map_pinned, llm.cache.truncate_pinned = map_fewer, failing_truncate
+        llm.generate([prompt], params)
+        t = time.monotonic()
+        error = _raised(lambda: llm.generate([prompt + [5]], params))
+        res["truncate failed"] = (type(error).__name__, str(error), time.monotonic() - t)
+
+    return res
+
+
 def _failures(rank: int, ports: list[int]) -> dict:
     """Ranks given different requests, a rank whose forward raises, a rank that dies: the
     others raise TensorParallelError soon, never hang."""
@@ -522,8 +610,8 @@ def _collectives(rank: int, ports: list[int]) -> dict:
 
 
 CASES = {"outputs": _outputs, "agreement": _agreement, "failures": _failures, "collectives": _collectives,
-         "sharing": _sharing}
-OWN_GROUP = ("outputs", "agreement", "sharing")
+         "sharing": _sharing, "sharing failures": _sharing_failures}
+OWN_GROUP = ("outputs", "agreement", "sharing", "sharing failures")
 
 
 # ------------------------------------------------------------------------ tests ----
@@ -602,6 +690,34 @@ def test_prefix_caching_and_swap_under_tp(tmp_path: Path) -> None:
     assert r0["swap calls"][0] == r1["swap calls"][0] == swapped_out + 1
     assert r0["swap calls"][1] != r1["swap calls"][1], "one rank copied a swap-in back where the other did not"
     assert r0["swap resyncs"] == r1["swap resyncs"] > 0, "the swap-ins' slots differed, and were agreed"
+
+
+def test_prefix_caching_and_swap_when_one_rank_fails(tmp_path: Path) -> None:
+    (r0, r1), codes = spawn("sharing failures", tmp_path)
+    assert codes == [0, 0]
+    # rank 1's map raised on every other lookup: a miss on both ranks (rank 0 unmapped its hit)
+    assert r0["map failed"] == [list(r) for r in system_reference()] and r1["map failed"] == []
+    assert_lookups_agreed(r0["map failed lookups"], r1["map failed lookups"])
+    outcomes = [out for _, out, _ in r0["map failed lookups"]]
+    assert "RankCacheError" in outcomes and any(isinstance(n, int) and n > 0 for n in outcomes), outcomes
+    # a swap-out that failed on rank 0 (sampling rank), swap-ins short on rank 1, failing on rank 0
+    assert r0["swap failed"] == [list(r) for r in reference("llama", 4)] and r1["swap failed"] == []
+    assert r0["swap failed stats"] == r1["swap failed stats"]
+    assert r0["swap-ins seen"] == r1["swap-ins seen"], "the ranks saw different swap-in outcomes"
+    seen = r0["swap-ins seen"]
+    assert "OutOfPhysicalMemoryError" in seen and seen.count("RankCacheError") == 1, seen
+    assert r0["swap calls"]["out"] >= 3 and r0["swap calls"]["in"] >= 8 and r1["swap calls"]["in"] >= 5, \
+        "every failure was injected"
+    preemptions, swapped_out, swapped_in = r0["swap failed stats"]
+    assert swapped_out > 0 and swapped_in > 0
+    # books a rank could not restore: every rank raises TensorParallelError, soon
+    for name, culprit, text in (("truncate failed", 0, "could not unmap the cached pages past the 0 tokens"),):
+        for r, res in enumerate((r0, r1)):
+            kind, message, seconds = res[name]
+            assert kind == "TensorParallelError", (name, r, kind, message)
+            assert seconds < 30, f"{name}: rank {r} took {seconds:.1f} s"
+            if r == culprit:
+                assert text in message and "injected" in message, (name, message)
 
 
 def test_a_failing_rank_stops_the_others_soon(tmp_path: Path) -> None:

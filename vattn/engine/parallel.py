@@ -299,12 +299,20 @@ class TensorParallel:
         if self._released:
             return
         self._released = True
+        # destroy_process_group only unregisters the group: its connections close when the last
+        # reference goes, and a peer blocked in a collective with this rank waits for them (or
+        # for the timeout) while this engine object lives on. So the engine lets go of it too;
+        # every collective checks `broken` (set before) first, so nothing reads these again.
+        group, self.cpu_group = getattr(self, "cpu_group", None), None
+        if getattr(self, "model_group", None) is group:
+            self.model_group = None
         try:
-            if dist.is_initialized():  # else it went with the default group
-                dist.destroy_process_group(self.cpu_group)
+            if group is not None and dist.is_initialized():  # else it went with the default group
+                dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001 - tearing down a failed group may fail too
             logger.debug("vattn: destroying the engine's gloo group failed", exc_info=True)
         finally:
+            del group
             if self.owns_group:
                 try:
                     _leave_default()
