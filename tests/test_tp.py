@@ -366,8 +366,8 @@ def _sharing(rank: int, ports: list[int]) -> dict:
 def _sharing_failures(rank: int, ports: list[int]) -> dict:
     """Prefix caching and swap preemption when a cache call raises on one rank only: a
     lookup's map, a swap-out, a swap-in (short of memory, or failing), then the two that
-    leaves a rank's books unlike the others' (unmapping the pages past an agreed prefix):
-    that raises TensorParallelError on every rank, soon."""
+    leave a rank's books unlike the others' (a trim in a slot resync, unmapping the pages
+    past an agreed prefix): those raise TensorParallelError on every rank, soon."""
     res: dict[str, Any] = {}
     system = [list(p) for p in system_prompts()]
     with LLM(tiny_config(), **{**TP, "max_batch_size": 4, "physical_memory": 64 << 10,
@@ -448,6 +448,22 @@ def _sharing_failures(rank: int, ports: list[int]) -> dict:
         error = _raised(lambda: llm.generate([prompt + [5]], params))
         res["truncate failed"] = (type(error).__name__, str(error), time.monotonic() - t)
 
+    with LLM(tiny_config(), **TP) as llm:
+        cache, real_alloc = llm.cache, llm.cache.alloc_reqid
+
+        def other_slot() -> int:  # slot 1 where rank 0 gets slot 0
+            first, second = real_alloc(), real_alloc()
+            cache.free_reqid(first)
+            return second
+
+        def failing_trim() -> int:
+            raise RuntimeError("injected: rank 1's trim failed")
+
+        if rank == 1:
+            cache.alloc_reqid, cache.trim = other_slot, failing_trim
+        t = time.monotonic()
+        error = _raised(lambda: llm.generate([[5, 6, 7]], params))
+        res["trim failed"] = (type(error).__name__, str(error), time.monotonic() - t)
     return res
 
 
@@ -711,7 +727,8 @@ def test_prefix_caching_and_swap_when_one_rank_fails(tmp_path: Path) -> None:
     preemptions, swapped_out, swapped_in = r0["swap failed stats"]
     assert swapped_out > 0 and swapped_in > 0
     # books a rank could not restore: every rank raises TensorParallelError, soon
-    for name, culprit, text in (("truncate failed", 0, "could not unmap the cached pages past the 0 tokens"),):
+    for name, culprit, text in (("truncate failed", 0, "could not unmap the cached pages past the 0 tokens"),
+                                ("trim failed", 1, "could not give back its cached pages to agree on a slot")):
         for r, res in enumerate((r0, r1)):
             kind, message, seconds = res[name]
             assert kind == "TensorParallelError", (name, r, kind, message)

@@ -641,7 +641,11 @@ class AgreedSlots:
         slot = self._same_slot(what, kind, make)
         if slot is None:
             self.num_resyncs += 1
-            self.cache.trim()
+            try:
+                self.cache.trim()
+            except Exception as e:  # noqa: BLE001 - the others are already in the retry's agreement
+                raise self.tp.fail(f"rank {self.tp.rank} could not give back its cached pages to agree on a slot "
+                                   f"for {what} ({type(e).__name__}: {e})") from e
             slot = self._same_slot(what, kind, make)
             if slot is None:
                 raise self.tp.fail(f"the ranks' caches gave different slots for {what} even with no cached pages")
