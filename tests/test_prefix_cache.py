@@ -122,11 +122,16 @@ def test_truncate_pinned_keeps_the_agreed_prefix(make_cache):
     check(c, b, TPP, 1)
     assert c.step({b: 80})
     fill(c, b, TPP, 80, 2)  # its own pages: the pinned ones keep a's tokens
+    with pytest.raises(vattn.InvalidRequestError, match="before its first step"):
+        c.truncate_pinned(b, TPP)  # it ran: its own tokens would be unmapped
+    check(c, b, TPP, 1)
     d = c.alloc_reqid()
     assert pc.map_prefix(d, prompt + [1]) == 3 * TPP
     check(c, d, 3 * TPP, 1)
     e = c.alloc_reqid()
     assert pc.map_prefix(e, prompt) == 3 * TPP
     assert c.truncate_pinned(e, 0) == 3  # a miss after all
+    with pytest.raises(vattn.InvalidRequestError, match="nothing was mapped"):
+        c.truncate_pinned(e, 0)
     assert c.step({e: 10})
     c.allocator.check_invariants()

@@ -907,12 +907,16 @@ class PageAllocator:
             g = self.geometry
             num_tokens = self._index(num_tokens, "num_tokens")
             tpp = g.page_size // g.token_bytes if g.page_size % g.token_bytes == 0 else 0
-            mapped = self.max_lens[slot]
+            mapped, pages = self.max_lens[slot], self.slot_pages[slot]
+            if not mapped or mapped != len(pages) * tpp or any(grp not in self.pins for grp in pages):
+                raise InvalidRequestError(  # it ran (or holds other pages): its own tokens would be lost
+                    f"reqid {slot} does not hold just the pinned pages map_pinned mapped into it (it ran, or "
+                    "nothing was mapped): truncate_pinned right after map_pinned, before its first step")
             if not tpp or num_tokens < 0 or num_tokens % tpp or num_tokens > mapped:
                 raise InvalidRequestError(
                     f"num_tokens={num_tokens} must be a whole number of pages of at most the {mapped} tokens "
                     f"map_pinned mapped into reqid {slot}")
-            drop = len(self.slot_pages[slot]) - num_tokens // tpp
+            drop = len(pages) - num_tokens // tpp
             unmapped = self._reclaim([(slot, drop)], drop) if drop else 0
             self.max_lens[slot] = num_tokens
             return unmapped
