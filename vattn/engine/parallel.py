@@ -749,13 +749,13 @@ def raise_agreed(tp: TensorParallel, what: str, error: Exception | None) -> None
 
 class AgreedPrefixCache(PrefixCache):
     """The prefix cache of one rank: every rank inserts the same prompts, but the pinned pages
-    are its own, and memory pressure evicts them on each rank on its own. So how many tokens a new sequence maps (`map_prefix`) is agreed: each rank maps
-    what it still has, and every rank keeps the fewest (`KVCache.truncate_pinned` unmaps the
-    rest, which stays pinned). A rank whose mapping raised makes it a miss on every rank (the
-    same RankCacheError everywhere; the scheduler computes the whole prompt). One round trip
-    per lookup, miss or hit: whether a rank has anything to map is its own. Pinning
-    (`insert`) needs no agreement: a rank that pinned fewer pages maps fewer later, and the
-    minimum holds."""
+    are its own, and memory pressure evicts them on each rank on its own. So how many tokens
+    a new sequence maps (`map_prefix`) is agreed: each rank maps what it still has, and every
+    rank keeps the fewest (`KVCache.truncate_pinned` unmaps the rest, which stays pinned). A
+    rank whose mapping raised makes it a miss on every rank (the same RankCacheError
+    everywhere; the scheduler computes the whole prompt). One round trip per lookup, miss or
+    hit: whether a rank has anything to map is its own. Pinning (`insert`) needs no
+    agreement: a rank that pinned fewer pages maps fewer later, and the minimum holds."""
 
     def __init__(self, cache: Any, tp: TensorParallel, salt: bytes | str = b"") -> None:
         super().__init__(cache, salt)
