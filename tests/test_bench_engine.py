@@ -11,6 +11,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 from vattn import bench  # noqa: E402
+from vattn.bench._models import cb_memory_problem  # noqa: E402
+
+# transformers' continuous batching cannot run here (5.17-5.20 on a host without psutil): the
+# benchmarks leave it out and say why; everything else is checked as usual
+CB_PROBLEM = cb_memory_problem()
 
 ENV_KEYS = {"device", "device_kind", "python", "torch", "vattn", "kernel", "commit", "date"}
 TINY_MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--device", "cpu"]
@@ -37,16 +42,18 @@ def test_throughput_compares_with_transformers_and_agrees(tmp_path: Path) -> Non
     r = _load(tmp_path, "throughput")
     assert r["greedy_agreement"] is True
     assert set(r["workloads"]) == {"mixed", "equal"}
+    baselines = {"hf_generate"} | ({"hf_cb"} if not CB_PROBLEM else set())
+    assert r.get("skipped", {}) == ({"hf_cb": CB_PROBLEM} if CB_PROBLEM else {})
     for w in r["workloads"].values():
-        assert set(w["systems"]) == {"vattn", "hf_generate", "hf_cb"}
+        assert set(w["systems"]) == {"vattn"} | baselines
         assert w["agreement_with_hf_generate"]["vattn"]["equal"]
-        assert w["agreement_with_hf_generate"]["hf_cb"]["equal"]
+        assert CB_PROBLEM or w["agreement_with_hf_generate"]["hf_cb"]["equal"]
         for s in w["systems"].values():
             assert s["prefill_tok_s"] > 0 and s["output_tok_s"] > 0 and s["total_cpu_s"] > 0
         engine = w["systems"]["vattn"]["engine"]
         assert engine["iterations"] > 0 and engine["kernel"] == "sdpa"
         assert 0 <= engine["forward_ms"] <= engine["step_ms"]
-        assert set(w["vattn_over"]) == {"hf_generate", "hf_cb"}
+        assert set(w["vattn_over"]) == baselines
 
 
 def test_overlap_maps_at_page_boundaries_only_when_synchronous(tmp_path: Path) -> None:
@@ -83,9 +90,11 @@ def test_e2e_part_runs_all_systems_on_the_cpu(tmp_path: Path) -> None:
     assert bench.main(["gpu", "--device", "cpu", "--quick", "--parts", "e2e", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "e2e_host.json").read_text())["result"]
     assert not r["failures"] and r["results"]
+    cb = [] if CB_PROBLEM else ["hf_continuous_batching"]
+    assert r["skipped"] == ([f"hf_continuous_batching: {CB_PROBLEM}"] if CB_PROBLEM else [])
     for res in r["results"]:
-        assert set(res["systems"]) == {"vattn", "hf_generate", "hf_continuous_batching"}, res["errors"]
+        assert set(res["systems"]) == {"vattn", "hf_generate", *cb}, res["errors"]
         for s in res["systems"].values():
             assert s["decode_tok_s"] > 0 and s["decode_tok_s_in_run"] > 0, s
-        for system in ("vattn", "hf_continuous_batching"):
+        for system in ("vattn", *cb):
             assert res[f"{system}_vs_hf_generate"]["token_match"] == 1.0

@@ -320,3 +320,62 @@ def test_auto_with_both_paths_failing_names_both(tmp_path):
         CudaBackend(0, "auto", libcuda=str(tmp_path / "libcuda.so.1"), driver_module=_NoLibcuda(), host_memory=True)
     msg = str(e.value)
     assert "C extension: the CUDA driver cannot be loaded" in msg and "cuda-python: cuda-python cannot load" in msg
+
+
+# The cuda-python path through the real bindings (cuda.bindings.driver, where installed: the GPU
+# image has cuda-bindings 13.x) on tests/fake_cuda: their types, return tuples and enums are what
+# _PyDriver expects, with a failure injected into each kind of call. A child process: the
+# bindings load libcuda.so.1 by name (cuda-pathfinder), here the fake, through LD_LIBRARY_PATH.
+_BINDINGS_CHILD = r"""
+import sys, warnings
+import vattn
+from cuda.bindings import driver
+from tests import fake_cuda as F
+from tests.conftest import new_cache
+from tests.test_fake_cuda import _workload
+from vattn.vmem.cuda import CudaBackend
+
+fake = F.FakeCuda(sys.argv[1])
+assert fake.lib.cuInit(0) == 0
+F.load = lambda: fake  # new_cache("fakecuda") on the cuda-python path
+F.FakeCuda.backend = lambda self, device_index=0: CudaBackend(device_index, "cuda-python", host_memory=True)
+be = fake.backend()
+assert be.drv.name == "cuda-python" and be.drv.d is driver and be.granularity == 64 << 10
+assert fake.calls("cuMemGetAllocationGranularity") == 1, "the bindings did not load the fake"
+cases = [(None, 0, 0, None), ("cuMemCreate", 2, 2, None), ("cuMemCreate", 2, 999, vattn.BackendError),
+         ("cuMemMap", 3, 999, vattn.BackendError), ("cuMemSetAccess", 5, 999, vattn.BackendError),
+         ("cuCtxGetCurrent", 9, 999, vattn.BackendError)]
+for call, ordinal, code, error in cases:
+    fake.reset()
+    cache = new_cache("fakecuda", page_size=4096, max_context_len=512, physical_memory=12 * 4 * 4 * 4096,
+                      background=False)
+    if call:
+        fake.set_fail(call, fake.calls(call) + ordinal, code)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        errors = _workload(cache, steps=60, seed=3)
+    errors += [cache.allocator.worker_error] if cache.allocator.worker_error else []
+    if error is None:
+        assert not errors, (call, errors)
+    else:
+        assert len(errors) == 1 and isinstance(errors[0], error) and errors[0].call == call, (call, errors)
+        assert f"{call} failed with CUDA_ERROR_UNKNOWN (999)" in str(errors[0]), str(errors[0])
+    assert fake.current_context() == 0  # each call's context was put back
+    cache.close()
+    fake.assert_clean()
+print("ok", len(cases))
+"""
+
+
+def test_cuda_python_bindings_on_the_fake_driver(fake_cuda, tmp_path):
+    pytest.importorskip("cuda.bindings.driver")
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "LD_LIBRARY_PATH": os.path.dirname(fake_cuda.path), "PYTHONPATH": root,
+           "CUDA_VISIBLE_DEVICES": ""}  # torch, if it looks, must not take the fake for a GPU
+    p = subprocess.run([sys.executable, "-c", _BINDINGS_CHILD, fake_cuda.path], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok 6", p.stdout[-3000:] + p.stderr[-3000:]

@@ -13,7 +13,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import importlib.util
 import os
+import re
 import sys
 import threading
 import time
@@ -33,7 +35,7 @@ from vattn.integrations.hf import VAttnCache  # noqa: E402
 
 try:
     hf_cb.check_transformers()
-    CB_SKIP = ""
+    CB_SKIP = hf_cb.memory_problem() or ""  # transformers 5.17-5.20 on a host without psutil
 except vattn.InvalidConfigError as e:  # pragma: no cover - another transformers
     CB_SKIP = str(e)
 needs_cb = pytest.mark.skipif(bool(CB_SKIP), reason=CB_SKIP)
@@ -275,6 +277,26 @@ def test_bad_arguments(models, kw, match):
         hf_cb.enable(models[0]["llama"], **kw)
     with pytest.raises(vattn.InvalidConfigError, match="not a transformers model"):
         hf_cb.enable(object())
+
+
+def test_no_psutil_on_a_host_is_a_clear_error(monkeypatch):
+    """transformers sizes its cache on the host with psutil; without it 5.17-5.20 see 0 bytes
+    free and every request fails on the generation thread. enable says so first."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "psutil" else
+                        real_find_spec(name, *a))
+    monkeypatch.setattr(cache_mod, "get_device_and_memory_breakdown", lambda: (torch.device("cpu"), 0, 0, 0))
+    problem = hf_cb.memory_problem()
+    assert problem and re.search(r"continuous batching finds no free memory on the cpu without psutil.*"
+                                 r"pip install psutil", problem)
+    with pytest.raises(vattn.InvalidConfigError, match="without psutil"):
+        hf_cb.enable(tiny("llama"))
+    with pytest.raises(vattn.InvalidConfigError, match="without psutil"):
+        hf_cb.enable_all()
+    assert hf_cb._default is None
+    # 5.21+ fall back on the NUMA nodes' memory: no problem then
+    monkeypatch.setattr(cache_mod, "get_device_and_memory_breakdown", lambda: (torch.device("cpu"), 8 << 30, 0, 0))
+    assert hf_cb.memory_problem() is None
 
 
 def test_a_block_counted_as_free_waits_for_memory_then_fails_clearly(monkeypatch):

@@ -35,7 +35,7 @@ from vattn.integrations import hf_cb  # noqa: E402
 
 try:
     hf_cb.check_transformers()
-    SKIP = ""
+    SKIP = hf_cb.memory_problem() or ""  # transformers 5.17-5.20 on a host without psutil
 except vattn.InvalidConfigError as e:  # pragma: no cover - another transformers
     SKIP = str(e)
 if not SKIP and (missing := [m for m in hf_cb.SERVING_PACKAGES if importlib.util.find_spec(m) is None]):

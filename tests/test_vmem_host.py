@@ -151,7 +151,8 @@ def test_map_count_limit_is_a_clear_error():
     c.close()
     print("closed", flush=True)
     """
-    limit = int(open("/proc/sys/vm/max_map_count").read())
+    with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
     if limit > 300_000:
         pytest.skip(f"vm.max_map_count={limit} is too high to reach quickly")
     p = _run(code)

@@ -164,7 +164,7 @@ def build(directory: str) -> str | None:
     if cc is None:
         return None
     path = os.path.join(directory, "libcuda.so.1")  # no -soname: never found by name
-    p = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-o", path, _SOURCE, "-lpthread"],
+    p = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-o", path, _SOURCE, "-lpthread", "-ldl"],
                        capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"{cc} failed to build the fake CUDA driver:\n{p.stderr}")

@@ -30,11 +30,14 @@
  *   fake_cuda_set_granularity(bytes)         only while nothing is reserved or created
  *   fake_cuda_num_handles(), _num_mappings(), _num_reservations(), _num_violations()
  *   fake_cuda_violations()                   the logged violations, one per line
+ * For cuda-python: cuDriverGetVersion, and cuGetProcAddress(_v2), through which the bindings
+ * find every entry point above (tests/test_cuda_driver.py runs them on the fake).
  * Environment, read when the library loads: VATTN_FAKE_CUDA_FAIL="cuMemMap:3,cuMemCreate:1:2"
  * (name:ordinal[:code], code 999 = CUDA_ERROR_UNKNOWN by default), and
  * VATTN_FAKE_CUDA_GRANULARITY (bytes, default 64 KiB). The fake has FAKE_NUM_DEVICES devices.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -79,6 +82,7 @@ enum {
   CUDA_ERROR_NOT_MAPPED = 211,
   CUDA_ERROR_INVALID_HANDLE = 400,
   CUDA_ERROR_ILLEGAL_STATE = 401,
+  CUDA_ERROR_NOT_FOUND = 500,
   CUDA_ERROR_UNKNOWN = 999,
 };
 
@@ -99,6 +103,7 @@ static const struct { int code; const char *name; } error_names[] = {
     {CUDA_ERROR_NOT_MAPPED, "CUDA_ERROR_NOT_MAPPED"},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE"},
     {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN"},
 };
 
@@ -511,6 +516,37 @@ static CUresult do_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDes
 }
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
   LOCKED(C_SET_ACCESS, do_set_access(ptr, size, desc, count));
+}
+
+/* ------------------------------------------------------------- for cuda-python ---- */
+/* cuda-python (cuda.bindings 12.x and 13.x) loads libcuda.so.1 by name and looks each driver
+ * function up through cuGetProcAddress_v2: here, the fake's own symbol of that name, NULL
+ * for the ones it lacks (the bindings fail only the call of one of those). */
+
+CUresult cuDriverGetVersion(int *version) {
+  if (!version) return CUDA_ERROR_INVALID_VALUE;
+  *version = 13000;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version, unsigned long long flags,
+                             int *status) {
+  (void)cuda_version;
+  (void)flags;
+  if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
+  void *fn = NULL, *self;
+  Dl_info info;
+  if (dladdr((void *)cuGetProcAddress_v2, &info) && (self = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD))) {
+    fn = dlsym(self, symbol);
+    dlclose(self);
+  }
+  *pfn = fn;
+  if (status) *status = fn ? 0 : 1; /* CU_GET_PROC_ADDRESS_SUCCESS, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
+  return fn ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_version, unsigned long long flags) {
+  return cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, NULL);
 }
 
 /* ------------------------------------------------------------------ test controls ---- */

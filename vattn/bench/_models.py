@@ -53,6 +53,14 @@ def cb_config(block_tokens: int | None = None, **fields: Any) -> Any:
     return ContinuousBatchingConfig(**fields)
 
 
+def cb_memory_problem() -> str | None:
+    """Why transformers' continuous batching cannot run on this machine (psutil missing on
+    a host without an accelerator, see `vattn.integrations.hf_cb.memory_problem`), or None."""
+    from vattn.integrations.hf_cb import memory_problem
+
+    return memory_problem()
+
+
 def cb_cache_bytes(cache: Any) -> int:
     """Bytes of a transformers continuous-batching cache's own KV tensors (`PagedAttentionCache`):
     one flat `cache_tensor` on 5.18-5.23, per-layer `key_cache` / `value_cache` lists on 5.17."""

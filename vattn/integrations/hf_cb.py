@@ -179,6 +179,40 @@ def check_transformers() -> str:
     return version
 
 
+def memory_problem() -> str | None:
+    """Why transformers' continuous batching cannot size its cache on this machine, or None.
+
+    transformers sizes the cache from the free memory of the accelerator (CUDA, XPU, MPS)
+    or, without one, of the host as psutil reports it. Without psutil, transformers
+    5.17-5.20 take the host to have 0 bytes (5.21+ fall back on the NUMA nodes' memory,
+    where /sys has it): every request then fails with a MemoryError ("Memory footprint ...
+    is more than available memory 0") on its generation thread, also on vattn memory (its
+    `PagedAttentionCache.__init__` runs transformers' sizing). This asks transformers' own
+    sizing function, only when psutil is missing."""
+    if importlib.util.find_spec("psutil") is not None:
+        return None
+    import transformers
+    from transformers.generation.continuous_batching import cache as cache_mod
+
+    breakdown = getattr(cache_mod, "get_device_and_memory_breakdown", None)
+    if breakdown is None:  # pragma: no cover - a transformers that sizes its cache otherwise
+        return None
+    cb_logger = getattr(cache_mod, "logger", None)  # it logs an error for the missing psutil: this is a question
+    disabled = getattr(cb_logger, "disabled", False)
+    if cb_logger is not None:
+        cb_logger.disabled = True
+    try:
+        device, total, _, _ = breakdown()
+    finally:
+        if cb_logger is not None:
+            cb_logger.disabled = disabled
+    if total > 0:
+        return None
+    return (f"transformers {transformers.__version__}'s continuous batching finds no free memory on the {device} "
+            "without psutil (it sizes its cache with it, and every request would fail with a MemoryError): "
+            "pip install psutil")
+
+
 # ------------------------------------------------------------------ the handle ----
 class ElasticCB:
     """What `enable` returns: the settings of one model's elastic KV memory and its pools
@@ -337,6 +371,12 @@ def _check_settings(memory_limit: Any, budget: Any, idle_trim_s: Any) -> float |
     return _env.idle_delay(idle_trim_s)
 
 
+def _check_memory() -> None:
+    problem = memory_problem()
+    if problem:  # fail here, not on transformers' generation thread with "available memory 0"
+        raise InvalidConfigError(problem)
+
+
 def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None = None,
            page_size: int | None = None, idle_trim_s: float | None = None) -> ElasticCB:
     """Run `model`'s continuous batching on vattn memory from its next cache on.
@@ -351,6 +391,7 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
     `ElasticCB` handle (the same one if already enabled, with the new settings)."""
     check_transformers()
     idle_trim_s = _check_settings(memory_limit, budget, idle_trim_s)
+    _check_memory()
     get_text_config = getattr(getattr(model, "config", None), "get_text_config", None)
     if get_text_config is None or not hasattr(model, "generate_batch"):
         raise InvalidConfigError(f"{type(model).__name__} is not a transformers model with continuous batching")
@@ -381,6 +422,7 @@ def enable_all(*, memory_limit: int | None = None, budget: Budget | None = None,
     global _default
     check_transformers()
     idle_trim_s = _check_settings(memory_limit, budget, idle_trim_s)
+    _check_memory()
     with _lock:
         install()
         if _default is not None:
