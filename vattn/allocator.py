@@ -871,7 +871,7 @@ class PageAllocator:
         with self._quiet():
             slot = self._check_active(reqid)
             g = self.geometry
-            if g.page_size % g.token_bytes:
+            if not g.whole_tokens_per_page:
                 raise InvalidRequestError(
                     f"a page of {g.page_size} bytes does not hold a whole number of {g.token_bytes}-byte "
                     "tokens; pick a page size that does to map pinned pages")
@@ -893,7 +893,7 @@ class PageAllocator:
             self.dirty.difference_update(groups)  # the prefix's data: never cleared
             self.slot_pages[slot] = list(groups)
             self.shared_slots.add(slot)
-            self.max_lens[slot] = len(groups) * g.page_size // g.token_bytes
+            self.max_lens[slot] = len(groups) * g.whole_tokens_per_page
             self._pages_changed(slot)
             return self.max_lens[slot]
 
@@ -904,9 +904,8 @@ class PageAllocator:
         at most what is mapped. Returns the pages unmapped."""
         with self._quiet():
             slot = self._check_active(reqid)
-            g = self.geometry
             num_tokens = self._index(num_tokens, "num_tokens")
-            tpp = g.page_size // g.token_bytes if g.page_size % g.token_bytes == 0 else 0
+            tpp = self.geometry.whole_tokens_per_page
             mapped, pages = self.max_lens[slot], self.slot_pages[slot]
             if not mapped or mapped != len(pages) * tpp or any(grp not in self.pins for grp in pages):
                 raise InvalidRequestError(  # it ran (or holds other pages): its own tokens would be lost

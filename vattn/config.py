@@ -195,6 +195,12 @@ class Geometry:
                 f"{self.config.max_context_len} tokens x {self.token_bytes} bytes per buffer); use a page of "
                 f"at most {max(SMALL_PAGE_SIZE, 1 << (slot - 1).bit_length())} bytes")
 
+    @cached_property
+    def whole_tokens_per_page(self) -> int:
+        """Tokens one page of a buffer holds when it holds a whole number of them, else 0
+        (pages shared between requests, as prefix caching maps them, need whole tokens)."""
+        return 0 if self.page_size % self.token_bytes else self.page_size // self.token_bytes
+
     def pages_for(self, num_tokens: int) -> int:
         """Page groups a slot needs to hold `num_tokens` tokens."""
         return -(-num_tokens * self.token_bytes // self.page_size)

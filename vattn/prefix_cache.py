@@ -29,12 +29,12 @@ class PrefixCache:
 
     def __init__(self, cache: Any, salt: bytes | str = b"") -> None:
         g = cache.geometry
-        if g.page_size % g.token_bytes:
+        if not g.whole_tokens_per_page:
             raise InvalidConfigError(
                 f"prefix caching needs a page that holds whole tokens; {g.page_size} bytes is not a multiple "
                 f"of a token's {g.token_bytes} bytes: pick another page_size")
         self.cache = cache
-        self.tokens_per_page = g.page_size // g.token_bytes
+        self.tokens_per_page = g.whole_tokens_per_page
         self.salt = salt.encode() if isinstance(salt, str) else bytes(salt)
         self.entries: dict[bytes, Any] = {}  # chained page hash -> pin handle
         self.num_query_tokens = 0  # prompt tokens looked up
