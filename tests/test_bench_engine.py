@@ -11,11 +11,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 from vattn import bench  # noqa: E402
-from vattn.bench._models import cb_memory_problem  # noqa: E402
+from vattn.integrations.hf_cb import memory_problem  # noqa: E402
 
 # transformers' continuous batching cannot run here (5.17-5.20 on a host without psutil): the
 # benchmarks leave it out and say why; everything else is checked as usual
-CB_PROBLEM = cb_memory_problem()
+CB_PROBLEM = memory_problem()
 
 ENV_KEYS = {"device", "device_kind", "python", "torch", "vattn", "kernel", "commit", "date"}
 TINY_MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--device", "cpu"]

@@ -42,7 +42,9 @@ import torch
 
 from ._common import agreement, progress
 from ._common import sync as _sync
-from ._models import build_model, cb_config, cb_memory_problem, llama_config
+from vattn.integrations.hf_cb import memory_problem
+
+from ._models import build_model, cb_config, llama_config
 
 NAME = "e2e"
 HELP = "end-to-end decode throughput: vattn.LLM vs transformers generate and generate_batch"
@@ -356,7 +358,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     results: list[dict] = []
     skipped: list[str] = []
-    cb_problem = None if args.skip_hf_cb else cb_memory_problem()
+    cb_problem = None if args.skip_hf_cb else memory_problem()
     if cb_problem:  # transformers' own limit on this machine, not a failure of the benchmark
         skipped.append(f"hf_continuous_batching: {cb_problem}")
     models_info: dict[str, Any] = {}

@@ -3,7 +3,6 @@ device (no download, no checkpoint). Used by overlap, throughput and the end-to-
 `vattn bench gpu`; transformers is imported only when a model is made."""
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -24,18 +23,12 @@ def llama_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, n
 
 def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0, attn_implementation: str | None = None
                 ) -> Any:
-    """Random weights from `seed` (the global RNG is left as it was), made on `device` in `dtype`
-    (no host copy), in eval mode. `config` is copied (transformers edits the one it is given)."""
-    from transformers import AutoModelForCausalLM
+    """Random weights from `seed` (the global RNGs are left as they were), made on `device` in
+    `dtype` (no host copy), in eval mode (`vattn.engine.model_runner.seeded_model`)."""
+    from vattn.engine.model_runner import seeded_model
 
     kw = {} if attn_implementation is None else dict(attn_implementation=attn_implementation)
-    dev = torch.device(device)
-    cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):  # manual_seed seeds the GPU's generator too: restore it after
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype, **kw)
-    return model.eval()
+    return seeded_model(config, seed, device, dtype, **kw).eval()
 
 
 def cb_config(block_tokens: int | None = None, **fields: Any) -> Any:
@@ -51,14 +44,6 @@ def cb_config(block_tokens: int | None = None, **fields: Any) -> Any:
         names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
         fields["page_size" if "page_size" in names else "block_size"] = block_tokens
     return ContinuousBatchingConfig(**fields)
-
-
-def cb_memory_problem() -> str | None:
-    """Why transformers' continuous batching cannot run on this machine (psutil missing on
-    a host without an accelerator, see `vattn.integrations.hf_cb.memory_problem`), or None."""
-    from vattn.integrations.hf_cb import memory_problem
-
-    return memory_problem()
 
 
 def cb_cache_bytes(cache: Any) -> int:

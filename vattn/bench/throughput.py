@@ -32,7 +32,8 @@ import torch
 
 from vattn.bench._common import agreement, progress
 from vattn.bench._common import sync as _sync
-from vattn.bench._models import build_model, cb_config, cb_memory_problem, llama_config
+from vattn.bench._models import build_model, cb_config, llama_config
+from vattn.integrations.hf_cb import memory_problem
 
 NAME = "throughput"
 HELP = "vattn.LLM prefill/decode tokens/s against transformers' generate and generate_batch"
@@ -238,7 +239,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict[str, Any] = dict(device=device, dtype=str(dtype).removeprefix("torch."),
                                   threads=torch.get_num_threads(),
                                   parameters=sum(p.numel() for p in model.parameters()), workloads={})
-    problem = cb_memory_problem() if "hf_cb" in args.systems else None
+    problem = memory_problem() if "hf_cb" in args.systems else None
     if problem:  # transformers' own limit on this machine, not a failure of the benchmark
         print(f"hf_cb left out: {problem}", flush=True)
         result["skipped"] = {"hf_cb": problem}

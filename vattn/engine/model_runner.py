@@ -57,19 +57,15 @@ def load_model(model: Any, config: EngineConfig, device: torch.device) -> Loaded
         return LoadedModel(model, None, _check_dtype(config.dtype or model.dtype))
     default = torch.float16 if device.type == "cuda" else torch.float32
     if isinstance(model, PretrainedConfig):
-        hf_config = copy.deepcopy(model)  # the model keeps (and edits) its config
         dtype = _check_dtype(config.dtype or default)
         # On CUDA the weights are made on the device in the run dtype: an 8B model built on
         # the host in float32 first takes ~32 GB and minutes. On the host, as before (float32,
         # then cast), so the seeded weights equal transformers' own from_config.
-        on_device = dict(dtype=dtype) if device.type == "cuda" else {}
-        gpus = [device.index if device.index is not None else torch.cuda.current_device()] if on_device else []
-        with torch.random.fork_rng(devices=gpus), torch.device(device if on_device else "cpu"):
-            torch.manual_seed(config.seed)  # seeds the GPU's generator too: fork_rng restores it
-            try:
-                hf_model = AutoModelForCausalLM.from_config(hf_config, **on_device)
-            except ValueError as e:
-                raise InvalidConfigError(f"cannot build a causal LM from {type(model).__name__}: {e}") from None
+        try:
+            hf_model = (seeded_model(model, config.seed, device, dtype) if device.type == "cuda"
+                        else seeded_model(model, config.seed))
+        except ValueError as e:
+            raise InvalidConfigError(f"cannot build a causal LM from {type(model).__name__}: {e}") from None
         return LoadedModel(hf_model, None, dtype)
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -87,6 +83,23 @@ def load_model(model: Any, config: EngineConfig, device: torch.device) -> Loaded
     raise InvalidConfigError(
         f"model must be a checkpoint directory, a transformers PretrainedConfig or a PreTrainedModel, "
         f"got {type(model).__name__}")
+
+
+def seeded_model(config: Any, seed: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, **kwargs: Any) -> Any:
+    """A causal LM from a transformers config with random weights from `seed`, made on
+    `device` (default: the host) in `dtype` (default: transformers' float32), with no host
+    copy. `config` is copied (the model keeps and edits its own); the global RNGs, the
+    device's too, are left as they were. `kwargs`: more `from_config` arguments."""
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(device if device is not None else "cpu")
+    gpus = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    with torch.random.fork_rng(devices=gpus), dev:  # manual_seed seeds the GPU's generator too
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
 
 
 def load_tokenizer(path: str) -> Any:
