@@ -36,53 +36,6 @@ def model_config(quick: bool, tiny: bool = False) -> LlamaConfig:
                        max_position_embeddings=1024)
 
 
-class ControlTimer:
-    """Counts and times the engine's control collectives: every tensor collective on its
-    gloo group (all_gather_object / broadcast_object_list are two round trips each, timed
-    as one call), the model's all-reduces (on gloo, the same group) left out."""
-
-    TENSOR_OPS = ("all_reduce", "all_gather", "broadcast")
-    OBJECT_OPS = ("all_gather_object", "broadcast_object_list")
-
-    def __init__(self, tp) -> None:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
-        self.tp, self.round_trips, self.seconds, self._depth, self._in_model = tp, 0, 0.0, 0, False
-        for op in self.TENSOR_OPS + self.OBJECT_OPS:  # vattn calls dist.X; the *_object ones c10d's X
-            wrapped = self._wrap(getattr(c10d, op), op in self.TENSOR_OPS)
-            setattr(c10d, op, wrapped)
-            setattr(dist, op, wrapped)
-        real = tp.all_reduce_
-
-        def model_all_reduce(t) -> None:
-            self._in_model = True
-            try:
-                real(t)
-            finally:
-                self._in_model = False
-
-        tp.all_reduce_ = model_all_reduce
-
-    def _wrap(self, real, round_trip: bool):
-        def timed(*args, **kwargs):
-            if kwargs.get("group") is not self.tp.cpu_group or self._in_model:
-                return real(*args, **kwargs)
-            self.round_trips += round_trip
-            self._depth += 1
-            t = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    self.seconds += time.perf_counter() - t
-        return timed
-
-    def reset(self) -> None:
-        self.round_trips, self.seconds = 0, 0.0
-
-
 def round_trip_us(tp, n: int = 1000) -> float:
     """The cost of one control round trip with the ranks in step: a small all-gather on the
     engine's gloo group, back to back."""
@@ -98,7 +51,7 @@ def round_trip_us(tp, n: int = 1000) -> float:
     return 1e6 * (time.perf_counter() - start) / n
 
 
-def decode_rate(llm: LLM, batch: int, prompt_len: int, max_tokens: int, timer: ControlTimer | None = None) -> dict:
+def decode_rate(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> dict:
     """Run `batch` requests; time the iterations that only decode."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
@@ -106,8 +59,8 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int, max_tokens: int, timer: C
         llm.add_request(torch.randint(3, 4096, (prompt_len,), generator=g).tolist(), params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.scheduler.running + list(llm.scheduler.waiting)):
         llm.step()  # prefill
-    if timer is not None:
-        timer.reset()
+    tp = llm.tp  # TP > 1: its control collectives' count and time (`TensorParallel._collective`)
+    trips0, control0 = (tp.num_control_round_trips, tp.control_seconds) if tp is not None else (0, 0.0)
     steps, tokens, t = 0, 0, time.perf_counter()
     while llm.has_unfinished():
         tokens += len(llm.scheduler.running)
@@ -116,9 +69,9 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int, max_tokens: int, timer: C
     seconds = time.perf_counter() - t
     r = dict(decode_tokens=tokens, decode_steps=steps, seconds=seconds, tokens_per_s=tokens / seconds,
              ms_per_step=1e3 * seconds / steps)
-    if timer is not None:
-        r.update(control_round_trips_per_step=timer.round_trips / steps,
-                 control_us_per_step=1e6 * timer.seconds / steps)
+    if tp is not None:
+        r.update(control_round_trips_per_step=(tp.num_control_round_trips - trips0) / steps,
+                 control_us_per_step=1e6 * (tp.control_seconds - control0) / steps)
     return r
 
 
@@ -129,9 +82,8 @@ def _rank(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     with LLM(model_config(args.quick, args.tiny), tensor_parallel_size=WORLD, max_batch_size=args.batch,
              page_size=64 << 10, distributed_timeout_s=120) as llm:
         rtt = round_trip_us(llm.tp)
-        timer = ControlTimer(llm.tp)
         decode_rate(llm, args.batch, args.prompt_len, 8)  # warm-up
-        r = decode_rate(llm, args.batch, args.prompt_len, args.max_tokens, timer)
+        r = decode_rate(llm, args.batch, args.prompt_len, args.max_tokens)
         r["round_trip_us"] = rtt
     queue.put((rank, r))
 

@@ -556,7 +556,9 @@ class ControlLog:
     def step(self, llm: LLM) -> tuple[list[str], int]:
         """One `llm.step()`: its control round trips in order, and its model all-reduces."""
         self.calls, self.model_all_reduces = [], 0
+        before = self.tp.num_control_round_trips
         llm.step()
+        assert self.tp.num_control_round_trips - before == len(self.calls), "the engine's own count agrees"
         return self.calls, self.model_all_reduces
 
 

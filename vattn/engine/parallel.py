@@ -80,6 +80,7 @@ import json
 import logging
 import os
 import threading
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
@@ -202,6 +203,8 @@ class TensorParallel:
         self._digest = 0  # of this iteration's inputs and schedule: every control message carries it
         self._checked = True  # whether a control message carried it yet (`check_schedule`)
         self.num_slots = 0  # the cache's slots, agreed at start (`agree_budget`): a message's slot set
+        self.num_control_round_trips = 0  # control collectives made (an *_object one is two round trips)
+        self.control_seconds = 0.0  # wall time in them
 
     @classmethod
     def start(cls, config: EngineConfig) -> TensorParallel:
@@ -228,14 +231,20 @@ class TensorParallel:
             raise
 
     # ------------------------------------------------------------- collectives ----
-    def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _collective(self, what: str, fn: Callable[[], Any], round_trips: int = 1) -> Any:
+        """Every control collective goes through here: counted (`num_control_round_trips`,
+        `control_seconds`: the wall time in them, waits for the other ranks included)."""
         if self.broken is not None:
             raise TensorParallelError(f"the tensor-parallel group failed earlier ({self.broken}); close this LLM")
+        self.num_control_round_trips += round_trips
+        t = time.perf_counter()
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - gloo / NCCL errors are plain RuntimeErrors
             raise self.fail(f"{what} failed on rank {self.rank}: another rank raised or exited, or it timed "
                             f"out after {self.timeout_s:g} s ({type(e).__name__}: {e})") from e
+        finally:
+            self.control_seconds += time.perf_counter() - t
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (the same length on every rank), in rank order: one round trip."""
@@ -250,7 +259,7 @@ class TensorParallel:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
-        self._collective("an all-gather", lambda: dist.all_gather_object(out, obj, group=self.cpu_group))
+        self._collective("an all-gather", lambda: dist.all_gather_object(out, obj, group=self.cpu_group), 2)
         return out
 
     def broadcast(self, t: torch.Tensor) -> None:
@@ -263,7 +272,7 @@ class TensorParallel:
         import torch.distributed as dist
 
         box = [obj]
-        self._collective("a broadcast", lambda: dist.broadcast_object_list(box, src=0, group=self.cpu_group))
+        self._collective("a broadcast", lambda: dist.broadcast_object_list(box, src=0, group=self.cpu_group), 2)
         return box[0]
 
     def all_reduce_(self, t: torch.Tensor) -> None:
