@@ -116,7 +116,7 @@ say "  install + import check     30 /  150"
 say "  versions                    5 /   60"
 say "  pytest -m gpu (cext)       60 /  150"
 say "  allocator suite cuda-python 40 / 120"
-say "  vattn bench gpu --quick   300 /  budget left - 100 (kernel, alloc, overlap, e2e: each in a process of its own)"
+say "  vattn bench gpu --quick   330 /  budget left - 100 (kernel, alloc, overlap, e2e: each in a process of its own)"
 say "  compute-sanitizer demo     75 /  150"
 say "  expected total            ~550 (the tail is skipped, not overrun, if earlier steps run long)"
 if [ $HAVE_CUDA = 1 ]; then say "CUDA: yes"; else say "CUDA: no (torch.cuda.is_available() is False): GPU steps are skipped"; fi

@@ -204,6 +204,24 @@ def test_background_premaps_next_decode_page(make_cache):
     assert res and res.num_mapped == 0  # the worker mapped it already
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_prefetch_tokens_is_the_look_ahead(make_cache, background):
+    cache = make_cache(page_size=4 * KB, prefetch_tokens=8, background=background)  # 32 tokens per page
+    r = cache.alloc_reqid()
+    assert cache.step({r: 24})  # 8 tokens from the page's end: not yet
+    cache.synchronize()
+    assert len(cache.allocator.slot_pages[r]) == 1
+    assert cache.step({r: 25})  # 7 from it: the next page is mapped ahead
+    cache.synchronize()
+    assert len(cache.allocator.slot_pages[r]) == 2
+    for n in range(26, 34):  # the decodes up to and past the boundary map nothing in step
+        assert cache.step({r: n}).num_mapped == 0
+    fill(cache, r, 0, 33, 2)
+    check(cache, r, 33, 2)
+    with pytest.raises(vattn.InvalidConfigError, match="prefetch_tokens"):
+        make_cache(prefetch_tokens=0)
+
+
 def test_no_prefetch_maps_only_on_demand(make_cache):
     cache = make_cache(page_size=4 * KB, prefetch=False)
     r = cache.alloc_reqid()

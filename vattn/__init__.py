@@ -49,6 +49,7 @@ def init(config: CacheConfig | None = None, **kwargs: Any) -> KVCache:
     backend, 'cuda[:N]'), page_size (default: the backend's), layout ('per-layer' or
     'fused'), physical_memory (cap on physical pages; default: no cap), background
     (pre-map on a worker thread, default True), prefetch (pre-map at all, default True),
+    prefetch_tokens (pre-map a request's next page once it is this many tokens away, default 16),
     zero_reused_pages (clear pages that held another request's data, default False),
     budget (a `vattn.Budget` shared with other caches and elastic pools, default none).
     """

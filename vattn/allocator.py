@@ -194,7 +194,7 @@ class PageAllocator:
     """
 
     def __init__(self, geometry: Geometry, backend: Backend, bases: Sequence[int], *,
-                 max_pages: int, background: bool, prefetch: bool,
+                 max_pages: int, background: bool, prefetch: bool, prefetch_tokens: int = 1,
                  zero_pages: Callable[[list[int]], None] | None = None,
                  copy_pages: Callable[[list[tuple[int, int]]], None] | None = None,
                  budget: Any = None) -> None:
@@ -206,6 +206,7 @@ class PageAllocator:
         self.max_pages = max_pages  # budget of groups
         self.background = background
         self.prefetch = prefetch
+        self.prefetch_tokens = prefetch_tokens  # look-ahead: a slot within this many tokens of its next page pre-maps it
 
         self.slot_pages: list[list[Any]] = [[] for _ in range(n)]
         self.cap = [0] * n  # tokens the slot's mapped pages hold (kept with slot_pages)
@@ -329,7 +330,8 @@ class PageAllocator:
 
     def _normalize(self, seq_lens: Sequence[int] | Mapping[int, int]) -> tuple[dict[int, int], list[int], list[int]]:
         """One pass over `seq_lens`: the active slots' lengths, the slots short of pages now,
-        and those whose next token needs a page. Raises (changing nothing) on a bad entry."""
+        and those within `prefetch_tokens` of a page (the edge). Raises (changing nothing) on
+        a bad entry."""
         if isinstance(seq_lens, Mapping):
             items = seq_lens.items()
         elif isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__len__"):
@@ -343,6 +345,7 @@ class PageAllocator:
                     f"{self.num_slots}) or a dict reqid -> length")
             items = enumerate(seq_lens)
         cap, active, max_len, num_slots = self.cap, self.alloc_seq, self.max_len, self.num_slots
+        ahead = self.prefetch_tokens
         lens: dict[int, int] = {}
         short: list[int] = []
         edge: list[int] = []
@@ -359,7 +362,7 @@ class PageAllocator:
             c = cap[r]
             if n > c:
                 short.append(r)
-            elif n == c:
+            elif n + ahead > c:
                 edge.append(r)
         return lens, short, edge
 
@@ -375,9 +378,9 @@ class PageAllocator:
         raise UnknownReqIdError(f"reqid {slot} has length {n} but is not allocated; call alloc_reqid() first")
 
     def _short(self, lens: dict[int, int]) -> tuple[list[int], list[int]]:
-        """(slots short of pages now, slots whose next token needs a page)."""
-        cap = self.cap
-        return [s for s, n in lens.items() if n > cap[s]], [s for s, n in lens.items() if n == cap[s]]
+        """(slots short of pages now, slots within `prefetch_tokens` of a page)."""
+        cap, ahead = self.cap, self.prefetch_tokens
+        return [s for s, n in lens.items() if n > cap[s]], [s for s, n in lens.items() if n <= cap[s] < n + ahead]
 
     @staticmethod
     def _index(v: Any, what: str) -> int:
@@ -936,13 +939,13 @@ class PageAllocator:
 
     # ------------------------------------------------------------- prefetching ----
     def _schedule_prefetch(self, edge: list[int] | None) -> None:
-        """Plan what the next iteration will want: one more token for every running
-        request whose next token needs a page (`edge`; None: find them), then pages for
-        the request that gets the warm slot. Hand it to the worker (or do it now)."""
-        g, max_len, lens = self.geometry, self.max_len, self.ran
+        """Plan what the next iterations will want: `prefetch_tokens` more tokens for every
+        running request that is that close to a page (`edge`; None: find them), then pages
+        for the request that gets the warm slot. Hand it to the worker (or do it now)."""
+        g, max_len, lens, ahead = self.geometry, self.max_len, self.ran, self.prefetch_tokens
         if edge is None:
             edge = self._short(lens)[1]
-        job = [(s, g.pages_for(min(lens[s] + 1, max_len))) for s in edge]
+        job = [(s, g.pages_for(min(lens[s] + ahead, max_len))) for s in edge]
         if self.free_slots and self.eager_tokens:
             job.append((self._warm_slot(), g.pages_for(min(int(self.eager_tokens), max_len))))
         job = [(s, t) for s, t in job if t > len(self.slot_pages[s])]

@@ -60,6 +60,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] long: absolute position of each packed token
     slot_tokens: int  # slot stride of the cache in tokens (>= max_context_len)
     device: torch.device
+    max_context: int | None = None  # the kernel's max_seqlen_k if not max(context_lens) (a CUDA graph's bound)
     _cuda: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _plans: dict[tuple, Any] = field(default_factory=dict, repr=False)  # per-iteration plans, shared by layers
 
@@ -78,6 +79,11 @@ class AttentionMetadata:
     @property
     def context_lens(self) -> list[int]:
         return [s + n for s, n in zip(self.starts, self.query_lens)]
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context a kernel launch must cover (`max_context` when set)."""
+        return self.max_context if self.max_context is not None else max(self.context_lens)
 
     @property
     def cu_query_lens(self) -> list[int]:
@@ -244,6 +250,11 @@ class AttentionKernel:
         self.name = name
         self._verified: set[str] = set()  # kinds of batch already checked against sdpa
 
+    @property
+    def verified(self) -> frozenset[str]:
+        """The kinds of batch ('decode', 'prompt', 'chunk') already checked against sdpa."""
+        return frozenset(self._verified)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
@@ -257,6 +268,10 @@ class AttentionKernel:
         if self.name == "sdpa_padded":
             return sdpa_padded_attention(query, k_cache, v_cache, meta, scale, sliding_window)
         fn = flash_attn_attention if self.name == "flash_attn" else torch_flash_attention
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a CUDA graph (vattn.engine.cuda_graphs): checked in an eager iteration before;
+            # a failure must abort the capture, not fall back inside it
+            return fn(query.contiguous(), k_cache, v_cache, meta, scale, sliding_window)
         try:
             out = fn(query.contiguous(), k_cache, v_cache, meta, scale, sliding_window)
             kinds = _batch_kinds(meta) - self._verified
@@ -355,7 +370,7 @@ def torch_flash_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     window = (sliding_window - 1, 0) if sliding_window is not None else (None, None)
     out = torch.ops.aten._flash_attention_forward(
         query, _flat_rows(k_cache), _flat_rows(v_cache), t["cu_seqlens_q"], t["cu_seqlens_k"],
-        max(meta.query_lens), max(meta.context_lens), 0.0, True, False, scale=scale,
+        max(meta.query_lens), meta.max_context_len, 0.0, True, False, scale=scale,
         window_size_left=window[0], window_size_right=window[1], seqused_k=t["seqused_k"])[0]
     return out  # [T, H_q, D]
 

@@ -95,6 +95,7 @@ class KVCache:
         self._bytes = self._byte_views()
         self.allocator = PageAllocator(g, self.backend, bases, max_pages=max_pages,
                                        background=config.background, prefetch=config.prefetch,
+                                       prefetch_tokens=config.prefetch_tokens,
                                        zero_pages=functools.partial(_zero_pages, weakref.ref(self))
                                        if config.zero_reused_pages else None,
                                        copy_pages=functools.partial(_copy_pages, weakref.ref(self)),

@@ -48,6 +48,7 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 MAX_PAGE_SIZE = 1 << 30
 # Pages up to this size are always allowed, however small the slot (the stock CUDA page).
 SMALL_PAGE_SIZE = 2 << 20
+PREFETCH_TOKENS = 16  # pre-mapping's look-ahead (CacheConfig.prefetch_tokens)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -61,6 +62,9 @@ class CacheConfig:
     `physical_memory` caps the bytes of physical pages ever created (None: as many as the
     slots can hold). `background` runs pre-mapping on a worker thread; `prefetch=False`
     turns pre-mapping off (pure on-demand mapping, the paper's synchronous baseline).
+    `prefetch_tokens`: how far ahead pre-mapping looks: a request's next page is mapped once
+    it is within that many tokens of it, so the worker has that many decode iterations to
+    map it before `step` needs it (1: only when its very next token needs it).
     `cuda_driver` picks the CUDA path: "cext" (vattn._C), "cuda-python", or "auto" (cext when
     it loads). `physical_memory=None` means 90% of the GPU memory free at init on CUDA, and
     half of the memory available to the process (MemAvailable, bounded by its cgroup's
@@ -81,6 +85,7 @@ class CacheConfig:
     physical_memory: int | None = None
     background: bool = True
     prefetch: bool = True
+    prefetch_tokens: int = PREFETCH_TOKENS
     cuda_driver: str = "auto"
     zero_reused_pages: bool = False
 
@@ -110,6 +115,7 @@ class CacheConfig:
             raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.physical_memory is not None:
             object.__setattr__(self, "physical_memory", _positive_int("physical_memory", self.physical_memory))
+        object.__setattr__(self, "prefetch_tokens", _positive_int("prefetch_tokens", self.prefetch_tokens))
         for name in ("background", "prefetch", "zero_reused_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -89,13 +89,69 @@ def _free_bytes(device: str) -> int | None:
 
 
 # ------------------------------------------------------------------------- vattn ----
-def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype) -> dict:
+class StepTimer:
+    """The engine's time outside the model's forward, per iteration: `LLM._step` (wall time,
+    the device synchronized at its end) against the forward inside it (the eager
+    `ModelRunner._forward` or a CUDA graph's replay, the device synchronized before and after,
+    so queued work of the engine counts as the engine's). Installed on one engine; `uninstall`
+    puts its methods back."""
+
+    def __init__(self, llm: Any, device: str) -> None:
+        self.llm, self.cuda = llm, device.startswith("cuda")
+        self.steps: list[tuple[float, float]] = []  # (step s, forward s) per iteration
+        self._forward_s = 0.0
+        runner = llm.runner
+        self._patched = [(llm, "_step"), (runner, "_forward")] + ([(runner.graphs, "_replay")] if runner.graphs else [])
+        for obj, name in self._patched:
+            setattr(obj, name, self._wrap(getattr(obj, name), name == "_step"))
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _wrap(self, fn: Any, is_step: bool) -> Any:
+        def timed(*a: Any, **kw: Any) -> Any:
+            if not is_step:
+                self._sync()
+            t0 = time.perf_counter()
+            if is_step:
+                self._forward_s = 0.0
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._sync()
+                dt = time.perf_counter() - t0
+                if is_step:
+                    self.steps.append((dt, self._forward_s))
+                else:
+                    self._forward_s += dt
+        return timed
+
+    def uninstall(self) -> None:
+        for obj, name in self._patched:
+            obj.__dict__.pop(name, None)  # the class's method again
+
+    def summary(self, skip: int = 1) -> dict[str, Any]:
+        """Figures of the iterations after the first `skip` (the prefill)."""
+        its = [(s, f) for s, f in self.steps[skip:] if f > 0]
+        if not its:
+            return {}
+        step = sorted(s for s, _ in its)
+        out = sorted(s - f for s, f in its)
+        return dict(iterations=len(its), step_ms_median=1e3 * step[len(step) // 2],
+                    outside_ms_median=1e3 * out[len(out) // 2],
+                    outside_share=sum(out) / sum(step))  # of the decode steps' time, all iterations together
+
+
+def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype,
+              cuda_graphs: bool | None = None, system: str = "vattn") -> dict:
     from vattn import LLM, SamplingParams
 
     B, P, N = len(prompts), len(prompts[0]), args.max_tokens
-    out: dict[str, Any] = {"system": "vattn"}
+    out: dict[str, Any] = {"system": system}
     llm = LLM(model, device=args.device, dtype=dtype, max_batch_size=B, max_context_len=P + N,
-              max_num_batched_tokens=max(B * P, B), layout=args.layout, page_size=args.page_size)
+              max_num_batched_tokens=max(B * P, B), layout=args.layout, page_size=args.page_size,
+              cuda_graphs=cuda_graphs)
     try:
         first_logits: dict[int, torch.Tensor] = {}
         sampler = llm.runner.sampler
@@ -129,6 +185,9 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
             return dt, [done[i].token_ids for i in ids], ids, peak, window
 
         run(2, prompts[:2])  # warm-up: kernels, the first-call check of the attention kernel
+        graphs = llm.runner.graphs
+        if graphs is not None:  # the decode graph of this batch size is captured here, not in the timed runs
+            run(3, prompts)
         first_logits.clear()
         t1 = run(1, prompts)[0]
         first_logits.clear()
@@ -137,6 +196,16 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
         out.update(t1_s=t1, tN_s=tn, tokens=tokens, decode_window_s=window, peak_reserved_GiB=_peak_reserved(args.device),
                    peak_mapped_GiB=peak_mapped / GB, kernel=llm.runner.kernel.name, page_KiB=llm.cache.page_size // 1024,
                    first_logits=[first_logits[i] for i in ids])
+        if graphs is not None:
+            out["cuda_graphs"] = dict(replays=graphs.num_replays, captured_sizes=graphs.captured_sizes,
+                                      capture_s=graphs.capture_s, disabled=graphs.disabled_reason)
+        if args.engine_overhead:  # a run of its own: its synchronizations would slow the timed one
+            timer = StepTimer(llm, args.device)
+            try:
+                run(N, prompts)
+            finally:
+                timer.uninstall()
+            out["engine_overhead"] = timer.summary()
         st = llm.memory_stats()  # all finished: pages stay with their free slots
         created = st.num_created_pages * st.group_bytes
         out["after_finish"] = dict(mapped_MiB=st.mapped_bytes / MB, used_MiB=st.used_bytes / MB,
@@ -285,8 +354,10 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
     prompts = torch.randint(1, model.config.vocab_size, (B, args.prompt_len), generator=gen).tolist()
     N = args.max_tokens
     res: dict[str, Any] = dict(model=name, batch=B, prompt_len=args.prompt_len, max_tokens=N, systems={}, errors={})
-    runners = [("vattn", lambda: run_vattn(model, prompts, args, dtype)),
-               ("hf_generate", lambda: run_hf_generate(model, prompts, args))]
+    runners = [("vattn", lambda: run_vattn(model, prompts, args, dtype))]
+    if args.compare_eager:
+        runners.append(("vattn_eager", lambda: run_vattn(model, prompts, args, dtype, False, "vattn_eager")))
+    runners.append(("hf_generate", lambda: run_hf_generate(model, prompts, args)))
     if hf_cb and not args.skip_hf_cb:
         runners.append(("hf_continuous_batching", lambda: run_hf_cb(model, prompts, args)))
     tokens, logits = {}, {}
@@ -316,8 +387,10 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
         print(f"  {name} B={B} {system:24s} decode {r['decode_tok_s']:9.1f} tok/s"
               + (f" ({in_run:.1f} in-run)" if in_run else "") + f"  (t1 {r['t1_s']:.2f} s, tN {r['tN_s']:.2f} s)",
               flush=True)
+    if "vattn" in tokens and "vattn_eager" in tokens:
+        res["vattn_vs_vattn_eager"] = agreement(tokens["vattn"], tokens["vattn_eager"])
     if "hf_generate" in tokens:
-        for system in ("vattn", "hf_continuous_batching"):
+        for system in ("vattn", "vattn_eager", "hf_continuous_batching"):
             if system in tokens:
                 res[f"{system}_vs_hf_generate"] = agreement(tokens[system], tokens["hf_generate"])
         if "vattn" in logits and "hf_generate" in logits:
@@ -339,6 +412,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--page-size", type=int, default=None, help="bytes; default the backend's")
     ap.add_argument("--skip-hf-cb", action="store_true", help="leave out transformers' generate_batch")
     ap.add_argument("--hf-cb-cuda-graphs", action="store_true", help="let generate_batch use CUDA graphs (+ warm-up)")
+    ap.add_argument("--compare-eager", action="store_true",
+                    help="also run vattn with cuda_graphs=False (system vattn_eager) beside its default")
+    ap.add_argument("--engine-overhead", action="store_true",
+                    help="one more N-token vattn run, timing each iteration's step against its forward")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new (model, batch) after this many seconds")
 
 
@@ -410,6 +487,20 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
                          s["total_tok_s"],
                          s.get("peak_reserved_GiB") if s.get("peak_reserved_GiB") is not None else "-",
                          s.get("peak_mapped_GiB", "-"), agree.get("token_match", "-")])
+        for system, s in r["systems"].items():
+            eo, cg = s.get("engine_overhead"), s.get("cuda_graphs")
+            if eo:
+                print(f"{r['model']} B={r['batch']} {system}: decode step {eo['step_ms_median']:.3f} ms (median), "
+                      f"outside the forward {eo['outside_ms_median']:.3f} ms = {100 * eo['outside_share']:.2f} % "
+                      f"of the decode steps' time ({eo['iterations']} iterations)")
+            if cg:
+                print(f"{r['model']} B={r['batch']} {system}: CUDA graphs: {cg['replays']} replays, sizes "
+                      f"{cg['captured_sizes']}, capture s {cg['capture_s']}" + (f", OFF: {cg['disabled']}"
+                                                                               if cg["disabled"] else ""))
+        if "vattn_vs_vattn_eager" in r:
+            a = r["vattn_vs_vattn_eager"]
+            print(f"{r['model']} B={r['batch']}: vattn tokens vs vattn_eager: match {a['token_match']:.3f}, "
+                  f"{a['sequences_equal']}/{a['sequences']} sequences equal")
         lg = r.get("first_token_logits_vattn_vs_hf")
         if lg:
             print(f"{r['model']} B={r['batch']}: first-token logits max |vattn - hf| {lg['max_abs_diff']:.4g} "
@@ -445,7 +536,8 @@ def _plot(results: list[dict]) -> Any:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
     for ax, name in zip(axes[0], models):
         rs = [r for r in results if r["model"] == name]
-        for system, marker in (("vattn", "o"), ("hf_generate", "s"), ("hf_continuous_batching", "^")):
+        for system, marker in (("vattn", "o"), ("vattn_eager", "x"), ("hf_generate", "s"),
+                               ("hf_continuous_batching", "^")):
             pts = [(r["batch"], decode_tok_s(r["systems"][system])) for r in rs if system in r["systems"]]
             if pts:
                 ax.plot(*zip(*pts), marker=marker, label=system)

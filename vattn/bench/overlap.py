@@ -6,7 +6,9 @@
   on the critical path (on the host: the memfd grown by `posix_fallocate` when the pool is
   empty, then one `mmap` per buffer; on CUDA `cuMemCreate` + `cuMemMap`);
 - `background` (the engine's default): after each `step` a worker thread creates and maps
-  what the next iteration will want while the forward runs;
+  the next page of every request within `prefetch_tokens` (16) of it while the forwards run;
+- `background-next` (optional): the same with `prefetch_tokens=1`, only what the very next
+  iteration needs (one forward's time to map it);
 - `premapped` (optional, `--modes`): every page the run touches is mapped before timing: the
   floor, no allocation at all while timed.
 Every request of the batch crosses into a new page at the same iterations, as in the paper's
@@ -37,7 +39,9 @@ NAME = "overlap"
 HELP = "decode iteration latency: pages mapped in step vs by the background worker (paper Fig. 10)"
 NEEDS_GPU = False
 
-MODES = ("sync", "background", "premapped")
+MODES = ("sync", "background", "background-next", "premapped")
+MODE_ARGS = {"sync": dict(prefetch=False), "background": {}, "background-next": dict(prefetch_tokens=1),
+             "premapped": dict(prefetch=False)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests cross page boundaries at different iterations (default: all at once)")
     p.add_argument("--reserve", action="store_true", help="create the physical pages before timing (map only)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of the modes (interleaved)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (cuda_graphs=False): the eager forward")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -102,7 +107,7 @@ def run_mode(model: Any, mode: str, args: argparse.Namespace, dtype: torch.dtype
     final = max(lens) + max_tokens
     llm = LLM(model, device=args.device, dtype=dtype, max_batch_size=args.batch, max_context_len=final,
               page_size=args.page_size, layout=args.layout, max_num_batched_tokens=sum(lens) + args.batch,
-              **({} if mode == "background" else dict(prefetch=False)))
+              **MODE_ARGS[mode], **(dict(cuda_graphs=False) if args.eager else {}))
     try:
         cache = llm.cache
         g = cache.geometry
@@ -147,7 +152,9 @@ def run_mode(model: Any, mode: str, args: argparse.Namespace, dtype: torch.dtype
         finally:
             gc.enable()
             del cache.step
+        graphs = llm.runner.graphs
         return dict(mode=mode, latency_ms=lat, step_ms=step_ms, mapped_groups=mapped, created_groups=created,
+                    cuda_graphs=None if graphs is None else dict(replays=graphs.num_replays, off=graphs.disabled_reason),
                     tokens_per_page=cache.page_size // g.token_bytes, group_KiB=g.group_bytes / 1024,
                     kernel=llm.runner.kernel.name)
     finally:
@@ -211,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
     failures = [f"{r['mode']}: the attention kernel fell back to {r['kernel']!r}" for r in runs
                 if cuda and r["kernel"] not in ("flash_attn", "torch_flash")]
     return dict(device=args.device, dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+                cuda_graphs=[r.get("cuda_graphs") for r in runs],
                 tokens_per_page=tpp, prompt_lens=lens, timed_iterations=iters, boundary_iterations=boundary,
                 group_KiB=runs[0]["group_KiB"], modes=modes, runs=runs, skipped=skipped, failures=failures)
 
@@ -231,7 +239,7 @@ def plot(result: dict) -> Any:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, height_ratios=(3, 2))
-    colors = {"sync": "tab:red", "background": "tab:blue", "premapped": "tab:gray"}
+    colors = {"sync": "tab:red", "background": "tab:blue", "background-next": "tab:green", "premapped": "tab:gray"}
     for b in result["boundary_iterations"]:
         for ax in (top, bottom):
             ax.axvline(b, color="0.85", lw=3, zorder=0)

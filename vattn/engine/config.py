@@ -8,7 +8,7 @@ import torch
 
 from vattn.attention import KERNELS
 from vattn.budget import Budget
-from vattn.config import LAYOUTS, parse_dtype
+from vattn.config import LAYOUTS, PREFETCH_TOKENS, parse_dtype
 from vattn.checks import SEED_MAX, SEED_MIN, as_float, as_int
 from vattn.engine.scheduler import SchedulerConfig
 from vattn.errors import InvalidConfigError
@@ -32,7 +32,7 @@ class EngineConfig:
     Cache: max_batch_size (slots), max_context_len (None: the model's
     max_position_embeddings, at most 4096), page_size (bytes, None: the backend's),
     layout ('per-layer' | 'fused'), physical_memory (bytes of KV pages at most, None: no
-    cap), background / prefetch (pre-mapping, see `vattn.init`).
+    cap), background / prefetch / prefetch_tokens (pre-mapping, see `vattn.init`).
     Engine: device (None: 'cuda' when available, else 'cpu'), dtype (None: a loaded
     model's own; else float32 on CPU, and on CUDA the checkpoint's float16/bfloat16 or float16), max_num_seqs (None:
     max_batch_size), max_num_batched_tokens (token budget per iteration = the prefill chunk
@@ -45,7 +45,10 @@ class EngineConfig:
     engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included),
     budget (None, or a `vattn.Budget` shared with other engines, caches and elastic pools:
     the cache creates pages only within it, and pages one engine no longer needs go to
-    another that is short; see `KVCache(budget=)`).
+    another that is short; see `KVCache(budget=)`), cuda_graphs (decode iterations replay
+    CUDA graphs captured per padded batch size, see `vattn.engine.cuda_graphs`: None = where
+    they apply (CUDA, the torch_flash kernel, one rank), True = required (InvalidConfigError
+    where they cannot), False = never).
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
     heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`; prefix
     caching and both preemption modes work, their per-rank outcomes agreed between the
@@ -62,6 +65,7 @@ class EngineConfig:
     physical_memory: int | None = None
     background: bool = True
     prefetch: bool = True
+    prefetch_tokens: int = PREFETCH_TOKENS
     device: str | None = None
     dtype: str | torch.dtype | None = None
     max_num_seqs: int | None = None
@@ -74,6 +78,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
     budget: Any = None  # a vattn.Budget (compared by identity)
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.budget is not None and not isinstance(self.budget, Budget):
@@ -82,11 +87,14 @@ class EngineConfig:
         for name in ("max_context_len", "page_size", "physical_memory", "max_num_seqs"):
             _positive(self, name, optional=True)
         _positive(self, "max_num_batched_tokens")
+        _positive(self, "prefetch_tokens")
         if self.layout not in LAYOUTS:
             raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         for name in ("background", "prefetch", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise InvalidConfigError(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
         if isinstance(self.device, torch.device):
             object.__setattr__(self, "device", str(self.device))
         if self.device is not None:

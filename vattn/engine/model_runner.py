@@ -25,6 +25,7 @@ import torch
 from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, forward_context, select_kernel
 from vattn.cache import KVCache
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
+from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import ScheduledSequence, SeqId
 from vattn.errors import InvalidConfigError
@@ -231,7 +232,8 @@ class ModelRunner:
                                  max_batch_size=config.max_batch_size, max_context_len=self.max_context_len,
                                  dtype=self.dtype, device=str(self.device), page_size=config.page_size,
                                  layout=config.layout, physical_memory=config.physical_memory,
-                                 background=config.background, prefetch=config.prefetch, budget=config.budget)
+                                 background=config.background, prefetch=config.prefetch,
+                                 prefetch_tokens=config.prefetch_tokens, budget=config.budget)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
         self.slot_tokens = self.cache.geometry.slot_tokens
@@ -239,7 +241,26 @@ class ModelRunner:
         self.v_caches = [self.cache.v_cache(layer) for layer in range(num_layers)]
         self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
         self.sampler = Sampler(self.device, config.seed)
+        self.graphs = self._decode_graphs(config)
         self.previous_attention = use_vattn_attention(self.model)
+
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        """Decode under CUDA graphs (`EngineConfig.cuda_graphs`; see vattn.engine.cuda_graphs)."""
+        want = config.cuda_graphs
+        if want is False:
+            return None
+        why_not = None
+        if self.device.type != "cuda":
+            why_not = f"they need a CUDA device, not {self.device}"
+        elif config.tensor_parallel_size > 1:
+            why_not = "they are not supported under tensor parallelism"
+        elif self.kernel.name not in GRAPH_KERNELS:
+            why_not = f"they need attention={GRAPH_KERNELS[0]!r}, not {self.kernel.name!r}"
+        if why_not is None:
+            return DecodeGraphs(self, config.max_num_seqs or config.max_batch_size)
+        if want:
+            raise InvalidConfigError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=None (where they apply) or False")
+        return None
 
     def run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
         """One forward over the batch, then sampling. Returns the sampled token of every
@@ -293,18 +314,29 @@ class ModelRunner:
                 for seq in (s.seq, *s.fan_out):  # a fan-out: every sample draws from this row
                     rows.append(len(sample_rows) - 1)
                     sampling.append(seq)
-        meta = AttentionMetadata.build([s.seq.slot for s in batch], [s.seq.num_computed_tokens for s in batch],
-                                       [s.num_new_tokens for s in batch], self.slot_tokens, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
-        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
-        with forward_context(ForwardContext(self.k_caches, self.v_caches, meta, self.kernel)):
-            logits = self.model(input_ids=ids, position_ids=meta.positions[None], use_cache=False,
-                                logits_to_keep=keep).logits[0]  # [S, V]
+        slots, starts = [s.seq.slot for s in batch], [s.seq.num_computed_tokens for s in batch]
+        logits = None
+        if (self.graphs is not None and len(sample_rows) == len(batch) == len(input_ids)
+                and self.graphs.usable(len(batch))):  # a decode: every sequence 1 token, every one samples
+            logits = self.graphs.run(slots, starts, input_ids)  # [S, V]; None: the capture failed, run eagerly
+        if logits is None:
+            meta = AttentionMetadata.build(slots, starts, [s.num_new_tokens for s in batch], self.slot_tokens,
+                                           self.device)
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
+            keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
+            logits = self._forward(ids, keep, meta)  # [S, V]
         if not sampling:
             return RunOutput({}, {})
         if len(rows) != len(sample_rows):
             logits = logits[torch.tensor(rows, device=logits.device)]  # [S', V]: fan-out rows repeated
         return self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
+
+    def _forward(self, ids: torch.Tensor, keep: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's eager forward: ids `[1, T]` packed tokens, keep `[S]` rows whose
+        logits are computed. Returns logits `[S, V]`."""
+        with forward_context(ForwardContext(self.k_caches, self.v_caches, meta, self.kernel)):
+            return self.model(input_ids=ids, position_ids=meta.positions[None], use_cache=False,
+                              logits_to_keep=keep).logits[0]  # [S, V]
 
     def release(self, seq_id: SeqId) -> None:
         """Forget a finished sequence's sampling state."""
@@ -314,5 +346,7 @@ class ModelRunner:
         from vattn.integrations.hf import restore_attention
 
         restore_attention(self.model, self.previous_attention)
+        if self.graphs is not None:
+            self.graphs.close()
         self.k_caches, self.v_caches = [], []
         self.cache.close()
