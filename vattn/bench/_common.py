@@ -26,12 +26,14 @@ OUT_ENV = "VATTN_BENCH_OUT"  # when set, save() writes there instead of RESULTS 
 
 def environment(device: str) -> dict[str, Any]:
     """Device, versions, commit and date, stored with every result."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=20).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    commit = commit or os.environ.get("VATTN_COMMIT", "")  # a copied tree without .git (the GPU machine)
+    # VATTN_COMMIT first: the GPU machine's copy of the tree carries the .git of an older checkout
+    commit = os.environ.get("VATTN_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     if cuda:
         dev = torch.cuda.get_device_name(torch.device(device))

@@ -93,38 +93,44 @@ class StepTimer:
     """The engine's time outside the model's forward, per iteration: `LLM._step` (wall time,
     the device synchronized at its end) against the forward inside it (the eager
     `ModelRunner._forward` or a CUDA graph's replay, the device synchronized before and after,
-    so queued work of the engine counts as the engine's). Installed on one engine; `uninstall`
-    puts its methods back."""
+    so queued work of the engine counts as the engine's), and where the rest goes (host time
+    of the scheduler, the cache's step, sampling with its device-to-host copy, the outputs).
+    Installed on one engine; `uninstall` puts its methods back."""
 
     def __init__(self, llm: Any, device: str) -> None:
         self.llm, self.cuda = llm, device.startswith("cuda")
-        self.steps: list[tuple[float, float]] = []  # (step s, forward s) per iteration
-        self._forward_s = 0.0
+        self.steps: list[dict[str, float]] = []  # per iteration: seconds of the step and of each part
+        self._now: dict[str, float] = {}
         runner = llm.runner
-        self._patched = [(llm, "_step"), (runner, "_forward")] + ([(runner.graphs, "_replay")] if runner.graphs else [])
-        for obj, name in self._patched:
-            setattr(obj, name, self._wrap(getattr(obj, name), name == "_step"))
+        parts = {"forward": [(runner, "_forward")] + ([(runner.graphs, "_replay")] if runner.graphs else []),
+                 "schedule": [(llm.scheduler, "schedule")], "cache_step": [(runner.cache, "step")],
+                 "sample": [(runner.sampler, "sample")], "outputs": [(llm, "_postprocess")]}
+        self._patched = [(llm, "_step")]
+        llm._step = self._wrap(llm._step, "step")
+        for part, targets in parts.items():
+            for obj, name in targets:
+                setattr(obj, name, self._wrap(getattr(obj, name), part))
+                self._patched.append((obj, name))
 
     def _sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def _wrap(self, fn: Any, is_step: bool) -> Any:
+    def _wrap(self, fn: Any, part: str) -> Any:
         def timed(*a: Any, **kw: Any) -> Any:
-            if not is_step:
+            if part == "step":
+                self._now = {}
+            elif part == "forward":
                 self._sync()
             t0 = time.perf_counter()
-            if is_step:
-                self._forward_s = 0.0
             try:
                 return fn(*a, **kw)
             finally:
-                self._sync()
-                dt = time.perf_counter() - t0
-                if is_step:
-                    self.steps.append((dt, self._forward_s))
-                else:
-                    self._forward_s += dt
+                if part in ("step", "forward"):
+                    self._sync()
+                self._now[part] = self._now.get(part, 0.0) + time.perf_counter() - t0
+                if part == "step":
+                    self.steps.append(self._now)
         return timed
 
     def uninstall(self) -> None:
@@ -132,15 +138,23 @@ class StepTimer:
             obj.__dict__.pop(name, None)  # the class's method again
 
     def summary(self, skip: int = 1) -> dict[str, Any]:
-        """Figures of the iterations after the first `skip` (the prefill)."""
-        its = [(s, f) for s, f in self.steps[skip:] if f > 0]
+        """Figures of the iterations after the first `skip` (the prefill): medians in ms, and
+        the share of the decode steps' time spent outside the forward."""
+        its = [d for d in self.steps[skip:] if d.get("forward", 0) > 0]
         if not its:
             return {}
-        step = sorted(s for s, _ in its)
-        out = sorted(s - f for s, f in its)
-        return dict(iterations=len(its), step_ms_median=1e3 * step[len(step) // 2],
-                    outside_ms_median=1e3 * out[len(out) // 2],
-                    outside_share=sum(out) / sum(step))  # of the decode steps' time, all iterations together
+
+        def median_ms(xs: list[float]) -> float:
+            xs = sorted(xs)
+            return 1e3 * xs[len(xs) // 2]
+
+        out = [d["step"] - d["forward"] for d in its]
+        res = dict(iterations=len(its), step_ms_median=median_ms([d["step"] for d in its]),
+                   outside_ms_median=median_ms(out),
+                   outside_share=sum(out) / sum(d["step"] for d in its))  # all iterations together
+        for part in ("schedule", "cache_step", "sample", "outputs"):
+            res[f"{part}_ms_median"] = median_ms([d.get(part, 0.0) for d in its])
+        return res
 
 
 def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype,
@@ -492,7 +506,10 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
             if eo:
                 print(f"{r['model']} B={r['batch']} {system}: decode step {eo['step_ms_median']:.3f} ms (median), "
                       f"outside the forward {eo['outside_ms_median']:.3f} ms = {100 * eo['outside_share']:.2f} % "
-                      f"of the decode steps' time ({eo['iterations']} iterations)")
+                      f"of the decode steps' time ({eo['iterations']} iterations); of it, ms: schedule "
+                      f"{eo.get('schedule_ms_median', 0):.3f} (with cache.step "
+                      f"{eo.get('cache_step_ms_median', 0):.3f}), "
+                      f"sample {eo.get('sample_ms_median', 0):.3f}, outputs {eo.get('outputs_ms_median', 0):.3f}")
             if cg:
                 print(f"{r['model']} B={r['batch']} {system}: CUDA graphs: {cg['replays']} replays, sizes "
                       f"{cg['captured_sizes']}, capture s {cg['capture_s']}" + (f", OFF: {cg['disabled']}"

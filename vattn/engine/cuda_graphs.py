@@ -20,15 +20,18 @@ Graphs are captured lazily, at the first decode of each padded size (a capture n
 mapped pages under the slots it runs: a warm-up forward really executes), after the
 attention kernel has checked decodes against SDPA in an eager iteration. Only the
 `torch_flash` kernel is captured (its decode reads nothing from the host); prefills,
-chunks and mixed iterations run eagerly. A capture that fails turns graphs off for the
-engine, with a warning, and the iteration runs eagerly: graphs never change what is served.
+chunks and mixed iterations run eagerly. A model whose forward synchronizes with the host
+(found in the warm-up, where every synchronizing call raises) or a capture that fails turns
+graphs off for the engine, with a warning, and the iteration runs eagerly: graphs never
+change what is served.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -157,14 +160,20 @@ class DecodeGraphs:
             with forward_context(ctx):
                 side = torch.cuda.Stream(r.device)
                 side.wait_stream(torch.cuda.current_stream(r.device))
-                with torch.cuda.stream(side):  # warm-up: library handles, workspaces, autotuning
+                with torch.cuda.stream(side), _sync_is_an_error():  # warm-up: handles, workspaces, autotuning
                     for _ in range(2):
                         self._forward(b)
                 torch.cuda.current_stream(r.device).wait_stream(side)
+        except Exception as e:  # noqa: BLE001 - e.g. a model that reads a device value on the host
+            self.disable(f"the decode of {b} sequences cannot be captured: {type(e).__name__}: {e}")
+            return False
+        try:
+            with forward_context(ctx):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     logits = self._forward(b)
         except Exception as e:  # noqa: BLE001 - graphs are an optimisation: run eagerly from now on
+            _reset_rng_capture_state(r.device)
             self.disable(f"capturing the decode of {b} sequences failed: {type(e).__name__}: {e}")
             return False
         self._pool = graph.pool()
@@ -183,6 +192,31 @@ class DecodeGraphs:
     def close(self) -> None:
         self._graphs.clear()
         self._pool = None
+
+
+@contextlib.contextmanager
+def _sync_is_an_error() -> Iterator[None]:
+    """Make every synchronizing CUDA call raise (a capture would fail on it, and a capture
+    the driver invalidates is harder to recover from than a warm-up that raises)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _reset_rng_capture_state(device: torch.device) -> None:
+    """After a capture the driver invalidated, torch ends it without its epilogue, which
+    leaves the device's default generator "capturing": every later random op on the device
+    raises ("Offset increment outside graph capture"). Give the generator a fresh state with
+    the same seed and offset."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gen = torch.cuda.default_generators[index]
+    try:
+        gen.graphsafe_set_state(gen.clone_state())
+    except Exception:  # noqa: BLE001 - an older torch: nothing more to do
+        logger.warning("vattn: could not reset the CUDA generator after a failed capture", exc_info=True)
 
 
 __all__ = ["DecodeGraphs", "capture_sizes", "padded_size", "GRAPH_KERNELS"]
