@@ -105,8 +105,8 @@ def test_graphs_are_on_by_default_on_cuda() -> None:
 @needs_cuda
 @pytest.mark.parametrize("when", ["always", "captured"])
 def test_a_model_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog, when: str) -> None:
-    # a forward that reads a device value on the host: always (found in the warm-up, where
-    # synchronizing raises), or only while captured (the driver invalidates the capture)
+    # a forward that reads a device value on the host, always or only while captured: the
+    # driver invalidates the capture, and torch leaves the device's generator "capturing"
     forward = DecodeGraphs._forward
 
     def syncs(self, b):
@@ -123,7 +123,7 @@ def test_a_model_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog, when:
         got = [o.token_ids for o in llm.generate(prompts(), greedy_params())]
         g = llm.runner.graphs
         assert g.disabled_reason is not None, "the capture should have failed"
-        assert ("cannot be captured" if when == "always" else "capturing") in g.disabled_reason, g.disabled_reason
+        assert "capturing the decode" in g.disabled_reason, g.disabled_reason
         assert g.num_replays == 0 and g.captured_sizes == []
         # the engine and the device are still sound: random ops on the device, a sampled request
         assert torch.randn(4, device="cuda").isfinite().all()

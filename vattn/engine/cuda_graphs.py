@@ -20,18 +20,18 @@ Graphs are captured lazily, at the first decode of each padded size (a capture n
 mapped pages under the slots it runs: a warm-up forward really executes), after the
 attention kernel has checked decodes against SDPA in an eager iteration. Only the
 `torch_flash` kernel is captured (its decode reads nothing from the host); prefills,
-chunks and mixed iterations run eagerly. A model whose forward synchronizes with the host
-(found in the warm-up, where every synchronizing call raises) or a capture that fails turns
-graphs off for the engine, with a warning, and the iteration runs eagerly: graphs never
-change what is served.
+chunks and mixed iterations run eagerly. A capture that fails (a model whose forward reads a
+device value on the host while captured, say) turns graphs off for the engine, with a
+warning, and the iteration runs eagerly: graphs never change what is served. (The warm-up
+cannot find such reads for the capture: transformers skips its own host checks while a
+stream is captured, `transformers.utils.is_tracing`, and makes them in the warm-up.)
 """
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -160,12 +160,12 @@ class DecodeGraphs:
             with forward_context(ctx):
                 side = torch.cuda.Stream(r.device)
                 side.wait_stream(torch.cuda.current_stream(r.device))
-                with torch.cuda.stream(side), _sync_is_an_error():  # warm-up: handles, workspaces, autotuning
+                with torch.cuda.stream(side):  # warm-up: library handles, workspaces, autotuning
                     for _ in range(2):
                         self._forward(b)
                 torch.cuda.current_stream(r.device).wait_stream(side)
-        except Exception as e:  # noqa: BLE001 - e.g. a model that reads a device value on the host
-            self.disable(f"the decode of {b} sequences cannot be captured: {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation: run eagerly from now on
+            self.disable(f"the warm-up of the decode of {b} sequences failed: {type(e).__name__}: {e}")
             return False
         try:
             with forward_context(ctx):
@@ -192,18 +192,6 @@ class DecodeGraphs:
     def close(self) -> None:
         self._graphs.clear()
         self._pool = None
-
-
-@contextlib.contextmanager
-def _sync_is_an_error() -> Iterator[None]:
-    """Make every synchronizing CUDA call raise (a capture would fail on it, and a capture
-    the driver invalidates is harder to recover from than a warm-up that raises)."""
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 def _reset_rng_capture_state(device: torch.device) -> None:
