@@ -222,6 +222,42 @@ def test_prefetch_tokens_is_the_look_ahead(make_cache, background):
         make_cache(prefetch_tokens=0)
 
 
+def test_a_step_that_needs_nothing_runs_beside_the_worker(make_cache):
+    cache = make_cache(page_size=4 * KB, prefetch_tokens=4)  # 32 tokens per page, background mapping
+    a, b = cache.alloc_reqid(), cache.alloc_reqid()
+    assert cache.step({a: 10, b: 10})
+    cache.synchronize()
+    gate, entered = threading.Event(), threading.Event()
+    backend = cache.allocator.backend
+    real_map = backend.map
+
+    def held_map(*args, **kw):  # the worker's driver call waits for the gate
+        if threading.current_thread().name == "vattn-premap":
+            entered.set()
+            gate.wait(30)
+        return real_map(*args, **kw)
+
+    backend.map = held_map
+    try:
+        assert cache.step({a: 29, b: 11})  # a is 3 tokens from its page's end: the worker maps its next
+        assert entered.wait(10), "the worker did not start"
+        done: list = []
+        t = threading.Thread(target=lambda: done.append(cache.step({a: 30, b: 12})))
+        t.start()
+        t.join(10)
+        assert done and done[0] and done[0].num_mapped == 0, "a step that needs no page waited for the worker"
+        assert cache.allocator.premapper.busy  # still in its driver call
+    finally:
+        gate.set()
+        del backend.map
+    cache.synchronize()
+    assert len(cache.allocator.slot_pages[a]) == 2
+    assert cache.step({a: 33, b: 13}).num_mapped == 0  # the worker's page serves the boundary
+    fill(cache, a, 0, 33, 3)
+    check(cache, a, 33, 3)
+    cache.allocator.check_invariants()
+
+
 def test_no_prefetch_maps_only_on_demand(make_cache):
     cache = make_cache(page_size=4 * KB, prefetch=False)
     r = cache.alloc_reqid()

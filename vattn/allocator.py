@@ -53,7 +53,8 @@ if TYPE_CHECKING:  # the books import no torch: sizes are ints by the time they 
     from vattn.vmem.base import Backend
 
 _GROW_CHUNK = 16  # groups created per pool growth at least (fewer memfds / cuMemCreate batches)
-_WORKER_BATCH = 16  # groups the worker maps per lock hold
+_WORKER_BATCH = 16  # groups the worker maps per lock hold, at most
+_WORKER_CALLS = 64  # buffers x groups the worker maps per lock hold, about (at least one group)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,9 @@ class PageAllocator:
         self.background = background
         self.prefetch = prefetch
         self.prefetch_tokens = prefetch_tokens  # look-ahead: a slot within this many tokens of its next page pre-maps it
+        # groups the worker maps per lock hold: about _WORKER_CALLS driver calls, so that a step that
+        # must stop the worker waits for few (a 32-layer per-layer group is 64 calls, ~2.8 ms on an H100)
+        self._worker_batch = max(1, min(_WORKER_BATCH, _WORKER_CALLS // geometry.num_buffers))
 
         self.slot_pages: list[list[Any]] = [[] for _ in range(n)]
         self.cap = [0] * n  # tokens the slot's mapped pages hold (kept with slot_pages)
@@ -303,12 +307,16 @@ class PageAllocator:
         if self._budget_short:  # the budget refused us last time: ask the others (never under our lock)
             short, self._budget_short = self._budget_short, 0
             self.budget.reclaim(short, requester=self._budget_token)
-        with self._quiet():
+        if self.premapper.busy:  # the worker is mapping: a step that needs nothing new runs beside it
+            with self._lock:
+                self._check_open()
+                lens, short, edge = self._normalize(seq_lens)
+                if not (short or self.shared_slots or self.dirty_slots):
+                    self._note_fence()
+                    return self._finish_step(lens, StepResult(), edge)
+        with self._quiet():  # the worker stopped after its batch in flight
             lens, short, edge = self._normalize(seq_lens)
-            fence = self.backend.fence()
-            if fence is not None:  # the kernels of the last iteration read these slots
-                for s in self.ran:
-                    self.last_fence[s] = fence
+            self._note_fence()
             if self.shared_slots and self._unshare_new_owners(lens):
                 short, edge = self._short(lens)
             result = self._back(lens, short) if short else StepResult()
@@ -316,17 +324,28 @@ class PageAllocator:
                 del lens[s]
             if self.dirty_slots:
                 self._zero_dirty(lens)
-            ml = self.max_lens
-            for s, n in lens.items():
-                m = ml[s]
-                if n > m:
-                    if not m:  # a new request's first length
-                        self.eager_tokens = n if not self.eager_tokens else 0.8 * self.eager_tokens + 0.2 * n
-                    ml[s] = n
-            self.ran = lens
-            if result and self.prefetch:
-                self._schedule_prefetch(edge if not short else None)
-            return result
+            return self._finish_step(lens, result, edge if not short else None)
+
+    def _note_fence(self) -> None:
+        """The kernels of the last iteration read its slots: they may unmap after this fence."""
+        fence = self.backend.fence()
+        if fence is not None:
+            for s in self.ran:
+                self.last_fence[s] = fence
+
+    def _finish_step(self, lens: dict[int, int], result: StepResult, edge: list[int] | None) -> StepResult:
+        """The books of the iteration `lens` runs (lock held), and what to pre-map next."""
+        ml = self.max_lens
+        for s, n in lens.items():
+            m = ml[s]
+            if n > m:
+                if not m:  # a new request's first length
+                    self.eager_tokens = n if not self.eager_tokens else 0.8 * self.eager_tokens + 0.2 * n
+                ml[s] = n
+        self.ran = lens
+        if result and self.prefetch:
+            self._schedule_prefetch(edge)
+        return result
 
     def _normalize(self, seq_lens: Sequence[int] | Mapping[int, int]) -> tuple[dict[int, int], list[int], list[int]]:
         """One pass over `seq_lens`: the active slots' lengths, the slots short of pages now,
@@ -949,7 +968,7 @@ class PageAllocator:
         if self.free_slots and self.eager_tokens:
             job.append((self._warm_slot(), g.pages_for(min(int(self.eager_tokens), max_len))))
         job = [(s, t) for s, t in job if t > len(self.slot_pages[s])]
-        if not job:
+        if not job or self.premapper.busy:  # busy: a step beside the worker; the next one plans again
             return
         if not self.background:
             try:
@@ -969,7 +988,7 @@ class PageAllocator:
         for s, target in job:
             while not (background and self.premapper.stopped):
                 have = len(self.slot_pages[s])
-                n = min(target - have, _WORKER_BATCH)
+                n = min(target - have, self._worker_batch)
                 if n <= 0:
                     break
                 if len(self.pool) < n:
