@@ -26,7 +26,7 @@ from packaging.requirements import Requirement  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 # The exact release each supported major.minor was verified with
 TESTED = {"5.17": "5.17.0", "5.18": "5.18.0", "5.19": "5.19.0", "5.20": "5.20.2", "5.21": "5.21.1",
-          "5.22": "5.22.2", "5.23": "5.23.0"}
+          "5.22": "5.22.2", "5.23": "5.23.0", "5.24": "5.24.0"}
 INSTALLED = ".".join(metadata.version("transformers").split(".")[:2])
 
 
@@ -61,7 +61,7 @@ def install(version: str) -> Path:
 
 def test_every_supported_version_has_a_tested_release():
     assert set(hf_cb.SUPPORTED_VERSIONS) <= set(TESTED)
-    assert {"5.17", "5.23"} <= set(hf_cb.SUPPORTED_VERSIONS)
+    assert {"5.17", "5.24"} <= set(hf_cb.SUPPORTED_VERSIONS)
 
 
 @pytest.mark.slow

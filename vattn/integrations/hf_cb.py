@@ -11,7 +11,7 @@ transformers runs continuous batching (`model.generate_batch`, `init_continuous_
 changed between releases; this module knows two (`DESIGNS`), and backs the cache's
 tensors with one `ElasticPool` in both:
 
-- "sectors" (5.18 to 5.23): one flat `uint8` tensor of `2 + num_sectors` sectors (the
+- "sectors" (5.18 to 5.24): one flat `uint8` tensor of `2 + num_sectors` sectors (the
   first two are trash sectors for padding tokens), handed out sector by sector to the
   cache allocators by a `CachePool`. The tensor is the pool's single buffer, a sector one
   pool block; `CachePool` becomes a subclass whose sector calls go through the pool
@@ -24,7 +24,7 @@ tensors with one `ElasticPool` in both:
 
 ```
  cache tensor(s) (virtual, reserved once, never move)
- [ block | block | ... | trash | trash ]     (5.23: the trash sectors come first)
+ [ block | block | ... | trash | trash ]     (sectors: the trash sectors come first)
    mapped when transformers hands the block out, given back to the pool when free;
    the trash stays mapped
 ```
@@ -33,6 +33,12 @@ Pages mapped with new memory are cleared before transformers gets them
 (`ElasticPool(zero_new=True)`: on a GPU; the host's new pages read zeros), as its
 `torch.zeros` cache started at zero, and the trash blocks, which padding tokens read, are
 cleared when taken.
+
+5.24 runs its generation loop in the caller's inference mode (`torch.inference_mode()`
+around `generate_batch` reaches the loop's thread): the cache, and so the pool's tensors,
+are then built in inference mode, as transformers' own `torch.zeros` would be. vattn writes
+to them (clearing the trash and new pages) only while transformers builds the cache or
+hands out memory, on that thread; `trim` and the idle policy only unmap.
 
 The hook, smallest that works: `continuous_api.PagedAttentionCache` (the name
 `ContinuousBatchingManager` builds its cache with) becomes a subclass that, for a model
@@ -81,7 +87,7 @@ logger = logging.getLogger("vattn.hf_cb")
 
 # transformers major.minor -> the design of its continuous-batching cache, each verified with tests/test_hf_cb.py
 DESIGNS = {"5.17": "blocks", "5.18": "sectors", "5.19": "sectors", "5.20": "sectors", "5.21": "sectors", "5.22": "sectors",
-           "5.23": "sectors"}
+           "5.23": "sectors", "5.24": "sectors"}
 SUPPORTED_VERSIONS = tuple(DESIGNS)
 TRASH_SECTORS = 2
 
@@ -255,7 +261,7 @@ class ElasticCB:
         `allow_block_sharing=True`, the default) hold their memory until transformers evicts
         them under memory pressure; `trim` evicts them first, through `manager` (a
         `ContinuousBatchingManager`) or else every manager that built a live cache of this
-        handle: inside `manager.pause()` while its loop runs (5.23), or while the loop is
+        handle: inside `manager.pause()` while its loop runs (5.18+), or while the loop is
         stopped (5.17 cannot pause its loop: there they stay until it stops)."""
         for m in [manager] if manager is not None else self.managers:
             cache = getattr(getattr(m, "batch_processor", None), "cache", None)
@@ -468,7 +474,7 @@ def _handle_for(config: Any) -> ElasticCB | None:
 
 # ------------------------------------------------------------------- serving ----
 SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
-DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.23's own default (see serve)
+DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.24's own default (see serve)
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
@@ -493,7 +499,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     if max_batch_tokens is None and num_blocks is not None and design() == "blocks":
         # transformers 5.17, given num_blocks alone, sizes max_batch_tokens (its attention mask and IO
         # buffers, M x (num_blocks * block_size + M)) to fill the device's free memory: 21 GB of a 23 GB
-        # host in tests/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.23 take
+        # host in tests/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.24 take
         # 8192 when it is not given: so does 5.17 here.
         max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
     handle = enable_all(memory_limit=memory_limit, page_size=page_size, idle_trim_s=idle_trim_s)
@@ -618,7 +624,7 @@ def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], 
                     device: Any) -> ElasticPool:
     """The pool of a cache being built: `num_blocks` data blocks then the two trash blocks
     transformers keeps for padding tokens, mapped at once and for good, cleared (the read
-    trash must read zeros; 5.23 puts them first). When memory cannot back them,
+    trash must read zeros; 5.18+ put them first). When memory cannot back them,
     OutOfPhysicalMemoryError (the cache's constructor then closes the pool)."""
     pool = build["handle"]._new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
     build["pool"] = pool
