@@ -291,6 +291,34 @@ def test_unknown_transformers_is_a_clear_error(models, monkeypatch):
         hf_cb.enable(model)
 
 
+def _allocate_sector_from_the_front(self, index: int) -> None:
+    """A CachePool.allocate_sector of a changed design: the sector handed out is the first free one."""
+    self._free_blocks[index].add_tree(self.free_sectors.pop(0))
+
+
+@needs_cb
+def test_a_newer_transformers_runs_if_it_keeps_the_design(models, monkeypatch, cleanup):
+    """A release newer than the verified ones is recognised by its cache design, not by its
+    version string: with every hook point of a known design, a warning and vattn runs;
+    with one changed, the clear error, which says what changed."""
+    ms, refs = models
+    model, kind = ms["llama"], hf_cb.design()
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")
+    pip = re.escape(hf_cb.verified_requirement())
+    with pytest.warns(UserWarning, match=f"transformers 5.99.0 is newer .* keeps the '{kind}' design .*{pip}"):
+        cb = hf_cb.enable(model, page_size=PAGE)
+    assert generate(model, persistent=True) == refs["llama"] and cb.num_caches == 1
+    if kind == "sectors":  # the sector handed out is no longer the last free one, which VattnCachePool moves there
+        monkeypatch.setattr(cache_mod.CachePool, "allocate_sector", _allocate_sector_from_the_front)
+    else:
+        monkeypatch.delattr(cache_mod.BlockManager, "has_enough_free_blocks")
+    newest = hf_cb.SUPPORTED_VERSIONS[-1]
+    with pytest.raises(vattn.InvalidConfigError, match=f"this is transformers 5.99.0, whose cache differs from "
+                       f"{newest}'s: .*CachePool.allocate_sector (no longer has `self.free_sectors.pop\\(\\)`|is "
+                       f"missing).*{pip}"):
+        hf_cb.enable(model)
+
+
 @needs_cb
 @pytest.mark.parametrize("kw, match", [
     (dict(memory_limit=-1), "memory_limit"),
