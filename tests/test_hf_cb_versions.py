@@ -64,6 +64,17 @@ def test_every_supported_version_has_a_tested_release():
     assert {"5.17", "5.24"} <= set(hf_cb.SUPPORTED_VERSIONS)
 
 
+def test_extras_ask_for_the_verified_releases():
+    """pip never picks a transformers vattn has not verified: every extra that pulls it asks
+    for `hf_cb.verified_requirement()` (which follows `hf_cb.DESIGNS`)."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pulls = {extra: req for extra, reqs in extras.items() for req in map(Requirement, reqs) if req.name == "transformers"}
+    assert set(pulls) == {"hf", "serve", "test"}
+    want = Requirement(hf_cb.verified_requirement()).specifier
+    assert {extra: req.specifier for extra, req in pulls.items()} == dict.fromkeys(pulls, want)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("minor", [v for v in hf_cb.SUPPORTED_VERSIONS if v != INSTALLED])
 def test_hf_cb_tests_pass_on(minor):
