@@ -1,11 +1,14 @@
-"""tests/test_hf_cb.py on every transformers version `hf_cb` supports, not only the installed one.
+"""tests/test_hf_cb.py and tests/test_serve.py on every transformers release `hf_cb` supports.
 
-Each version is installed once (pip, `--target` a cache directory: the environment's own
-transformers is left alone) with whatever of its requirements the environment does not
-satisfy, and the test module runs in a subprocess with that directory first on
-PYTHONPATH: the same greedy-equality tests (Llama, Qwen2, sliding-window Mistral), the
-memory, limit and budget tests, and a test that checks the version it ran on.
-Marked `slow` (downloads): `python -m pytest -m slow tests/test_hf_cb_versions.py`.
+The installed release runs as it is; every other one is installed once (pip, `--target` a
+cache directory: the environment's own transformers is left alone) with whatever of its
+requirements the environment does not satisfy, and put first on PYTHONPATH. The two test
+modules run in a subprocess: the greedy-equality tests (Llama, Qwen2, sliding-window
+Mistral), the memory, limit and budget tests, `vattn serve` over HTTP (answers equal to
+`generate`, memory rising under a burst and falling back when idle), and a test that
+checks the version it ran on. None may be skipped.
+Marked `slow` (downloads, about a minute a release):
+`python -m pytest -m slow tests/test_hf_cb_versions.py`.
 The cache directory is $VATTN_TRANSFORMERS_CACHE or ~/.cache/vattn/transformers.
 """
 from __future__ import annotations
@@ -26,8 +29,7 @@ from packaging.requirements import Requirement  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 # The exact release each supported major.minor was verified with
 TESTED = {"5.17": "5.17.0", "5.18": "5.18.0", "5.19": "5.19.0", "5.20": "5.20.2", "5.21": "5.21.1",
-          "5.22": "5.22.2", "5.23": "5.23.0"}
-INSTALLED = ".".join(metadata.version("transformers").split(".")[:2])
+          "5.22": "5.22.2", "5.23": "5.23.0", "5.24": "5.24.0"}
 
 
 def install(version: str) -> Path:
@@ -61,18 +63,30 @@ def install(version: str) -> Path:
 
 def test_every_supported_version_has_a_tested_release():
     assert set(hf_cb.SUPPORTED_VERSIONS) <= set(TESTED)
-    assert {"5.17", "5.23"} <= set(hf_cb.SUPPORTED_VERSIONS)
+    assert {"5.17", "5.24"} <= set(hf_cb.SUPPORTED_VERSIONS)
+
+
+def test_extras_ask_for_the_verified_releases():
+    """pip never picks a transformers vattn has not verified: every extra that pulls it asks
+    for `hf_cb.verified_requirement()` (which follows `hf_cb.DESIGNS`)."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pulls = {extra: req for extra, reqs in extras.items() for req in map(Requirement, reqs) if req.name == "transformers"}
+    assert set(pulls) == {"hf", "serve", "test"}
+    want = Requirement(hf_cb.verified_requirement()).specifier
+    assert {extra: req.specifier for extra, req in pulls.items()} == dict.fromkeys(pulls, want)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("minor", [v for v in hf_cb.SUPPORTED_VERSIONS if v != INSTALLED])
+@pytest.mark.parametrize("minor", hf_cb.SUPPORTED_VERSIONS)
 def test_hf_cb_tests_pass_on(minor):
     version = TESTED[minor]
-    target = install(version)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(REPO)]), VATTN_EXPECT_TRANSFORMERS=version,
+    path = [] if metadata.version("transformers") == version else [str(install(version))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, str(REPO)]), VATTN_EXPECT_TRANSFORMERS=version,
                OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-                          "tests/test_hf_cb.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+                          "tests/test_hf_cb.py", "tests/test_serve.py"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=900)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     summary = out.strip().splitlines()[-1]

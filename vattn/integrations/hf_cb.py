@@ -11,7 +11,7 @@ transformers runs continuous batching (`model.generate_batch`, `init_continuous_
 changed between releases; this module knows two (`DESIGNS`), and backs the cache's
 tensors with one `ElasticPool` in both:
 
-- "sectors" (5.18 to 5.23): one flat `uint8` tensor of `2 + num_sectors` sectors (the
+- "sectors" (5.18 to 5.24): one flat `uint8` tensor of `2 + num_sectors` sectors (the
   first two are trash sectors for padding tokens), handed out sector by sector to the
   cache allocators by a `CachePool`. The tensor is the pool's single buffer, a sector one
   pool block; `CachePool` becomes a subclass whose sector calls go through the pool
@@ -24,7 +24,7 @@ tensors with one `ElasticPool` in both:
 
 ```
  cache tensor(s) (virtual, reserved once, never move)
- [ block | block | ... | trash | trash ]     (5.23: the trash sectors come first)
+ [ block | block | ... | trash | trash ]     (sectors: the trash sectors come first)
    mapped when transformers hands the block out, given back to the pool when free;
    the trash stays mapped
 ```
@@ -33,6 +33,12 @@ Pages mapped with new memory are cleared before transformers gets them
 (`ElasticPool(zero_new=True)`: on a GPU; the host's new pages read zeros), as its
 `torch.zeros` cache started at zero, and the trash blocks, which padding tokens read, are
 cleared when taken.
+
+5.24 runs its generation loop in the caller's inference mode (`torch.inference_mode()`
+around `generate_batch` reaches the loop's thread): the cache, and so the pool's tensors,
+are then built in inference mode, as transformers' own `torch.zeros` would be. vattn writes
+to them (clearing the trash and new pages) only while transformers builds the cache or
+hands out memory, on that thread; `trim` and the idle policy only unmap.
 
 The hook, smallest that works: `continuous_api.PagedAttentionCache` (the name
 `ContinuousBatchingManager` builds its cache with) becomes a subclass that, for a model
@@ -52,9 +58,12 @@ the allocation waits `ALLOC_RETRY_S` (2 s) and raises `OutOfPhysicalMemoryError`
 transformers' generation loop, which stops and fails the requests in flight. Sharing a
 GPU, give each process a `memory_limit` (and the servers theirs) whose sum fits it.
 
-Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py, see
-tests/test_hf_cb_versions.py). The hook checks the exact names and source lines it relies
-on and raises `InvalidConfigError` on any other version or a changed one.
+Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py and
+tests/test_serve.py, see tests/test_hf_cb_versions.py). The hook checks the exact names,
+signatures and source lines it relies on and raises `InvalidConfigError` when they changed.
+A release newer than these is recognised by that same check, not by its version string:
+when it keeps one design's hook points, vattn warns that it is unverified and runs; an
+older release, or a newer one with a changed cache, gets `InvalidConfigError`.
 """
 from __future__ import annotations
 
@@ -67,6 +76,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Iterable
 
@@ -80,8 +90,9 @@ from vattn.pool import ElasticPool, PoolStats
 logger = logging.getLogger("vattn.hf_cb")
 
 # transformers major.minor -> the design of its continuous-batching cache, each verified with tests/test_hf_cb.py
+# and tests/test_serve.py (tests/test_hf_cb_versions.py runs them on each); pyproject's extras stop below the next one
 DESIGNS = {"5.17": "blocks", "5.18": "sectors", "5.19": "sectors", "5.20": "sectors", "5.21": "sectors", "5.22": "sectors",
-           "5.23": "sectors"}
+           "5.23": "sectors", "5.24": "sectors"}
 SUPPORTED_VERSIONS = tuple(DESIGNS)
 TRASH_SECTORS = 2
 
@@ -104,19 +115,52 @@ def _modules() -> tuple[Any, Any, Any]:
     return transformers, cache_mod, continuous_api
 
 
+def _minor(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string ("5.24.0", "5.25.0.dev0"), or None."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def verified_requirement() -> str:
+    """The pip requirement of the releases this hook was verified on, `transformers>=5.17,<5.25`:
+    what the `hf`, `serve` and `test` extras ask for."""
+    first, last = min(map(_minor, DESIGNS)), max(map(_minor, DESIGNS))
+    return f"transformers>={first[0]}.{first[1]},<{last[0]}.{last[1] + 1}"
+
+
 def design() -> str:
     """The cache design of the installed transformers: "sectors" or "blocks" (see the module
-    docstring); InvalidConfigError on a version this hook was not verified on."""
-    import transformers
-
+    docstring). A verified release (`DESIGNS`) has its own; a newer one is recognised by its
+    code: when it keeps every name, signature and allocation line one design's hook relies
+    on (`check_transformers`), that design, with a warning that the release is unverified.
+    InvalidConfigError otherwise (an older release, or a newer one whose cache changed)."""
+    transformers, cache_mod, api = _modules()
     version = transformers.__version__
     found = DESIGNS.get(".".join(version.split(".")[:2]))
-    if found is None:
-        raise InvalidConfigError(
-            f"vattn.integrations.hf_cb supports transformers {', '.join(SUPPORTED_VERSIONS)} (the continuous-batching "
-            f"cache designs it was verified on); this is transformers {version}. Install a supported version, or "
-            "use vattn's own engine (vattn.LLM)")
-    return found
+    if found is not None:
+        return found
+    newest = max(DESIGNS, key=_minor)
+    newer = (_minor(version) or (0, 0)) > _minor(newest)
+    problems: dict[str, list[str]] = {}
+    if newer:  # an older release predates what vattn knows: never guessed
+        for kind in dict.fromkeys([DESIGNS[newest], *DESIGNS.values()]):  # the newest release's design first
+            problems[kind] = _hook_problems(kind, cache_mod, api, strict=True)
+            if not problems[kind]:
+                releases = [v for v, k in DESIGNS.items() if k == kind]
+                span = releases[0] if len(releases) == 1 else f"{releases[0]} to {releases[-1]}"
+                warnings.warn(
+                    f"vattn.integrations.hf_cb: transformers {version} is newer than the releases it was verified on "
+                    f"({SUPPORTED_VERSIONS[0]} to {newest}), and its continuous-batching cache keeps the {kind!r} "
+                    f"design of {span} (the classes, methods, signatures and allocation "
+                    f"lines vattn hooks): vattn runs on it, unverified. If it misbehaves: pip install "
+                    f"'{verified_requirement()}'", UserWarning, stacklevel=2)
+                return kind
+    raise InvalidConfigError(
+        f"vattn.integrations.hf_cb supports transformers {', '.join(SUPPORTED_VERSIONS)} (the continuous-batching "
+        f"cache designs it was verified on); this is transformers {version}"
+        + (f", whose cache differs from {newest}'s: {', '.join(problems[DESIGNS[newest]])}" if newer else "")
+        + f". Install a supported version (pip install '{verified_requirement()}'), or use vattn's own engine "
+        "(vattn.LLM)")
 
 
 def _source(fn: Any) -> str | None:
@@ -126,21 +170,35 @@ def _source(fn: Any) -> str | None:
         return None
 
 
-def check_transformers() -> str:
-    """Raise InvalidConfigError unless the installed transformers is one this hook knows,
-    with the names it relies on. Returns the version."""
-    transformers, cache_mod, api = _modules()
-    version = transformers.__version__
-    kind = design()
+def _hook_problems(kind: str, cache_mod: Any, api: Any, strict: bool = False) -> list[str]:
+    """What of the names, signatures and source lines the hook of design `kind` relies on
+    the loaded transformers lacks (empty: the hook fits it). Source that cannot be read
+    passes on a verified release, not when `strict` (an unverified one is recognised by it)."""
+
+    def source(what: str, obj: Any) -> str | None:
+        src = _source(obj)
+        if src is None and strict:
+            problems.append(f"the source of {what} cannot be read")
+        return src
+
     base = _installed.get("base", getattr(api, "PagedAttentionCache", None))
     problems = []
     if base is None or base is not getattr(cache_mod, "PagedAttentionCache", None):
         problems.append("continuous_api.PagedAttentionCache is not cache.PagedAttentionCache")
     if kind == "sectors":
         pool_cls = getattr(cache_mod, "CachePool", None)
-        for name in ("allocate_sector", "try_to_free_sectors", "free_blocks", "reset", "num_free_sectors"):
-            if pool_cls is None or not hasattr(pool_cls, name):
-                problems.append(f"CachePool.{name} is missing")
+        missing = [name for name in ("allocate_sector", "try_to_free_sectors", "free_blocks", "reset",
+                                     "num_free_sectors", "set_blocks_per_sector") if not hasattr(pool_cls, name)]
+        problems += [f"CachePool.{name} is missing" for name in missing]
+        if pool_cls is not None and not missing:  # what VattnCachePool builds on: a free list, the last one handed out
+            if list(inspect.signature(pool_cls.__init__).parameters) != \
+                    ["self", "num_sectors", "num_allocators", "num_reserved_sectors"]:
+                problems.append("CachePool.__init__ takes other arguments")
+            for name, needle in (("reset", "self.free_sectors = "), ("allocate_sector", "self.free_sectors.pop()"),
+                                 ("try_to_free_sectors", "self.free_sectors.append(")):
+                src = source(f"CachePool.{name}", getattr(pool_cls, name))
+                if src is not None and needle not in src:
+                    problems.append(f"CachePool.{name} no longer has `{needle}`")
         methods, first = ("evict_cached_blocks", "free_all_requests", "reset"), []
         needles = ("self.cache_tensor = torch.zeros(", "self.pool = CachePool(self.num_sectors",
                    "register_cache_tensor(self.bytes_per_sector, non_trash_bytes, self.cache_tensor, self.pool)")
@@ -151,7 +209,7 @@ def check_transformers() -> str:
                 problems.append(f"BlockManager.{name} is missing")
         if not callable(getattr(cache_mod, "group_layers_by_attn_type", None)):
             problems.append("cache.group_layers_by_attn_type is missing")
-        src = _source(sys.modules.get(getattr(manager, "__module__", ""), None)) if manager is not None else None
+        src = source("BlockManager's module", sys.modules.get(manager.__module__)) if manager is not None else None
         if src is not None:  # the free-block deque is only ever popleft/append/extend/len: what _FreeBlocks stands in for
             ops = set(re.findall(r"_uninit_block_ids(?:\.(\w+)|(\[))", src))
             bad = sorted({a or b for a, b in ops} - {"popleft", "append", "extend"})
@@ -169,14 +227,22 @@ def check_transformers() -> str:
         want = ["self", "config", "continuous_batching_config", "device", "distributed_helper", *first]
         if params[:len(want)] != want:
             problems.append(f"PagedAttentionCache.__init__ takes {params}")
-        src = _source(base.__init__)
+        src = source("PagedAttentionCache.__init__", base.__init__)
         for needle in needles if src is not None else ():
             if needle not in src:
                 problems.append(f"PagedAttentionCache.__init__ no longer has `{needle}`")
+    return problems
+
+
+def check_transformers() -> str:
+    """Raise InvalidConfigError unless the installed transformers is one this hook knows
+    (`design`), with the names it relies on. Returns the version."""
+    transformers, cache_mod, api = _modules()
+    problems = _hook_problems(design(), cache_mod, api)
     if problems:
-        raise InvalidConfigError(f"transformers {version} changed what vattn.integrations.hf_cb hooks: "
-                                 + "; ".join(problems))
-    return version
+        raise InvalidConfigError(f"transformers {transformers.__version__} changed what vattn.integrations.hf_cb "
+                                 "hooks: " + "; ".join(problems))
+    return transformers.__version__
 
 
 def memory_problem() -> str | None:
@@ -255,7 +321,7 @@ class ElasticCB:
         `allow_block_sharing=True`, the default) hold their memory until transformers evicts
         them under memory pressure; `trim` evicts them first, through `manager` (a
         `ContinuousBatchingManager`) or else every manager that built a live cache of this
-        handle: inside `manager.pause()` while its loop runs (5.23), or while the loop is
+        handle: inside `manager.pause()` while its loop runs (5.18+), or while the loop is
         stopped (5.17 cannot pause its loop: there they stay until it stops)."""
         for m in [manager] if manager is not None else self.managers:
             cache = getattr(getattr(m, "batch_processor", None), "cache", None)
@@ -468,7 +534,7 @@ def _handle_for(config: Any) -> ElasticCB | None:
 
 # ------------------------------------------------------------------- serving ----
 SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
-DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.23's own default (see serve)
+DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.24's own default (see serve)
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
@@ -493,7 +559,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     if max_batch_tokens is None and num_blocks is not None and design() == "blocks":
         # transformers 5.17, given num_blocks alone, sizes max_batch_tokens (its attention mask and IO
         # buffers, M x (num_blocks * block_size + M)) to fill the device's free memory: 21 GB of a 23 GB
-        # host in tests/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.23 take
+        # host in tests/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.24 take
         # 8192 when it is not given: so does 5.17 here.
         max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
     handle = enable_all(memory_limit=memory_limit, page_size=page_size, idle_trim_s=idle_trim_s)
@@ -618,7 +684,7 @@ def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], 
                     device: Any) -> ElasticPool:
     """The pool of a cache being built: `num_blocks` data blocks then the two trash blocks
     transformers keeps for padding tokens, mapped at once and for good, cleared (the read
-    trash must read zeros; 5.23 puts them first). When memory cannot back them,
+    trash must read zeros; 5.18+ put them first). When memory cannot back them,
     OutOfPhysicalMemoryError (the cache's constructor then closes the pool)."""
     pool = build["handle"]._new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
     build["pool"] = pool
@@ -823,7 +889,8 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
     return PagedAttentionCache
 
 
-__all__ = ["SUPPORTED_VERSIONS", "ElasticCB", "enable", "disable", "enable_all", "disable_all", "check_transformers",
+__all__ = ["SUPPORTED_VERSIONS", "ElasticCB", "enable", "disable", "enable_all", "disable_all", "check_transformers", "design",
+           "verified_requirement",
            "install", "uninstall", "serve", "main"]
 
 
