@@ -77,7 +77,8 @@ class Budget:
     def shared(cls, name: str, limit: int | None = None, *, device: Any = None, member_limit: int | None = None,
                label: str | None = None) -> Budget:
         """Join the budget `name` shared by the processes of this machine, creating it with
-        `limit` bytes if it has no member (a budget ends with its last member). One budget
+        `limit` bytes if it has no member (a budget ends with its last member; an existing
+        budget keeps its limit, unless it has none: then `limit` becomes it). One budget
         per GPU (`device`: "cuda[:N]"; keyed by the GPU's UUID) or per host ("cpu"); None:
         the current GPU if there is one, else the host. `member_limit`: bytes this process
         may take at most. `label`: the name `vattn top` shows (default: the command).

@@ -336,6 +336,8 @@ def _claim_row(t: _Table, name: str, key: str, limit: int | None, member_limit: 
         t.header["magic"], t.header["version"] = _MAGIC, _VERSION
         t.header["limit"] = -1 if limit is None else limit
         t.header["created"], t.header["name"], t.header["device"] = now, name.encode(), key.encode()
+    elif limit is not None and t.limit is None:  # a member that set none leaves it to the first that does
+        t.header["limit"] = limit
     elif limit is not None and limit != t.limit:
         logger.warning("vattn: budget %s exists with limit %s; joined with it (limit=%d was not used; change it "
                        "with `vattn budget set-limit %s BYTES`)", name, t.limit, limit, name)
@@ -731,9 +733,11 @@ def join(name: str, limit: int | None = None, *, device: Any = None, member_limi
         t.rows["label"][m._row] = label.encode()[:127]
         if member_limit is not None:
             t.rows["limit"][m._row] = member_limit
-    if limit is not None and limit != m.budget_limit:
-        logger.warning("vattn: budget %s exists with limit %s; joined with it (limit=%d was not used)",
-                       name, m.budget_limit, limit)
+        if limit is not None and t.limit is None:
+            t.header["limit"] = limit
+        elif limit is not None and limit != t.limit:
+            logger.warning("vattn: budget %s exists with limit %s; joined with it (limit=%d was not used)",
+                           name, t.limit, limit)
     return m
 
 

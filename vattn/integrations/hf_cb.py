@@ -540,7 +540,8 @@ DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.24's own default (see ser
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
           page_size: int | None = None, idle_trim_s: float | None = None, device: str = "auto",
           num_blocks: int | None = None, block_size: int | None = None, max_batch_tokens: int | None = None,
-          log_level: str = "warning", non_blocking: bool = False) -> Any:
+          log_level: str = "warning", non_blocking: bool = False, budget: Budget | str | None = None,
+          budget_limit: int | None = None) -> Any:
     """`transformers serve` with continuous batching on vattn memory, for a local checkpoint
     (offline): the OpenAI-compatible endpoints `/v1/chat/completions`, `/v1/completions`,
     `/v1/models`, `/health`. Blocks until the server stops, unless `non_blocking` (then it
@@ -548,7 +549,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     `kill_server()` stops it). The memory limit is in bytes of KV pages; `idle_trim_s` is
     the idle policy (see `enable`); `num_blocks` and `block_size` (tokens) size
     transformers' (virtual) cache. Requests that do not fit under the limit wait in
-    transformers' scheduler."""
+    transformers' scheduler. `budget`: a `vattn.Budget`, or the name of a budget shared
+    with the other servers of this GPU or host (`vattn.Budget.shared(budget, budget_limit)`;
+    `vattn top` shows them)."""
     missing = [m for m in SERVING_PACKAGES if importlib.util.find_spec(m) is None]
     if missing:
         raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
@@ -562,7 +565,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
         # host in tests/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.24 take
         # 8192 when it is not given: so does 5.17 here.
         max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
-    handle = enable_all(memory_limit=memory_limit, page_size=page_size, idle_trim_s=idle_trim_s)
+    if isinstance(budget, str):  # one budget for the servers of this GPU (or host), named
+        budget = Budget.shared(budget, budget_limit, device=None if device == "auto" else device,
+                               label=os.path.basename(os.path.abspath(model)))
+    handle = enable_all(memory_limit=memory_limit, budget=budget, page_size=page_size, idle_trim_s=idle_trim_s)
     from transformers.cli.serve import Serve
 
     try:
@@ -596,10 +602,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=None, help="tokens per cache block")
     ap.add_argument("--max-batch-tokens", type=int, default=None)
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--budget", default=None, metavar="NAME",
+                    help="share KV memory with the other servers of this GPU or host in the budget NAME "
+                    "(vattn top shows it)")
+    ap.add_argument("--budget-limit", type=int, default=None,
+                    help="bytes: the budget's limit when this server creates it (default: none)")
     a = ap.parse_args(argv)
     serve(a.model, host=a.host, port=a.port, memory_limit=a.memory_limit, page_size=a.page_size,
           idle_trim_s=a.idle_trim_s, device=a.device, num_blocks=a.num_blocks, block_size=a.block_size,
-          max_batch_tokens=a.max_batch_tokens, log_level=a.log_level)
+          max_batch_tokens=a.max_batch_tokens, log_level=a.log_level, budget=a.budget, budget_limit=a.budget_limit)
 
 
 # ------------------------------------------------------------------ the hook ----
