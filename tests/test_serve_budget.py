@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.test_budget_shared import REPO, books_and_memory, memfd_bytes, row, wait_for
+from tests.test_budget_shared import REPO, live_pids, memfd_bytes, row, wait_for
 from tests.test_serve import SKIP, burst, ckpt, expected, free_port, wait_ready  # noqa: F401  (fixtures)
 from vattn import budget_shared
 from vattn.budget_shared import list_budgets
@@ -126,7 +126,7 @@ def test_a_server_killed_mid_burst_costs_the_other_nothing(servers, ckpt, expect
         with pytest.raises(Exception):
             doomed.result(timeout=120)
         # its lease ended with it: its row goes within a few seconds, its bytes with it
-        wait_for(lambda: [m["pid"] for m in list_budgets("pair")[0]["members"]] == [b.pid], 3)
+        wait_for(lambda: live_pids("pair") == [b.pid], 3)  # b's responder cleared its row
         (budget,) = list_budgets("pair")
         assert budget["used"] == budget["members"][0]["mapped"] == memfd_bytes(b.pid)
         assert burst(cb, ckpt) == expected
