@@ -28,9 +28,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import vattn  # noqa: E402
+from vattn.bench._models import char_checkpoint  # noqa: E402  (a tiny Llama, a character tokenizer)
 from vattn.integrations import hf_cb  # noqa: E402
 
 try:
@@ -51,30 +52,6 @@ PROMPTS = ["hello world", "the quick brown fox jumps over", "vattn maps pages on
            "0123456789 is a number", "Once upon a time, there was", "memory comes and goes", "!?"]
 CHATS = [[{"role": "user", "content": c}] for c in ("hi", "what is paging?", "tell me a story", "2 + 2 = ?")]
 READY_S = 120  # the server must answer /health within this
-
-
-def char_checkpoint(path: Path) -> str:
-    """A tiny seeded Llama with a character-level tokenizer and a chat template, saved locally."""
-    import string
-
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(string.printable[:95])}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

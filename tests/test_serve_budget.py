@@ -10,6 +10,7 @@ request right, and the dead one's share comes back. Answers must equal plain `ge
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import subprocess
@@ -31,31 +32,31 @@ pytestmark = pytest.mark.skipif(bool(SKIP), reason=SKIP)
 LIMIT = 75 * 4096
 
 
-class Sampler:
-    """(bytes taken, physical bytes of each pid) every 10 ms, read under the books' lock."""
+@contextlib.contextmanager
+def sampled(name: str, pids: list[int]):
+    """Yields a list that fills with (bytes taken, [physical bytes of each pid]) every 10 ms,
+    each read under the books' lock (see `books_and_memory`)."""
+    values: list = []
+    stop = threading.Event()
+    path = budget_shared.table_path(name, "host")
 
-    def __init__(self, name: str, pids: list[int]) -> None:
-        self.name, self.pids, self.values = name, pids, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        path = budget_shared.table_path(self.name, "host")
-        while not self._stop.wait(0.01):
+    def sample() -> None:
+        while not stop.wait(0.01):
             with budget_shared._reading(path) as t:
                 if t is not None:
-                    self.values.append((t.used(), [memfd_bytes(p) for p in self.pids]))
+                    values.append((t.used(), [memfd_bytes(p) for p in pids]))
 
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield values
+    finally:
+        stop.set()
+        thread.join()
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
-    def max_sum(self) -> int:
-        return max(max(used, sum(phys)) for used, phys in self.values)
+def max_sum(values: list) -> int:
+    return max(max(used, sum(phys)) for used, phys in values)
 
 
 @pytest.fixture
@@ -92,14 +93,14 @@ def servers(ckpt, tmp_path, monkeypatch):  # noqa: F811
 
 def test_a_burst_at_one_server_then_the_other_shares_the_memory(servers, ckpt, expected):  # noqa: F811
     (a, ca), (b, cb) = servers(2)
-    with Sampler("pair", [a.pid, b.pid]) as sampler:
+    with sampled("pair", [a.pid, b.pid]) as samples:
         assert burst(ca, ckpt) == expected
         held = memfd_bytes(a.pid)
         assert held > LIMIT // 2  # a took most of the budget
         wait_for(lambda: row("pair", a.pid)["cached"] > 0, 1)  # its free blocks' pages, cached
         assert burst(cb, ckpt) == expected  # b's burst needs more than a left free
         assert row("pair", a.pid)["gave"] > 0 and memfd_bytes(a.pid) < held  # a gave b pages it cached
-        assert max(phys[1] for _, phys in sampler.values) > LIMIT - held
+        assert max(phys[1] for _, phys in samples) > LIMIT - held
         # a per-process limit, set at run time: b never passes it again
         cap = 24 * 4096
         out = subprocess.run([sys.executable, "-m", "vattn", "budget", "set-limit", "pair", str(cap), "--pid",
@@ -107,17 +108,17 @@ def test_a_burst_at_one_server_then_the_other_shares_the_memory(servers, ckpt, e
                              env=dict(os.environ, PYTHONPATH=str(REPO)))
         assert out.returncode == 0, out.stderr
         wait_for(lambda: memfd_bytes(b.pid) <= cap, 2)  # its cached pages over it went back
-        since = len(sampler.values)
+        since = len(samples)
         assert burst(cb, ckpt) == expected  # its requests wait for memory in transformers' scheduler
-        assert max(phys[1] for _, phys in sampler.values[since:]) <= cap
+        assert max(phys[1] for _, phys in samples[since:]) <= cap
         assert row("pair", b.pid)["refusals"] > 0
-    assert len(sampler.values) > 50
-    assert sampler.max_sum() <= LIMIT
+    assert len(samples) > 50
+    assert max_sum(samples) <= LIMIT
 
 
 def test_a_server_killed_mid_burst_costs_the_other_nothing(servers, ckpt, expected):  # noqa: F811
     (a, ca), (b, cb) = servers(2)
-    with Sampler("pair", [a.pid, b.pid]) as sampler, concurrent.futures.ThreadPoolExecutor(2) as ex:
+    with sampled("pair", [a.pid, b.pid]) as samples, concurrent.futures.ThreadPoolExecutor(2) as ex:
         doomed = ex.submit(burst, ca, ckpt)
         answers = ex.submit(burst, cb, ckpt)
         wait_for(lambda: memfd_bytes(a.pid) > 4 * 8192, 30)  # a is serving its burst
@@ -130,4 +131,4 @@ def test_a_server_killed_mid_burst_costs_the_other_nothing(servers, ckpt, expect
         (budget,) = list_budgets("pair")
         assert budget["used"] == budget["members"][0]["mapped"] == memfd_bytes(b.pid)
         assert burst(cb, ckpt) == expected
-    assert sampler.max_sum() <= LIMIT
+    assert max_sum(samples) <= LIMIT

@@ -298,6 +298,7 @@ class ElasticCB:
         self.last_activity = time.monotonic()  # the last block handed out or given back
         self._idle_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._budget_token: int | None = None  # this handle's part on the budget (see _budget_reclaim)
 
     @property
     def pools(self) -> list[ElasticPool]:
@@ -395,8 +396,35 @@ class ElasticCB:
             self._start_idle()
 
     def close(self) -> None:
-        """Stop the idle policy's thread (live pools stay)."""
+        """Stop the idle policy's thread and leave the budget (live pools stay on it)."""
         self._stop.set()
+        if self._budget_token is not None:
+            self.budget.unregister(self._budget_token)
+            self._budget_token = None
+
+    def _budget_reclaim(self, nbytes: int) -> int:
+        """The budget's call when another model is short, after the pools gave their free
+        pages: a handle with no request in flight evicts the blocks transformers keeps for
+        prefix sharing and gives back every page, as the idle policy does (a busy one keeps
+        them: its loop would have to pause). Returns bytes given back; never raises."""
+        if self.busy():
+            return 0
+        try:
+            return self.trim()
+        except Exception:
+            return 0
+
+    def _budget_cached(self) -> int:
+        """What `_budget_reclaim` could give now beyond the pools' free pages (an estimate,
+        read without locks: a pool calls it under its own): the blocks in use but the trash
+        ones, while no request is in flight."""
+        if self.busy():
+            return 0
+        total = 0
+        for p in self.pools:
+            c = p.config
+            total += max(0, c.num_blocks - p.num_free_blocks - TRASH_SECTORS) * c.block_bytes * c.num_buffers
+        return total
 
     def set_limit(self, limit: int | None) -> None:
         """A new limit on the mapped bytes of this model's caches (this one and later ones)."""
@@ -420,6 +448,8 @@ class ElasticCB:
                            zero_new=True)
         self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
         self.num_caches += 1
+        if self.budget is not None and self._budget_token is None:  # after the pool: asked after its free pages
+            self._budget_token = self.budget.register(self._budget_reclaim, self._budget_cached)
         self._start_idle()
         return pool
 
@@ -474,6 +504,9 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
             ref = weakref.ref(config, lambda _r, key=id(config), h=handle: _forget(key, h))
             _handles[id(config)] = (ref, handle)
         else:
+            if budget is not handle.budget and handle._budget_token is not None:  # its part moves with it
+                handle.budget.unregister(handle._budget_token)
+                handle._budget_token = None
             handle.memory_limit, handle.budget, handle.page_size = memory_limit, budget, page_size
             handle._set_idle_trim_s(idle_trim_s)
         return handle
