@@ -35,13 +35,13 @@ def pattern(slot: int, tag: float, layer: int, n: int) -> torch.Tensor:
 
 def fill(cache: vattn.KVCache, r: int, n: int, tag: float) -> None:
     for layer in range(CACHE["num_layers"]):
-        cache.k_cache(layer)[r, :n] = pattern(r, tag, layer, n)
-        cache.v_cache(layer)[r, :n] = -pattern(r, tag, layer, n)
+        cache.k_cache(layer)[r, :n] = pattern(r, tag, layer, n).to(CACHE["device"])
+        cache.v_cache(layer)[r, :n] = -pattern(r, tag, layer, n).to(CACHE["device"])
 
 
 def intact(cache: vattn.KVCache, r: int, n: int, tag: float) -> bool:
     for layer in range(CACHE["num_layers"]):
-        want = pattern(r, tag, layer, n)
+        want = pattern(r, tag, layer, n).to(CACHE["device"])
         if not (torch.equal(cache.k_cache(layer)[r, :n], want.expand(n, 2, 16))
                 and torch.equal(cache.v_cache(layer)[r, :n], -want.expand(n, 2, 16))):
             return False
@@ -89,9 +89,12 @@ def main() -> None:
     ap.add_argument("--member-limit", type=int, default=None)
     ap.add_argument("--label", default=None)
     ap.add_argument("--llm", default=None, help="a tests.helpers model family: an engine instead of a cache")
+    ap.add_argument("--device", default="cpu", help="cuda: the cache on the GPU, 2 MiB pages (a slot is one group)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    budget = vattn.Budget.shared(a.name, a.limit, member_limit=a.member_limit, label=a.label)
+    if a.device != "cpu":
+        CACHE.update(device=a.device, page_size=2 << 20)
+    budget = vattn.Budget.shared(a.name, a.limit, member_limit=a.member_limit, label=a.label, device=a.device)
     if a.llm:
         from tests.helpers import greedy_params, prompts, tiny_config
         from vattn.engine import LLM

@@ -132,6 +132,12 @@ def row(name: str, pid: int) -> dict | None:
     return None
 
 
+def _state(pid: int, tid: str) -> str:
+    """The scheduler state letter of thread `tid` of `pid` (R, S, T for stopped, ...)."""
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def fill_and_free(m: Member, tokens: int, tag: float = 1) -> None:
     """A request of `tokens` that writes them all and ends: its pages stay cached."""
     r = m.call("alloc")["out"]
@@ -237,6 +243,7 @@ def test_a_member_that_never_answers_is_waited_for_once(member):
     fill_and_free(a, 1024)
     os.kill(a.pid, signal.SIGSTOP)  # its responder cannot answer
     try:
+        wait_for(lambda: all(_state(a.pid, t) == "T" for t in os.listdir(f"/proc/{a.pid}/task")), 2)  # every thread
         rb = b.call("alloc")["out"]
         assert not b.call("step", lens={rb: 512})["out"]["ok"]  # refused
         slow = b.call("step", lens={rb: 512})  # asks a and waits for it, ANSWER_S at most
@@ -395,3 +402,33 @@ def test_a_forked_child_is_told_to_join_itself():
         assert b.used == 0
     finally:
         b.close()
+
+
+@pytest.mark.gpu
+def test_two_processes_share_a_gpu_budget(member):
+    """On a GPU: the budget is the GPU's (its UUID in the key), and device memory given back
+    by an idle process is taken by another (2 MiB pages: a slot of the members is one
+    8 MiB page group)."""
+    import torch
+
+    key = budget_shared.device_key("cuda")
+    assert key.startswith("cuda-") and key != "cuda-", key
+    group = 4 * (2 << 20)
+    a = member("gpu", "--device", "cuda", "--limit", str(4 * group))
+    b = member("gpu", "--device", "cuda")
+    rs = [a.call("alloc")["out"] for _ in range(4)]
+    assert a.call("step", lens={r: 1024 for r in rs})["out"]["ok"]  # the whole budget
+    for r in rs:
+        a.call("fill", r=r, n=1024, tag=1)
+        assert a.call("intact", r=r, n=1024, tag=1)["out"]
+        a.call("free", r=r)
+    free_before = torch.cuda.mem_get_info()[0]
+    rb = b.call("alloc")["out"]
+    assert not b.call("step", lens={rb: 1024})["out"]["ok"]
+    res = b.call("step", lens={rb: 1024})
+    assert res["out"]["ok"] and res["s"] < 1.0, res  # a, idle, gave its device memory back
+    b.call("fill", r=rb, n=1024, tag=2)
+    assert b.call("intact", r=rb, n=1024, tag=2)["out"]
+    (budget,) = list_budgets("gpu")
+    assert budget["device"] == key and budget["used"] <= 4 * group
+    assert abs(torch.cuda.mem_get_info()[0] - free_before) <= 2 * group  # moved, not added
