@@ -3,7 +3,8 @@
 - The books (`vattn.allocator`, every module under it and every vattn module it imports) and
   the scheduler (`vattn.engine.scheduler`, `vattn.engine.sequence`) are plain Python: they
   import with torch, transformers and the integrations refused, the books also without the engine.
-- `import vattn` is light: the public names are listed but load on first use.
+- `import vattn` is light: the public names are listed but load on first use; `vattn.report`
+  (tables, percentiles) is as light.
 - `vattn._C` and the vmem backends load without the engine, the cache and the pool.
 The books are discovered (what importing them loads), not listed, so a split of the allocator
 into several modules is checked without editing this file.
@@ -100,9 +101,9 @@ def test_plain_modules_import_no_torch_anywhere(modules, blocked):
 
 def test_import_vattn_is_light():
     """`import vattn` loads none of the modules behind its public names; `dir(vattn)` lists them
-    without loading them; the errors are there at once."""
+    without loading them; the errors are there at once; the tables (vattn.report) need nothing more."""
     got = _run(ABOVE_THE_BOOKS, """
-import vattn, vattn.errors
+import vattn, vattn.errors, vattn.report
 before = set(vattn_modules())
 listed = dir(vattn)
 print(json.dumps(dict(before=sorted(before), after=sorted(vattn_modules()), listed=listed, all=vattn.__all__,
