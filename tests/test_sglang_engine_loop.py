@@ -99,12 +99,12 @@ class PageRadix:
             locs.append(node.locs)
         return (torch.cat(locs) if locs else torch.empty(0, dtype=torch.int64)), path
 
-    def lock(self, path: list[tuple]) -> None:
-        for key in path:
+    def lock(self, path: list[tuple] | None) -> None:
+        for key in path or ():
             self.nodes[key].ref += 1
 
-    def unlock(self, path: list[tuple]) -> None:
-        for key in path:
+    def unlock(self, path: list[tuple] | None) -> None:
+        for key in path or ():
             self.nodes[key].ref -= 1
 
     def insert(self, tokens: list[int], locs: torch.Tensor) -> int:
@@ -150,7 +150,7 @@ class Req:
     prompt: list[int]
     max_new: int
     out: list[int] = field(default_factory=list)
-    path: list[tuple] = field(default_factory=list)  # locked radix-cache pages
+    path: object = None  # the radix-cache handle of the locked prefix (PageRadix: its keys)
     n_cached: int = 0  # tokens whose slots are the radix cache's
     locs: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # slots of computed tokens
     retracted: int = 0
@@ -338,7 +338,7 @@ class Scheduler:
         if len(own):
             self.alloc.free(own)
         self.tree.unlock(req.path)
-        req.path, req.n_cached, req.locs = [], 0, torch.empty(0, dtype=torch.int64)
+        req.path, req.n_cached, req.locs = None, 0, torch.empty(0, dtype=torch.int64)
 
     def _retract(self, req: Req) -> None:
         self._release(req)
