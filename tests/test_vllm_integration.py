@@ -773,3 +773,27 @@ def test_a_budget_shared_with_another_process(monkeypatch, tmp_path):
         skv.budget.close()
     finally:
         other.stop()
+
+
+def test_on_a_shared_budget_the_workers_keep_no_reserve(monkeypatch, tmp_path):
+    """Under EngineCore the workers keep a reserve of created pages against other processes;
+    on a shared budget the budget keeps them off instead (no reserve, no top-ups)."""
+    from vattn import budget_shared
+
+    monkeypatch.setenv(budget_shared.DIR_ENV, str(tmp_path))
+    cfg = kv_config()
+    vv._started = vv.Workers(vv.geometry(cfg).key, (len(vv.geometry(cfg).regions),))
+    try:
+        alone = vv.attach(BlockPool(cfg.num_blocks), cfg)
+        assert alone.reserve == 0 and alone.budget is None
+        monkeypatch.setenv("VATTN_BUDGET", "nores")
+        shared = vv.attach(BlockPool(cfg.num_blocks), cfg)
+        assert shared.reserve is None and isinstance(shared.budget, budget_shared.SharedBudget)
+        assert shared.budget.used == shared.stats().mapped_bytes > 0  # the null block's page, taken
+        core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=shared.block_pool)))
+        vv.before_schedule(core)  # no reserve to top up: nothing is sent (no executor to send it with)
+        alone.pool.close()
+        shared.pool.close()
+        shared.budget.close()
+    finally:
+        vv._started = None

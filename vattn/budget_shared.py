@@ -363,26 +363,31 @@ def _wake_address(pid: int, nonce: int) -> str:
 
 
 _sender: socket.socket | None = None
+_sender_lock = threading.Lock()
 
 
 def _wake(pids_nonces: list[tuple[int, int]]) -> None:
     """Wake the responders of these members now (best effort: they poll anyway)."""
     global _sender
-    if _sender is None:
-        _sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        _sender.setblocking(False)
-    for pid, nonce in pids_nonces:
-        try:
-            _sender.sendto(b"!", _wake_address(pid, nonce))
-        except OSError:  # gone, its queue full, or another network namespace
-            pass
+    if not pids_nonces:
+        return
+    with _sender_lock:
+        if _sender is None:
+            _sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            _sender.setblocking(False)
+        for pid, nonce in pids_nonces:
+            try:
+                _sender.sendto(b"!", _wake_address(pid, nonce))
+            except OSError:  # gone, its queue full, or another network namespace
+                pass
 
 
 @dataclass(frozen=True)
 class SharedBudgetStats(BudgetStats):
     """`BudgetStats` of a shared budget as this process sees it: `limit` is what its
-    takes are compared against (the budget's limit, lowered to what the member limit
-    leaves), `used` the bytes of all members."""
+    takes are compared against now (the budget's limit, lowered to what the member limit
+    leaves while the others hold what they hold), `used` the bytes of all members;
+    `budget_limit` and `member_limit` bound what this process could ever have."""
 
     budget_limit: int | None = None
     member_limit: int | None = None
@@ -412,6 +417,7 @@ class SharedBudget(Budget):
         self._pid = os.getpid()
         self._closed = False
         self._stop = threading.Event()
+        self._last_warning = -1e9
         self._responder = threading.Thread(target=self._respond_loop, name=f"vattn-budget-{name}", daemon=True)
 
     # ---------------------------------------------------------------- taking ----
@@ -609,8 +615,10 @@ class SharedBudget(Budget):
                 return
             try:
                 self._respond()
-            except Exception:  # never let the responder die: say so and go on
-                logger.warning("vattn: budget %s: the responder failed", self.name, exc_info=True)
+            except Exception:  # never let the responder die: say so (once a minute) and go on
+                if time.monotonic() - self._last_warning > 60:
+                    self._last_warning = time.monotonic()
+                    logger.warning("vattn: budget %s: the responder failed", self.name, exc_info=True)
 
     def _respond(self) -> None:
         cached = self._local_cached()
@@ -790,15 +798,20 @@ def _register_exit() -> None:
 
 def _leave_all() -> None:
     """At exit: leave every budget (caches still open may give after this: ignored)."""
+    global _sender
     for m in list(_members.values()):
         with contextlib.suppress(Exception):
             m._leave()
+    with _sender_lock:
+        if _sender is not None:
+            _sender.close()
+            _sender = None
 
 
 def _after_fork() -> None:
     """In a forked child: no membership (the locks stayed with the parent)."""
-    global _registry_lock, _sender
-    _registry_lock = threading.Lock()
+    global _registry_lock, _sender, _sender_lock
+    _registry_lock, _sender_lock = threading.Lock(), threading.Lock()
     _members.clear()
     _sender = None
 
