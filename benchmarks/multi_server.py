@@ -38,24 +38,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from _common import environment, latency_stats, print_table, save  # noqa: E402
 
+from vattn.vmem.host import process_page_bytes  # noqa: E402  (a server's KV memory, from /proc)
+
 MB = 1 << 20
 
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
     return 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 4  # K and V, fp32
-
-
-def memfd_bytes(pid: int) -> int:
-    """Physical bytes of `pid`'s vattn page memfds (the host backend's KV memory)."""
-    total = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        path = f"/proc/{pid}/fd/{fd}"
-        try:
-            if "vattn-pages" in os.readlink(path):
-                total += os.stat(path).st_blocks * 512
-        except OSError:
-            pass
-    return total
 
 
 def free_port() -> int:
@@ -124,7 +113,7 @@ def run_mode(mode: str, ckpts: dict[str, str], prompts: dict[str, list[list[str]
 
         def sample() -> None:
             while not stop.wait(0.02):
-                samples.append((time.monotonic() - t0, *(memfd_bytes(p.pid) for p, _ in servers.values())))
+                samples.append((time.monotonic() - t0, *(process_page_bytes(p.pid) for p, _ in servers.values())))
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()

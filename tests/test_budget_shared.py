@@ -22,6 +22,7 @@ import pytest
 import vattn
 from vattn import budget_shared
 from vattn.budget_shared import list_budgets
+from vattn.vmem.host import process_page_bytes as memfd_bytes  # physical bytes, read from /proc
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 16 << 10  # tests/budget_member.py: 2 layers x K/V x 4 KiB; 32 tokens of a slot
@@ -83,19 +84,6 @@ def member():
     yield start
     for m in started:
         m.stop()
-
-
-def memfd_bytes(pid: int) -> int:
-    """Physical bytes of `pid`'s vattn page memfds (allocated blocks: holes punched on release)."""
-    total = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        path = f"/proc/{pid}/fd/{fd}"
-        try:
-            if "vattn-pages" in os.readlink(path):
-                total += os.stat(path).st_blocks * 512
-        except OSError:  # closed meanwhile
-            pass
-    return total
 
 
 def books_and_memory(name: str, pids: list[int]) -> tuple[int, int]:
