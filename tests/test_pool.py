@@ -237,6 +237,8 @@ def test_bad_alloc_counts(pool, n):
     (dict(block_shape=(4, 0)), "block_shape"),
     (dict(block_shape=()), "at least one dimension"),
     (dict(dtype="float13"), "dtype"),
+    (dict(dtype=[1]), "dtype"),
+    (dict(dtype=None), "dtype"),
     (dict(num_buffers=-2), "num_buffers"),
     (dict(page_size=1000), "multiple of the OS page size"),
     (dict(page_size=0), "page_size"),
