@@ -255,6 +255,29 @@ def test_bad_configs(kw, match):
         vattn.ElasticPool(**args)
 
 
+def test_books_the_host_cannot_hold_are_refused_before_they_are_built(monkeypatch):
+    """ElasticPool(3 << 30, ...) passed its checks and its books filled host memory until
+    the OOM killer ended the process. The books are measured against what the host can
+    give, as pages are: a pool that fits is built, one that does not is a clear error."""
+    from vattn import pool as pool_mod
+    from vattn.vmem import host
+
+    monkeypatch.setattr(host, "available_memory", lambda: 8 << 30)  # a host with 8 GiB available
+    with pytest.raises(vattn.InvalidConfigError, match=r"num_blocks=3221225472 .* needs about 198\.0 GiB .*books"
+                       r".* 8\.0 GiB is available .*lower num_blocks"):
+        vattn.ElasticPool(3 << 30, (16, 2, 64), "float32")
+    # the boundary: 64 bytes a block and 16 a page (one block a page here), MIN_HEADROOM kept free
+    room = (8 << 30) - host.MIN_HEADROOM
+    per_block = pool_mod.BOOKS_BYTES_PER_BLOCK + pool_mod.BOOKS_BYTES_PER_PAGE
+    with pytest.raises(vattn.InvalidConfigError, match="books"):
+        vattn.ElasticPool(room // per_block + 1, (PAGE,), "uint8", page_size=PAGE)
+    monkeypatch.setattr(host, "available_memory", lambda: host.MIN_HEADROOM + 100 * per_block)
+    with vattn.ElasticPool(100, (PAGE,), "uint8", page_size=PAGE) as p:  # exactly what is available
+        assert p.config.num_blocks == 100
+    with pytest.raises(vattn.InvalidConfigError, match="books"):
+        vattn.ElasticPool(101, (PAGE,), "uint8", page_size=PAGE)
+
+
 def test_closed_pool_raises(pool):
     ids = pool.alloc(2)
     pool.close()
