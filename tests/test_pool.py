@@ -194,6 +194,26 @@ def test_available_blocks_is_a_lower_bound_that_alloc_honours():
         assert p.alloc(n) is not None
 
 
+@pytest.mark.parametrize("block_floats, limit_pages, budget_pages, expected, exact", [
+    (256, None, None, 64, True),  # 4 blocks a page, no limit: every block
+    (256, 5, None, 20, True),  # the limit backs 5 page groups: 20 blocks
+    (256, 5, 3, 12, True),  # the budget's limit is tighter
+    (2048, 7, None, 3, True),  # a block spans 2 pages
+    (768, 5, None, 2, False),  # 3 KiB blocks straddle 4 KiB pages: available_blocks' lower bound (2 pages a block)
+])
+def test_max_blocks_is_what_the_limits_can_ever_back(block_floats, limit_pages, budget_pages, expected, exact):
+    group = 2 * PAGE  # two buffers
+    budget = vattn.Budget(budget_pages * group) if budget_pages else None
+    with make(block_floats=block_floats, limit=limit_pages * group if limit_pages else None, budget=budget) as p:
+        assert p.max_blocks() == expected
+        ids = p.alloc(expected)  # that many at once
+        assert ids is not None
+        assert (p.alloc(1) is None) == exact  # and not one more, where blocks and pages divide one another
+        assert p.max_blocks() == expected  # what is in use does not change it
+        p.set_limit(None)
+        assert p.max_blocks() == (12 if budget_pages else 64)
+
+
 def test_exhausted_pool_returns_none(pool):
     ids = pool.alloc(64)
     assert len(set(ids)) == 64

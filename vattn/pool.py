@@ -541,6 +541,18 @@ class _Books:
             fresh = room // self.span_max
         return min(self.N - self.num_used, self.num_warm + fresh)
 
+    def max_blocks(self) -> int:
+        """The most blocks that can be in use at once, pinned ones included: all of them, or
+        what the limit and the budget's limit can back (the other pools of the budget holding
+        nothing). Exact when blocks and pages divide one another, a lower bound otherwise."""
+        pages = self.M if self.limit is None else min(self.M, self.limit_pages)
+        if self.budget is not None and (limit := self.budget.stats().limit) is not None:
+            pages = min(pages, limit // self.G)
+        if pages >= self.M:
+            return self.N
+        fit = pages * (self.P // self.B) if self.P % self.B == 0 else pages // self.span_max
+        return min(self.N, fit)
+
     def stats(self) -> PoolStats:
         return PoolStats(
             num_blocks=self.N, block_bytes=self.B * self.config.num_buffers, page_size=self.P, group_bytes=self.G,
@@ -782,6 +794,14 @@ class ElasticPool:
         with self._books.lock:
             self._books.check_open()
             return self._books.available_blocks()
+
+    def max_blocks(self) -> int:
+        """The most blocks that can ever be in use at once (pinned ones included): `num_blocks`,
+        or fewer under the limit and the budget's limit. A server refuses work that needs more
+        (it could never run); work that needs less but more than `available_blocks()` waits."""
+        with self._books.lock:
+            self._books.check_open()
+            return self._books.max_blocks()
 
     @property
     def num_free_blocks(self) -> int:
