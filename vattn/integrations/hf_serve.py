@@ -6,12 +6,12 @@ holds it to this contract (the README's "vattn serve" states it):
 
 - **Refused, 400** (an OpenAI error body that says why and what the limit is), alone: an
   empty prompt; a prompt longer than one request can ever hold (`Room`: the cache's
-  `num_blocks x block_size` tokens, or fewer under `--memory-limit`); a prompt whose
+  blocks, or fewer under `--memory-limit`, counted as transformers counts them); a prompt whose
   `max_tokens` would not fit with it (without `max_tokens`, generation stops where the
   room ends: finish_reason "length"); `n` not an int in [1, MAX_N]. A request that fits
   but not now waits in transformers' scheduler.
 - **The batching loop restarts** if it dies anyway: the requests it had fail (transformers'
-  503), a warning says so, and the next request gets a new loop and cache.
+  5xx), a warning says so, and the next request (or `/health`) gets a new loop and cache.
 - **`n` choices**: n requests of the batch, merged into one answer (streamed: their chunks
   interleaved, each with its choice index).
 - **Every event stream ends with `data: [DONE]`** (transformers' end with their last chunk).
@@ -25,7 +25,8 @@ holds it to this contract (the README's "vattn serve" states it):
 Hooks, the same on every supported release (5.17-5.24 share this serving code): transformers'
 `Serve` is built with its start held back and with our `GenerationState` (restarts; hands
 out our `CBGenerateManager`, which checks each request before it is queued); our routes
-replace four of its own; `_Gate` (ASGI) wraps the app and `_Server` (uvicorn) runs it.
+replace four of its own; `_Gate` (ASGI) wraps the app, and a uvicorn server whose first
+signal drains (`_server_class`) runs it.
 """
 from __future__ import annotations
 
@@ -83,80 +84,89 @@ _asked: contextvars.ContextVar[_Asked] = contextvars.ContextVar("vattn_serve_ask
 
 @dataclass(frozen=True)
 class Room:
-    """The most tokens one request (prompt and generated tokens) can ever hold in a
-    continuous-batching cache, by transformers' own count (`tokens`; None: no bound, as
-    with sliding-window layers alone), and what bounds it (`why`, `hint`)."""
+    """What one request can ever hold in a continuous-batching cache: `blocks(p, m)`, the
+    pool blocks transformers takes for a prompt of p tokens and m new ones (its own count),
+    against `capacity`, the blocks one request can ever have, bounded by `bound`."""
 
-    tokens: int | None
-    why: str = ""
-    hint: str = ""
+    blocks: Callable[[int, int], int]
+    capacity: int
+    bound: str
+    hint: str
 
     @staticmethod
     def of(cache: Any) -> Room:
-        """The room of `cache` (a live transformers `PagedAttentionCache`), its vattn pool's
-        limit counted: the blocks the limit can ever back, the trash blocks aside."""
-        needed = _blocks_needed(cache)
-        blocks = cache.num_sectors if hasattr(cache, "cache_allocators") else cache.num_blocks
-        tokens = _max_tokens(needed, blocks)
+        """The room of `cache` (a live transformers `PagedAttentionCache`): its blocks, or
+        what its vattn pool's limit can ever back (the trash blocks aside) when fewer."""
+        sectors = hasattr(cache, "cache_allocators")
+        total = cache.num_sectors if sectors else cache.num_blocks
+        blocks = _request_blocks(cache)
         pool = getattr(cache, "vattn_pool", None)
-        if pool is not None and (backable := pool.max_blocks() - hf_cb.TRASH_SECTORS) < blocks:
-            limited = _max_tokens(needed, backable)
-            if limited is not None and (tokens is None or limited < tokens):
-                limit = "the memory budget" if pool.limit is None else f"the memory limit ({pool.limit} bytes of KV pages)"
-                return Room(limited, f"{limit} backs {limited} tokens of one request (prompt and generated)",
-                            " (or raise --memory-limit)")
-        return Room(tokens, f"the KV cache holds {tokens} tokens of one request (prompt and generated)",
-                    " (or raise --num-blocks)")
+        if pool is not None and (backable := pool.max_blocks() - hf_cb.TRASH_SECTORS) < total:
+            bound = "the memory budget" if pool.limit is None else f"the memory limit ({pool.limit} bytes of KV pages)"
+            return Room(blocks, backable, bound, " (or raise --memory-limit)")
+        return Room(blocks, total, "the KV cache", " (or raise --num-blocks)")
+
+    def fits(self, prompt: int, new: int) -> bool:
+        return self.blocks(prompt, new) <= self.capacity
+
+    def max_prompt(self) -> int | None:
+        """The longest prompt that fits with one new token (None: any)."""
+        return _largest(lambda p: self.fits(p, 1), 1) if self.fits(1, 1) else 0
+
+    def max_new(self, prompt: int) -> int | None:
+        """The most new tokens that fit after a prompt that fits (None: any number)."""
+        return _largest(lambda m: self.fits(prompt, m), 1)
 
 
-def _blocks_needed(cache: Any) -> Callable[[int], int]:
-    """tokens -> the pool blocks one request of that many tokens takes on an empty `cache`,
-    as transformers counts them: whole sectors per attention group (5.18+), or the
-    BlockManager's blocks (5.17)."""
+def _request_blocks(cache: Any) -> Callable[[int, int], int]:
+    """(p, m) -> the pool blocks transformers takes for a request of a p-token prompt and m
+    new tokens (it stores p + m - 1 of them: the last one is never fed back)."""
     allocators = getattr(cache, "cache_allocators", None)
-    if allocators is not None:
+    if allocators is not None:  # 5.18+: blocks for the tokens stored, whole sectors per attention group
         groups = list(allocators.values())
-        return lambda n: sum(-(-a.needs_new_blocks(_PROBE, 0, n) // a.blocks_per_sector) for a in groups)
-    return lambda n: cache.blocks_needed(-(-n // cache.block_size), 0)
+        return lambda p, m: sum(-(-a.needs_new_blocks(_PROBE, 0, p + m - 1) // a.blocks_per_sector) for a in groups)
+    # 5.17: its scheduler takes (p + 1) // block_size + 1 blocks for a prompt of p tokens (in chunks too), then one
+    # more each time the stored tokens fill them
+    bs = cache.block_size
+    return lambda p, m: cache.blocks_needed(max((p + 1) // bs + 1, -(-(p + m - 1) // bs)), 0)
 
 
-def _max_tokens(needed: Callable[[int], int], blocks: int) -> int | None:
-    """The most tokens whose `needed` blocks fit in `blocks` (None: any number fits)."""
-    if needed(1) > blocks:
-        return 0
-    lo, hi = 1, 2
-    while needed(hi) <= blocks:
-        lo, hi = hi, 2 * hi
-        if hi > 1 << 40:
+def _largest(ok: Callable[[int], bool], low: int) -> int | None:
+    """The largest x >= low with ok(x), for ok true at `low` and false from some x on
+    (None: true as far as 2**40)."""
+    high = 2 * low
+    while ok(high):
+        low, high = high, 2 * high
+        if high > 1 << 40:
             return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if needed(mid) <= blocks else (lo, mid)
-    return lo
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return low
 
 
 def admit(num_prompt_tokens: int, gen_config: Any, room: Room | None, asked: _Asked) -> None:
     """Refuse (Refusal) a request that can never run, alone and before it is queued: an
-    empty prompt, a prompt over the room, or a prompt and the `max_tokens` the client asked
-    for over it. Without `max_tokens` (transformers' default, 1024 or more), generation
-    stops where the room ends. The last generated token is never stored: a prompt of p
-    tokens and m new ones hold p + m - 1."""
+    empty prompt, a prompt longer than the room holds, or a prompt with a `max_tokens` the
+    client asked for that the room cannot hold with it. Without `max_tokens` (transformers'
+    default, 1024 or more), generation stops where the room ends."""
     p = num_prompt_tokens
     if p == 0:
         raise Refusal("the prompt is empty (0 tokens): a request needs at least one prompt token",
                       param=asked.prompt_param, code="empty_prompt")
-    if room is None or room.tokens is None:
+    if room is None:
         return
-    if p > room.tokens:
-        raise Refusal(f"the prompt is {p} tokens, and {room.why}: shorten the prompt{room.hint}",
-                      param=asked.prompt_param, code="context_length_exceeded")
-    most = room.tokens - p + 1  # new tokens that fit after the prompt
-    want = gen_config.max_new_tokens
-    if want is not None and want <= most:
+    longest = room.max_prompt()
+    if longest is not None and p > longest:
+        raise Refusal(f"the prompt is {p} tokens, and {room.bound} holds at most {longest} prompt tokens of one "
+                      f"request: shorten the prompt{room.hint}", param=asked.prompt_param,
+                      code="context_length_exceeded")
+    most, want = room.max_new(p), gen_config.max_new_tokens
+    if most is None or (want is not None and want <= most):
         return
     if want in asked.max_tokens:
-        raise Refusal(f"the prompt is {p} tokens and max_tokens is {want}: together they need room for {p + want - 1} "
-                      f"tokens, and {room.why}: ask for at most max_tokens={most}, or shorten the prompt{room.hint}",
+        raise Refusal(f"the prompt is {p} tokens and max_tokens is {want}, and {room.bound} leaves room for at most "
+                      f"max_tokens={most} after this prompt: lower max_tokens or shorten the prompt{room.hint}",
                       param="max_tokens", code="context_length_exceeded")
     gen_config.max_new_tokens = most
 
