@@ -55,8 +55,9 @@ Limit: memory given back (`trim`, the idle policy) can be taken by another proce
 the free count transformers reads looks only at `memory_limit` and the budget, not at
 the device. If the device then refuses pages for a block transformers counted as free,
 the allocation waits `ALLOC_RETRY_S` (2 s) and raises `OutOfPhysicalMemoryError` inside
-transformers' generation loop, which stops and fails the requests in flight. Sharing a
-GPU, give each process a `memory_limit` (and the servers theirs) whose sum fits it.
+transformers' generation loop, which stops and fails the requests in flight (`vattn serve`
+then starts a new loop: `vattn.integrations.hf_serve`). Sharing a GPU, give each process a
+`memory_limit` (and the servers theirs) whose sum fits it.
 
 Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py and
 tests/test_serve.py, see tests/test_hf_cb_versions.py). The hook checks the exact names,
