@@ -229,7 +229,11 @@ def test_concurrent_requests_answer_like_generate_and_memory_follows_the_load(se
     assert max(sampler.values) >= TRASH + 8 * SECTOR and cb.stats().peak_mapped_bytes >= max(sampler.values)
     # fell back once idle: the idle policy evicted the prefix-sharing blocks and unmapped every free page
     assert wait_for(lambda: cb.num_idle_trims >= 1 and at_idle_floor(cb)), cb.stats()
-    assert cb.stats().mapped_bytes < max(sampler.values)
+    # below the peak on 5.18+ (all but the trash went back); on 5.17 the pages of the blocks it keeps for prefix
+    # sharing stay, and with two blocks a page (2 KiB blocks of each layer's K or V) they can hold every page the
+    # burst mapped, as they did in about one run of three once requests reached the loop together
+    floor, peak = cb.stats().mapped_bytes, max(sampler.values)
+    assert floor < peak if hf_cb.design() == "sectors" else floor <= peak
     # and it serves again, on the same cache
     assert burst(client, ckpt) == expected
     assert cb.num_caches == 1 and cb.stats().peak_mapped_bytes > TRASH
