@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vattn.errors import VattnError
 
     if argv[:1] == ["serve"]:  # its own parser: the options are transformers serve's
-        from vattn.integrations.hf_cb import main as serve_main
+        from vattn.integrations.hf_serve import main as serve_main
 
         try:
             serve_main(argv[1:])

@@ -55,7 +55,7 @@ from vattn.errors import (
     InvalidRequestError,
     OutOfPhysicalMemoryError,
 )
-from vattn.vmem import make_backend
+from vattn.vmem import host, make_backend
 from vattn.vmem.base import Backend
 
 SYNC_MODES = ("stream", "device")
@@ -541,6 +541,18 @@ class _Books:
             fresh = room // self.span_max
         return min(self.N - self.num_used, self.num_warm + fresh)
 
+    def max_blocks(self) -> int:
+        """The most blocks that can be in use at once, pinned ones included: all of them, or
+        what the limit and the budget's limit can back (the other pools of the budget holding
+        nothing). Exact when blocks and pages divide one another, a lower bound otherwise."""
+        pages = self.M if self.limit is None else min(self.M, self.limit_pages)
+        if self.budget is not None and (limit := self.budget.stats().limit) is not None:
+            pages = min(pages, limit // self.G)
+        if pages >= self.M:
+            return self.N
+        fit = pages * (self.P // self.B) if self.P % self.B == 0 else pages // self.span_max
+        return min(self.N, fit)
+
     def stats(self) -> PoolStats:
         return PoolStats(
             num_blocks=self.N, block_bytes=self.B * self.config.num_buffers, page_size=self.P, group_bytes=self.G,
@@ -649,6 +661,7 @@ class ElasticPool:
             self.backend.check_page_size(page)
             self.page_size = page
             buffer_bytes = -(-c.num_blocks * c.block_bytes // page) * page
+            _check_books_fit(c.num_blocks, buffer_bytes // page)
             self._range = self.backend.reserve(buffer_bytes * c.num_buffers, page)
         except BaseException:
             if backend is None:
@@ -782,6 +795,14 @@ class ElasticPool:
             self._books.check_open()
             return self._books.available_blocks()
 
+    def max_blocks(self) -> int:
+        """The most blocks that can ever be in use at once (pinned ones included): `num_blocks`,
+        or fewer under the limit and the budget's limit. A server refuses work that needs more
+        (it could never run); work that needs less but more than `available_blocks()` waits."""
+        with self._books.lock:
+            self._books.check_open()
+            return self._books.max_blocks()
+
     @property
     def num_free_blocks(self) -> int:
         return self._books.N - self._books.num_used
@@ -848,6 +869,25 @@ def _close(books: _Books, backend: Backend) -> None:
         books.close()
     finally:
         backend.close()
+
+
+# Host bytes of the books (`_Books`: plain Python lists, on the host whatever the device): measured about 50 a block
+# (a bytearray entry, the per-block miss list, the cold heap's int) and 16 a page (users, groups), rounded up
+BOOKS_BYTES_PER_BLOCK, BOOKS_BYTES_PER_PAGE = 64, 16
+
+
+def _check_books_fit(num_blocks: int, num_pages: int) -> None:
+    """Refuse a pool whose books the host cannot hold, before building them, as the host
+    backend refuses pages (`available_memory`, keeping `MIN_HEADROOM` free):
+    `ElasticPool(3 << 30, ...)` filled host memory until the OOM killer ended the process."""
+    need = BOOKS_BYTES_PER_BLOCK * num_blocks + BOOKS_BYTES_PER_PAGE * num_pages
+    avail = host.available_memory()
+    if avail is not None and need > avail - host.MIN_HEADROOM:
+        raise InvalidConfigError(
+            f"num_blocks={num_blocks} ({num_pages} pages a buffer) needs about {need / 2**30:.1f} GiB of host memory "
+            f"for the pool's books ({BOOKS_BYTES_PER_BLOCK} bytes a block, {BOOKS_BYTES_PER_PAGE} a page), and "
+            f"{max(0, avail) / 2**30:.1f} GiB is available (MemAvailable and the cgroup's memory limit; vattn keeps "
+            f"{host.MIN_HEADROOM >> 20} MiB free): lower num_blocks, or use fewer, larger blocks")
 
 
 def _positive(name: str, value: object) -> int:
