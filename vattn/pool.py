@@ -54,19 +54,13 @@ from vattn.errors import (
     InvalidConfigError,
     InvalidRequestError,
     OutOfPhysicalMemoryError,
+    UnknownBlockError,  # (re-exported: it was defined here)
 )
 from vattn.vmem import make_backend
 from vattn.vmem.base import Backend
 
 SYNC_MODES = ("stream", "device")
 _PLANNED = object()  # a page booked as mapped while an alloc is being planned
-
-
-class UnknownBlockError(InvalidRequestError, KeyError):
-    """A block id that is out of range, not allocated (double free), or given twice."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)

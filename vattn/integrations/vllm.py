@@ -78,7 +78,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from vattn.errors import InvalidConfigError, VattnError
+from vattn.errors import InvalidConfigError, OpsOutOfOrderError, UnsupportedLayoutError  # (both re-exported)
 from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
@@ -89,14 +89,6 @@ logger = logging.getLogger("vattn.vllm")
 DEFAULT_PAGE_SIZE = 2 << 20  # the CUDA granularity on stock drivers
 DEFAULT_IDLE_TRIM_S = 30.0
 NULL_BLOCK = 0  # vLLM's null block: padding and skipped blocks read it; always mapped
-
-
-class UnsupportedLayoutError(VattnError, ValueError):
-    """This KV cache configuration cannot be put on vattn memory (vLLM keeps its own)."""
-
-
-class OpsOutOfOrderError(VattnError, RuntimeError):
-    """A worker got page operations out of sequence: its pages no longer match the books."""
 
 
 # ------------------------------------------------------------------ configuration ----
