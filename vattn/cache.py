@@ -204,10 +204,10 @@ class KVCache:
         no copy at all while nobody else took the slot or its pages."""
         g = self.geometry
         num_tokens = as_int(num_tokens, "num_tokens", InvalidRequestError)
-        slot = self.allocator._check_active(reqid)
-        if not 0 < num_tokens <= self.allocator.max_lens[slot]:
-            raise InvalidRequestError(
-                f"num_tokens={num_tokens} must be in [1, {self.allocator.max_lens[slot]}]: the tokens reqid {slot} has")
+        held = self.allocator.num_tokens(reqid)
+        slot = as_int(reqid, "reqid", InvalidRequestError)  # valid: num_tokens checked it
+        if not 0 < num_tokens <= held:
+            raise InvalidRequestError(f"num_tokens={num_tokens} must be in [1, {held}]: the tokens reqid {slot} has")
         nbytes, start = num_tokens * g.token_bytes, g.page_offset(slot, 0)
         pin = self.backend.device.type == "cuda"
         host = []
@@ -258,7 +258,7 @@ class KVCache:
 
     @property
     def num_free_reqids(self) -> int:
-        return len(self.allocator.free_slots)
+        return self.allocator.num_free_slots
 
     def close(self) -> None:
         """Release all physical and virtual memory. Idempotent."""
