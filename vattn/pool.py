@@ -43,10 +43,11 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from vattn import checks
 from vattn.block_books import BlockBooks, PoolStats
 from vattn.budget import Budget
 from vattn.checks import as_int
-from vattn.config import CUDA_DRIVERS, MAX_PAGE_SIZE, parse_dtype
+from vattn.config import CUDA_DRIVERS, parse_dtype
 from vattn.errors import (
     ClosedError,
     InvalidConfigError,
@@ -89,39 +90,22 @@ class PoolConfig:
     zero_new: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_blocks", _positive("num_blocks", self.num_blocks))
-        object.__setattr__(self, "num_buffers", _positive("num_buffers", self.num_buffers))
+        object.__setattr__(self, "num_blocks", checks.positive(self.num_blocks, "num_blocks"))
+        object.__setattr__(self, "num_buffers", checks.positive(self.num_buffers, "num_buffers"))
         shape = self.block_shape
         if not isinstance(shape, (tuple, list, torch.Size)):
             shape = (shape,)
         if not shape:
             raise InvalidConfigError("block_shape must have at least one dimension, got ()")
-        object.__setattr__(self, "block_shape", tuple(_positive("block_shape", d) for d in shape))
+        object.__setattr__(self, "block_shape", tuple(checks.positive(d, "block_shape") for d in shape))
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
-        device = str(self.device) if isinstance(self.device, torch.device) else self.device
-        if not isinstance(device, str):
-            raise InvalidConfigError(f"device must be a string like 'cpu' or 'cuda:0', got {self.device!r}")
-        try:
-            dev = torch.device(device)
-        except RuntimeError as e:
-            raise InvalidConfigError(f"bad device {device!r}: {e}") from None
-        if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
-            raise InvalidConfigError(f"device must be 'cpu' (host backend) or 'cuda[:N]', got {device!r}")
-        object.__setattr__(self, "device", device)
-        if self.page_size is not None:
-            object.__setattr__(self, "page_size", _positive("page_size", self.page_size))
-            if self.page_size > MAX_PAGE_SIZE:
-                raise InvalidConfigError(f"page_size={self.page_size} is over {MAX_PAGE_SIZE >> 20} MiB")
-        if self.limit is not None:
-            object.__setattr__(self, "limit", _limit(self.limit))
-        if self.sync not in SYNC_MODES:
-            raise InvalidConfigError(f"sync must be one of {SYNC_MODES}, got {self.sync!r}")
-        if self.cuda_driver not in CUDA_DRIVERS:
-            raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {self.cuda_driver!r}")
-        if self.grow is not None:
-            object.__setattr__(self, "grow", _positive("grow", self.grow))
-        if not isinstance(self.zero_new, bool):
-            raise InvalidConfigError(f"zero_new must be True or False, got {self.zero_new!r}")
+        object.__setattr__(self, "device", checks.device(self.device))
+        object.__setattr__(self, "page_size", checks.page_size(self.page_size))
+        object.__setattr__(self, "limit", checks.byte_limit(self.limit))
+        checks.one_of(self.sync, "sync", SYNC_MODES)
+        checks.one_of(self.cuda_driver, "cuda_driver", CUDA_DRIVERS)
+        object.__setattr__(self, "grow", checks.positive(self.grow, "grow", optional=True))
+        checks.flag(self.zero_new, "zero_new")
 
     @property
     def block_bytes(self) -> int:
@@ -226,7 +210,8 @@ class ElasticPool:
             books = self._books
             pages = {p for b in ids for p in range(books.pages_of(b)[0], books.pages_of(b)[1] + 1)}
             under = "" if books.limit is None else f" under a limit of {books.limit} bytes"
-            raise error(f"no memory for {what} ({len(pages)} page group(s) of {books.group_bytes} bytes{under}); {hint}")
+            raise error(f"no memory for {what} ({len(pages)} page group(s) of {books.group_bytes} bytes{under}); "
+                        f"{hint}")
         if zero:
             self._zero_blocks(ids)
         return ids
@@ -273,7 +258,7 @@ class ElasticPool:
         """Change the limit on mapped bytes at run time (None: none). New blocks that
         need memory beyond it are refused; cached pages above it are given back now; pages
         under blocks in use stay until the blocks are freed (then they are given back)."""
-        limit = _limit(limit) if limit is not None else None
+        limit = checks.byte_limit(limit)
         with self._books.lock:
             self._books.set_limit(limit)
 
@@ -360,14 +345,6 @@ def _close(books: BlockBooks, backend: Backend) -> None:
         books.close()
     finally:
         backend.close()
-
-
-def _positive(name: str, value: object) -> int:
-    return as_int(value, name, InvalidConfigError, low=1, what="a positive int")
-
-
-def _limit(value: object) -> int:
-    return as_int(value, "limit", InvalidConfigError, low=0, what=">= 0 bytes or None")
 
 
 __all__ = ["ElasticPool", "PoolConfig", "PoolStats", "UnknownBlockError", "SYNC_MODES"]
