@@ -155,7 +155,7 @@ def _run_trace(cache, seed: int, steps: int, sync_each: bool, max_prompt: int = 
             cache.synchronize()
             a = cache.allocator
             b = a.books
-            books.append(([len(p) for p in b.slot_pages], len(b.pages.spare), b.pages.num_created, sorted(b.free_slots)))
+            books.append(([len(p) for p in b.slot_pages], len(b.physical.spare), b.physical.num_created, sorted(b.free_slots)))
         cache.allocator.check_invariants()
     for s, n in lens.items():
         check(cache, s, n, tags[s])

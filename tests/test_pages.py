@@ -39,7 +39,7 @@ def test_the_slot_allocator_keeps_unreleased_groups_for_a_retry():
     be.refuse = 1
     with pytest.raises(vattn.BackendError, match="INJECTED"):
         cache.trim()
-    pages = cache.allocator.books.pages
+    pages = cache.allocator.books.physical
     assert len(pages.unreleased) == created and pages.num_created == 0
     assert budget.used == created * gb  # still memory: the budget keeps counting it
     cache.allocator.check_invariants()
@@ -64,7 +64,7 @@ def test_the_elastic_pool_keeps_unreleased_groups_for_a_retry():
     be.refuse = 1
     with pytest.raises(vattn.BackendError, match="INJECTED"):
         pool.trim()
-    pages = pool._books.pages
+    pages = pool._books.physical
     assert len(pages.unreleased) == 2 and pages.num_created == 0 and pool.stats().held_bytes == 0
     assert budget.used == 2 * gb
     pool.check_invariants()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from vattn.errors import ClosedError, OutOfPhysicalMemoryError, UnknownBlockError
-from vattn.pages import PhysicalPages
+from vattn.pages import PageGroups
 
 if TYPE_CHECKING:
     from vattn.budget import Budget
@@ -85,7 +85,7 @@ class BlockBooks:
         bb = self.block_bytes
         self.max_block_pages = bb // page_size if bb % page_size == 0 else (page_size + bb - 2) // page_size + 1
         self.limit: int | None = config.limit
-        self.pages = PhysicalPages(backend, bases, page_size, config.num_buffers, budget=budget,
+        self.physical = PageGroups(backend, bases, page_size, config.num_buffers, budget=budget,
                                    reclaim=self.reclaim_for_budget, cached=self.cached_bytes,
                                    device_sync=device_sync)
 
@@ -118,7 +118,7 @@ class BlockBooks:
     @property
     def num_held(self) -> int:
         """Groups the pool holds: mapped and spare (what the limit bounds)."""
-        return self.num_mapped + len(self.pages.spare)
+        return self.num_mapped + len(self.physical.spare)
 
     @property
     def limit_pages(self) -> int | None:
@@ -234,7 +234,7 @@ class BlockBooks:
             self._undo(picked, planned)
             if new:  # mapped but maybe not cleared: never hand that memory out
                 try:
-                    self.pages.release(self._unmap(new))
+                    self.physical.release(self._unmap(new))
                 except Exception:
                     pass
             raise
@@ -253,8 +253,8 @@ class BlockBooks:
         k = len(planned)
         if not k:
             return True, 0, []
-        pages, lp = self.pages, self.limit_pages
-        num_spare = len(pages.spare)
+        physical, lp = self.physical, self.limit_pages
+        num_spare = len(physical.spare)
         cached = sorted(self.cached, reverse=True)  # the pool's own free memory, highest pages first
         s = min(k, num_spare)
         c = min(k - s, len(cached))
@@ -272,7 +272,7 @@ class BlockBooks:
             if lp is not None:
                 extra = max(0, min(extra, lp - (held + n - drop)))
             try:
-                got = pages.create(n, extra)
+                got = physical.create(n, extra)
             except OutOfPhysicalMemoryError:
                 return False, 0, []  # the device refused new pages now: a shortage, not an error
             if got is None:
@@ -282,24 +282,24 @@ class BlockBooks:
         spare: list[Any] = []
         try:
             unmapped = self._unmap(cached[:c + drop_cached])
-            spare = pages.take_spare(s)
+            spare = physical.take_spare(s)
             groups = spare + unmapped[:c] + created[:n]
-            pages.map([p * self.page_size for p in planned], groups)
+            physical.map([p * self.page_size for p in planned], groups)
         except BaseException:
             # Nothing of the map happened (it is all or nothing): give back what this call holds.
-            pages.put_spare(spare)
+            physical.put_spare(spare)
             for held_groups in (created, unmapped):
                 try:
-                    pages.release(held_groups)
+                    physical.release(held_groups)
                 except Exception:
                     pass  # kept in `unreleased`, retried at close
             raise
         for p, g in zip(planned, groups):
             self.groups[p] = g
-        pages.put_spare(created[n:])
-        let_go = unmapped[c:] + pages.take_spare(drop_spare)  # over the limit
+        physical.put_spare(created[n:])
+        let_go = unmapped[c:] + physical.take_spare(drop_spare)  # over the limit
         try:
-            pages.release(let_go)
+            physical.release(let_go)
         except Exception:
             pass
         return True, 0, planned[:s] + planned[s + c:]
@@ -316,11 +316,11 @@ class BlockBooks:
         for b in ids:
             if not self.used[b]:
                 raise UnknownBlockError(f"block {b} is not allocated (double free?)")
-        fence = self.pages.fence()  # nothing changed if this raises
+        fence = self.physical.fence()  # nothing changed if this raises
         for b in ids:
             self._unuse(b, fence)
         lp = self.limit_pages
-        if lp is not None and self.num_held > lp and (self.cached or self.pages.spare):  # over the limit: give back now
+        if lp is not None and self.num_held > lp and (self.cached or self.physical.spare):  # over the limit: give back now
             try:
                 self.give_back(self.num_held - lp)
             except Exception as e:  # the blocks are freed; the pages stay cached until trim() or an alloc
@@ -332,24 +332,24 @@ class BlockBooks:
         """Unmap cached pages (one call, after their fences); returns their groups."""
         if not pages:
             return []
-        self.pages.wait(self.fences.get(p) for p in pages)
-        self.pages.unmap([p * self.page_size for p in pages])
+        self.physical.wait(self.fences.get(p) for p in pages)
+        self.physical.unmap([p * self.page_size for p in pages])
         return [self._book_unmap(p) for p in pages]  # books change only after the unmap worked
 
     def give_back(self, count: int | None = None) -> int:
         """Release up to `count` groups the pool holds but no block uses (None: all): spare
         groups first, then cached pages (unmapped after their fences). Returns groups given back."""
-        num_spare = len(self.pages.spare)
+        num_spare = len(self.physical.spare)
         n = num_spare if count is None else min(max(0, count), num_spare)
         try:
-            self.pages.release_spare(n)
+            self.physical.release_spare(n)
         except Exception:
             pass  # kept in `unreleased`
         pages = sorted(self.cached, reverse=True)
         if count is not None:
             pages = pages[:max(0, count - n)]
         if pages:
-            self.pages.release(self._unmap(pages))
+            self.physical.release(self._unmap(pages))
         return n + len(pages)
 
     def reclaim_for_budget(self, nbytes: int) -> int:
@@ -364,7 +364,7 @@ class BlockBooks:
 
     def cached_bytes(self) -> int:
         """The budget's estimate of what `reclaim_for_budget` could give (read without the lock)."""
-        return 0 if self.closed else (len(self.cached) + len(self.pages.spare)) * self.group_bytes
+        return 0 if self.closed else (len(self.cached) + len(self.physical.spare)) * self.group_bytes
 
     def set_limit(self, limit: int | None) -> None:
         self.check_open()
@@ -381,12 +381,12 @@ class BlockBooks:
         new = None  # groups that may be created
         if self.limit is not None:
             new = max(0, self.limit_pages - self.num_held)
-        budget = self.pages.budget
+        budget = self.physical.budget
         if budget is not None and (b := budget.stats()).limit is not None:
-            more = max(0, b.limit - b.used + budget.reclaimable(self.pages.budget_token)) // self.group_bytes
+            more = max(0, b.limit - b.used + budget.reclaimable(self.physical.budget_token)) // self.group_bytes
             new = more if new is None else min(new, more)
         unmapped = self.num_pages - self.num_mapped
-        room = unmapped if new is None else min(unmapped, len(self.pages.spare) + new)
+        room = unmapped if new is None else min(unmapped, len(self.physical.spare) + new)
         if self.page_size % self.block_bytes == 0:
             fresh = room * (self.page_size // self.block_bytes)
         else:
@@ -399,7 +399,7 @@ class BlockBooks:
             num_blocks=self.num_blocks, block_bytes=self.block_bytes * nb, page_size=self.page_size,
             group_bytes=self.group_bytes, num_used_blocks=self.num_used, num_warm_blocks=self.num_warm,
             num_mapped_pages=self.num_mapped, num_cached_pages=len(self.cached),
-            num_spare_pages=len(self.pages.spare), mapped_bytes=self.num_mapped * self.group_bytes,
+            num_spare_pages=len(self.physical.spare), mapped_bytes=self.num_mapped * self.group_bytes,
             used_bytes=self.num_used * self.block_bytes * nb, peak_mapped_bytes=self.peak_mapped * self.group_bytes,
             limit=self.limit, available_blocks=self.available_blocks())
 
@@ -425,10 +425,11 @@ class BlockBooks:
         assert len(mapped) == self.num_mapped
         assert self.cached == {p for p in mapped if not users[p]}
         assert self.num_warm == sum(len(d) for d in self.warm.values())
-        assert self.busy_warm == {p for p in self.warm if users[p]} and self.idle_warm == {p for p in self.warm if not users[p]}
-        held = [self.groups[p] for p in mapped] + self.pages.spare + self.pages.unreleased
+        assert self.busy_warm == {p for p in self.warm if users[p]}
+        assert self.idle_warm == {p for p in self.warm if not users[p]}
+        held = [self.groups[p] for p in mapped] + self.physical.spare + self.physical.unreleased
         assert len({id(g) for g in held}) == len(held), "a group is in two places"
-        assert self.pages.num_created == self.num_held, "groups created but neither mapped nor spare"
+        assert self.physical.num_created == self.num_held, "groups created but neither mapped nor spare"
 
     # ---------------------------------------------------------------- closing ----
     def check_open(self) -> None:
@@ -442,7 +443,7 @@ class BlockBooks:
                 return
             self.closed = True
             mapped = [p for p in range(self.num_pages) if self.groups[p] is not None]
-            errors = self.pages.close([p * self.page_size for p in mapped], [self.groups[p] for p in mapped],
+            errors = self.physical.close([p * self.page_size for p in mapped], [self.groups[p] for p in mapped],
                                       [self.fences.get(p) for p in mapped])
             self.groups = [None] * self.num_pages
             self.num_mapped = 0

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from vattn.vmem.base import Backend
 
 
-class PhysicalPages:
+class PageGroups:
     """The page groups of one cache or pool, and its place on a shared `Budget`.
 
     Bytes are taken from the budget before a group is created and given back once it is

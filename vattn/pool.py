@@ -229,9 +229,9 @@ class ElasticPool:
                     books.check_open()
                     return []
                 got, need = books.alloc(n, ids)
-            if got is not None or not need or attempt or books.pages.budget is None:
+            if got is not None or not need or attempt or books.physical.budget is None:
                 return got
-            books.pages.budget.reclaim(need, requester=books.pages.budget_token)  # our lock is not held here
+            books.physical.budget.reclaim(need, requester=books.physical.budget_token)  # our lock is not held here
         return None
 
     def free(self, ids: Iterable[int]) -> None:

@@ -33,7 +33,7 @@ from vattn.errors import ClosedError, InvalidRequestError, UnknownReqIdError
 
 if TYPE_CHECKING:  # the books import no torch: sizes are ints by the time they get here
     from vattn.config import Geometry
-    from vattn.pages import PhysicalPages
+    from vattn.pages import PageGroups
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,9 @@ class SlotBooks:
     from a heap, and the derived figures of a slot are kept in step with its pages.
     """
 
-    def __init__(self, geometry: Geometry, pages: PhysicalPages, max_pages: int, *, track_dirty: bool) -> None:
+    def __init__(self, geometry: Geometry, physical: PageGroups, max_pages: int, *, track_dirty: bool) -> None:
         self.geometry = geometry
-        self.pages = pages
+        self.physical = physical  # the page layer: spare groups, budget, fences
         self.num_slots = n = geometry.config.max_batch_size
         self.max_len = geometry.config.max_context_len
         self.max_pages = max_pages  # budget of groups
@@ -186,7 +186,7 @@ class SlotBooks:
         """The kernels of the last iteration read its slots: their pages may be unmapped
         only after a fence taken now (at a step's start, and before any call between
         iterations that may unmap pages: fork, map_pinned, trim, resume)."""
-        fence = self.pages.fence()
+        fence = self.physical.fence()
         if fence is not None:
             for s in self.ran:
                 self.last_fence[s] = fence
@@ -194,7 +194,7 @@ class SlotBooks:
     # ---------------------------------------------------------------- groups ----
     def unref(self, groups: Iterable[Any]) -> None:
         """Drop one reference to each group; a group nobody maps or pins becomes spare."""
-        refs, spare = self.refs, self.pages.spare
+        refs, spare = self.refs, self.physical.spare
         for grp in groups:
             left = refs[grp] - 1
             if left:
@@ -250,17 +250,17 @@ class SlotBooks:
 
     # --------------------------------------------------------------- figures ----
     def stats(self) -> MemoryStats:
-        g, refs, pins, pages = self.geometry, self.refs, self.pins, self.pages
+        g, refs, pins, physical = self.geometry, self.refs, self.pins, self.physical
         pin_only = sum(refs[grp] == 1 for grp in pins)
         mapped = len(refs) - pin_only  # distinct groups mapped in a slot: a shared one is memory once
         holding = {grp for s in self.active for grp in self.slot_pages[s][:g.pages_for(self.max_lens[s])]}
         cached = len(refs) - len(holding)  # pages under no live token (pinned ones too)
-        spare = len(pages.spare) + (self.max_pages - pages.num_created) + cached
+        spare = len(physical.spare) + (self.max_pages - physical.num_created) + cached
         return MemoryStats(
             page_size=g.page_size,
             group_bytes=g.group_bytes,
-            num_created_pages=pages.num_created,
-            num_free_pages=len(pages.spare),
+            num_created_pages=physical.num_created,
+            num_free_pages=len(physical.spare),
             num_mapped_pages=mapped,
             num_cached_pages=cached,
             max_pages=self.max_pages,
@@ -275,7 +275,7 @@ class SlotBooks:
         """An estimate, without the lock, of what could be given back now: spare groups, free
         slots' pages and pins."""
         pages = self.slot_pages
-        cached = len(self.pages.spare) + sum(len(pages[s]) for s in list(self.free_slots)) + len(self.pins)
+        cached = len(self.physical.spare) + sum(len(pages[s]) for s in list(self.free_slots)) + len(self.pins)
         return cached * self.geometry.group_bytes
 
     def check_invariants(self) -> None:
@@ -287,10 +287,10 @@ class SlotBooks:
         for grp in self.pins:
             counts[grp] = counts.get(grp, 0) + 1
         assert counts == self.refs, "reference counts differ from the slots' pages and the pins"
-        everywhere = list(counts) + self.pages.spare + self.in_flight
-        assert len(everywhere) == self.pages.num_created <= self.max_pages
-        assert len(set(everywhere)) == self.pages.num_created, "a group is in two places"
-        assert not set(everywhere) & set(self.pages.unreleased), "an unreleased group is in use"
+        everywhere = list(counts) + self.physical.spare + self.in_flight
+        assert len(everywhere) == self.physical.num_created <= self.max_pages
+        assert len(set(everywhere)) == self.physical.num_created, "a group is in two places"
+        assert not set(everywhere) & set(self.physical.unreleased), "an unreleased group is in use"
         for s, pages in enumerate(self.slot_pages):
             assert len(set(pages)) == len(pages), f"slot {s} maps a group twice"
             if any(counts[grp] > 1 for grp in pages):

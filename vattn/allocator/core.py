@@ -5,7 +5,7 @@ job each. Plain Python.
 ```
 PageAllocator     alloc_reqid / free_reqid / step, trim, the budget's callbacks, close; locking
  |- books         SlotBooks   slots, group references, pins, dirty marks   (books.py)
- |   '- pages     PhysicalPages  created / spare groups, budget, fences, release, close (vattn/pages.py)
+ |   '- physical  PageGroups  created / spare groups, budget, fences, release, close (vattn/pages.py)
  |- mapper        Mapper      carries out StepPlans (decided in plan.py)   (mapper.py)
  |- premapper     Premapper   the background worker; what it maps          (premap.py)
  |- sharing       Sharing     fork, pins for the prefix cache              (sharing.py)
@@ -31,7 +31,7 @@ from vattn.allocator.premap import Premapper, map_ahead, plan_premap, worker_bat
 from vattn.allocator.sharing import Handle, Sharing
 from vattn.allocator.swap import Swap
 from vattn.errors import InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError
-from vattn.pages import PhysicalPages
+from vattn.pages import PageGroups
 
 if TYPE_CHECKING:  # the books import no torch: sizes are ints by the time they get here
     from vattn.config import Geometry
@@ -60,11 +60,12 @@ class PageAllocator:
         self.backend = backend
         self.background = background
         self.prefetch = prefetch
-        self.prefetch_tokens = prefetch_tokens  # look-ahead: a slot within this many tokens of its next page pre-maps it
+        # look-ahead: a slot within this many tokens of its next page pre-maps it
+        self.prefetch_tokens = prefetch_tokens
         self.worker_error: BaseException | None = None
-        pages = PhysicalPages(backend, bases, geometry.page_size, geometry.num_buffers, budget=budget,
+        physical = PageGroups(backend, bases, geometry.page_size, geometry.num_buffers, budget=budget,
                               reclaim=self._give_back, cached=self._cached_bytes)
-        self.books = SlotBooks(geometry, pages, max_pages, track_dirty=zero_pages is not None)
+        self.books = SlotBooks(geometry, physical, max_pages, track_dirty=zero_pages is not None)
         self.mapper = Mapper(self.books, zero_pages=zero_pages, copy_pages=copy_pages)
         self.sharing = Sharing(self.books, self.mapper)
         self.swap = Swap(self.books, self.mapper)
@@ -102,10 +103,10 @@ class PageAllocator:
 
     # ------------------------------------------------------------------- step ----
     def step(self, seq_lens: Sequence[int] | Mapping[int, int]) -> StepResult:
-        books, pages, ahead = self.books, self.books.pages, self.prefetch_tokens
-        short = pages.take_budget_short()
+        books, physical, ahead = self.books, self.books.physical, self.prefetch_tokens
+        short = physical.take_budget_short()
         if short:  # the budget refused us last time: ask the others (never under our lock)
-            pages.budget.reclaim(short, requester=pages.budget_token)
+            physical.budget.reclaim(short, requester=physical.budget_token)
         if self.premapper.busy:  # the worker is mapping: a step that needs nothing new runs beside it
             with books.lock:
                 books.check_open()
@@ -224,9 +225,9 @@ class PageAllocator:
         books = self.books
         with self._quiet():
             books.fence_ran()
-            self.mapper.reclaim(reclaimable(books, {}), books.pages.num_created)
+            self.mapper.reclaim(reclaimable(books, {}), books.physical.num_created)
             books.evict(len(books.pins))
-            return self.mapper.release_spare(len(books.pages.spare))
+            return self.mapper.release_spare(len(books.physical.spare))
 
     def reserve_physical(self, nbytes: int) -> int:
         """Create page groups until at least `nbytes` of physical memory exist. Returns groups created."""
@@ -240,13 +241,13 @@ class PageAllocator:
                 raise OutOfPhysicalMemoryError(
                     f"{nbytes} bytes is {n} page groups, over the budget of {books.max_pages} "
                     f"({books.max_pages * gb} bytes); raise physical_memory")
-            before = books.pages.num_created
+            before = books.physical.num_created
             if n > before:
-                groups = books.pages.create(n - before)
+                groups = books.physical.create(n - before)
                 if groups is None:
                     raise budget_refused(n - before, gb)
-                books.pages.put_spare(groups)
-            return books.pages.num_created - before
+                books.physical.put_spare(groups)
+            return books.physical.num_created - before
 
     @property
     def max_pages(self) -> int:
@@ -259,7 +260,7 @@ class PageAllocator:
         lower); the page groups' size is `geometry.group_bytes`. Raises InvalidRequestError."""
         n = as_index(n, "max_pages")
         with self._quiet():
-            created = self.books.pages.num_created
+            created = self.books.physical.num_created
             if n < max(1, created):
                 raise InvalidRequestError(
                     f"max_pages must be >= 1 and >= the {created} page groups that exist now, got {n}; "
@@ -274,12 +275,12 @@ class PageAllocator:
         want = -(-nbytes // gb)
         try:
             with self._quiet():
-                if len(books.pages.spare) < want:
+                if len(books.physical.spare) < want:
                     books.fence_ran()
-                    self.mapper.reclaim(reclaimable(books, {}), want - len(books.pages.spare))
-                    if len(books.pages.spare) < want:
-                        books.evict(want - len(books.pages.spare))
-                return self.mapper.release_spare(min(want, len(books.pages.spare))) * gb
+                    self.mapper.reclaim(reclaimable(books, {}), want - len(books.physical.spare))
+                    if len(books.physical.spare) < want:
+                        books.evict(want - len(books.physical.spare))
+                return self.mapper.release_spare(min(want, len(books.physical.spare))) * gb
         except Exception:  # closed, or a driver call failed: give what we can, which is nothing
             return 0
 
@@ -326,7 +327,7 @@ class PageAllocator:
             books.shared_slots.clear()
             books.dirty.clear()
             books.dirty_slots.clear()
-            errors = books.pages.close(offsets, mapped)
+            errors = books.physical.close(offsets, mapped)
         if errors:
             raise errors[0]
 

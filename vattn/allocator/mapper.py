@@ -47,7 +47,7 @@ class Mapper:
                 try:
                     self.grow(plan.num_create, limit=limit)
                 except OutOfPhysicalMemoryError:
-                    limit = self.books.pages.num_created
+                    limit = self.books.physical.num_created
                     continue
             return (plan, *self.execute(plan))
 
@@ -62,7 +62,7 @@ class Mapper:
         except MapCountLimitError:
             # Every mapped page is a VMA on the host: give back the cached ones (free slots,
             # pre-mapped tails) and try once more before failing.
-            freed = self.reclaim(reclaimable(self.books, plan.lens), self.books.pages.num_created)
+            freed = self.reclaim(reclaimable(self.books, plan.lens), self.books.physical.num_created)
             if not freed:
                 raise
             num_unmapped += freed
@@ -75,15 +75,15 @@ class Mapper:
         (default: the budget). In the background the lock is released around the driver
         call (only step and reserve_physical grow otherwise, and both stop the worker first)."""
         books = self.books
-        room = (books.max_pages if limit is None else limit) - books.pages.num_created
+        room = (books.max_pages if limit is None else limit) - books.physical.num_created
         n = min(room, max(count, GROW_CHUNK))
         if n <= 0:
             return
         need = min(count, room)
-        groups = books.pages.create(need, n - need, unlocked=books.unlocked(background))
+        groups = books.physical.create(need, n - need, unlocked=books.unlocked(background))
         if groups is None:
             raise budget_refused(need, books.geometry.group_bytes)
-        books.pages.put_spare(groups)
+        books.physical.put_spare(groups)
 
     def map_slots(self, plan: StepPlan) -> int:
         """Map the plan's given groups, then spare ones, in one backend call (atomic), copy
@@ -95,7 +95,7 @@ class Mapper:
             groups += shared
             takers += [slot] * len(shared)
         num_shared = len(groups)
-        spare = books.pages.spare
+        spare = books.physical.spare
         for slot, first, count in plan.maps:
             for p in range(first, first + count):
                 offsets.append(g.page_offset(slot, p))
@@ -103,7 +103,7 @@ class Mapper:
                 takers.append(slot)
         fresh = groups[num_shared:]
         try:
-            books.pages.map(offsets, groups)
+            books.physical.map(offsets, groups)
         except BaseException:
             spare.extend(reversed(fresh))  # the map was atomic: nothing of it happened
             raise
@@ -111,7 +111,7 @@ class Mapper:
             try:
                 self.copy_pages(list(plan.copies))
             except BaseException:
-                books.pages.unmap(offsets)
+                books.physical.unmap(offsets)
                 spare.extend(reversed(fresh))
                 raise
             copied = {dst for _, dst in plan.copies}  # overwritten: no earlier owner's data left
@@ -139,11 +139,11 @@ class Mapper:
         for s, k in unmaps:
             n = len(books.slot_pages[s])
             offsets += [g.page_offset(s, p) for p in range(n - k, n)]
-        books.pages.wait(books.last_fence[s] for s, _ in unmaps)
+        books.physical.wait(books.last_fence[s] for s, _ in unmaps)
         for s, _ in unmaps:
             books.last_fence[s] = None
             books.epoch[s] += 1
-        books.pages.unmap(offsets)
+        books.physical.unmap(offsets)
         for s, k in unmaps:
             pages = books.slot_pages[s]
             books.unref(reversed(pages[len(pages) - k:]))
@@ -178,10 +178,10 @@ class Mapper:
 
     def release_spare(self, count: int) -> int:
         """Release up to `count` spare groups. Returns how many."""
-        spare = self.books.pages.spare
+        spare = self.books.physical.spare
         count = min(count, len(spare))
         self.books.dirty.difference_update(spare[len(spare) - count:] if count else ())
-        return self.books.pages.release_spare(count)
+        return self.books.physical.release_spare(count)
 
 
 def budget_refused(num_groups: int, group_bytes: int) -> OutOfPhysicalMemoryError:

@@ -145,7 +145,7 @@ def plan_step(books: SlotBooks, lens: dict[int, int], short: list[int], limit: i
     g, pages = books.geometry, books.slot_pages
     need = {s: g.pages_for(lens[s]) for s in short}
     order = sorted(short, key=books.active.__getitem__)
-    supply = len(books.pages.spare) + (limit - books.pages.num_created)
+    supply = len(books.physical.spare) + (limit - books.physical.num_created)
     donors: list[tuple[int, int]] = []
     if sum(need[s] - len(pages[s]) for s in order) > supply:  # only then look at other slots
         donors = reclaimable(books, lens)
@@ -173,7 +173,7 @@ def plan_fork(books: SlotBooks, parent: int, child: int, num_tokens: int, limit:
     if not copy:
         return StepPlan({}, shares=shares, limit=limit)
     donors: list[tuple[int, int]] = []
-    if len(books.pages.spare) + (limit - books.pages.num_created) < copy:
+    if len(books.physical.spare) + (limit - books.physical.num_created) < copy:
         donors = reclaimable(books, {})
         if freeable(books, donors) < copy:
             return StepPlan({}, failed=(child,), limit=limit)
@@ -185,11 +185,11 @@ def plan_fork(books: SlotBooks, parent: int, child: int, num_tokens: int, limit:
 def _supplied(books: SlotBooks, plan: StepPlan, donors: list[tuple[int, int]]) -> StepPlan:
     """`plan` with where its spare groups come from: those there are, then new ones within
     the limit, then the donors' tails (in order), then pins no slot maps."""
-    spare = len(books.pages.spare)
+    spare = len(books.physical.spare)
     deficit = plan.num_new - spare
     if deficit <= 0:
         return plan
-    create = min(deficit, plan.limit - books.pages.num_created)
+    create = min(deficit, plan.limit - books.physical.num_created)
     # What `create` brings is exactly that (at the limit) or at least the deficit (below it).
     missing = deficit - max(0, create)
     unmaps, num_unmapped, freed = plan_unmaps(books, donors, missing) if missing > 0 else ((), 0, 0)

@@ -48,29 +48,29 @@ def map_ahead(mapper: Mapper, job: Job, batch: int, worker: Premapper | None = N
     nothing else changes `slot_pages` meanwhile (only calls that stop the worker first do),
     and the batch's groups sit in `in_flight` until committed."""
     books = mapper.books
-    g, pages, background = books.geometry, books.pages, worker is not None
+    g, physical, background = books.geometry, books.physical, worker is not None
     for s, target in job:
         while not (background and worker.stopped):
             have = len(books.slot_pages[s])
             n = min(target - have, batch)
             if n <= 0:
                 break
-            if len(pages.spare) < n:
+            if len(physical.spare) < n:
                 try:
-                    mapper.grow(n - len(pages.spare), background)
+                    mapper.grow(n - len(physical.spare), background)
                 except OutOfPhysicalMemoryError:
                     pass  # a shortage now: pre-map what is spare; step tries again later
-                n = min(n, len(pages.spare))
+                n = min(n, len(physical.spare))
                 if n == 0 or (background and worker.stopped):
                     return
-            groups = pages.take_spare(n)
+            groups = physical.take_spare(n)
             offsets = [g.page_offset(s, have + i) for i in range(n)]
             books.in_flight = groups
             try:
                 with books.unlocked(background):
-                    pages.map(offsets, groups)
+                    physical.map(offsets, groups)
             except BaseException:
-                pages.spare.extend(reversed(groups))  # the map was atomic
+                physical.spare.extend(reversed(groups))  # the map was atomic
                 raise
             finally:
                 books.in_flight = []

@@ -29,7 +29,7 @@ class Swap:
         asynchronous copy to host): a fence taken now keeps its pages mapped until that work
         finished, even when the slot did not run in the last iteration. Returns the slot."""
         slot = self.books.check_active(reqid)
-        fence = self.books.pages.fence()
+        fence = self.books.physical.fence()
         if fence is not None:
             self.books.last_fence[slot] = fence
         return slot

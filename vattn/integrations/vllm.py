@@ -63,7 +63,7 @@ Layouts: the KV cache's block-compact layouts (`LBNHC`/NHD, `LBHNC`/HND, `BLNHC`
 `BLHNC`), attention layers only. Anything else (Mamba raw buffers, HiSparse host pools,
 non-block-compact layouts) is detected by the scheduler and by each worker from the
 `KVCacheConfig` (the same one, with the same environment), and vLLM then runs on its own
-memory with a warning. Every batch carries the layout's `Geometry.key`; a worker refuses a
+memory with a warning. Every batch carries the layout's `BlockLayout.key`; a worker refuses a
 batch for another layout. A worker on vattn memory under a scheduler that fell back gets
 no batches at all, which is not detected (it needs different `VATTN_VLLM*` variables in
 the two processes).
@@ -112,9 +112,9 @@ def idle_trim_s() -> float | None:
     return _env.idle_trim_s("VATTN_VLLM_IDLE_TRIM_S", DEFAULT_IDLE_TRIM_S)
 
 
-# ----------------------------------------------------------------------- geometry ----
+# ------------------------------------------------------------------- block layout ----
 @dataclass(frozen=True)
-class Geometry:
+class BlockLayout:
     """Where each block's bytes are in the KV cache's backing allocation.
 
     Block `b` occupies `[region + b * block_bytes, region + (b + 1) * block_bytes)` in every
@@ -155,8 +155,8 @@ def _layer_spec(kv_cache_config: Any, layer: str) -> Any:
     raise UnsupportedLayoutError(f"layer {layer!r} is in no KV cache group")
 
 
-def geometry(kv_cache_config: Any, page: int | None = None) -> Geometry:
-    """The `Geometry` of a vLLM `KVCacheConfig` (read by duck typing: `num_blocks`,
+def block_layout(kv_cache_config: Any, page: int | None = None) -> BlockLayout:
+    """The `BlockLayout` of a vLLM `KVCacheConfig` (read by duck typing: `num_blocks`,
     `kv_cache_tensors` with `size, layers, layer_stride, block_stride, offset`, and
     `kv_cache_groups` with `layer_names, kv_cache_spec.page_size_bytes`).
 
@@ -193,7 +193,7 @@ def geometry(kv_cache_config: Any, page: int | None = None) -> Geometry:
     if len(strides) != 1:
         raise UnsupportedLayoutError(f"block strides differ between KV cache tensors: {sorted(strides)}")
     B = strides.pop()
-    g = Geometry(N, B, P, tuple(sorted(regions)), size)
+    g = BlockLayout(N, B, P, tuple(sorted(regions)), size)
     span = g.num_pages * P
     for a, b in zip(g.regions, g.regions[1:]):
         if a % P or b - a < span:
@@ -232,7 +232,7 @@ class PageOps:
 
     `ops`: ("create", [group ids]) · ("map", [pages], [group ids]) · ("zero", [pages]: just
     mapped with new memory, see `ElasticPool(zero_new=True)`) · ("unmap", [pages]) ·
-    ("release", [group ids]). `seq` counts batches from 1; `key` is the geometry's."""
+    ("release", [group ids]). `seq` counts batches from 1; `key` is the block layout's."""
 
     seq: int
     key: tuple
@@ -295,7 +295,7 @@ class RecordingBackend(Backend):
         return log
 
 
-def _new_books(g: Geometry, limit: int | None) -> tuple[ElasticPool, RecordingBackend]:
+def _new_books(g: BlockLayout, limit: int | None) -> tuple[ElasticPool, RecordingBackend]:
     """The scheduler's books and their first operations (block 0 mapped). Deterministic:
     a worker builds the same books to know the state its allocation starts in. Pages
     mapped with new memory are cleared (`zero_new`: a "zero" operation for the workers)."""
@@ -316,12 +316,12 @@ class SchedulerKV:
     only the free blocks that must stay mapped (prefix-cached, watched); the others are
     free blocks of the elastic pool, which hands them out page-aware."""
 
-    def __init__(self, block_pool: Any, g: Geometry, limit: int | None = None) -> None:
+    def __init__(self, block_pool: Any, g: BlockLayout, limit: int | None = None) -> None:
         if block_pool.num_gpu_blocks != g.num_blocks:
             raise InvalidConfigError(f"the block pool has {block_pool.num_gpu_blocks} blocks, the KV cache "
                                      f"configuration {g.num_blocks}")
         self.block_pool = block_pool
-        self.geometry = g
+        self.layout = g
         self.pool, self.recorder = _new_books(g, limit)
         self.recorder.drain()  # the workers start in this state (see WorkerKV)
         self.seq = 0
@@ -419,7 +419,7 @@ class SchedulerKV:
         if not ops:
             return None
         self.seq += 1
-        return PageOps(self.seq, self.geometry.key, ops)
+        return PageOps(self.seq, self.layout.key, ops)
 
     def check_invariants(self) -> None:
         """Every block vLLM uses, caches or watches is in use in the elastic pool (mapped)."""
@@ -451,7 +451,7 @@ def attach(block_pool: Any, kv_cache_config: Any) -> SchedulerKV | None:
     if not enabled():
         return None
     try:
-        g = geometry(kv_cache_config)
+        g = block_layout(kv_cache_config)
     except UnsupportedLayoutError as e:
         logger.warning("vattn: vLLM keeps its own KV memory: %s", e)
         return None
@@ -546,7 +546,7 @@ class WorkerKV:
     def __init__(self, kv_cache_config: Any, size: int, device: torch.device | str,
                  backend: Backend | None = None) -> None:
         self.device = torch.device(device)
-        self.geometry = g = geometry(kv_cache_config)
+        self.layout = g = block_layout(kv_cache_config)
         if size > g.reserved_bytes:
             raise UnsupportedLayoutError(f"an allocation of {size} bytes is larger than the KV cache's reservation "
                                          f"of {g.reserved_bytes} bytes")
@@ -574,15 +574,16 @@ class WorkerKV:
             return
         if self.closed:
             raise OpsOutOfOrderError("page operations for a closed vattn KV cache")
-        if ops.key != self.geometry.key:
-            raise OpsOutOfOrderError(f"page operations for geometry {ops.key}, this worker has {self.geometry.key}")
+        if ops.key != self.layout.key:
+            raise OpsOutOfOrderError(f"page operations for block layout (geometry) {ops.key}, this worker has "
+                                     f"{self.layout.key}")
         if ops.seq != self.seq + 1:
             raise OpsOutOfOrderError(f"page operations batch {ops.seq} after batch {self.seq}")
         self._apply(ops.ops)
         self.seq = ops.seq
 
     def _apply(self, ops: list[tuple]) -> None:
-        P, synced = self.geometry.page_size, False
+        P, synced = self.layout.page_size, False
         for op in ops:
             kind = op[0]
             if kind == "create":
@@ -613,11 +614,11 @@ class WorkerKV:
 
     @property
     def mapped_bytes(self) -> int:
-        return len(self.mapped) * self.geometry.page_size * len(self.bases)
+        return len(self.mapped) * self.layout.page_size * len(self.bases)
 
     def is_mapped(self, block: int) -> bool:
         """Whether every page of `block` is mapped here."""
-        g = self.geometry
+        g = self.layout
         first, last = block * g.block_bytes // g.page_size, ((block + 1) * g.block_bytes - 1) // g.page_size
         return all(p in self.mapped for p in range(first, last + 1))
 
@@ -627,7 +628,7 @@ class WorkerKV:
             return
         self.closed = True
         self.synchronize()
-        P = self.geometry.page_size
+        P = self.layout.page_size
         try:
             self.backend.unmap(self.bases, [p * P for p in self.mapped], P)
             self.mapped.clear()
@@ -700,7 +701,7 @@ def reset_worker() -> None:
 
 
 __all__ = [
-    "Geometry", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "UnsupportedLayoutError",
-    "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "enabled", "geometry",
+    "BlockLayout", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "UnsupportedLayoutError",
+    "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "block_layout", "enabled",
     "idle_wakeup", "kv_cache_buffer", "on_idle", "set_limit", "take_ops", "worker_kv",
 ]
