@@ -3,8 +3,8 @@
 After every step, `gpu_suite.sh` calls this to record the step's status and to fold the
 JSON files the step wrote into OUTDIR/results.json (the files are then removed, so OUTDIR
 stays a handful of files), and summary.md is written again from results.json.
-Plain Python (no torch) except `--env` and the `vattn bench` sections, which use each
-benchmark module's own `table()`.
+Plain Python (no torch; `vattn.report` for the tables) except `--env` and the `vattn bench`
+sections, which use each benchmark module's own `table()`.
 
     python benchmarks/gpu_summary.py OUTDIR --step NAME --status passed --seconds 12 --timeout 90 [--note TEXT]
     python benchmarks/gpu_summary.py OUTDIR --env cuda      # record the environment (imports torch)
@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vattn (its root imports no torch)
+from vattn.report import markdown_table  # noqa: E402
 
 RESULTS, SUMMARY = "results.json", "summary.md"
 
@@ -53,25 +56,6 @@ def write(out: Path, results: dict[str, Any]) -> None:
     (out / SUMMARY).write_text(summary(results))
 
 
-# ------------------------------------------------------------------------ markdown ----
-def _fmt(x: Any) -> str:
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "-"
-        return f"{x:.4g}"
-    if x is None:
-        return "-"
-    return str(x)
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def _env(results: dict[str, Any]) -> str:
     env = results.get("suite", {}).get("env") or {}
     if not env:
@@ -88,9 +72,9 @@ def _steps(results: dict[str, Any]) -> str:
     steps = results.get("suite", {}).get("steps", [])
     if not steps:
         return "(no steps recorded)"
-    return table(["step", "status", "seconds", "timeout", "note"],
-                 [[s["name"], s["status"].upper() if s["status"] in ("failed", "timeout") else s["status"],
-                   s.get("seconds"), s.get("timeout"), s.get("note", "")] for s in steps])
+    return markdown_table(["step", "status", "seconds", "timeout", "note"],
+                          [[s["name"], s["status"].upper() if s["status"] in ("failed", "timeout") else s["status"],
+                            s.get("seconds"), s.get("timeout"), s.get("note", "")] for s in steps])
 
 
 # `vattn bench` payloads, summarised with each module's own table(), in this order
@@ -102,9 +86,7 @@ def _bench(d: dict) -> str:
     and printed notes (importing the module imports torch)."""
     import contextlib
     import io
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from vattn.bench import module
 
     mod = module(d["benchmark"])
@@ -113,7 +95,7 @@ def _bench(d: dict) -> str:
         headers, rows = mod.table(d["result"])
     config = ", ".join(f"{k} {v}" for k, v in d.get("config", {}).items() if v not in (None, False, []))
     notes = [line for line in buf.getvalue().splitlines() if line.strip()]
-    return "\n".join([f"config: {config}", ""] + notes + ["", table(headers, rows)])
+    return "\n".join([f"config: {config}", ""] + notes + ["", markdown_table(headers, rows)])
 
 
 def summary(results: dict[str, Any]) -> str:
@@ -155,9 +137,6 @@ def main() -> None:
     results = load(out)
     results.setdefault("suite", {}).setdefault("steps", [])
     if args.env:
-        import sys
-
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from vattn.bench._common import environment
 
         results["suite"]["env"] = environment(args.env)

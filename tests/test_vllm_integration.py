@@ -470,17 +470,18 @@ def test_batches_out_of_order_are_refused():
         w.apply(bad)
 
 
-def test_the_layout_key_covers_the_regions():
-    """Same blocks, block bytes and page, another number of regions: a different layout,
-    and a worker refuses its batches."""
+def test_the_layout_key_is_the_block_to_page_map_not_the_regions():
+    """A pipeline stage with another layer count (other regions) applies the same batches;
+    another block size or page is another map of blocks to pages, and refused."""
     one = vv.block_layout(kv_config(num_blocks=64, layers=1))
     two = vv.block_layout(kv_config(num_blocks=64, layers=2))
-    assert one.key[:3] == two.key[:3] and one.key != two.key
+    other = vv.block_layout(kv_config(num_blocks=64, layers=2, heads=4))
+    assert one.key == two.key and one.regions != two.regions and other.key != two.key
     bp, skv, w, _ = engine(kv_config(num_blocks=64, layers=2))
     bp.get_new_blocks(10)
     ops = skv.drain()
     with pytest.raises(vv.OpsOutOfOrderError, match="geometry"):
-        w.apply(vv.PageOps(ops.seq, one.key, ops.ops))
+        w.apply(vv.PageOps(ops.seq, other.key, ops.ops))
     w.apply(ops)
 
 

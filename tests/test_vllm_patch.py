@@ -229,7 +229,12 @@ PLUGIN = r'''
 """Puts vLLM's unit tests on vattn: tensor-less test configurations get a one-region
 geometry; every attached block pool gets a host WorkerKV that applies the page ops after
 each allocation and checks that the blocks handed out are mapped."""
+import os
 import pytest
+if os.environ.get("VATTN_TEST_PLUGIN") == "1":  # an unpatched tree: the plugin installs the hooks
+    from vattn.integrations import plugins
+    _st = plugins.install("vllm")
+    assert _st.status == "installed", (_st.status, _st.reason)
 from vattn.integrations import vllm as vv
 
 BLOCK = 4096

@@ -12,12 +12,10 @@ The paper's API works on a default instance:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from vattn.allocator import MemoryStats, StepResult
-from vattn.cache import KVCache
-from vattn.config import CacheConfig
-from vattn.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+from vattn._lazy import lazy_exports
+# The errors are eager: a plain module with no imports, and what every caller catches.
 from vattn.errors import (
     BackendError,
     ClosedError,
@@ -33,6 +31,14 @@ from vattn.errors import (
     UnknownReqIdError,
     VattnError,
 )
+
+if TYPE_CHECKING:
+    from vattn.allocator import MemoryStats, StepResult
+    from vattn.budget import Budget
+    from vattn.cache import KVCache
+    from vattn.config import CacheConfig
+    from vattn.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+    from vattn.pool import ElasticPool, PoolStats, UnknownBlockError
 
 __version__ = "0.1.0"
 
@@ -54,6 +60,8 @@ def init(config: CacheConfig | None = None, **kwargs: Any) -> KVCache:
     budget (a `vattn.Budget` shared with other caches and elastic pools, default none).
     """
     global _default
+    from vattn.cache import KVCache
+
     _default = KVCache(config, **kwargs)
     return _default
 
@@ -106,5 +114,13 @@ __all__ = [
     "ElasticPool", "PoolStats", "UnknownBlockError", "Budget",
 ]
 
-from vattn.budget import Budget  # noqa: E402  (elastic memory for servers with their own block tables)
-from vattn.pool import ElasticPool, PoolStats, UnknownBlockError  # noqa: E402
+# Loaded on first use (PEP 562): `import vattn`, its books (vattn.allocator) and its
+# backends (vattn._C, vattn.vmem) stay free of torch, the engine and the integrations.
+_EXPORTS = {
+    "LLM": "vattn.engine", "SamplingParams": "vattn.engine", "RequestOutput": "vattn.engine",
+    "CompletionOutput": "vattn.engine", "KVCache": "vattn.cache", "CacheConfig": "vattn.config",
+    "StepResult": "vattn.allocator", "MemoryStats": "vattn.allocator",
+    "ElasticPool": "vattn.pool", "PoolStats": "vattn.pool", "UnknownBlockError": "vattn.pool",
+    "Budget": "vattn.budget",  # elastic memory for servers with their own block tables
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,6 +1,5 @@
 """Argument checks shared by every config (the cache's, the elastic pool's, the engine's,
-the budget's) and by the calls of the cache and of the engine. Plain Python, no torch at
-import (`as_device` parses with torch when it is called).
+the budget's) and by the calls of the cache and of the engine. Plain Python, no torch.
 
 An "int" is anything that is an integer without loss: a Python int, a numpy integer, or a
 0-d integer tensor / array (`operator.index` accepts them). Bools are not ints here.
@@ -10,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import re
 from typing import Any, Sequence
 
 from vattn.errors import InvalidConfigError
@@ -117,21 +117,20 @@ def page_size(value: Any) -> int | None:
 
 def device(value: Any, *, optional: bool = False) -> str | None:
     """A device a backend runs on: 'cpu' (the host backend) or 'cuda[:N]', given as a string
-    or a torch.device; returned as a string (None too when `optional`)."""
-    import torch  # only configs call this, and they have torch (the books never do)
-
+    or a torch.device; returned as a string (None too when `optional`). Parsed here without
+    torch: the books import this module."""
     if optional and value is None:
         return None
-    if isinstance(value, torch.device):
+    if hasattr(value, "type") and hasattr(value, "index") and not isinstance(value, str):  # a torch.device
         value = str(value)
     if not isinstance(value, str):
         raise InvalidConfigError(f"device must be a string like 'cpu' or 'cuda:0', got {value!r}")
-    try:
-        dev = torch.device(value)
-    except RuntimeError as e:
-        raise InvalidConfigError(f"bad device {value!r}: {e}") from None
-    if dev.type not in ("cpu", "cuda"):
+    m = _DEVICE.fullmatch(value)
+    if m is None:
         raise InvalidConfigError(f"device must be 'cpu' (host backend) or 'cuda[:N]', got {value!r}")
-    if dev.type == "cpu" and dev.index not in (None, 0):
+    if m[1] == "cpu" and m[2] is not None and int(m[2]) != 0:
         raise InvalidConfigError(f"the host has one memory: use device='cpu', not {value!r}")
     return value
+
+
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")

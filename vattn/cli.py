@@ -7,12 +7,7 @@ import shlex
 import sys
 from typing import Sequence
 
-
-def _table(rows: list[tuple[str, str]], title: str) -> str:
-    w = max(len(k) for k, _ in rows)
-    lines = [title, "-" * (w + 3 + max(len(v) for _, v in rows))]
-    lines += [f"{k:<{w}} | {v}" for k, v in rows]
-    return "\n".join(lines)
+from vattn.report import key_value_table
 
 
 def _synthetic_demo(args: argparse.Namespace) -> int:
@@ -44,7 +39,7 @@ def _synthetic_demo(args: argparse.Namespace) -> int:
         ("slots reused (deferred reclamation)", str(s["slot_reuses"])),
         ("wall time", f"{s['seconds']:.2f} s"),
     ]
-    print(_table(rows, "vattn synthetic allocator demo"))
+    print(key_value_table(rows, title="vattn synthetic allocator demo"))
     return 0
 
 

@@ -87,3 +87,8 @@ class UnsupportedLayoutError(VattnError, ValueError):
 
 class OpsOutOfOrderError(VattnError, RuntimeError):
     """A vLLM worker got page operations out of sequence: its pages no longer match the books."""
+
+
+class HookError(VattnError, RuntimeError):
+    """A plugin's hunk does not fit the installed engine (another release, a local change, a
+    patch already applied on disk): the plugin installs nothing."""

@@ -20,6 +20,7 @@ import torch
 from vattn.cache import KVCache
 from vattn.checks import as_int
 from vattn.errors import InvalidConfigError
+from vattn.report import latency_stats
 
 
 @dataclass
@@ -51,12 +52,11 @@ class WorkloadReport:
     seconds: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        ms = sorted(self.step_ms)
+        ms = latency_stats(self.step_ms)
         return {
             "iterations": self.iterations, "requests": self.requests, "tokens_written": self.tokens_written,
             "preemptions": self.preemptions,
-            "step_ms_p50": ms[len(ms) // 2], "step_ms_p99": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
-            "step_ms_mean": statistics.fmean(ms), "step_ms_max": ms[-1],
+            "step_ms_p50": ms["p50"], "step_ms_p99": ms["p99"], "step_ms_mean": ms["mean"], "step_ms_max": ms["max"],
             "peak_mapped_MiB": self.peak_mapped_bytes / 2**20, "peak_used_MiB": self.peak_used_bytes / 2**20,
             "mean_fragmentation": self.mean_fragmentation, "pages_mapped": self.pages_mapped,
             "pages_unmapped": self.pages_unmapped, "slot_reuses": self.slot_reuses,

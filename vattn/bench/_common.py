@@ -1,5 +1,6 @@
-"""Shared by the benchmarks: environment facts, a printed table, percentiles, a progress bar,
-JSON + PNG output. Written once here; every `vattn bench` module and `benchmarks/*.py` script uses it."""
+"""Shared by the benchmarks: environment facts, a printed table, a progress bar, JSON + PNG
+output. Written once here; every `vattn bench` module and `benchmarks/*.py` script uses it
+(tables and percentiles: `vattn.report`, re-exported here for them)."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -11,6 +12,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from vattn.report import latency_stats, text_table  # noqa: F401  (latency_stats: the benchmarks import it from here)
+
 
 def _results_dir() -> Path:
     """benchmarks/results of the checkout vattn runs from, else of the working directory."""
@@ -78,12 +82,8 @@ def _driver_version() -> str:
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    cells = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print(" | ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for r in cells:
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+    """Print `vattn.report.text_table(headers, rows)`."""
+    print(text_table(headers, rows))
 
 
 def save(name: str, payload: dict[str, Any], fig: Any = None, out: str | os.PathLike | None = None) -> Path:
@@ -103,15 +103,6 @@ def save(name: str, payload: dict[str, Any], fig: Any = None, out: str | os.Path
 def _jsonable(x: Any) -> Any:
     """json.dumps fallback: torch dtypes/devices, paths and the like as strings."""
     return str(x)
-
-
-def latency_stats(xs: Sequence[float]) -> dict[str, float]:
-    """mean, p50, p99 and max of a list of latencies (same unit as given); empty -> NaN."""
-    if not xs:
-        return dict(n=0, mean=float("nan"), p50=float("nan"), p99=float("nan"), max=float("nan"))
-    s = sorted(xs)
-    return dict(n=len(s), mean=sum(s) / len(s), p50=s[len(s) // 2], p99=s[min(len(s) - 1, int(len(s) * 0.99))],
-                max=s[-1])
 
 
 def progress(iterable: Any = None, *, total: int | None = None, desc: str = "", unit: str = "it") -> Any:

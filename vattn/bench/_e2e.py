@@ -43,6 +43,7 @@ import torch
 from ._common import agreement, progress
 from ._common import sync as _sync
 from vattn.integrations.hf_cb import memory_problem
+from vattn.report import percentile
 
 from ._models import build_model, cb_config, llama_config
 
@@ -145,8 +146,7 @@ class StepTimer:
             return {}
 
         def median_ms(xs: list[float]) -> float:
-            xs = sorted(xs)
-            return 1e3 * xs[len(xs) // 2]
+            return 1e3 * percentile(xs, 50, interpolate=False)  # a step that happened
 
         out = [d["step"] - d["forward"] for d in its]
         res = dict(iterations=len(its), step_ms_median=median_ms([d["step"] for d in its]),

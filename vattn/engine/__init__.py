@@ -8,14 +8,32 @@ transformers is imported only when an `LLM` is created.
 """
 from __future__ import annotations
 
-from vattn.engine.config import EngineConfig
-from vattn.engine.llm import LLM
-from vattn.engine.parallel import RankCacheError, TensorParallelError
-from vattn.engine.sampling_params import SamplingParams
-from vattn.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, SequenceStatus
+from typing import TYPE_CHECKING
+
+from vattn._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from vattn.engine.config import EngineConfig
+    from vattn.engine.llm import LLM
+    from vattn.engine.parallel import RankCacheError, TensorParallelError
+    from vattn.engine.sampling_params import SamplingParams
+    from vattn.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+    from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, SequenceStatus
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig", "Scheduler",
     "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "TensorParallelError", "RankCacheError",
 ]
+
+# Loaded on first use (PEP 562): the scheduler and the sequences are plain Python, and
+# importing them (which runs this file) must not import torch through the model runner.
+_EXPORTS = {
+    "EngineConfig": "vattn.engine.config", "LLM": "vattn.engine.llm",
+    "RankCacheError": "vattn.engine.parallel", "TensorParallelError": "vattn.engine.parallel",
+    "SamplingParams": "vattn.engine.sampling_params", "Scheduler": "vattn.engine.scheduler",
+    "SchedulerConfig": "vattn.engine.scheduler", "SchedulerOutput": "vattn.engine.scheduler",
+    "CompletionOutput": "vattn.engine.sequence", "RequestMetrics": "vattn.engine.sequence",
+    "RequestOutput": "vattn.engine.sequence", "Sequence": "vattn.engine.sequence",
+    "SequenceStatus": "vattn.engine.sequence",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

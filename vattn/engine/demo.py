@@ -18,6 +18,7 @@ from vattn.engine.llm import LLM
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.sequence import RequestOutput
 from vattn.errors import InvalidConfigError
+from vattn.report import key_value_table, percentile
 
 MIB = 1 << 20
 
@@ -122,10 +123,10 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
         "output_tokens": out_tokens,
         "output_throughput_tok_s": out_tokens / wall if wall else 0.0,
         "total_throughput_tok_s": (out_tokens + prompt_tokens) / wall if wall else 0.0,
-        "ttft_p50_ms": 1e3 * _percentile(ttft, 50),
-        "ttft_p90_ms": 1e3 * _percentile(ttft, 90),
-        "tpot_p50_ms": 1e3 * _percentile(tpot, 50),
-        "tpot_p90_ms": 1e3 * _percentile(tpot, 90),
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p90_ms": 1e3 * percentile(ttft, 90),
+        "tpot_p50_ms": 1e3 * percentile(tpot, 50),
+        "tpot_p90_ms": 1e3 * percentile(tpot, 90),
         "num_preemptions": sum(o.num_preemptions for o in finished),
         "kv_mapped_mib_peak": peak_mapped / MIB,
         "kv_used_mib_peak": peak_used / MIB,
@@ -155,19 +156,7 @@ def format_table(result: dict[str, Any]) -> str:
         ("KV used (peak)", f"{result['kv_used_mib_peak']:.2f} MiB"),
         ("KV fragmentation (mean)", f"{result['kv_fragmentation_pct_mean']:.1f} %"),
     ]
-    width = max(len(k) for k, _ in rows)
-    line = "-" * (width + 3 + max(len(v) for _, v in rows))
-    return "\n".join([line] + [f"{k:<{width}} | {v}" for k, v in rows] + [line])
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return key_value_table(rows)
 
 
 if __name__ == "__main__":

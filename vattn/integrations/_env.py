@@ -23,6 +23,12 @@ def flag(name: str, env: Any = None) -> bool:
     return env.get(name, "1").strip().lower() not in OFF
 
 
+def opted_in(name: str, env: Any = None) -> bool:
+    """A switch that is off unless set to 1, true, yes or on (the plugins' opt-in)."""
+    env = os.environ if env is None else env
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def number(name: str, cast: Callable[[str], Any], default: Any, *, low: Any = None, env: Any = None,
            what: str = "a number") -> Any:
     """`name` as `cast` (int: decimal, or 0x/0o/0b), `default` when unset or empty;

@@ -76,7 +76,7 @@ from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
 
-SUPPORTED_VERSIONS = ("0.5.23",)
+SUPPORTED_VERSIONS = ("0.5.22", "0.5.23")
 SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
 REFUSED_RETRY_S = 1.0  # after the device refused new pages, report no growth this long
 

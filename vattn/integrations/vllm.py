@@ -78,7 +78,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from vattn.errors import InvalidConfigError, OpsOutOfOrderError, UnsupportedLayoutError  # (both re-exported)
+from vattn.errors import (  # OpsOutOfOrderError and UnsupportedLayoutError are this module's (re-exported)
+    InvalidConfigError, OpsOutOfOrderError, OutOfPhysicalMemoryError, UnsupportedLayoutError)
 from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
@@ -88,6 +89,8 @@ logger = logging.getLogger("vattn.vllm")
 
 DEFAULT_PAGE_SIZE = 2 << 20  # the CUDA granularity on stock drivers
 DEFAULT_IDLE_TRIM_S = 30.0
+DEFAULT_RESERVE = 4  # page groups each worker creates ahead of the scheduler (see "Refused pages")
+REFUSED_RETRY_S = 1.0  # after a worker could not fill its reserve, ask again this much later
 NULL_BLOCK = 0  # vLLM's null block: padding and skipped blocks read it; always mapped
 
 
@@ -110,6 +113,18 @@ def memory_limit() -> int | None:
 def idle_trim_s() -> float | None:
     """Seconds of idleness before memory goes back; None: never."""
     return _env.idle_trim_s("VATTN_VLLM_IDLE_TRIM_S", DEFAULT_IDLE_TRIM_S)
+
+
+def reserve_groups() -> int:
+    """`VATTN_VLLM_RESERVE`: page groups each worker keeps created ahead (default 4; the
+    scheduler doubles what it asks for while requests wait on memory)."""
+    return _env.number("VATTN_VLLM_RESERVE", int, DEFAULT_RESERVE, low=1, what="an integer number of page groups")
+
+
+def settings() -> dict[str, Any]:
+    """The settings the scheduler and every worker must agree on (`start` compares them)."""
+    return {"VATTN_VLLM": enabled(), "VATTN_VLLM_PAGE_SIZE": page_size(), "VATTN_VLLM_LIMIT": memory_limit(),
+            "VATTN_VLLM_RESERVE": reserve_groups()}
 
 
 # ------------------------------------------------------------------- block layout ----
@@ -141,9 +156,10 @@ class BlockLayout:
 
     @property
     def key(self) -> tuple:
-        """The whole layout the scheduler's and a worker's page operations depend on: the
-        blocks, their bytes, the page, and the regions (their number and offsets)."""
-        return (self.num_blocks, self.block_bytes, self.page_size, self.regions)
+        """What the scheduler's page operations mean: which blocks lie on page `p` (the
+        blocks, their bytes, the page). The regions are each worker's own: pipeline stages
+        with other layer counts map page `p` in each of their own regions."""
+        return (self.num_blocks, self.block_bytes, self.page_size)
 
 
 def _layer_spec(kv_cache_config: Any, layer: str) -> Any:
@@ -264,6 +280,9 @@ class RecordingBackend(Backend):
         self.page = page
         self.log: list[tuple] = []
         self._next = 0
+        # Page groups every worker holds created and ready (None: not counted, the device is
+        # trusted). Each create the books record uses them up; the books' limit keeps within.
+        self.ready: int | None = None
 
     def reserve(self, nbytes: int, alignment: int) -> _Range:
         return _Range(nbytes)
@@ -273,6 +292,10 @@ class RecordingBackend(Backend):
         return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device="meta")
 
     def _create(self, n: int, num_buffers: int, page_size: int) -> list:
+        if self.ready is not None:
+            if n > self.ready:  # a safety net: the books' limit is held + ready
+                raise OutOfPhysicalMemoryError(f"the workers hold {self.ready} page groups ready, not {n}")
+            self.ready -= n
         ids = list(range(self._next, self._next + n))
         self._next += n
         self.log.append(("create", ids))
@@ -316,7 +339,11 @@ class SchedulerKV:
     only the free blocks that must stay mapped (prefix-cached, watched); the others are
     free blocks of the elastic pool, which hands them out page-aware."""
 
-    def __init__(self, block_pool: Any, g: BlockLayout, limit: int | None = None) -> None:
+    def __init__(self, block_pool: Any, g: BlockLayout, limit: int | None = None, *,
+                 worker_regions: Sequence[int] | None = None, reserve: int | None = None) -> None:
+        """`limit`: bytes of pages each worker may hold. `worker_regions`: the number of
+        regions of every worker (pipeline stages differ; default: this layout's). `reserve`:
+        page groups the workers hold ready (None: the device is trusted and never asked)."""
         if block_pool.num_gpu_blocks != g.num_blocks:
             raise InvalidConfigError(f"the block pool has {block_pool.num_gpu_blocks} blocks, the KV cache "
                                      f"configuration {g.num_blocks}")
@@ -327,6 +354,15 @@ class SchedulerKV:
         self.seq = 0
         self.idle_since: float | None = None
         self.trimmed = False
+        # A limit in bytes per worker is a number of page groups per stage; the smallest binds.
+        self.worker_group_bytes = g.page_size * max(worker_regions or [len(g.regions)])
+        self.limit = limit
+        self.recorder.ready = reserve
+        self.target = reserve_groups()  # what the next top-up asks each worker to hold ready
+        self.retry_at = 0.0
+        self.short = False  # the last schedule saw less than a page group free
+        self.num_refusals = 0
+        self._sync_cap()
         q = block_pool.free_block_queue
         for b in q.popleft_n(q.num_free_blocks):  # every block is cold and free: the pool's now
             assert b.ref_cnt == 0 and b.block_hash is None, b
@@ -334,8 +370,10 @@ class SchedulerKV:
     # ---------------------------------------------------------- BlockPool hooks ----
     def num_free_blocks(self) -> int:
         """Blocks `get_new_blocks` can give now: vLLM's mapped free blocks and what the
-        elastic pool can back under its limit."""
-        return self.block_pool.free_block_queue.num_free_blocks + self.pool.available_blocks()
+        elastic pool can back under its limit (and the workers' confirmed reserve)."""
+        n = self.block_pool.free_block_queue.num_free_blocks + self.pool.available_blocks()
+        self.short = n * self.layout.block_bytes < self.layout.page_size
+        return n
 
     def num_unused_blocks(self) -> int:
         """Free blocks whatever the memory (for `reset_prefix_cache`'s "nothing in use")."""
@@ -400,7 +438,9 @@ class SchedulerKV:
                 if b.block_hash is not None and b.block_id not in bp._reuse_watchers:
                     bp._maybe_evict_cached_block(b)
         self.reclaim()
-        return self.pool.trim()
+        nbytes = self.pool.trim()
+        self._sync_cap()
+        return nbytes
 
     def set_limit(self, limit: int | None) -> None:
         """Change the bytes of pages the workers may hold; cached pages over it go back
@@ -408,7 +448,74 @@ class SchedulerKV:
         next step's, or, while the engine is idle, the next `on_idle`'s (the module's
         `set_limit(engine_core, limit)` sends them at once)."""
         self.reclaim()
-        self.pool.set_limit(limit)
+        self.limit = limit
+        self._sync_cap()
+
+    # ------------------------------------------------------ the workers' reserve ----
+    @property
+    def reserve(self) -> int | None:
+        """Page groups every worker holds created and ready (None: not counted)."""
+        return self.recorder.ready
+
+    def _held(self) -> int:
+        st = self.pool.stats()
+        return st.num_mapped_pages + st.num_spare_pages
+
+    def limit_groups(self) -> int | None:
+        """Page groups the limit allows each worker (the stage with the most regions binds)."""
+        return None if self.limit is None else self.limit // self.worker_group_bytes
+
+    def _sync_cap(self) -> None:
+        """The books' limit: the user's, and no more groups than the workers hold (what the
+        books hold and the confirmed reserve), so that no worker is ever asked to create."""
+        caps = [c for c in (self.limit_groups(), None if self.reserve is None else self._held() + self.reserve)
+                if c is not None]
+        limit = min(caps) * self.pool.stats().group_bytes if caps else None
+        if limit != self.pool.limit:
+            self.pool.set_limit(limit)
+
+    def want_reserve(self, waiting: bool, now: float | None = None) -> int | None:
+        """The reserve to ask the workers for before the next schedule, or None (enough, or
+        a refusal is being waited out). While requests wait and the last schedule found
+        less than a page group free, the request doubles (up to what the limit allows)."""
+        if self.reserve is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if now < self.retry_at:
+            return None
+        held = self._held()
+        room = self.layout.num_pages - held
+        lg = self.limit_groups()
+        if lg is not None:
+            room = min(room, lg - held)
+        grow = waiting and self.short and self.reserve < room
+        if grow:
+            self.target = min(2 * self.target, max(room, 1))
+        want = max(0, min(self.target, room))
+        if self.reserve >= max(1, want // 2) and not grow:
+            return None
+        return want if want != self.reserve else None
+
+    def confirm(self, ready: Sequence[int], asked: int, now: float | None = None) -> None:
+        """The workers' answer to a top-up: each holds `ready[i]` groups; the least counts."""
+        got = min(ready) if ready else 0
+        self.recorder.ready = got
+        self._sync_cap()
+        if got < asked:
+            self.num_refusals += 1
+            self.retry_at = (time.monotonic() if now is None else now) + REFUSED_RETRY_S
+            logger.warning("vattn: the device refused KV pages: the workers hold %s of %d page groups asked for "
+                           "ready; requests wait or are preempted until memory frees (asked again in %.0f s)",
+                           list(ready), asked, REFUSED_RETRY_S)
+        else:
+            self.retry_at = 0.0
+
+    def release_reserve(self) -> None:
+        """The idle trim: the workers give their reserve back too (the next step asks anew)."""
+        if self.reserve is not None:
+            self.recorder.ready = 0
+            self.target = reserve_groups()
+            self._sync_cap()
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
@@ -443,10 +550,24 @@ def _queue(q: Any) -> Iterable:
         b = nxt
 
 
+@dataclass(frozen=True)
+class Workers:
+    """What the workers said at start (`start`): their layout key (None: they keep vLLM's
+    memory) and each one's number of regions (pipeline stages differ)."""
+
+    key: tuple | None
+    regions: tuple[int, ...]
+
+
+_started: Workers | None = None  # set by `start` in EngineCore, read by `attach` (same process)
+
+
 def attach(block_pool: Any, kv_cache_config: Any) -> SchedulerKV | None:
     """The scheduler's hook (`KVCacheCoordinator.__init__`): put `block_pool` on vattn
     memory. None (stock vLLM) when `VATTN_VLLM=0` or the layout is not supported; the
-    workers reach the same decision from the same configuration."""
+    workers reach the same decision from the same configuration, and under EngineCore
+    `start` has checked that they did. Under EngineCore the workers keep a reserve of
+    created pages and the scheduler hands out only what it covers (`before_schedule`)."""
     block_pool.vattn = None
     if not enabled():
         return None
@@ -455,7 +576,14 @@ def attach(block_pool: Any, kv_cache_config: Any) -> SchedulerKV | None:
     except UnsupportedLayoutError as e:
         logger.warning("vattn: vLLM keeps its own KV memory: %s", e)
         return None
-    block_pool.vattn = SchedulerKV(block_pool, g, memory_limit())
+    w = _started
+    if w is not None and w.key is None:
+        return None  # the workers keep vLLM's memory (start checked that all of them do)
+    if w is not None and w.key != g.key:
+        raise InvalidConfigError(f"vattn: the scheduler's KV layout {g.key} (blocks, block bytes, page) differs "
+                                 f"from its workers' {w.key}")
+    block_pool.vattn = SchedulerKV(block_pool, g, memory_limit(), worker_regions=w.regions if w else None,
+                                   reserve=0 if w else None)
     logger.info("vattn: KV cache of %d blocks on elastic memory (%d regions, %d-byte pages, limit %s)",
                 g.num_blocks, len(g.regions), g.page_size, memory_limit())
     return block_pool.vattn
@@ -501,6 +629,77 @@ def set_limit(engine_core: Any, limit: int | None) -> None:
     _send(engine_core, skv)
 
 
+# ------------------------------------------------------------------ start-up ----
+def _unsupported(vllm_config: Any) -> str | None:
+    """Why vattn cannot back this engine's KV cache, or None."""
+    kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if kv_transfer is not None:
+        name = getattr(kv_transfer, "kv_connector", None) or "a KV connector"
+        return (f"the KV connector {name} (--kv-transfer-config) registers or copies the whole KV buffer, "
+                "and vattn maps it page by page")
+    if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+        return ("sleep mode (--enable-sleep-mode) frees and restores the KV buffer through vLLM's cumem "
+                "allocator, which does not see vattn's pages; VATTN_VLLM_IDLE_TRIM_S gives memory back when idle")
+    return None
+
+
+def hello_rpc(worker: Any) -> dict[str, Any]:
+    """`collective_rpc` target at start: this worker's settings and layout."""
+    w = worker_kv()
+    return {"settings": settings(), "key": None if w is None else w.layout.key,
+            "regions": 0 if w is None else len(w.layout.regions)}
+
+
+def start(engine_core: Any, kv_cache_configs: Sequence[Any] = ()) -> None:
+    """EngineCore's hook, once its workers allocated their KV caches and before the
+    scheduler exists: refuse what vattn cannot back (KV connectors, sleep mode), check that
+    every worker has the scheduler's `VATTN_VLLM*` settings and one block layout (each
+    pipeline stage keeps its own regions), or raise InvalidConfigError with both values."""
+    global _started
+    _started = None
+    answers = engine_core.model_executor.collective_rpc(hello_rpc)
+    mine = settings()
+    for rank, a in enumerate(answers):
+        for name, value in mine.items():
+            if a["settings"].get(name) != value:
+                raise InvalidConfigError(
+                    f"vattn: {name} is {value!r} in the scheduler (EngineCore) and {a['settings'].get(name)!r} in "
+                    f"worker {rank}: give every vLLM process the same VATTN_VLLM* environment")
+    if not enabled():
+        return
+    why = _unsupported(engine_core.vllm_config)
+    if why is not None:
+        raise InvalidConfigError(f"vattn cannot back this vLLM engine's KV cache: {why}. Run it without "
+                                 "VATTN_VLLM=1 (stock memory), or without that feature")
+    keys = {a["key"] for a in answers}
+    if len(keys) > 1:
+        detail = ", ".join(f"worker {r}: {a['key']}" for r, a in enumerate(answers))
+        raise InvalidConfigError(
+            "vattn: the workers lay out KV blocks differently (blocks, block bytes, page): " + detail + ". "
+            "Pipeline stages with other layer counts need a layer-outer layout (VLLM_KV_CACHE_LAYOUT=NHD or HND), "
+            "where a block has the same bytes in every stage; or run without VATTN_VLLM=1")
+    _started = Workers(keys.pop() if keys else None, tuple(a["regions"] for a in answers))
+    if _started.key is not None and len(set(_started.regions)) > 1:
+        logger.info("vattn: pipeline stages with %s KV regions share one set of books", list(_started.regions))
+
+
+def before_schedule(engine_core: Any) -> None:
+    """EngineCore's hook before each `schedule()`: when the workers' reserve of created
+    pages runs low, send the operations recorded since the last step with a request to
+    hold `want_reserve()` groups ready, and take the least any worker holds as confirmed.
+    A device that refuses is a shortage: `get_num_free_blocks` counts only confirmed
+    pages, so vLLM queues or preempts, and the request is repeated later."""
+    sched = getattr(engine_core, "scheduler", None)
+    skv = _scheduler_kv(sched)
+    if skv is None or skv.reserve is None:
+        return
+    want = skv.want_reserve(waiting=bool(len(getattr(sched, "waiting", ()))))
+    if want is None:
+        return
+    ready = engine_core.model_executor.collective_rpc(reserve_rpc, args=(skv.drain(), want))
+    skv.confirm(ready if isinstance(ready, list) else [ready], want)
+
+
 def on_idle(engine_core: Any) -> None:
     """EngineCore's hook, called while it has no work: send page operations recorded
     since the last step (a `SchedulerKV.set_limit`) to the workers at once; after
@@ -520,7 +719,12 @@ def on_idle(engine_core: Any) -> None:
         return
     skv.trimmed = True
     nbytes = skv.trim()
-    if _send(engine_core, skv) is not None:
+    if skv.reserve is not None:  # the reserve goes back too
+        engine_core.model_executor.collective_rpc(reserve_rpc, args=(skv.drain(), 0))
+        skv.release_reserve()
+        logger.info("vattn: idle for %.0f s, gave back %.1f MiB of KV memory and the reserve",
+                    now - skv.idle_since, nbytes / 2**20)
+    elif _send(engine_core, skv) is not None:
         logger.info("vattn: idle for %.0f s, gave back %.1f MiB of KV memory", now - skv.idle_since, nbytes / 2**20)
 
 
@@ -559,6 +763,7 @@ class WorkerKV:
         self.bases = [self._range.addr + r for r in g.regions]
         self.groups: dict[int, Any] = {}  # scheduler's group id -> this worker's physical group
         self.mapped: dict[int, int] = {}  # page -> group id
+        self.spare: list[Any] = []  # created ahead for the scheduler's next creates (`reserve`)
         # each region's bytes, for the "zero" operations (skipped where new memory reads zeros: the host)
         self.regions = [self.whole[r:r + g.num_pages * g.page_size] for r in g.regions]
         self.seq = 0
@@ -586,8 +791,10 @@ class WorkerKV:
         P, synced = self.layout.page_size, False
         for op in ops:
             kind = op[0]
-            if kind == "create":
-                made = self.backend.create(len(op[1]), len(self.bases), P)
+            if kind == "create":  # from the reserve; the device only when none was confirmed
+                made = [self.spare.pop() for _ in range(min(len(op[1]), len(self.spare)))]
+                if len(made) < len(op[1]):
+                    made += self.backend.create(len(op[1]) - len(made), len(self.bases), P)
                 self.groups.update(zip(op[1], made))
             elif kind == "map":
                 pages, ids = op[1], op[2]
@@ -607,6 +814,25 @@ class WorkerKV:
                 self.backend.release([self.groups.pop(i) for i in op[1]])
             else:
                 raise OpsOutOfOrderError(f"unknown page operation {kind!r}")
+
+    def reserve(self, target: int) -> int:
+        """Hold `target` page groups created and ready (release any beyond it); returns how
+        many it holds: fewer when the device refused (another process, PyTorch's caching
+        allocator took the memory), which is not an error: the scheduler waits."""
+        P, extra = self.layout.page_size, len(self.spare) - max(0, target)
+        if extra > 0:
+            self.backend.release([self.spare.pop() for _ in range(extra)])
+        need = target - len(self.spare)
+        try:
+            if need > 0:
+                self.spare += self.backend.create(need, len(self.bases), P)
+        except OutOfPhysicalMemoryError:
+            for _ in range(need):  # one at a time: what the device still has
+                try:
+                    self.spare += self.backend.create(1, len(self.bases), P)
+                except OutOfPhysicalMemoryError:
+                    break
+        return len(self.spare)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -632,8 +858,9 @@ class WorkerKV:
         try:
             self.backend.unmap(self.bases, [p * P for p in self.mapped], P)
             self.mapped.clear()
-            self.backend.release(list(self.groups.values()))
+            self.backend.release(list(self.groups.values()) + self.spare)
             self.groups.clear()
+            self.spare.clear()
         finally:
             if self._own_backend:
                 self.backend.close()
@@ -684,6 +911,17 @@ def apply_rpc(worker: Any, ops: PageOps) -> None:
     _apply_here(ops)
 
 
+def reserve_rpc(worker: Any, ops: PageOps | None, target: int) -> int:
+    """`collective_rpc` target of `before_schedule` and the idle trim: apply `ops`, then
+    hold `target` page groups ready; returns how many this worker holds."""
+    _apply_here(ops)
+    w = worker_kv()
+    if w is None:
+        raise OpsOutOfOrderError("the scheduler asked for a vattn reserve but this worker's KV cache is not on "
+                                 "vattn memory (is VATTN_VLLM the same for the scheduler and the workers?)")
+    return w.reserve(target)
+
+
 def _apply_here(ops: PageOps | None) -> None:
     if ops is None:
         return
@@ -701,7 +939,8 @@ def reset_worker() -> None:
 
 
 __all__ = [
-    "BlockLayout", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "UnsupportedLayoutError",
-    "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "block_layout", "enabled",
-    "idle_wakeup", "kv_cache_buffer", "on_idle", "set_limit", "take_ops", "worker_kv",
+    "BlockLayout", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "Workers", "UnsupportedLayoutError",
+    "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "before_schedule", "enabled",
+    "block_layout", "hello_rpc", "idle_wakeup", "kv_cache_buffer", "on_idle", "reserve_rpc", "set_limit", "settings",
+    "start", "take_ops", "worker_kv",
 ]
