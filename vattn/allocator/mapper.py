@@ -134,6 +134,8 @@ class Mapper:
         """Unmap the last k pages of each (slot, k), after the slot's fence (never under a
         kernel that may read them). A group nobody else maps becomes spare; a shared one only
         loses this slot's reference. Returns the pages unmapped."""
+        if not unmaps:
+            return 0
         books, g = self.books, self.books.geometry
         offsets = []
         for s, k in unmaps:
