@@ -320,7 +320,7 @@ class BlockBooks:
         for b in ids:
             self._unuse(b, fence)
         lp = self.limit_pages
-        if lp is not None and self.num_held > lp and (self.cached or self.physical.spare):  # over the limit: give back now
+        if lp is not None and self.num_held > lp and (self.cached or self.physical.spare):  # over the limit: give back
             try:
                 self.give_back(self.num_held - lp)
             except Exception as e:  # the blocks are freed; the pages stay cached until trim() or an alloc

@@ -2,7 +2,7 @@
 `StepPlan`, the typed seam between deciding and mapping. Plain Python, no torch.
 
 `step` (and `resume`, and `fork`, and `map_pinned`) turn their request into a `StepPlan`;
-`Mapper.execute` carries one out, in this order:
+`Mapper.carry_out` carries one out, in this order:
 
 ```
 create num_create groups        (at least: a chunk may bring more; refused -> plan again)
@@ -54,9 +54,10 @@ class StepPlan:
     """The page movements of one call, in terms of the books: who is served, how many groups
     to create, which slot tails to unmap, how many pins to evict, and what to map where.
 
-    Like vLLM v1's `KVCacheBlocks` between its scheduler and `KVCacheManager`: callers get a
-    small typed value instead of reaching into the books, and whatever must agree on a step
-    (tensor-parallel ranks, a server's workers) can agree on its plan.
+    Like vLLM v1's `KVCacheBlocks` between its scheduler and `KVCacheManager`: deciding
+    (`plan_step`, `plan_fork`) and mapping (`Mapper`) meet only here, so a plan can be
+    inspected, tested or agreed on (tensor-parallel ranks, a server's workers) before any
+    backend call. Pages are (slot, page index) places; groups are the books' group handles.
     """
 
     lens: Mapping[int, int]  # slot -> length to back, every active slot of the step
