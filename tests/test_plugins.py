@@ -184,6 +184,22 @@ def test_a_changed_function_is_refused_and_nothing_installed(eng):
     assert not hasattr(pool.Output, "extra") and not hasattr(pool, "vattn_env")
 
 
+def test_a_hooked_module_that_does_not_import_is_refused_and_nothing_stays(eng, monkeypatch):
+    """A module of the patch that raises on import (a dependency missing in this
+    environment): refused with the error, and the hooks installed before it taken out."""
+    import eng.pool as pool
+    (eng / "eng" / "broken.py").write_text("import a_module_that_is_not_there\n\n\ndef f():\n    return 1\n")
+    broken = _diff(eng, "broken.py", "import a_module_that_is_not_there\n\n\ndef f():\n    return 2\n")
+    patch = (eng / "eng-1.0.0.patch").read_text() + broken
+    (eng / "eng-1.0.0.patch").write_text(patch)
+    monkeypatch.setitem(FINGERPRINTS, "eng", {"1.0.0": hunks.fingerprints(patch, eng)})
+    old_take = pool.Pool.take
+    with pytest.warns(RuntimeWarning, match="ModuleNotFoundError: No module named 'a_module_that_is_not_there'"):
+        st = plugins.install("eng")
+    assert st.status == "refused" and not st.hooks
+    assert pool.Pool.take is old_take and not hasattr(pool.Output, "extra") and not hasattr(pool, "vattn_env")
+
+
 def test_an_unknown_release_is_refused_loudly(eng, caplog):
     (eng / "eng" / "version.py").write_text('__version__ = "1.1.0"\n')
     importlib.reload(importlib.import_module("eng.version"))

@@ -2,8 +2,9 @@
 
 The two allocators below are SGLang 0.5.23's `TokenToKVPoolAllocator` and
 `PagedTokenToKVPoolAllocator` cut down to what the scheduler calls (`alloc`, `free`,
-`free_group_begin/end`, `alloc_extend`, `alloc_decode`, `available_size`, `clear`), with
-the patch's one-line calls where the patch puts them. A synthetic trace replays SGLang's
+`free_group_begin/end`, `alloc_extend`, `alloc_decode`, `available_size`, `clear`, the
+decode gate `check_decode_capacity`), and its plain `PrefillBudget`, with the patch's
+one-line calls where the patch puts them. A synthetic trace replays SGLang's
 call sequence (prefill with cached prefixes, decode, finish into a radix-cache-like LRU
 that is evicted when `available_size()` is short, frees inside free groups) and checks:
 what is in use is always mapped and keeps its data, memory grows with load and falls
@@ -60,6 +61,69 @@ class _Base:
         pending, self.free_group = self.free_group, None
         if pending:
             self.free(torch.cat(pending))
+
+    def evict_to_free_tokens(self, tree_cache, num_tokens: int):
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return
+        shortfall = num_tokens - self.available_size()
+        if shortfall > 0:
+            tree_cache.evict(shortfall)
+
+    def check_decode_capacity(self, *, num_tokens: int, tree_cache, requests=None, spec_algorithm=None):
+        """The decode gate: SGLang's retract loop repeats it until the step fits."""
+        vs.realize(self, num_tokens, tree_cache)  # patch
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        return self.available_size() >= num_tokens
+
+
+class PrefillBudget:
+    """SGLang's plain prefill budget (`mem_cache/prefill_budget.py`), cut down, with the
+    patch's calls: admission counts available + evictable less this pass's offsets."""
+
+    def __init__(self, allocator, tree_cache, *, num_mixed_decode_tokens: int = 0):
+        self.allocator, self.tree_cache = allocator, tree_cache
+        self.page_size = allocator.page_size
+        self.total_offset = self.current_offset = num_mixed_decode_tokens
+
+    def ceil_paged_tokens(self, tokens: int) -> int:
+        return -(-tokens // self.page_size) * self.page_size
+
+    def _available_and_evictable(self):
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    @property
+    def remaining_total(self):
+        return self._available_and_evictable() - self.total_offset
+
+    @property
+    def remaining_current(self):
+        return self._available_and_evictable() - self.current_offset
+
+    def has_capacity(self) -> bool:
+        return self.remaining_total > 0 and self.remaining_current > 0
+
+    def check_prefill(self, *, extend_input_len, total_tokens, max_new_tokens, input_tokens, swa_host_hit_length,
+                      chunk_limit, auxiliary_swa_host_hit_length=0):
+        vs.realize_prefill(self, extend_input_len, chunk_limit)  # patch
+        return (True, chunk_limit) if total_tokens < self.remaining_total else (False, None)
+
+    def can_allocate_prefill(self, *, paged_input, extend_input_len, max_new_tokens, chunk_limit):
+        vs.realize_prefill(self, extend_input_len)  # patch
+        return paged_input <= min(self.remaining_current, self.remaining_total)
+
+    def available_chunk_tokens(self, chunk_limit: int):
+        vs.realize_prefill(self, chunk_limit)  # patch
+        available = min(chunk_limit, int(self.remaining_total))
+        return vs.fit_chunk(self, available if available > 0 else chunk_limit)  # patch
+
+    def fit_chunk(self, *, extend_input_len, max_new_tokens, chunk_limit):
+        return chunk_limit
+
+    def reserve(self, extend_input_len, max_new_tokens, *, extra_tokens=0, chunk_limit=None,
+                is_chunked_continuation=False):
+        immediate = self.ceil_paged_tokens(extend_input_len) + self.page_size + extra_tokens
+        self.total_offset += immediate + max_new_tokens
+        self.current_offset += immediate
 
 
 class TokenToKVPoolAllocator(_Base):

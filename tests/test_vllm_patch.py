@@ -11,8 +11,9 @@ What runs, each step skipped with its reason when it cannot:
    on) over vattn, with the worker's patched `allocate_kv_cache` giving a host-backend
    `WorkerKV`; requests are allocated, hit the prefix cache, freed, trimmed, and
    refused under a limit.
-3. vLLM's own unit tests of that release (env `VATTN_VLLM_SDIST`: the sdist tarball,
-   which carries `tests/`) run twice on the patched tree: with `VATTN_VLLM=0` (the
+3. vLLM's own unit tests of that release (its sdist tarball, which carries `tests/`: env
+   `VATTN_VLLM_SDIST_<version with _>`, else `vllm-<version>.tar.gz` in the cache dir)
+   run twice on the patched tree: with `VATTN_VLLM=0` (the
    patch must change nothing) and with vattn on (a plugin gives their tensor-less
    configurations a one-region geometry and puts a host `WorkerKV` behind every block
    pool, checking after each allocation that every block vLLM holds is mapped).
@@ -275,10 +276,18 @@ def _vattn_checks():
 '''
 
 
-def _vllm_tests(root: Path) -> Path:
-    sdist = os.environ.get("VATTN_VLLM_SDIST")
-    if not sdist or not Path(sdist).is_file():
-        pytest.skip("set VATTN_VLLM_SDIST to the vLLM sdist tarball of this release (it carries tests/)")
+def _sdist(version: str) -> Path:
+    """The release's sdist: `VATTN_VLLM_SDIST_<version with _>`, else the cache dir's
+    `vllm-<version>.tar.gz` (pip cannot download it here: it builds its metadata)."""
+    var = f"VATTN_VLLM_SDIST_{version.replace('.', '_')}"
+    sdist = Path(os.environ.get(var) or _cache_dir() / f"vllm-{version}.tar.gz")
+    if not sdist.is_file():
+        pytest.skip(f"no vLLM {version} sdist at {sdist} (set {var} to the tarball: it carries tests/)")
+    return sdist
+
+
+def _vllm_tests(root: Path, version: str) -> Path:
+    sdist = _sdist(version)
     import tarfile
     with tarfile.open(sdist) as t:
         members = [m for m in t.getmembers() if re.match(r"[^/]+/tests/", m.name)]
@@ -307,15 +316,15 @@ def _pytest(root: Path, extra_env: dict, plugin: bool) -> dict[str, str]:
 def test_vllm_unit_tests_on_the_patched_tree(tree):
     patch, root = tree
     _importable(root)
-    _vllm_tests(root)
+    _vllm_tests(root, _version(patch))
     off = _pytest(root, {"VATTN_VLLM": "0"}, plugin=False)
     on = _pytest(root, {"VATTN_VLLM_PAGE_SIZE": str(64 << 10)}, plugin=True)
     passed_off = {t for t, s in off.items() if s == "PASSED"}
     passed_on = {t for t, s in on.items() if s == "PASSED"}
     report = Path(os.environ.get("VATTN_VLLM_REPORT", root / "vllm-tests-report.txt"))
     report.write_text("\n".join(f"{t}\toff={off.get(t)}\ton={on.get(t)}" for t in sorted(set(off) | set(on))))
-    print(f"VATTN_VLLM=0: {len(passed_off)}/{len(off)} passed; vattn on: {len(passed_on)}/{len(on)} passed; "
-          f"report: {report}")
+    print(f"vLLM {_version(patch)}, patched: VATTN_VLLM=0 {len(passed_off)}/{len(off)} passed; vattn on: "
+          f"{len(passed_on)}/{len(on)} passed; report: {report}")
     assert passed_off == set(off), "with VATTN_VLLM=0 the patched tree must pass vLLM's tests"
     for t in sorted(passed_off - passed_on):
         reads_queue = _reads_free_queue(root, t)

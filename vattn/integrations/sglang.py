@@ -16,18 +16,29 @@ memory comes from:
 ```
 
 - **Mapping (scheduler thread, at allocation).** When an `alloc`/`alloc_extend`/
-  `alloc_decode` needs more pages than the free list holds, `ensure` takes chunks from
+  `alloc_decode` needs more pages than the free list holds (the gates below have usually
+  lent them already), `ensure` takes chunks from
   the `ElasticPool` (page-aware: cached pages first, then the lowest unmapped, mapped in
   one batched call; the pages mapped with new memory are cleared, as SGLang's
   `torch.zeros` buffers started at zero: `ElasticPool(zero_new=True)`) and appends their
   pages to the free list. When memory cannot back the whole request it
   lends nothing and the allocator returns None, nothing changed, as when its static pool
   is full; `available_size()` counted only what memory can back, so SGLang's scheduler
-  evicts from the radix cache, retracts or waits first. "What memory can back" is the
-  limit and the budget, not the device: if the device refuses pages they allow (another
-  process took what an idle trim gave back), the alloc returns None and SGLang raises
-  "Prefill/Decode out of memory", which stops its scheduler. Sharing a GPU, give each
-  process a `VATTN_SGLANG_MEMORY_LIMIT` whose sum fits it.
+  evicts from the radix cache, retracts or waits first.
+- **Refused pages are scheduling events (the gates).** "What memory can back" is the limit
+  and the budget; the device can still refuse pages they allow (another process took what
+  an idle trim gave back). So the pages are mapped where SGLang's scheduler asks the
+  allocator whether work fits, before it counts: the decode check
+  (`check_decode_capacity`, which its retract loop repeats) and the prefill budget's
+  admission checks (`PrefillBudget.check_prefill`, `can_allocate_prefill`,
+  `available_chunk_tokens`) call `realize`, which lends the chunks the admitted work will
+  allocate (as many as the limit allows). If the device refuses, what it gave stays lent,
+  and until a gate retries (`REFUSED_RETRY_S` later) `available_size()` counts only the
+  lent chunks: SGLang's own policy then evicts, leaves requests waiting, shrinks a
+  chunked prefill or retracts decodes, and the allocation that follows a passed gate
+  finds its pages in the free list. The scheduler keeps serving. (With tensor
+  parallelism a refusal on one rank only makes the ranks' batches differ: give each
+  process a limit whose sum fits the GPU.)
 - **Giving back (scheduler thread, when idle).** SGLang frees pages into its free list;
   they stay mapped. `on_idle` (after `idle_trim_s` of full idleness), `trim()` and the
   allocator's `clear()` (flush_cache) *drain*: the chunks whose pages are all in the free
@@ -44,7 +55,7 @@ memory comes from:
 - **mem_fraction_static** sizes the virtual reservation (SGLang's token count, as
   before); physical memory is mapped on demand up to `memory_limit` (default: that size).
 
-Supported: SGLang 0.5.23 (`SUPPORTED_VERSIONS`), the plain `MHATokenToKVPool` (NHD
+Supported: SGLang 0.5.22 and 0.5.23 (`SUPPORTED_VERSIONS`), the plain `MHATokenToKVPool` (NHD
 layout, K and V of one shape, no KV quantization method, no post-capture backing, no
 memory saver, no custom memory pool) on the target worker with the plain token or paged
 allocator, no PD disaggregation. Anything else keeps SGLang's own memory (logged once);
@@ -78,7 +89,7 @@ from vattn.vmem import make_backend
 
 SUPPORTED_VERSIONS = ("0.5.22", "0.5.23")
 SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
-REFUSED_RETRY_S = 1.0  # after the device refused new pages, report no growth this long
+REFUSED_RETRY_S = 1.0  # after the device refused new pages, the gates ask it again this much later
 
 logger = logging.getLogger("vattn.sglang")
 
@@ -196,7 +207,9 @@ class ElasticKV:
         self.idle_generation = -1  # the generation when the current idle period began...
         self.idle_since = 0.0  # ...and when (no clock on the allocation path)
         self.trimmed_generation = -1
-        self.refused_until = 0.0
+        self.refused = False  # the device refused pages: count only lent chunks until a gate retries...
+        self.retry_at = 0.0  # ...at this time (monotonic)
+        self.num_refusals = 0
         self.num_drained_chunks = 0
         self._pin(0)
 
@@ -218,42 +231,78 @@ class ElasticKV:
     def extra_units(self) -> int:
         """Allocator pages of unlent chunks that memory can back now. Exact: the pool hands
         out cached chunks first (always whole ones: the short last chunk is never drained),
-        then the lowest unmapped ones (the short last chunk last)."""
+        then the lowest unmapped ones (the short last chunk last). None while the device
+        refuses pages (until a gate asks it again)."""
+        return 0 if self.refused else self._backable_units()
+
+    def _backable_units(self) -> int:
+        """What the limit and the budget let unlent chunks back (the device not asked)."""
         unlent = self.units - self.lent_units
         if unlent <= 0:
             return 0
         budget = self.settings.budget
-        if self.refused_until and time.monotonic() < self.refused_until:
-            return 0
         if self.pool.limit is None and (budget is None or budget.limit is None):
             return unlent
         return min(unlent, self.pool.available_blocks() * self.chunk_pages)
 
-    def refill(self, alloc: Any, short: int) -> bool:
-        """Lend chunks until the free list has `short` more pages. False, and nothing lent,
-        when memory cannot back that many."""
+    def realize(self, alloc: Any, pages: int, evictable_pages: int = 0) -> None:
+        """A gate of SGLang's scheduler, before it counts: lend chunks until the free list
+        holds `pages` pages, or as many as the limit allows when SGLang would evict the
+        rest (`evictable_pages`) from its radix cache. Nothing when it cannot fit even
+        then (SGLang's count says no). When the device refuses, the chunks it gave stay
+        lent and `extra_units()` is 0 until a gate `REFUSED_RETRY_S` later asks again."""
+        if self.refused and time.monotonic() < self.retry_at:
+            return
+        short = pages - _free_units(alloc)
+        if self.refused:  # time to ask the device again, for a chunk at least (else SGLang's count
+            short = max(short, 1)  # would stay at what is mapped while nothing more is needed now)
+        if short <= 0:
+            return
+        lend = min(short, self._backable_units())
+        if lend <= 0 or short > lend + evictable_pages:
+            return
+        self.refill(alloc, lend, partial=True)
+
+    def refill(self, alloc: Any, short: int, partial: bool = False) -> bool:
+        """Lend chunks until the free list has `short` more pages. False when memory cannot
+        back that many: then nothing is lent (all or nothing, as SGLang's allocator), or
+        with `partial` what was lent stays. A device refusal marks the pool refused."""
         got: list[int] = []
         while short > 0:
             want = -(-short // self.chunk_pages)
             ids = self.pool.alloc(want)
-            if ids is None and want > 1:  # all or nothing: take what memory allows
+            if ids is None and want > 1:  # take what memory allows
                 ids = self.pool.alloc(min(want - 1, self.pool.available_blocks()))
             if not ids:
-                if self.lent_units < self.units:  # the device, limit or budget refused
-                    self.refused_until = time.monotonic() + REFUSED_RETRY_S
+                if self.lent_units < self.units:  # the device (or a budget shared in-process) refused
+                    self._refused()
                 break
             for chunk in sorted(ids):
                 self.lent.add(chunk)
                 self.lent_units += len(self.valid_units(chunk))
                 short -= len(self.valid_units(chunk))
                 got.append(chunk)
-        if short > 0:  # all or nothing, as SGLang's own allocator
+        if short > 0 and not partial:
             self._give_back(got)
-            return False
+            got = []
         if got:  # the pool cleared the pages it mapped with new memory (zero_new) and synchronized
             units = torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64) for r in map(self.valid_units, got)])
             alloc.free_pages = torch.cat((alloc.free_pages, units.to(alloc.free_pages.device)))
+        if short > 0:
+            return False
+        if self.refused:
+            self.refused = False
+            logger.info("vattn: the device backs new KV pages again")
         return True
+
+    def _refused(self) -> None:
+        if not self.refused:
+            self.num_refusals += 1
+            logger.warning("vattn: the device refused new KV pages (another process holds the memory); SGLang "
+                           "counts only mapped pages and waits or retracts, asking again every %.0f s",
+                           REFUSED_RETRY_S)
+        self.refused = True
+        self.retry_at = time.monotonic() + REFUSED_RETRY_S
 
     def _give_back(self, chunks: list[int]) -> None:
         """Lent chunks no page of which SGLang holds go back to the pool (unmapped when
@@ -283,7 +332,6 @@ class ElasticKV:
         alloc.free_pages = free[order]
         self._give_back(full)
         self.num_drained_chunks += len(full)
-        self.refused_until = 0.0
         return len(full)
 
     def reset(self, alloc: Any) -> None:
@@ -295,7 +343,7 @@ class ElasticKV:
         self._give_back(sorted(self.lent - self.pinned))
         mine = [u for c in sorted(self.lent) for u in self.valid_units(c) if u <= units]
         alloc.free_pages = torch.tensor(mine, dtype=torch.int64, device=alloc.free_pages.device)
-        self.refused_until = 0.0
+        self.refused = False
         self.pool.trim()
 
     # ------------------------------------------------------------------ control ----
@@ -448,6 +496,64 @@ def ensure(allocator: Any, num_pages: int) -> None:
         kv.refill(allocator, short)
 
 
+def _free_units(alloc: Any) -> int:
+    """The allocator's free pages, side lists included (what its available_size() counts
+    besides vattn's extra)."""
+    n = len(alloc.free_pages) + getattr(alloc, "num_staged_pages", 0)
+    release = getattr(alloc, "release_pages", None)
+    return n + (len(release) if release is not None else 0)
+
+
+def _evictable(tree_cache: Any) -> int:
+    """Tokens SGLang would evict from its radix cache to make room (0 without one)."""
+    if tree_cache is None or not getattr(tree_cache, "supports_prefix_sharing", lambda: True)():
+        return 0
+    return int(tree_cache.evictable_size())
+
+
+def realize(allocator: Any, num_tokens: int, tree_cache: Any = None) -> None:
+    """`check_decode_capacity` (the decode gate, which the retract loop repeats), before it
+    evicts and counts: map now the pages the next decode step allocates. When the device
+    refuses, `available_size()` counts only mapped pages: SGLang evicts or retracts."""
+    kv = getattr(allocator, "vattn", None)
+    if kv is not None:
+        ps = allocator.page_size
+        kv.realize(allocator, -(-int(num_tokens) // ps), _evictable(tree_cache) // ps)
+
+
+def realize_prefill(budget: Any, extend_tokens: int, chunk_limit: int | None = None) -> None:
+    """The prefill budget's admission checks (`check_prefill`, `can_allocate_prefill`,
+    `available_chunk_tokens`), before they count: map now what the requests admitted in
+    this pass (`budget.current_offset`) and this one (its extension, at most a chunk, and a
+    page) will allocate. When the device refuses, SGLang's count is what is mapped: the
+    request waits, or its chunk shrinks (`fit_chunk`)."""
+    alloc = budget.allocator
+    kv = getattr(alloc, "vattn", None)
+    if kv is None:
+        return
+    ps = alloc.page_size
+    n = int(extend_tokens) if chunk_limit is None else min(int(extend_tokens), int(chunk_limit))
+    need = math.ceil(budget.current_offset) + -(-n // ps) * ps + ps
+    kv.realize(alloc, -(-need // ps), _evictable(budget.tree_cache) // ps)
+
+
+def fit_chunk(budget: Any, tokens: int | None) -> int | None:
+    """`available_chunk_tokens`' answer for a chunked prefill's next chunk, made to fit what
+    memory backs now (the free list, the radix cache's evictable tokens and what vattn can
+    still map, less this pass's other work and a page): SGLang continues a chunked request
+    even when its count is spent, which on memory the device refused would fail the
+    allocation. Page-aligned; None (the request waits this pass) when not a page fits."""
+    alloc = budget.allocator
+    kv = getattr(alloc, "vattn", None)
+    if kv is None or tokens is None:
+        return tokens
+    ps = alloc.page_size
+    room = ((_free_units(alloc) + kv.extra_units()) * ps + _evictable(budget.tree_cache)
+            - math.ceil(budget.current_offset) - ps)
+    fit = room // ps * ps
+    return tokens if tokens <= fit else (fit if fit > 0 else None)
+
+
 def extra_tokens(allocator: Any) -> int:
     """The allocators' `available_size()`: tokens of unlent chunks memory can back now."""
     kv = getattr(allocator, "vattn", None)
@@ -493,4 +599,5 @@ def check_sglang(version: str) -> None:
 
 
 __all__ = ["SUPPORTED_VERSIONS", "KVSettings", "ElasticKV", "enabled", "kv_settings", "create_kv_buffers", "bind",
-           "ensure", "extra_tokens", "unbacked_tokens", "reset", "on_idle", "chunk_page", "check_sglang"]
+           "ensure", "realize", "realize_prefill", "fit_chunk", "extra_tokens", "unbacked_tokens", "reset", "on_idle",
+           "chunk_page", "check_sglang"]

@@ -13,7 +13,8 @@ Refusals (the engine then runs stock, with an error in its log):
 - a release vattn has no patch for (`releases.py`: the newest two minor releases of each);
 - a hooked function whose source fingerprint differs from the one recorded for the
   release (a local change, a rebuilt wheel), or a hunk that does not fit exactly;
-- the engine already patched on disk with `patches/`: the plugin leaves it as it is.
+- the engine already patched on disk with `patches/`: the plugin leaves it as it is;
+- a hooked module that does not import (what was installed so far is taken out again).
 The whole patch is checked before anything is installed: all hooks or none.
 """
 from __future__ import annotations
@@ -111,9 +112,10 @@ def install(engine: str) -> State:
             planned = check(engine, version)
             st = State(version, "installed", planned, hunks.install(planned))
             logger.info("vattn: %s %s on vattn memory (%d hooks)", engine, version, len(planned))
-    except HookError as e:
-        st = State(version, "refused", [], reason=str(e))
-        msg = f"vattn: {engine} runs stock, on its own KV memory: {e}"
+    except (HookError, ImportError) as e:  # ImportError: a hooked module does not import here
+        reason = str(e) if isinstance(e, HookError) else f"a module it hooks does not import: {type(e).__name__}: {e}"
+        st = State(version, "refused", [], reason=reason)
+        msg = f"vattn: {engine} runs stock, on its own KV memory: {reason}"
         logger.error(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
     _state[engine] = st

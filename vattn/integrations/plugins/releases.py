@@ -46,6 +46,7 @@ FINGERPRINTS: dict[str, dict[str, dict[str, str]]] = {
         "0.5.22": {
             "sglang.srt.managers.scheduler:Scheduler.on_idle": "8ab3f3067c4cc3ab",
             "sglang.srt.managers.scheduler_components.invariant_checker:SchedulerInvariantChecker._check_full_pool": "ffab4f4929af34e9",
+            "sglang.srt.mem_cache.allocator.base:BaseTokenToKVPoolAllocator.check_decode_capacity": "d7f71d6567e796ec",
             "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.available_size": "8e376e028803c174",
             "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.alloc": "f68def26fbc26a31",
             "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.alloc_extend": "b784426e2b64cb93",
@@ -58,10 +59,14 @@ FINGERPRINTS: dict[str, dict[str, dict[str, str]]] = {
             "sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator._build_mha_kv_pool": "56832c8bf45fbd72",
             "sglang.srt.mem_cache.memory_pool:MHATokenToKVPool.__init__": "ac716896791fb35c",
             "sglang.srt.mem_cache.memory_pool:MHATokenToKVPool._create_buffers_normal": "08c8343b1dcb2076",
+            "sglang.srt.mem_cache.prefill_budget:PrefillBudget.available_chunk_tokens": "c390bbf54c7e5d02",
+            "sglang.srt.mem_cache.prefill_budget:PrefillBudget.can_allocate_prefill": "2db51de3fd37aaa2",
+            "sglang.srt.mem_cache.prefill_budget:PrefillBudget.check_prefill": "9f3e14ca0466e8d8",
         },
         "0.5.23": {
             "sglang.srt.managers.scheduler:Scheduler.on_idle": "8ab3f3067c4cc3ab",
             "sglang.srt.managers.scheduler_components.invariant_checker:SchedulerInvariantChecker._check_full_pool": "ffab4f4929af34e9",
+            "sglang.srt.mem_cache.allocator.base:BaseTokenToKVPoolAllocator.check_decode_capacity": "d7f71d6567e796ec",
             "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.available_size": "8e376e028803c174",
             "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.alloc": "f68def26fbc26a31",
             "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator.alloc_extend": "b784426e2b64cb93",
@@ -74,6 +79,9 @@ FINGERPRINTS: dict[str, dict[str, dict[str, str]]] = {
             "sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator._build_mha_kv_pool": "56832c8bf45fbd72",
             "sglang.srt.mem_cache.memory_pool:MHATokenToKVPool.__init__": "037fd431dfcd7e76",
             "sglang.srt.mem_cache.memory_pool:MHATokenToKVPool._create_buffers_normal": "67fb060c271527d4",
+            "sglang.srt.mem_cache.prefill_budget:PrefillBudget.available_chunk_tokens": "c390bbf54c7e5d02",
+            "sglang.srt.mem_cache.prefill_budget:PrefillBudget.can_allocate_prefill": "2db51de3fd37aaa2",
+            "sglang.srt.mem_cache.prefill_budget:PrefillBudget.check_prefill": "73c9c04c4b3e33f5",
         },
     },
 }
