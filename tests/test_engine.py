@@ -6,6 +6,7 @@ physical memory budget that forces preemptions, chunked prefill.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -183,9 +184,25 @@ def test_idle_engine_gives_its_memory_back() -> None:
         time.sleep(0.1)
         llm.step()
         assert llm.num_idle_trims == 0 and llm.memory_stats().num_created_pages > 0
-    for bad in (-1, float("nan"), "1", True):
+    for bad in (-1, float("nan"), "1", True, 10**400):
         with pytest.raises(InvalidConfigError, match="idle_trim_s"):
             LLM(tiny_config(), idle_trim_s=bad)
+
+
+@pytest.mark.parametrize("forever", [2**70, 1e300, threading.TIMEOUT_MAX * 2])
+def test_idle_trim_past_what_a_timer_can_wait_means_never(forever: float) -> None:
+    """threading.Timer raised OverflowError on its thread each time the engine went idle."""
+    errors: list = []
+    old_hook, threading.excepthook = threading.excepthook, errors.append
+    try:
+        with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4, idle_trim_s=forever) as llm:
+            assert llm.config.idle_trim_s is None
+            assert_matches(llm.generate(prompts(), greedy_params()), reference())
+            time.sleep(0.1)  # idle: a timer's thread would have raised by now
+            assert llm.num_idle_trims == 0 and llm.memory_stats().num_created_pages > 0
+    finally:
+        threading.excepthook = old_hook
+    assert not errors, errors
 
 
 # ---------------------------------------------------------------------- bad inputs ----

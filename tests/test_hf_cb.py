@@ -243,6 +243,26 @@ def test_two_models_share_one_budget(models, cleanup):
 
 
 @needs_cb
+def test_an_idle_model_gives_its_prefix_sharing_blocks_to_another(models, cleanup):
+    """With prefix sharing (the default) transformers keeps finished requests' complete
+    blocks; asked by a model short of memory, an idle one evicts and gives them back."""
+    ms, refs = models
+    budget = vattn.Budget(16 * SECTOR)
+    cbs = {f: hf_cb.enable(m, page_size=PAGE, budget=budget) for f, m in ms.items()}
+    assert generate(ms["llama"], persistent=True) == refs["llama"]
+    kept = cbs["llama"].stats().num_used_blocks - hf_cb.TRASH_SECTORS
+    assert kept > 0 and cbs["llama"]._budget_cached() == kept * SECTOR  # idle: all of it can go back
+    assert generate(ms["qwen2"], persistent=True) == refs["qwen2"]  # short: asks llama, which evicts
+    assert cbs["llama"].stats().num_used_blocks - hf_cb.TRASH_SECTORS < kept
+    assert budget.used <= 16 * SECTOR
+    pools = sum(len(cb.pools) for cb in cbs.values())
+    assert budget.stats().num_participants == pools + sum(cb.num_caches > 0 for cb in cbs.values())
+    for cb in cbs.values():
+        cb.close()
+    assert budget.stats().num_participants == pools  # the handles left; their live pools stay
+
+
+@needs_cb
 def test_models_not_enabled_keep_transformers_memory(models, cleanup):
     ms, refs = models
     cb = hf_cb.enable(ms["llama"], page_size=PAGE)

@@ -5,8 +5,9 @@ cache directory: the environment's own transformers is left alone) with whatever
 requirements the environment does not satisfy, and put first on PYTHONPATH. The two test
 modules run in a subprocess: the greedy-equality tests (Llama, Qwen2, sliding-window
 Mistral), the memory, limit and budget tests, `vattn serve` over HTTP (answers equal to
-`generate`, memory rising under a burst and falling back when idle), and a test that
-checks the version it ran on. None may be skipped.
+`generate`, memory rising under a burst and falling back when idle, and its contract:
+refusals at each release's own block count, restarts, `n`, `[DONE]`, draining on SIGTERM),
+and a test that checks the version it ran on. None may be skipped.
 Marked `slow` (downloads, about a minute a release):
 `python -m pytest -m slow tests/test_hf_cb_versions.py`.
 The cache directory is $VATTN_TRANSFORMERS_CACHE or ~/.cache/vattn/transformers.

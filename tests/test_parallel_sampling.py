@@ -26,6 +26,7 @@ from helpers import (  # noqa: E402
 
 from vattn.engine import LLM, SamplingParams  # noqa: E402
 from vattn.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from vattn.engine.sampling_params import MAX_N  # noqa: E402
 from vattn.engine.sequence import SequenceStatus  # noqa: E402
 from vattn.errors import InvalidRequestError  # noqa: E402
 
@@ -197,10 +198,11 @@ def test_each_sample_has_its_text() -> None:
     assert out.text == out.outputs[0].text
 
 
-@pytest.mark.parametrize("n", [0, -1, 1.5, "2", True])
+@pytest.mark.parametrize("n", [0, -1, 1.5, "2", True, MAX_N + 1, 10**6])
 def test_bad_n(n: Any) -> None:
-    with pytest.raises(InvalidRequestError, match="n must be"):
+    with pytest.raises(InvalidRequestError, match=r"n must be an int in \[1, 1024\]"):
         SamplingParams(n=n)
+    assert SamplingParams(n=MAX_N).n == MAX_N
 
 
 # ------------------------------------------------------------ the scheduler alone ----

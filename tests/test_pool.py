@@ -194,6 +194,26 @@ def test_available_blocks_is_a_lower_bound_that_alloc_honours():
         assert p.alloc(n) is not None
 
 
+@pytest.mark.parametrize("block_floats, limit_pages, budget_pages, expected, exact", [
+    (256, None, None, 64, True),  # 4 blocks a page, no limit: every block
+    (256, 5, None, 20, True),  # the limit backs 5 page groups: 20 blocks
+    (256, 5, 3, 12, True),  # the budget's limit is tighter
+    (2048, 7, None, 3, True),  # a block spans 2 pages
+    (768, 5, None, 2, False),  # 3 KiB blocks straddle 4 KiB pages: available_blocks' lower bound (2 pages a block)
+])
+def test_max_blocks_is_what_the_limits_can_ever_back(block_floats, limit_pages, budget_pages, expected, exact):
+    group = 2 * PAGE  # two buffers
+    budget = vattn.Budget(budget_pages * group) if budget_pages else None
+    with make(block_floats=block_floats, limit=limit_pages * group if limit_pages else None, budget=budget) as p:
+        assert p.max_blocks() == expected
+        ids = p.alloc(expected)  # that many at once
+        assert ids is not None
+        assert (p.alloc(1) is None) == exact  # and not one more, where blocks and pages divide one another
+        assert p.max_blocks() == expected  # what is in use does not change it
+        p.set_limit(None)
+        assert p.max_blocks() == (12 if budget_pages else 64)
+
+
 def test_exhausted_pool_returns_none(pool):
     ids = pool.alloc(64)
     assert len(set(ids)) == 64
@@ -237,6 +257,8 @@ def test_bad_alloc_counts(pool, n):
     (dict(block_shape=(4, 0)), "block_shape"),
     (dict(block_shape=()), "at least one dimension"),
     (dict(dtype="float13"), "dtype"),
+    (dict(dtype=[1]), "dtype"),
+    (dict(dtype=None), "dtype"),
     (dict(num_buffers=-2), "num_buffers"),
     (dict(page_size=1000), "multiple of the OS page size"),
     (dict(page_size=0), "page_size"),
@@ -251,6 +273,29 @@ def test_bad_configs(kw, match):
     args = dict(num_blocks=8, block_shape=(256,), dtype="float32", page_size=PAGE) | kw
     with pytest.raises(vattn.InvalidConfigError, match=match):
         vattn.ElasticPool(**args)
+
+
+def test_books_the_host_cannot_hold_are_refused_before_they_are_built(monkeypatch):
+    """ElasticPool(3 << 30, ...) passed its checks and its books filled host memory until
+    the OOM killer ended the process. The books are measured against what the host can
+    give, as pages are: a pool that fits is built, one that does not is a clear error."""
+    from vattn import pool as pool_mod
+    from vattn.vmem import host
+
+    monkeypatch.setattr(host, "available_memory", lambda: 8 << 30)  # a host with 8 GiB available
+    with pytest.raises(vattn.InvalidConfigError, match=r"num_blocks=3221225472 .* needs about 198\.0 GiB .*books"
+                       r".* 8\.0 GiB is available .*lower num_blocks"):
+        vattn.ElasticPool(3 << 30, (16, 2, 64), "float32")
+    # the boundary: 64 bytes a block and 16 a page (one block a page here), MIN_HEADROOM kept free
+    room = (8 << 30) - host.MIN_HEADROOM
+    per_block = pool_mod.BOOKS_BYTES_PER_BLOCK + pool_mod.BOOKS_BYTES_PER_PAGE
+    with pytest.raises(vattn.InvalidConfigError, match="books"):
+        vattn.ElasticPool(room // per_block + 1, (PAGE,), "uint8", page_size=PAGE)
+    monkeypatch.setattr(host, "available_memory", lambda: host.MIN_HEADROOM + 100 * per_block)
+    with vattn.ElasticPool(100, (PAGE,), "uint8", page_size=PAGE) as p:  # exactly what is available
+        assert p.config.num_blocks == 100
+    with pytest.raises(vattn.InvalidConfigError, match="books"):
+        vattn.ElasticPool(101, (PAGE,), "uint8", page_size=PAGE)
 
 
 def test_closed_pool_raises(pool):

@@ -135,3 +135,20 @@ def test_truncate_pinned_keeps_the_agreed_prefix(make_cache):
         c.truncate_pinned(e, 0)
     assert c.step({e: 10})
     c.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [None, "abc", 5, [1.5] * 40, [float("nan")] * 40, [-1] * 40, [2**64] * 40, [1.5],
+                                 [-1]], ids=repr)
+def test_token_ids_that_are_not_token_ids_are_refused(make_cache, bad):
+    """None raised TypeError; 'abc', floats, NaN and -1 were taken (a short list is never
+    hashed, so it passed unseen)."""
+    c = make_cache(page_size=4 * KB, prefetch=False)
+    pc = PrefixCache(c)
+    a = c.alloc_reqid()
+    assert c.step({a: 40})
+    for call in (pc.map_prefix, pc.insert, lambda _r, ids: pc.page_hashes(ids)):
+        with pytest.raises(vattn.InvalidRequestError, match="token_ids must be"):
+            call(a, bad)
+    assert not pc.entries and pc.num_query_tokens == 0
+    pc.insert(a, list(range(40)))  # still works
+    assert len(pc.entries) == 1

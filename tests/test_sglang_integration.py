@@ -693,3 +693,38 @@ def test_a_pool_vattn_cannot_back_says_how_to_turn_it_off():
     with pytest.raises(vattn.InvalidConfigError) as e:
         MHATokenToKVPool(1024, 1, vs.KVSettings(page_size=1000))  # not a multiple of the host page
     assert "VATTN_SGLANG=0" in "".join(getattr(e.value, "__notes__", []))
+
+
+def test_a_budget_shared_with_another_process(monkeypatch, tmp_path):
+    """VATTN_BUDGET=NAME: the pool joins a budget another process (a vattn cache here)
+    holds all of, cached: SGLang's free count includes those pages, and its allocation
+    gets them (the other process, idle, gives them back)."""
+    from tests.test_budget_shared import GROUP, Member, memfd_bytes, row, wait_for
+    from vattn import budget_shared
+
+    monkeypatch.setenv(budget_shared.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("VATTN_BUDGET", "sg")
+    monkeypatch.setenv("VATTN_BUDGET_LIMIT", str(16 * GROUP))
+    other = Member("sg")
+    try:
+        r = other.call("alloc")["out"]
+        assert other.call("step", lens={r: 512})["out"]["ok"]  # 16 groups: the whole budget
+        other.call("free", r=r)
+        budget = vs.kv_settings().budget
+        assert isinstance(budget, budget_shared.SharedBudget) and budget.limit == 16 * GROUP
+        assert 2 * L * VPAGE == GROUP  # a chunk of 32 rows in the 4 buffers is one of the other's groups
+        pool, alloc, kv = make(1, 4096, budget=budget)  # chunk 0: asked of the other
+        wait_for(lambda: row("sg", other.pid)["cached"] == 15 * GROUP, 1)
+        assert alloc.available_size() == 31 + 15 * 32  # chunk 0's free rows and the other's cached pages
+        x = alloc.alloc(31 + 32 * 7)
+        assert x is not None
+        write(pool, x, 3.0)
+        assert_data(pool, x, 3.0)
+        check_books(kv, alloc, [x])
+        assert memfd_bytes(other.pid) == 8 * GROUP and budget.used == 16 * GROUP
+        assert alloc.alloc(32 * 9) is None  # more than the budget: a miss, nothing changed
+        check_books(kv, alloc, [x])
+        kv.close()
+        budget.close()
+    finally:
+        other.stop()

@@ -68,3 +68,27 @@ def test_swap_out_errors(make_cache):
         c.swap_out(a, 11)
     with pytest.raises(vattn.UnknownReqIdError):
         c.swap_out(3 - a if a < 3 else 0, 1)
+
+
+def test_swap_in_takes_a_handle_and_brings_its_request_back_once(make_cache):
+    """A second swap_in of one handle made two live requests of it; a non-handle raised
+    AttributeError. Once the request it brought back is freed, the handle may come back
+    again (the scheduler does so for a request preempted before it ran)."""
+    c = make_cache(page_size=4 * KB, prefetch=False)
+    a = c.alloc_reqid()
+    assert c.step({a: 100})
+    fill(c, a, 0, 100, 1)
+    h = c.swap_out(a, 100)
+    for bad in (None, "handle", (h.slot, h.epoch)):
+        with pytest.raises(vattn.InvalidRequestError, match="takes the SwapHandle swap_out returned"):
+            c.swap_in(bad)
+    r = c.swap_in(h)
+    free = c.num_free_reqids
+    with pytest.raises(vattn.InvalidRequestError, match=f"swapped in already .* live as reqid {r}"):
+        c.swap_in(h)
+    assert c.num_free_reqids == free  # no second copy of the request
+    c.allocator.check_invariants()
+    c.free_reqid(r)
+    again = c.swap_in(h)
+    check(c, again, 100, 1)
+    c.allocator.check_invariants()

@@ -709,3 +709,91 @@ def test_worker_on_the_cuda_backend_with_the_strict_fake_driver(fake_cuda, monke
     del w
     gc.collect()
     assert fake_cuda.num_violations == 0, fake_cuda.violations()
+
+
+# ------------------------------------------------------------- shared budget ----
+def test_a_budget_shared_with_another_process(monkeypatch, tmp_path):
+    """VATTN_BUDGET=NAME: the scheduler's books join a budget another process (a vattn
+    cache here) draws from. The scheduler counts and gets the other's cached pages; asked
+    by the other while idle, its responder gives back pages no block holds and the idle
+    loop sends the unmaps to the worker; a member limit set from another process (with
+    multiprocessing on, the scheduler is not in the caller's process) holds."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_budget_shared import REPO, Member, memfd_bytes, row, wait_for
+    from vattn import budget_shared
+
+    group = 2 * PAGE  # the scheduler's page group: one page in each of the 2 layers' regions
+    monkeypatch.setenv(budget_shared.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("VATTN_BUDGET", "vl")
+    monkeypatch.setenv("VATTN_BUDGET_LIMIT", str(8 * group))
+    monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", "-1")
+    other = Member("vl")
+    try:
+        r1, r2 = other.call("alloc")["out"], other.call("alloc")["out"]
+        assert other.call("step", lens={r1: 1024, r2: 1024})["out"]["ok"]  # 1 MiB: the whole budget
+        other.call("free", r=r1)
+        other.call("free", r=r2)  # cached
+        bp, skv, w, _ = engine(kv_config(num_blocks=256))  # the null block's page: asked of the other
+        assert isinstance(skv.budget, budget_shared.SharedBudget) and w.mapped_bytes == group
+        sent: list = []
+        core = engine_core(bp, sent)
+        wait_for(lambda: row("vl", other.pid)["cached"] == 7 * group, 1)
+        assert bp.get_num_free_blocks() >= 40  # the other's cached pages count
+        a = bp.get_new_blocks(40)  # 5 more pages: the other gives them back
+        step(skv)
+        for b in a:
+            write(w, b.block_id)
+        for b in a:
+            check(w, b.block_id)
+        assert memfd_bytes(other.pid) <= 2 * group and skv.budget.used <= 8 * group
+        bp.free_blocks(a)  # cached in the scheduler's books, mapped in the worker
+        assert 0 < vv.idle_wakeup(core) <= budget_shared.POLL_S  # idle, but polling for give-backs
+        r3 = other.call("alloc")["out"]
+        assert not other.call("step", lens={r3: 1024})["out"]["ok"]  # its own 2 cached groups are not enough
+        assert other.call("step", lens={r3: 1024})["out"]["ok"]  # the scheduler's responder gave back
+        assert vv.idle_wakeup(core) == 0.0 and w.mapped_bytes == 6 * group  # unmaps to send
+        vv.on_idle(core)
+        assert sent and w.mapped_bytes <= 4 * group and w.seq == skv.seq
+        # this engine's own limit, from another process: its responder gives back what is over
+        out = subprocess.run([sys.executable, "-m", "vattn", "budget", "set-limit", "vl", str(group), "--pid",
+                              str(os.getpid())], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: vv.idle_wakeup(core) == 0.0, 2)
+        vv.on_idle(core)
+        assert w.mapped_bytes == group  # the null block's page alone
+        assert bp.get_num_free_blocks() == 7  # the null block's page; no page more under its limit
+        with pytest.raises(ValueError, match="Cannot get 8 free blocks"):  # vLLM would not even ask
+            bp.get_new_blocks(8)
+        skv.check_invariants()
+        skv.pool.close()
+        skv.budget.close()
+    finally:
+        other.stop()
+
+
+def test_on_a_shared_budget_the_workers_keep_no_reserve(monkeypatch, tmp_path):
+    """Under EngineCore the workers keep a reserve of created pages against other processes;
+    on a shared budget the budget keeps them off instead (no reserve, no top-ups)."""
+    from vattn import budget_shared
+
+    monkeypatch.setenv(budget_shared.DIR_ENV, str(tmp_path))
+    cfg = kv_config()
+    vv._started = vv.Workers(vv.block_layout(cfg).key, (len(vv.block_layout(cfg).regions),))
+    try:
+        alone = vv.attach(BlockPool(cfg.num_blocks), cfg)
+        assert alone.reserve == 0 and alone.budget is None
+        monkeypatch.setenv("VATTN_BUDGET", "nores")
+        shared = vv.attach(BlockPool(cfg.num_blocks), cfg)
+        assert shared.reserve is None and isinstance(shared.budget, budget_shared.SharedBudget)
+        assert shared.budget.used == shared.stats().mapped_bytes > 0  # the null block's page, taken
+        core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=shared.block_pool)))
+        vv.before_schedule(core)  # no reserve to top up: nothing is sent (no executor to send it with)
+        alone.pool.close()
+        shared.pool.close()
+        shared.budget.close()
+    finally:
+        vv._started = None

@@ -393,6 +393,22 @@ class BlockBooks:
             fresh = room // self.max_block_pages
         return min(self.num_blocks - self.num_used, self.num_warm + fresh)
 
+    def max_blocks(self) -> int:
+        """The most blocks that can be in use at once, pinned ones included: all of them, or
+        what the limit and the budget's limit can back (the other pools of the budget holding
+        nothing). Exact when blocks and pages divide one another, a lower bound otherwise."""
+        pages = self.num_pages if self.limit is None else min(self.num_pages, self.limit_pages)
+        budget = self.physical.budget
+        if budget is not None and (limit := budget.stats().limit) is not None:
+            pages = min(pages, limit // self.group_bytes)
+        if pages >= self.num_pages:
+            return self.num_blocks
+        if self.page_size % self.block_bytes == 0:
+            fit = pages * (self.page_size // self.block_bytes)
+        else:
+            fit = pages // self.max_block_pages
+        return min(self.num_blocks, fit)
+
     def stats(self) -> PoolStats:
         nb = self.config.num_buffers
         return PoolStats(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from vattn.checks import as_int, byte_limit
 from vattn.errors import InvalidConfigError, InvalidRequestError
@@ -72,6 +72,22 @@ class Budget:
         self._used = 0
         self._participants: dict[int, tuple[Reclaim, Cached]] = {}
         self._ids = itertools.count(1)
+
+    @classmethod
+    def shared(cls, name: str, limit: int | None = None, *, device: Any = None, member_limit: int | None = None,
+               label: str | None = None) -> Budget:
+        """Join the budget `name` shared by the processes of this machine, creating it with
+        `limit` bytes if it has no member (a budget ends with its last member; an existing
+        budget keeps its limit, unless it has none: then `limit` becomes it). One budget
+        per GPU (`device`: "cuda[:N]"; keyed by the GPU's UUID) or per host ("cpu"); None:
+        the current GPU if there is one, else the host. `member_limit`: bytes this process
+        may take at most. `label`: the name `vattn top` shows (default: the command).
+        Pass it wherever a `Budget` goes (`KVCache(budget=)`, `ElasticPool`, `LLM`);
+        `vattn.budget_shared` explains the mechanism. Calling it again in the same process
+        returns the same member."""
+        from vattn.budget_shared import join
+
+        return join(name, limit, device=device, member_limit=member_limit, label=label)
 
     # ------------------------------------------------------------------ taking ----
     def try_take(self, nbytes: int) -> bool:

@@ -28,6 +28,7 @@ class SwapHandle:
     num_tokens: int
     host: list[list[torch.Tensor]]  # per buffer, chunks of its first num_tokens tokens (uint8)
     copied_in: bool | None = None  # after swap_in: whether the data had to be copied back
+    live: tuple[int, int] | None = None  # after swap_in: (reqid, its allocation) the request came back as
 
     @property
     def nbytes(self) -> int:
@@ -225,7 +226,16 @@ class KVCache:
     def swap_in(self, handle: SwapHandle) -> int:
         """Bring a swapped-out request back; returns its (new) reqid. No copy when its old
         slot is untouched; otherwise pages are mapped and its tokens copied back. Raises
-        NoFreeSlotError or OutOfPhysicalMemoryError (nothing changed: try again later)."""
+        NoFreeSlotError or OutOfPhysicalMemoryError (nothing changed: try again later).
+        A handle comes back once while its request lives: InvalidRequestError if the reqid
+        an earlier swap_in gave it is still that request (free it first: then the handle may
+        be swapped in again, as the scheduler does for a request preempted before it ran)."""
+        if not isinstance(handle, SwapHandle):
+            raise InvalidRequestError(f"swap_in takes the SwapHandle swap_out returned, got {handle!r}")
+        if handle.live is not None and self.allocator.allocation(handle.live[0]) == handle.live[1]:
+            raise InvalidRequestError(
+                f"this SwapHandle was swapped in already and its request is live as reqid {handle.live[0]}: a second "
+                f"swap_in would run it twice; free_reqid({handle.live[0]}) first, or swap_out that reqid again")
         slot, copy = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens)
         if copy:
             start, pin = self.geometry.page_offset(slot, 0), self.backend.device.type == "cuda"
@@ -234,7 +244,7 @@ class KVCache:
                 for src in chunks:
                     buf[off:off + src.numel()].copy_(src, non_blocking=pin)
                     off += src.numel()
-        handle.copied_in = copy
+        handle.copied_in, handle.live = copy, (slot, self.allocator.allocation(slot))
         return slot
 
     def trim(self) -> int:

@@ -48,7 +48,10 @@ def as_float(value: Any, name: str, error: type[Exception], *, what: str) -> flo
     if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
         raise error(f"{name} must be {what}, got {value!r}")
     if is_int(value):
-        x = float(operator.index(value))
+        try:
+            x = float(operator.index(value))
+        except OverflowError:  # an int past any float (10**400)
+            raise error(f"{name} must be {what}, got {value!r}") from None
     elif isinstance(value, numbers.Real):
         x = float(value)
     elif getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d float tensor / array

@@ -1,4 +1,5 @@
-"""The `vattn` command: `vattn demo`, `vattn generate`."""
+"""The `vattn` command: `vattn demo`, `vattn generate` (`serve`, `bench`, `top` and `budget`
+have parsers of their own)."""
 from __future__ import annotations
 
 import argparse
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", add_help=False,
                    help="transformers serve (OpenAI-compatible, continuous batching) on vattn memory; "
                    "see vattn serve --help")
+    sub.add_parser("top", add_help=False, help="the members of each shared memory budget, live; see vattn top --help")
+    sub.add_parser("budget", add_help=False,
+                   help="shared memory budgets: set-limit NAME BYTES [--pid PID]; see vattn budget --help")
     return p
 
 
@@ -120,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vattn.errors import VattnError
 
     if argv[:1] == ["serve"]:  # its own parser: the options are transformers serve's
-        from vattn.integrations.hf_cb import main as serve_main
+        from vattn.integrations.hf_serve import main as serve_main
 
         try:
             serve_main(argv[1:])
@@ -133,6 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return bench_main(argv[1:])
+        except VattnError as e:
+            print(f"vattn: error: {e}", file=sys.stderr)
+            return 2
+    if argv[:1] in (["top"], ["budget"]):  # shared budgets (vattn.budget_cli)
+        from vattn import budget_cli
+
+        try:
+            return (budget_cli.top_main if argv[0] == "top" else budget_cli.budget_main)(argv[1:])
         except VattnError as e:
             print(f"vattn: error: {e}", file=sys.stderr)
             return 2

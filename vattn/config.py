@@ -39,7 +39,7 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
         if key not in _DTYPE_NAMES:
             raise InvalidConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
         dtype = _DTYPE_NAMES[key]
-    if dtype not in DLPACK_DTYPES:
+    if not isinstance(dtype, torch.dtype) or dtype not in DLPACK_DTYPES:  # (a list is not even hashable)
         raise InvalidConfigError(f"dtype {dtype} is not supported; use one of {list(DLPACK_DTYPES)}")
     return dtype
 

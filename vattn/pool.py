@@ -55,7 +55,7 @@ from vattn.errors import (
     OutOfPhysicalMemoryError,
     UnknownBlockError,  # (re-exported: it was defined here)
 )
-from vattn.vmem import make_backend
+from vattn.vmem import host, make_backend
 from vattn.vmem.base import Backend
 
 SYNC_MODES = ("stream", "device")
@@ -145,6 +145,7 @@ class ElasticPool:
             self.backend.check_page_size(page)
             self.page_size = page
             buffer_bytes = -(-c.num_blocks * c.block_bytes // page) * page
+            _check_books_fit(c.num_blocks, buffer_bytes // page)
             self._range = self.backend.reserve(buffer_bytes * c.num_buffers, page)
         except BaseException:
             if backend is None:
@@ -279,6 +280,14 @@ class ElasticPool:
             self._books.check_open()
             return self._books.available_blocks()
 
+    def max_blocks(self) -> int:
+        """The most blocks that can ever be in use at once (pinned ones included): `num_blocks`,
+        or fewer under the limit and the budget's limit. A server refuses work that needs more
+        (it could never run); work that needs less but more than `available_blocks()` waits."""
+        with self._books.lock:
+            self._books.check_open()
+            return self._books.max_blocks()
+
     @property
     def num_free_blocks(self) -> int:
         return self._books.num_blocks - self._books.num_used
@@ -345,6 +354,25 @@ def _close(books: BlockBooks, backend: Backend) -> None:
         books.close()
     finally:
         backend.close()
+
+
+# Host bytes of the books (`BlockBooks`: plain Python lists, on the host whatever the device): measured about 50 a
+# block (a bytearray entry, the per-block miss list, the cold heap's int) and 16 a page (users, groups), rounded up
+BOOKS_BYTES_PER_BLOCK, BOOKS_BYTES_PER_PAGE = 64, 16
+
+
+def _check_books_fit(num_blocks: int, num_pages: int) -> None:
+    """Refuse a pool whose books the host cannot hold, before building them, as the host
+    backend refuses pages (`available_memory`, keeping `MIN_HEADROOM` free):
+    `ElasticPool(3 << 30, ...)` filled host memory until the OOM killer ended the process."""
+    need = BOOKS_BYTES_PER_BLOCK * num_blocks + BOOKS_BYTES_PER_PAGE * num_pages
+    avail = host.available_memory()
+    if avail is not None and need > avail - host.MIN_HEADROOM:
+        raise InvalidConfigError(
+            f"num_blocks={num_blocks} ({num_pages} pages a buffer) needs about {need / 2**30:.1f} GiB of host memory "
+            f"for the pool's books ({BOOKS_BYTES_PER_BLOCK} bytes a block, {BOOKS_BYTES_PER_PAGE} a page), and "
+            f"{max(0, avail) / 2**30:.1f} GiB is available (MemAvailable and the cgroup's memory limit; vattn keeps "
+            f"{host.MIN_HEADROOM >> 20} MiB free): lower num_blocks, or use fewer, larger blocks")
 
 
 __all__ = ["ElasticPool", "PoolConfig", "PoolStats", "UnknownBlockError", "SYNC_MODES"]

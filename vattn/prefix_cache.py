@@ -21,7 +21,7 @@ import hashlib
 from array import array
 from typing import Any, Sequence
 
-from vattn.errors import InvalidConfigError
+from vattn.errors import InvalidConfigError, InvalidRequestError
 
 
 class PrefixCache:
@@ -41,11 +41,13 @@ class PrefixCache:
         self.num_hit_tokens = 0  # of those, found in the cache
 
     def page_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """The chained key of every whole page of `token_ids`."""
+        """The chained key of every whole page of `token_ids` (a sequence of token ids:
+        ints >= 0, else InvalidRequestError)."""
+        ids = token_array(token_ids)
         tpp, keys, prev = self.tokens_per_page, [], self.salt
-        for start in range(0, len(token_ids) - tpp + 1, tpp):
+        for start in range(0, len(ids) - tpp + 1, tpp):
             h = hashlib.blake2b(prev, digest_size=16)
-            h.update(array("q", token_ids[start:start + tpp]).tobytes())
+            h.update(ids[start:start + tpp].tobytes())
             prev = h.digest()
             keys.append(prev)
         return keys
@@ -54,8 +56,9 @@ class PrefixCache:
         """Map the longest cached prefix of `token_ids` into `reqid` (a request that has not
         run yet). At least one token is left to compute, so the request still gets logits.
         Returns the number of tokens mapped (0: a miss)."""
-        keys, handles = self.lookup(token_ids)
-        self.num_query_tokens += len(token_ids)
+        ids = token_array(token_ids)
+        keys, handles = self.lookup(ids)
+        self.num_query_tokens += len(ids)
         if not handles:
             return 0
         n = self.cache.map_pinned(reqid, handles)
@@ -66,7 +69,8 @@ class PrefixCache:
     def lookup(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[Any]]:
         """The keys of the whole pages of `token_ids` but its last token, and the handles of
         the leading ones that are cached (they may have been evicted since)."""
-        keys = self.page_hashes(token_ids[:len(token_ids) - 1])
+        ids = token_array(token_ids)
+        keys = self.page_hashes(ids[:len(ids) - 1])
         handles = []
         for key in keys:
             handle = self.entries.get(key)
@@ -97,3 +101,21 @@ class PrefixCache:
     def hit_rate(self) -> float:
         """Prompt tokens found in the cache / prompt tokens looked up."""
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+def token_array(token_ids: Any) -> array:
+    """`token_ids` as an int64 array, or InvalidRequestError unless it is a sequence of
+    ints >= 0 (a str, None, floats, NaN or negative ids would key pages wrongly, or fail
+    deep inside). Checked at C speed: the engine passes every prompt through here."""
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        ids = token_ids
+    elif isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise InvalidRequestError(f"token_ids must be a sequence of token ids (ints >= 0), got {token_ids!r}")
+    else:
+        try:
+            ids = array("q", token_ids)
+        except (TypeError, OverflowError, ValueError):
+            raise InvalidRequestError(f"token_ids must be ints >= 0 below 2**63, got {token_ids!r}") from None
+    if ids and min(ids) < 0:
+        raise InvalidRequestError(f"token_ids must be ints >= 0, got {min(ids)} in {token_ids!r}")
+    return ids

@@ -97,6 +97,11 @@ class PageAllocator:
         with self.books.lock:
             return self.books.max_lens[self.books.check_active(reqid)]
 
+    def allocation(self, slot: int) -> int | None:
+        """Which allocation holds `slot` now: a number no later `alloc_reqid` (or fork, or
+        swap-in) gives again; None while the slot is free."""
+        return self.books.active.get(slot)
+
     @property
     def num_free_slots(self) -> int:
         return len(self.books.free_slots)

@@ -1,6 +1,7 @@
 """The benchmarks' models: Llama-shaped configs with random, seeded weights made directly on the
 device (no download, no checkpoint). Used by overlap, throughput and the end-to-end part of
-`vattn bench gpu`; transformers is imported only when a model is made."""
+`vattn bench gpu`; transformers is imported only when a model is made. `char_checkpoint`
+saves one with a character-level tokenizer, for servers (`vattn serve`) and their tests."""
 from __future__ import annotations
 
 from typing import Any
@@ -54,3 +55,31 @@ def cb_cache_bytes(cache: Any) -> int:
     else:
         tensors = [*cache.key_cache, *cache.value_cache]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def char_checkpoint(path: Any, *, seed: int = 0, hidden_size: int = 64, intermediate_size: int = 128,
+                    num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                    max_position_embeddings: int = 512) -> str:
+    """Save a tiny seeded Llama with a character-level tokenizer (printable ASCII, one token a
+    character) and a chat template in directory `path` (no hub); returns it as a string."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(string.printable[:95])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    config = LlamaConfig(vocab_size=128, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
+                         initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)

@@ -1,6 +1,7 @@
 """`EngineConfig`: what `LLM(model, **config)` was asked for."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -34,7 +35,8 @@ class EngineConfig:
     of a new sequence's prefix instead of computing them; needs a page that holds whole tokens),
     preemption_mode ('recompute' | 'swap': what a sequence preempted for memory does, see
     `vattn.engine.scheduler`), idle_trim_s (None, or seconds without work after which the
-    engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included),
+    engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included;
+    more seconds than a timer can wait, `threading.TIMEOUT_MAX` (about 292 years), mean never, as None),
     budget (None, or a `vattn.Budget` shared with other engines, caches and elastic pools:
     the cache creates pages only within it, and pages one engine no longer needs go to
     another that is short; see `KVCache(budget=)`), cuda_graphs (decode iterations replay
@@ -98,6 +100,8 @@ class EngineConfig:
             if self.idle_trim_s < 0:
                 raise InvalidConfigError(f"idle_trim_s must be None or a finite number of seconds >= 0, "
                                          f"got {self.idle_trim_s!r}")
+            if self.idle_trim_s > threading.TIMEOUT_MAX:  # more than a timer can wait (its thread raised): never
+                object.__setattr__(self, "idle_trim_s", None)
         if self.attention is not None and self.attention not in KERNELS:
             raise InvalidConfigError(f"attention must be None or one of {KERNELS}, got {self.attention!r}")
         if self.max_num_seqs is not None and self.max_num_seqs > self.max_batch_size:

@@ -9,6 +9,9 @@ from vattn.errors import InvalidRequestError
 
 # Temperatures below this are greedy: dividing logits by a tinier one overflows to inf.
 GREEDY_TEMPERATURE = 1e-5
+# Most samples one request may ask for: every sample is a sequence created at add_request and drawn in the step that
+# computes the prompt (under the engine's lock), so n = 10**6 took 3.6 s and 467 MiB there, then an 18.7 s step.
+MAX_N = 1024
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class SamplingParams:
         has a generator of its own seeded with `sample_seed(i)` = seed + i (modulo 2**64,
         as vLLM derives its child requests' seeds), so it draws the tokens a request with
         `seed + i` and n = 1 would; with seed None all samples draw from the engine's.
+        At most `MAX_N` (1024): ask for more with several requests of different seeds.
 
     Every value is checked here, so a request that passed is safe to run: a bad one raises
     InvalidRequestError before anything is queued. Ints may be numpy integers or 0-d
@@ -67,7 +71,8 @@ class SamplingParams:
         if self.seed is not None:
             set_("seed", as_int(self.seed, "seed", err, low=SEED_MIN, high=SEED_MAX,
                                 what="None or an int in [-2**63, 2**64 - 1] (what torch.Generator takes)"))
-        set_("n", as_int(self.n, "n", err, low=1))
+        set_("n", as_int(self.n, "n", err, low=1, high=MAX_N,
+                         what=f"an int in [1, {MAX_N}] (more samples: several requests with other seeds)"))
 
     def sample_seed(self, index: int) -> int | None:
         """The seed of sample `index` (0 .. n-1): `seed` itself for sample 0, else

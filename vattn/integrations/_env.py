@@ -1,5 +1,6 @@
 """The settings of the server integrations (vLLM, SGLang, transformers' continuous
-batching), read alike: environment variables, and the one idle-trim rule.
+batching), read alike: environment variables, the one idle-trim rule, and the shared
+budget (`VATTN_BUDGET=NAME`, `VATTN_BUDGET_LIMIT=BYTES`: `budget`).
 
 Idle trim (`VATTN_VLLM_IDLE_TRIM_S`, `VATTN_SGLANG_IDLE_TRIM_S`, `KVSettings.idle_trim_s`,
 `hf_cb.enable(idle_trim_s=)`, `vattn serve --idle-trim-s`): the seconds of idleness after
@@ -61,3 +62,17 @@ def idle_delay(value: Any, name: str = "idle_trim_s") -> float | None:
 def idle_trim_s(name: str, default: float | None, env: Any = None) -> float | None:
     """The environment variable `name` by the idle-trim rule (unset or empty: `default`)."""
     return idle_delay(number(name, float, default, env=env, what="a number of seconds"), name)
+
+
+def budget(env: Any = None, device: Any = None) -> Any:
+    """`VATTN_BUDGET=NAME`: the memory budget NAME shared by the processes of this GPU (or
+    host), joined (`vattn.Budget.shared(NAME, VATTN_BUDGET_LIMIT, device=device)`: the
+    limit is used when this process creates it, or when it has none); None when unset."""
+    env = os.environ if env is None else env
+    name = (env.get("VATTN_BUDGET") or "").strip()
+    if not name:
+        return None
+    from vattn.budget import Budget
+
+    limit = number("VATTN_BUDGET_LIMIT", int, None, low=0, env=env, what="an integer number of bytes")
+    return Budget.shared(name, limit, device=device)

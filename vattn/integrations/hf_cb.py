@@ -55,8 +55,9 @@ Limit: memory given back (`trim`, the idle policy) can be taken by another proce
 the free count transformers reads looks only at `memory_limit` and the budget, not at
 the device. If the device then refuses pages for a block transformers counted as free,
 the allocation waits `ALLOC_RETRY_S` (2 s) and raises `OutOfPhysicalMemoryError` inside
-transformers' generation loop, which stops and fails the requests in flight. Sharing a
-GPU, give each process a `memory_limit` (and the servers theirs) whose sum fits it.
+transformers' generation loop, which stops and fails the requests in flight (`vattn serve`
+then starts a new loop: `vattn.integrations.hf_serve`). Sharing a GPU, give each process a
+`memory_limit` (and the servers theirs) whose sum fits it.
 
 Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py and
 tests/test_serve.py, see tests/test_hf_cb_versions.py). The hook checks the exact names,
@@ -71,7 +72,6 @@ import contextlib
 import importlib.util
 import inspect
 import logging
-import os
 import re
 import sys
 import threading
@@ -298,6 +298,7 @@ class ElasticCB:
         self.last_activity = time.monotonic()  # the last block handed out or given back
         self._idle_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._budget_token: int | None = None  # this handle's part on the budget (see _budget_reclaim)
 
     @property
     def pools(self) -> list[ElasticPool]:
@@ -395,8 +396,35 @@ class ElasticCB:
             self._start_idle()
 
     def close(self) -> None:
-        """Stop the idle policy's thread (live pools stay)."""
+        """Stop the idle policy's thread and leave the budget (live pools stay on it)."""
         self._stop.set()
+        if self._budget_token is not None:
+            self.budget.unregister(self._budget_token)
+            self._budget_token = None
+
+    def _budget_reclaim(self, nbytes: int) -> int:
+        """The budget's call when another model is short, after the pools gave their free
+        pages: a handle with no request in flight evicts the blocks transformers keeps for
+        prefix sharing and gives back every page, as the idle policy does (a busy one keeps
+        them: its loop would have to pause). Returns bytes given back; never raises."""
+        if self.busy():
+            return 0
+        try:
+            return self.trim()
+        except Exception:
+            return 0
+
+    def _budget_cached(self) -> int:
+        """What `_budget_reclaim` could give now beyond the pools' free pages (an estimate,
+        read without locks: a pool calls it under its own): the blocks in use but the trash
+        ones, while no request is in flight."""
+        if self.busy():
+            return 0
+        total = 0
+        for p in self.pools:
+            c = p.config
+            total += max(0, c.num_blocks - p.num_free_blocks - TRASH_SECTORS) * c.block_bytes * c.num_buffers
+        return total
 
     def set_limit(self, limit: int | None) -> None:
         """A new limit on the mapped bytes of this model's caches (this one and later ones)."""
@@ -420,6 +448,8 @@ class ElasticCB:
                            zero_new=True)
         self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
         self.num_caches += 1
+        if self.budget is not None and self._budget_token is None:  # after the pool: asked after its free pages
+            self._budget_token = self.budget.register(self._budget_reclaim, self._budget_cached)
         self._start_idle()
         return pool
 
@@ -474,6 +504,9 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
             ref = weakref.ref(config, lambda _r, key=id(config), h=handle: _forget(key, h))
             _handles[id(config)] = (ref, handle)
         else:
+            if budget is not handle.budget and handle._budget_token is not None:  # its part moves with it
+                handle.budget.unregister(handle._budget_token)
+                handle._budget_token = None
             handle.memory_limit, handle.budget, handle.page_size = memory_limit, budget, page_size
             handle._set_idle_trim_s(idle_trim_s)
         return handle
@@ -530,76 +563,6 @@ def _handle_for(config: Any) -> ElasticCB | None:
     with _lock:
         entry = _handles.get(id(config))
         return entry[1] if entry is not None and entry[0]() is config else _default
-
-
-# ------------------------------------------------------------------- serving ----
-SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
-DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.24's own default (see serve)
-
-
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
-          page_size: int | None = None, idle_trim_s: float | None = None, device: str = "auto",
-          num_blocks: int | None = None, block_size: int | None = None, max_batch_tokens: int | None = None,
-          log_level: str = "warning", non_blocking: bool = False) -> Any:
-    """`transformers serve` with continuous batching on vattn memory, for a local checkpoint
-    (offline): the OpenAI-compatible endpoints `/v1/chat/completions`, `/v1/completions`,
-    `/v1/models`, `/health`. Blocks until the server stops, unless `non_blocking` (then it
-    returns transformers' `Serve` object, with the `ElasticCB` handle as `.vattn`:
-    `kill_server()` stops it). The memory limit is in bytes of KV pages; `idle_trim_s` is
-    the idle policy (see `enable`); `num_blocks` and `block_size` (tokens) size
-    transformers' (virtual) cache. Requests that do not fit under the limit wait in
-    transformers' scheduler."""
-    missing = [m for m in SERVING_PACKAGES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
-                                 "pip install 'transformers[serving]'")
-    if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
-        raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
-    if max_batch_tokens is None and num_blocks is not None and design() == "blocks":
-        # transformers 5.17, given num_blocks alone, sizes max_batch_tokens (its attention mask and IO
-        # buffers, M x (num_blocks * block_size + M)) to fill the device's free memory: 21 GB of a 23 GB
-        # host in tests/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.24 take
-        # 8192 when it is not given: so does 5.17 here.
-        max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
-    handle = enable_all(memory_limit=memory_limit, page_size=page_size, idle_trim_s=idle_trim_s)
-    from transformers.cli.serve import Serve
-
-    try:
-        server = Serve(force_model=os.path.abspath(model), continuous_batching=True, host=host, port=port,
-                       device=device, cb_num_blocks=num_blocks, cb_block_size=block_size,
-                       cb_max_batch_tokens=max_batch_tokens,
-                       log_level=log_level, non_blocking=non_blocking)
-    except BaseException:
-        disable_all()
-        raise
-    server.vattn = handle
-    if not non_blocking:
-        disable_all()
-    return server
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m vattn.integrations.hf_cb --model DIR [--port N] [--memory-limit BYTES]`."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="vattn serve", description=serve.__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="local checkpoint directory (config, weights, tokenizer)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--memory-limit", type=int, default=None, help="bytes of KV pages (default: no limit)")
-    ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
-    ap.add_argument("--idle-trim-s", type=float, default=None,
-                    help="give the KV memory back after this many idle seconds (default, or negative: never by itself)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--num-blocks", type=int, default=None, help="transformers' cache size in blocks (virtual)")
-    ap.add_argument("--block-size", type=int, default=None, help="tokens per cache block")
-    ap.add_argument("--max-batch-tokens", type=int, default=None)
-    ap.add_argument("--log-level", default="warning")
-    a = ap.parse_args(argv)
-    serve(a.model, host=a.host, port=a.port, memory_limit=a.memory_limit, page_size=a.page_size,
-          idle_trim_s=a.idle_trim_s, device=a.device, num_blocks=a.num_blocks, block_size=a.block_size,
-          max_batch_tokens=a.max_batch_tokens, log_level=a.log_level)
 
 
 # ------------------------------------------------------------------ the hook ----
@@ -890,9 +853,4 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
 
 
 __all__ = ["SUPPORTED_VERSIONS", "ElasticCB", "enable", "disable", "enable_all", "disable_all", "check_transformers", "design",
-           "verified_requirement",
-           "install", "uninstall", "serve", "main"]
-
-
-if __name__ == "__main__":
-    main()
+           "verified_requirement", "install", "uninstall"]

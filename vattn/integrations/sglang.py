@@ -103,7 +103,8 @@ class KVSettings:
     integrations' idle-trim rule (`vattn.integrations._env`: None, or a negative number,
     never). `zero_new_pages`: clear pages mapped with new memory (`ElasticPool(zero_new=)`;
     chunk 0 is cleared whatever this says). `budget`: a `vattn.Budget`
-    shared with other pools of this process."""
+    shared with other pools of this process, or with other processes of this GPU
+    (`from_env`: `VATTN_BUDGET=NAME`, `vattn.Budget.shared` on the current GPU)."""
 
     memory_limit: int | None = None
     page_size: int | None = None
@@ -122,7 +123,7 @@ class KVSettings:
         page = _env.number("VATTN_SGLANG_PAGE_SIZE", int, None, low=1, env=env, what=nbytes)
         trim = _env.idle_trim_s("VATTN_SGLANG_IDLE_TRIM_S", 2.0, env=env)
         return KVSettings(memory_limit=limit, page_size=page, idle_trim_s=trim,
-                          zero_new_pages=_env.flag("VATTN_SGLANG_ZERO", env))
+                          zero_new_pages=_env.flag("VATTN_SGLANG_ZERO", env), budget=_env.budget(env))
 
 
 def enabled(env: Any = None) -> bool:

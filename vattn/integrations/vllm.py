@@ -54,10 +54,23 @@ different processes (one process with multiprocessing off; the code path is the 
   the limit only: if the device refuses pages the limit allows (another process took the
   memory an idle trim gave back), the worker's `create` raises inside `execute_model` and
   the engine dies. Sharing a GPU, give each process a limit whose sum fits it.
+- **Several servers on one GPU** (`VATTN_BUDGET=NAME`, optional `VATTN_BUDGET_LIMIT`):
+  the scheduler's books draw from the budget NAME shared with the other servers of the
+  GPU (`vattn.Budget.shared`; the first visible GPU's, one worker's bytes: with tensor
+  parallelism every worker maps the same pages). Its count includes what the others
+  would give back; asked by a short member, its budget responder gives back pages no
+  block holds, and `idle_wakeup` brings the idle loop round every `POLL_S` to send those
+  operations to the workers: the budget counts them free when the scheduler records them,
+  the workers unmap them within about `POLL_S` (or with the next step). Its limit, or
+  this engine's own (`vattn budget set-limit NAME BYTES --pid <EngineCore pid>`), can
+  change at run time from any process, with multiprocessing on. The workers then keep no
+  reserve of created pages: the budget is what keeps the other processes from the memory
+  the scheduler counts, so its limit must fit what the GPU can give the KV caches.
 
 Environment: `VATTN_VLLM=0` turns it off (stock vLLM, for A/B runs), `VATTN_VLLM_PAGE_SIZE`
-(bytes; default 2 MiB, the CUDA granularity), `VATTN_VLLM_LIMIT`, `VATTN_VLLM_IDLE_TRIM_S`.
-The scheduler and the workers read the same variables (workers inherit the environment).
+(bytes; default 2 MiB, the CUDA granularity), `VATTN_VLLM_LIMIT`, `VATTN_VLLM_IDLE_TRIM_S`,
+`VATTN_BUDGET`, `VATTN_BUDGET_LIMIT`. The scheduler and the workers read the same
+variables (workers inherit the environment; only the scheduler joins the budget).
 
 Layouts: the KV cache's block-compact layouts (`LBNHC`/NHD, `LBHNC`/HND, `BLNHC`,
 `BLHNC`), attention layers only. Anything else (Mamba raw buffers, HiSparse host pools,
@@ -72,12 +85,14 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
 
+from vattn.budget_shared import POLL_S
 from vattn.errors import (  # OpsOutOfOrderError and UnsupportedLayoutError are this module's (re-exported)
     InvalidConfigError, OpsOutOfOrderError, OutOfPhysicalMemoryError, UnsupportedLayoutError)
 from vattn.integrations import _env
@@ -89,6 +104,7 @@ logger = logging.getLogger("vattn.vllm")
 
 DEFAULT_PAGE_SIZE = 2 << 20  # the CUDA granularity on stock drivers
 DEFAULT_IDLE_TRIM_S = 30.0
+ALLOC_RETRY_S = 2.0  # how long blocks counted as free may wait on a shared budget's members
 DEFAULT_RESERVE = 4  # page groups each worker creates ahead of the scheduler (see "Refused pages")
 REFUSED_RETRY_S = 1.0  # after a worker could not fill its reserve, ask again this much later
 NULL_BLOCK = 0  # vLLM's null block: padding and skipped blocks read it; always mapped
@@ -283,6 +299,13 @@ class RecordingBackend(Backend):
         # Page groups every worker holds created and ready (None: not counted, the device is
         # trusted). Each create the books record uses them up; the books' limit keeps within.
         self.ready: int | None = None
+        # a shared budget's responder records from its own thread (under the pool's lock, so in
+        # order); the scheduler's drain must not swap the log between its read and its append
+        self._log_lock = threading.Lock()
+
+    def _record(self, op: tuple) -> None:
+        with self._log_lock:
+            self.log.append(op)
 
     def reserve(self, nbytes: int, alignment: int) -> _Range:
         return _Range(nbytes)
@@ -298,33 +321,34 @@ class RecordingBackend(Backend):
             self.ready -= n
         ids = list(range(self._next, self._next + n))
         self._next += n
-        self.log.append(("create", ids))
+        self._record(("create", ids))
         return ids
 
     def _release(self, groups: list) -> None:
-        self.log.append(("release", list(groups)))
+        self._record(("release", list(groups)))
 
     def _map(self, bases, offsets, groups, page_size) -> None:
-        self.log.append(("map", [o // page_size for o in offsets], list(groups)))
+        self._record(("map", [o // page_size for o in offsets], list(groups)))
 
     def _unmap(self, bases, offsets, page_size) -> None:
-        self.log.append(("unmap", [o // page_size for o in offsets]))
+        self._record(("unmap", [o // page_size for o in offsets]))
 
     def zero(self, views, pages, page_size) -> None:
-        self.log.append(("zero", sorted(pages)))  # each worker clears them unless its new memory reads zeros
+        self._record(("zero", sorted(pages)))  # each worker clears them unless its new memory reads zeros
 
     def drain(self) -> list[tuple]:
-        log, self.log = self.log, []
+        with self._log_lock:
+            log, self.log = self.log, []
         return log
 
 
-def _new_books(g: BlockLayout, limit: int | None) -> tuple[ElasticPool, RecordingBackend]:
+def _new_books(g: BlockLayout, limit: int | None, budget: Any = None) -> tuple[ElasticPool, RecordingBackend]:
     """The scheduler's books and their first operations (block 0 mapped). Deterministic:
     a worker builds the same books to know the state its allocation starts in. Pages
     mapped with new memory are cleared (`zero_new`: a "zero" operation for the workers)."""
     rec = RecordingBackend(g.page_size)
     pool = ElasticPool(g.num_blocks, (g.block_bytes,), torch.uint8, len(g.regions), device="cpu",
-                       page_size=g.page_size, limit=limit, grow=1, zero_new=True, backend=rec)
+                       page_size=g.page_size, limit=limit, grow=1, zero_new=True, backend=rec, budget=budget)
     try:
         pool.pin([NULL_BLOCK], "the null block", f"VATTN_VLLM_LIMIT={limit} is too small", error=InvalidConfigError)
     except InvalidConfigError:
@@ -340,16 +364,19 @@ class SchedulerKV:
     free blocks of the elastic pool, which hands them out page-aware."""
 
     def __init__(self, block_pool: Any, g: BlockLayout, limit: int | None = None, *,
-                 worker_regions: Sequence[int] | None = None, reserve: int | None = None) -> None:
+                 worker_regions: Sequence[int] | None = None, reserve: int | None = None,
+                 budget: Any = None) -> None:
         """`limit`: bytes of pages each worker may hold. `worker_regions`: the number of
         regions of every worker (pipeline stages differ; default: this layout's). `reserve`:
-        page groups the workers hold ready (None: the device is trusted and never asked)."""
+        page groups the workers hold ready (None: the device is trusted and never asked).
+        `budget`: a `vattn.Budget` shared with other processes (`VATTN_BUDGET`), or None."""
         if block_pool.num_gpu_blocks != g.num_blocks:
             raise InvalidConfigError(f"the block pool has {block_pool.num_gpu_blocks} blocks, the KV cache "
                                      f"configuration {g.num_blocks}")
         self.block_pool = block_pool
         self.layout = g
-        self.pool, self.recorder = _new_books(g, limit)
+        self.budget = budget  # a shared vattn.Budget (VATTN_BUDGET), or None
+        self.pool, self.recorder = _new_books(g, limit, budget)
         self.recorder.drain()  # the workers start in this state (see WorkerKV)
         self.seq = 0
         self.idle_since: float | None = None
@@ -386,9 +413,16 @@ class SchedulerKV:
         bp = self.block_pool
         k = min(n, self.pool.available_blocks())
         ids = self.pool.alloc(k) if k else []
-        # available_blocks is a lower bound of alloc; these books have no shared budget and
-        # the recording backend never refuses, so alloc(k) cannot miss
-        assert ids is not None, "vattn: the scheduler's pool refused blocks it counted as available"
+        # available_blocks is a lower bound of alloc and the recording backend never refuses:
+        # only a shared budget can miss (a member reused pages it had published as cached)
+        deadline, delay = time.monotonic() + ALLOC_RETRY_S, 0.001
+        while ids is None and self.budget is not None and time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
+            ids = self.pool.alloc(k)
+        if ids is None:
+            ids = []  # vLLM's free queue may still have them; else the ValueError below
+        assert self.budget is not None or len(ids) == k, "vattn: the pool refused blocks it counted as available"
         rest = n - len(ids)
         if rest > bp.free_block_queue.num_free_blocks:
             if ids:
@@ -582,8 +616,11 @@ def attach(block_pool: Any, kv_cache_config: Any) -> SchedulerKV | None:
     if w is not None and w.key != g.key:
         raise InvalidConfigError(f"vattn: the scheduler's KV layout {g.key} (blocks, block bytes, page) differs "
                                  f"from its workers' {w.key}")
+    budget = _env.budget()
+    # On a shared budget the workers keep no reserve: the budget is what keeps the other
+    # processes from the memory this scheduler counts (its limit must fit the GPU)
     block_pool.vattn = SchedulerKV(block_pool, g, memory_limit(), worker_regions=w.regions if w else None,
-                                   reserve=0 if w else None)
+                                   reserve=0 if w and budget is None else None, budget=budget)
     logger.info("vattn: KV cache of %d blocks on elastic memory (%d regions, %d-byte pages, limit %s)",
                 g.num_blocks, len(g.regions), g.page_size, memory_limit())
     return block_pool.vattn
@@ -621,7 +658,8 @@ def set_limit(engine_core: Any, limit: int | None) -> None:
     thread that drives it (with `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
     `llm.llm_engine.engine_core.engine_core`, between `generate` calls). With the default
     multiprocess engine the scheduler is in another process: set `VATTN_VLLM_LIMIT` at
-    start instead."""
+    start, or run it on a shared budget (`VATTN_BUDGET=NAME`) and change its limit from
+    any process: `vattn budget set-limit NAME BYTES [--pid <EngineCore pid>]`."""
     skv = _scheduler_kv(getattr(engine_core, "scheduler", None))
     if skv is None:
         raise InvalidConfigError("this vLLM engine's KV cache is not on vattn memory")
@@ -736,10 +774,13 @@ def idle_wakeup(engine_core: Any) -> float | None:
         return None
     if skv.recorder.log:
         return 0.0
+    # on a shared budget the responder may give pages back at any time: look every POLL_S
+    poll = POLL_S if skv.budget is not None else None
     delay = idle_trim_s()
     if delay is None or skv.trimmed or skv.idle_since is None:
-        return None
-    return max(0.0, delay - (time.monotonic() - skv.idle_since)) + 0.01
+        return poll
+    wait = max(0.0, delay - (time.monotonic() - skv.idle_since)) + 0.01
+    return wait if poll is None else min(wait, poll)
 
 
 # ------------------------------------------------------------------ worker side ----

@@ -1,0 +1,253 @@
+"""Several servers, one memory: two `vattn serve` servers with alternating bursts, on one
+shared budget (`--budget NAME`) against two static halves of the same total
+(`--memory-limit total/2` each).
+
+Two tiny Llamas (character-level tokenizers, other weights), each behind its own `vattn
+serve` process on the host backend. Bursts alternate: A gets `--requests` streaming chat
+requests at once, then, after `--gap-s`, B does, and so on for `--cycles`. No idle trim
+by default (`--idle-trim-s`): memory moves only when a server asks for it. With static
+halves a burst can use half the memory however long the other server idles; on the
+shared budget the bursting server asks the idle one, whose budget responder gives back
+its free pages and the blocks transformers keeps for prefix sharing. Reports per server and
+mode: requests served, time to first token (p50, p99), request latency, each burst's
+makespan, peak KV memory; the physical KV memory of each server over time (the plot,
+read from each process's vattn memfd). Greedy answers of the two modes must be equal.
+Writes benchmarks/results/multi_server_cpu.json and .png.
+
+    OMP_NUM_THREADS=1 python benchmarks/multi_server.py [--requests 16] [--cycles 4] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import random
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from _common import environment, latency_stats, print_table, save  # noqa: E402
+
+from vattn.vmem.host import process_page_bytes  # noqa: E402  (a server's KV memory, from /proc)
+
+MB = 1 << 20
+
+
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    return 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 4  # K and V, fp32
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str, log: Path) -> tuple[Any, int]:
+    port = free_port()
+    memory = ["--budget", "bench", "--budget-limit", str(args.total_bytes)] if mode == "shared" else \
+        ["--memory-limit", str(args.total_bytes // 2)]
+    cmd = [sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port), "--device", "cpu",
+           "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_tokens), "--page-size",
+           str(args.page_size), "--idle-trim-s", str(args.idle_trim_s), *memory]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VATTN_BUDGET_DIR=budget_dir,
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited: see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"the server was not ready in 180 s: see {log}")
+
+
+def ask(client: Any, ckpt: str, prompt: str, max_tokens: int, t0: float) -> dict[str, Any]:
+    """One streaming chat request: its text, time to first token and latency (seconds)."""
+    start = time.monotonic()
+    first, text = None, []
+    try:
+        stream = client.chat.completions.create(model=ckpt, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=max_tokens, temperature=0, stream=True)
+        for chunk in stream:
+            delta = chunk.choices[0].delta.content if chunk.choices else None
+            if delta:
+                first = first if first is not None else time.monotonic()
+                text.append(delta)
+    except Exception as e:  # counted as not served
+        return {"ok": False, "error": repr(e), "start": start - t0}
+    end = time.monotonic()
+    return {"ok": True, "text": "".join(text), "ttft": (first or end) - start, "latency": end - start,
+            "start": start - t0, "end": end - t0}
+
+
+def run_mode(mode: str, ckpts: dict[str, str], prompts: dict[str, list[list[str]]], args: argparse.Namespace,
+             tmp: Path) -> dict[str, Any]:
+    import openai
+
+    budget_dir = str(tmp / f"budgets-{mode}")
+    servers = {n: start_server(c, mode, args, budget_dir, tmp / f"{mode}-{n}.log") for n, c in ckpts.items()}
+    try:
+        clients = {n: openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=300,
+                                    max_retries=0) for n, (_, port) in servers.items()}
+        for n in ckpts:  # builds each server's cache (its first request), not measured
+            ask(clients[n], ckpts[n], "warm up", 2, time.monotonic())
+        time.sleep(0.5)
+        samples: list[tuple[float, int, int]] = []
+        stop = threading.Event()
+        t0 = time.monotonic()
+
+        def sample() -> None:
+            while not stop.wait(0.02):
+                samples.append((time.monotonic() - t0, *(process_page_bytes(p.pid) for p, _ in servers.values())))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        results: dict[str, list[dict]] = {n: [] for n in ckpts}
+        bursts = []
+        with concurrent.futures.ThreadPoolExecutor(args.requests) as ex:
+            for cycle in range(args.cycles):
+                for n in ckpts:
+                    b0 = time.monotonic() - t0
+                    futures = [ex.submit(ask, clients[n], ckpts[n], p, args.max_tokens, t0)
+                               for p in prompts[n][cycle]]
+                    got = [f.result() for f in futures]
+                    results[n] += got
+                    bursts.append({"server": n, "cycle": cycle, "start": b0, "end": time.monotonic() - t0,
+                                   "served": sum(r["ok"] for r in got)})
+                    print(f"  {mode:6} cycle {cycle} {n}: {bursts[-1]['served']}/{len(got)} served in "
+                          f"{bursts[-1]['end'] - b0:.2f} s", flush=True)
+                    time.sleep(args.gap_s)
+        stop.set()
+        sampler.join()
+    finally:
+        for proc, _ in servers.values():
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc, _ in servers.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    out: dict[str, Any] = {"bursts": bursts, "samples": samples}
+    for i, n in enumerate(ckpts):
+        ok = [r for r in results[n] if r["ok"]]
+        out[n] = {"sent": len(results[n]), "served": len(ok),
+                  "ttft_s": latency_stats([r["ttft"] for r in ok]),
+                  "latency_s": latency_stats([r["latency"] for r in ok]),
+                  "burst_s": latency_stats([b["end"] - b["start"] for b in bursts if b["server"] == n]),
+                  "peak_MiB": max(s[1 + i] for s in samples) / MB,
+                  "texts": [r.get("text") for r in results[n]],
+                  "errors": [r["error"] for r in results[n] if not r["ok"]][:5]}
+    out["peak_sum_MiB"] = max(s[1] + s[2] for s in samples) / MB
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16, help="requests of each burst")
+    ap.add_argument("--cycles", type=int, default=4, help="bursts at A then at B, this many times")
+    ap.add_argument("--prompt-chars", type=int, nargs=2, default=(40, 80), help="prompt length range (tokens)")
+    ap.add_argument("--max-tokens", type=int, default=96, help="tokens each request generates")
+    ap.add_argument("--total-mib", type=float, default=8.0,
+                    help="KV memory for the two servers together (a burst needs about 10 MiB at once)")
+    ap.add_argument("--gap-s", type=float, default=1.5, help="idle seconds after each burst")
+    ap.add_argument("--idle-trim-s", type=float, default=-1, help="each server's idle policy (default: never)")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--block-tokens", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="8 requests a burst, one cycle")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.cycles, args.total_mib = 8, 1, 4.0
+    block_bytes = kv_bytes_per_token(args) * args.block_tokens
+    args.page_size = block_bytes  # transformers' sector: one block, one page in each buffer
+    args.num_blocks = int(args.total_mib * MB) // block_bytes  # virtual: each server may map the whole total
+    trash = 2 * block_bytes  # each cache's two trash sectors, always mapped
+    args.total_bytes = args.num_blocks * block_bytes + 2 * trash
+
+    from vattn.bench._models import char_checkpoint
+
+    rng = random.Random(0)
+    letters = string.ascii_letters + string.digits + " "
+    prompts = {n: [["".join(rng.choice(letters) for _ in range(rng.randint(*args.prompt_chars)))
+                    for _ in range(args.requests)] for _ in range(args.cycles)] for n in ("A", "B")}
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        ckpts = {n: char_checkpoint(tmp / n, seed=seed, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                    num_key_value_heads=args.kv_heads, max_position_embeddings=1024)
+                 for n, seed in (("A", 0), ("B", 1))}
+        for mode in ("static", "shared"):
+            runs[mode] = run_mode(mode, ckpts, prompts, args, tmp)
+    same = all(runs["static"][n]["texts"] == runs["shared"][n]["texts"] for n in ("A", "B"))
+    rows = []
+    for mode, r in runs.items():
+        for n in ("A", "B"):
+            s = r[n]
+            rows.append([mode, n, f"{s['served']}/{s['sent']}", s["ttft_s"]["p50"], s["ttft_s"]["p99"],
+                         s["latency_s"]["p50"], s["latency_s"]["p99"], s["burst_s"]["mean"], s["peak_MiB"]])
+    print(f"\n{args.cycles} cycles of {args.requests}-request bursts at A then B; {args.total_bytes / MB:.1f} MiB of "
+          f"KV memory in all (one budget, or {args.total_bytes / 2 / MB:.1f} MiB each); same greedy answers: {same}")
+    print_table(["mode", "server", "served", "TTFT p50 s", "TTFT p99 s", "latency p50 s", "latency p99 s",
+                 "burst s (mean)", "peak MiB"], rows)
+    ratios = {f"{n}_{k}_shared_over_static": runs["shared"][n][m][q] / runs["static"][n][m][q]
+              for n in ("A", "B") for k, m, q in (("ttft_p50", "ttft_s", "p50"), ("ttft_p99", "ttft_s", "p99"),
+                                                  ("burst_s", "burst_s", "mean"))}
+    print(ratios)
+    print(f"peak of A + B: static {runs['static']['peak_sum_MiB']:.2f} MiB, shared {runs['shared']['peak_sum_MiB']:.2f} "
+          f"MiB (limit {args.total_bytes / MB:.2f} MiB)")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(12, 7), sharex=True, sharey=True)
+    for ax, mode in zip(axes, ("static", "shared")):
+        t, a, b = zip(*runs[mode]["samples"])
+        ax.stackplot(t, [x / MB for x in a], [x / MB for x in b], labels=["server A", "server B"], alpha=0.8)
+        ax.axhline(args.total_bytes / MB, color="k", ls="--", lw=1, label="total")
+        if mode == "static":
+            ax.axhline(args.total_bytes / 2 / MB, color="grey", ls=":", lw=1, label="each half")
+        for burst in runs[mode]["bursts"]:
+            ax.axvspan(burst["start"], burst["end"], color="C0" if burst["server"] == "A" else "C1", alpha=0.08)
+        s = runs[mode]
+        ax.set(ylabel="KV memory (MiB)", title=f"{mode}: TTFT p50/p99 A {s['A']['ttft_s']['p50']:.2f}/"
+               f"{s['A']['ttft_s']['p99']:.2f} s, B {s['B']['ttft_s']['p50']:.2f}/{s['B']['ttft_s']['p99']:.2f} s")
+        ax.legend(loc="upper right")
+    axes[-1].set_xlabel("seconds (shaded: the bursts)")
+    payload = {
+        "environment": environment("cpu"),
+        "args": vars(args),
+        "same_greedy_answers": same,
+        "ratios": ratios,
+        "modes": {m: {"peak_sum_MiB": r["peak_sum_MiB"], "bursts": r["bursts"],
+                      **{n: {k: v for k, v in r[n].items() if k != "texts"} for n in ("A", "B")}}
+                  for m, r in runs.items()},
+        "memory_over_time": {m: r["samples"][::5] for m, r in runs.items()},
+    }
+    save("multi_server_cpu", payload, fig)
+    if not same:
+        raise SystemExit("the two modes answered differently")
+
+
+if __name__ == "__main__":
+    main()
