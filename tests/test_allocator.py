@@ -154,7 +154,8 @@ def _run_trace(cache, seed: int, steps: int, sync_each: bool, max_prompt: int = 
         if sync_each:
             cache.synchronize()
             a = cache.allocator
-            books.append(([len(p) for p in a.slot_pages], len(a.pool), a.num_created, sorted(a.free_slots)))
+            b = a.books
+            books.append(([len(p) for p in b.slot_pages], len(b.physical.spare), b.physical.num_created, sorted(b.free_slots)))
         cache.allocator.check_invariants()
     for s, n in lens.items():
         check(cache, s, n, tags[s])
@@ -199,7 +200,7 @@ def test_background_premaps_next_decode_page(make_cache):
     r = cache.alloc_reqid()
     assert cache.step({r: 32})  # exactly one page; the next token needs a second one
     cache.synchronize()
-    assert len(cache.allocator.slot_pages[r]) == 2
+    assert len(cache.allocator.books.slot_pages[r]) == 2
     res = cache.step({r: 33})
     assert res and res.num_mapped == 0  # the worker mapped it already
 
@@ -210,10 +211,10 @@ def test_prefetch_tokens_is_the_look_ahead(make_cache, background):
     r = cache.alloc_reqid()
     assert cache.step({r: 24})  # 8 tokens from the page's end: not yet
     cache.synchronize()
-    assert len(cache.allocator.slot_pages[r]) == 1
+    assert len(cache.allocator.books.slot_pages[r]) == 1
     assert cache.step({r: 25})  # 7 from it: the next page is mapped ahead
     cache.synchronize()
-    assert len(cache.allocator.slot_pages[r]) == 2
+    assert len(cache.allocator.books.slot_pages[r]) == 2
     for n in range(26, 34):  # the decodes up to and past the boundary map nothing in step
         assert cache.step({r: n}).num_mapped == 0
     fill(cache, r, 0, 33, 2)
@@ -251,7 +252,7 @@ def test_a_step_that_needs_nothing_runs_beside_the_worker(make_cache):
         gate.set()
         del backend.map
     cache.synchronize()
-    assert len(cache.allocator.slot_pages[a]) == 2
+    assert len(cache.allocator.books.slot_pages[a]) == 2
     assert cache.step({a: 33, b: 13}).num_mapped == 0  # the worker's page serves the boundary
     fill(cache, a, 0, 33, 3)
     check(cache, a, 33, 3)

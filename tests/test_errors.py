@@ -167,3 +167,22 @@ def test_closed_cache_refuses_views_and_figures():
     for call in (lambda: c.k_cache(0), lambda: c.v_cache(1), c.stats):
         with pytest.raises(vattn.ClosedError, match="closed"):
             call()
+
+
+def test_every_exception_is_defined_in_errors_py():
+    """One home for the exception hierarchy (every class derived from an ...Error): other
+    modules import (and re-export) them. (A server's own control-flow exception, such as
+    hf_serve's Refusal, an HTTP answer, is not part of it.)"""
+    import ast
+    from pathlib import Path
+
+    root = Path(vattn.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "errors.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "id", getattr(b, "attr", "")).endswith("Error") for b in node.bases):
+                found.append(f"{path.relative_to(root)}:{node.name}")
+    assert not found, found

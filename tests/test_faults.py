@@ -19,7 +19,7 @@ from vattn.vmem.host import HostBackend
 
 CALLS = ("reserve", "create", "map", "unmap", "release", "fence", "wait")
 # Allocator methods that name the phase a backend call belongs to (innermost first).
-PHASES = ("_run_job", "_reclaim", "_map_slots", "_grow", "close", "step", "reserve_physical", "__init__")
+PHASES = ("map_ahead", "unmap_tails", "map_slots", "grow", "close", "step", "reserve_physical", "__init__")
 
 
 class Injected(vattn.BackendError):
@@ -167,7 +167,7 @@ def test_faults_reached_every_phase(phases_seen):
     # Runs after the parametrized test above (same module, definition order).
     if not phases_seen:
         pytest.skip("run with test_every_call_fails_in_turn")
-    expected = {("map", "_map_slots"), ("map", "_run_job"), ("unmap", "_reclaim"), ("unmap", "close"),
-                ("create", "_grow"), ("fence", "step"), ("fence", "close"), ("wait", "_reclaim"),
+    expected = {("map", "map_slots"), ("map", "map_ahead"), ("unmap", "unmap_tails"), ("unmap", "close"),
+                ("create", "grow"), ("fence", "step"), ("fence", "close"), ("wait", "unmap_tails"),
                 ("wait", "close"), ("release", "close"), ("reserve", "__init__")}
     assert expected <= phases_seen, expected - phases_seen

@@ -106,11 +106,11 @@ def test_parked_slot_waits_for_work_enqueued_before_park(allocator):
     a, b = a_.alloc_reqid(), a_.alloc_reqid()
     assert a_.step({a: 192})  # only a runs: b holds no page yet
     assert a_.step({a: 192, b: 64})
-    a_.ran.pop(a)  # as if a's last step had failed: its slot did not run
+    a_.books.ran.pop(a)  # as if a's last step had failed: its slot did not run
     be.log.clear()
     slot, _ = a_.park(a)  # the copy out of a's pages is enqueued before this
     park_fence = be.log[0]
-    assert park_fence[0] == "fence" and a_.last_fence[slot] == park_fence[1]
+    assert park_fence[0] == "fence" and a_.books.last_fence[slot] == park_fence[1]
     be.log.clear()
     assert a_.step({b: 256})  # b takes a's parked pages: only after the copy finished
     assert be.log.index(("wait", park_fence[1])) < be.log.index(("unmap", 3))

@@ -166,7 +166,7 @@ def _run(name: str | None, ordinal: int, block_floats: int) -> FaultyBackend:
         warnings.simplefilter("ignore", RuntimeWarning)  # "giving back pages over the pool's limit failed"
         _workload(p, seed=ordinal)
         s = p.stats()
-        assert budget.used == s.held_bytes + len(p._books.unreleased) * s.group_bytes
+        assert budget.used == s.held_bytes + len(p._books.physical.unreleased) * s.group_bytes
         try:
             p.close()
         except Injected:

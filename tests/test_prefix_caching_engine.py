@@ -105,14 +105,14 @@ def test_prefix_caching_under_preemption_and_eviction(budget: int | None, mode: 
 
     with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4, **kw) as llm:
         alloc = llm.cache.allocator
-        real_evict = alloc._evict
+        real_evict = alloc.books.evict
 
         def evict(count: int) -> int:
             n = real_evict(count)
             evicted.append(n)
             return n
 
-        alloc._evict = evict
+        alloc.books.evict = evict
         outs = run_online(llm, [list(p) for p in system_prompts()], system_params(), SYSTEM_ARRIVALS)
         again = run_online(llm, prompts(), greedy_params())  # other prompts, same engine
         assert llm.num_preemptions > 0

@@ -117,7 +117,7 @@ def books(llm: LLM) -> tuple:
     """The vattn books that must be equal on every rank: live slots and their lengths, and
     which sequence holds which slot."""
     alloc = llm.cache.allocator
-    return (sorted((s, alloc.max_lens[s]) for s in alloc.alloc_seq),
+    return (sorted((s, alloc.books.max_lens[s]) for s in alloc.books.active),
             sorted((s.seq_id, s.slot, s.num_computed_tokens) for s in llm.scheduler.running))
 
 
@@ -267,7 +267,7 @@ def check_lookups(llm: LLM) -> list:
             out, error = type(e).__name__, e
         else:
             error = None
-        seen.append((reqid, out, alloc.max_lens[reqid]))  # checked by the test: the scheduler catches errors
+        seen.append((reqid, out, alloc.books.max_lens[reqid]))  # checked by the test: the scheduler catches errors
         if error is not None:
             raise error
         return out
@@ -297,7 +297,7 @@ def _sharing(rank: int, ports: list[int]) -> dict:
         with LLM(tiny_config(), **{**TP, "max_batch_size": 4, "physical_memory": 64 << 10,
                                    "enable_prefix_caching": True, **kw}) as llm:
             alloc = llm.cache.allocator
-            evicted = spy_calls(alloc, "_evict")
+            evicted = spy_calls(alloc.books, "evict")
             truncated = spy_calls(llm.cache, "truncate_pinned")
             real_map, lookups = llm.cache.map_pinned, [0]
 
@@ -316,7 +316,7 @@ def _sharing(rank: int, ports: list[int]) -> dict:
                 it[0] += 1
                 if rank == 1 and it[0] % 4 == 0:
                     with alloc._quiet():
-                        alloc._evict(len(alloc.pins))
+                        alloc.books.evict(len(alloc.pins))
 
             res[name] = online(llm, evict_on_rank1, system, system_params(), SYSTEM_ARRIVALS)
             res[f"{name} again"] = online(llm, evict_on_rank1)  # other prompts, same engine

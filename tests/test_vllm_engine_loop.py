@@ -276,7 +276,7 @@ def test_start_refuses_settings_that_differ(monkeypatch):
         vv.start(core)
     monkeypatch.setattr(vv, "settings", real)
     vv.start(core)
-    assert vv._started.key == vv.geometry(cfg).key
+    assert vv._started.key == vv.block_layout(cfg).key
     for w in workers:
         w.close()
     vv._started = None

@@ -199,13 +199,13 @@ def held(bp):
 
 
 def write(w, b):
-    g = w.geometry
+    g = w.layout
     for r in g.regions:
         w.tensor[r + b * g.block_bytes:r + (b + 1) * g.block_bytes] = b % 120 + 1
 
 
 def check(w, b):
-    g = w.geometry
+    g = w.layout
     for r in g.regions:
         assert w.is_mapped(b), b
         assert int(w.tensor[r + b * g.block_bytes]) == b % 120 + 1, f"block {b} lost its data"
@@ -213,29 +213,29 @@ def check(w, b):
 
 
 # ------------------------------------------------------------------- geometry ----
-def test_geometry_layer_outer_and_block_outer():
+def test_block_layout_layer_outer_and_block_outer():
     cfg = kv_config(num_blocks=64, layers=3)
-    g = vv.geometry(cfg)
+    g = vv.block_layout(cfg)
     page = 2 * 16 * 2 * 64 * 2
     assert (g.num_blocks, g.block_bytes, g.page_size) == (64, page, PAGE)
     assert g.regions == (0, 64 * page, 128 * page)  # one region per layer
-    g2 = vv.geometry(kv_config(num_blocks=64, layers=3, layout="block-outer"))
+    g2 = vv.block_layout(kv_config(num_blocks=64, layers=3, layout="block-outer"))
     assert g2.regions == (0,) and g2.block_bytes == 3 * page  # one block = every layer's page
     assert g2.reserved_bytes % PAGE == 0 and g2.reserved_bytes >= g2.size
 
 
-def test_geometry_refuses_what_it_cannot_back():
+def test_block_layout_refuses_what_it_cannot_back():
     cfg = kv_config(num_blocks=63)  # 63 blocks x 8 KiB: layer 1 starts in the middle of a 64 KiB page
     with pytest.raises(vv.UnsupportedLayoutError, match="multiple of the page size"):
-        vv.geometry(cfg)
+        vv.block_layout(cfg)
     cfg = kv_config()
     cfg.kv_cache_tensors[0].block_stride //= 4  # heads outside blocks (LHBNC): a block is not one run
     with pytest.raises(vv.UnsupportedLayoutError, match="block-compact"):
-        vv.geometry(cfg)
+        vv.block_layout(cfg)
     cfg = kv_config()
     cfg.kv_cache_groups[0].kv_cache_spec.has_layer_views = False  # Mamba's raw state
     with pytest.raises(vv.UnsupportedLayoutError):
-        vv.geometry(cfg)
+        vv.block_layout(cfg)
     bp = BlockPool(cfg.num_blocks)
     assert vv.attach(bp, cfg) is None and bp.vattn is None  # vLLM keeps its own memory
     assert vv.kv_cache_buffer(cfg, cfg.kv_cache_tensors[0].size, "cpu") is None
@@ -248,7 +248,7 @@ def test_align_num_blocks_makes_layers_start_on_pages():
     assert vv.align_num_blocks(3, groups, block_outermost=False) == 8  # a profiling cache keeps a page
     assert vv.align_num_blocks(1003, groups, block_outermost=True) == 1003
     assert vv.align_num_blocks(1003, groups, False, block_stride=lambda s: 12 << 10) == 992  # 64 KiB / gcd(64 KiB, 12 KiB) = 16
-    vv.geometry(kv_config(num_blocks=vv.align_num_blocks(1003, groups, False)))
+    vv.block_layout(kv_config(num_blocks=vv.align_num_blocks(1003, groups, False)))
 
 
 def test_off_means_stock_vllm(monkeypatch):
@@ -267,7 +267,7 @@ def test_off_means_stock_vllm(monkeypatch):
 def test_server_trace_memory_grows_with_load_and_falls_after_free_and_trim(limit_groups):
     bp, skv, w, buf = engine(kv_config(num_blocks=256, layers=2),
                              limit=None if limit_groups is None else limit_groups * 2 * PAGE)
-    g = w.geometry
+    g = w.layout
     idle = w.mapped_bytes
     assert idle == len(g.regions) * PAGE and w.is_mapped(0)  # the null block's page only
     assert buf.data_ptr() == w.tensor.data_ptr() and buf.numel() == g.size
@@ -473,9 +473,9 @@ def test_batches_out_of_order_are_refused():
 def test_the_layout_key_is_the_block_to_page_map_not_the_regions():
     """A pipeline stage with another layer count (other regions) applies the same batches;
     another block size or page is another map of blocks to pages, and refused."""
-    one = vv.geometry(kv_config(num_blocks=64, layers=1))
-    two = vv.geometry(kv_config(num_blocks=64, layers=2))
-    other = vv.geometry(kv_config(num_blocks=64, layers=2, heads=4))
+    one = vv.block_layout(kv_config(num_blocks=64, layers=1))
+    two = vv.block_layout(kv_config(num_blocks=64, layers=2))
+    other = vv.block_layout(kv_config(num_blocks=64, layers=2, heads=4))
     assert one.key == two.key and one.regions != two.regions and other.key != two.key
     bp, skv, w, _ = engine(kv_config(num_blocks=64, layers=2))
     bp.get_new_blocks(10)
@@ -648,7 +648,7 @@ def test_workers_clear_pages_mapped_with_new_memory(monkeypatch):
     real = host.zero
     monkeypatch.setattr(host, "zero", lambda *a: (cleared.append(a[1]), real(*a)))
     plain = vv.WorkerKV(cfg, cfg.kv_cache_tensors[0].size, "cpu", backend=host)
-    page = lambda w, p: [w.whole[r + p * PAGE:r + (p + 1) * PAGE] for r in w.geometry.regions]  # noqa: E731
+    page = lambda w, p: [w.whole[r + p * PAGE:r + (p + 1) * PAGE] for r in w.layout.regions]  # noqa: E731
     assert all(bool((x == 0).all()) for x in page(dirty, 0))  # the null block's page
     a = bp.get_new_blocks(10)  # the rest of page 0 and page 1 (new memory)
     ops = skv.drain()
@@ -782,7 +782,7 @@ def test_on_a_shared_budget_the_workers_keep_no_reserve(monkeypatch, tmp_path):
 
     monkeypatch.setenv(budget_shared.DIR_ENV, str(tmp_path))
     cfg = kv_config()
-    vv._started = vv.Workers(vv.geometry(cfg).key, (len(vv.geometry(cfg).regions),))
+    vv._started = vv.Workers(vv.block_layout(cfg).key, (len(vv.block_layout(cfg).regions),))
     try:
         alone = vv.attach(BlockPool(cfg.num_blocks), cfg)
         assert alone.reserve == 0 and alone.budget is None

@@ -190,7 +190,7 @@ hits = [admit(r)[1] for r in reqs]
 print("prefix hits", hits)
 assert hits[0] == 0 and all(h == 8 * BS for h in hits[1:]), hits
 grown = w.mapped_bytes
-assert grown > 4 * skv.geometry.page_size, grown
+assert grown > 4 * skv.layout.page_size, grown
 for r in reqs:
     mgr.free(r)
 step()
@@ -204,9 +204,9 @@ skv.check_invariants()
 given = skv.trim()
 step()
 print("grown", grown, "after trim", w.mapped_bytes, "given back", given)
-assert w.mapped_bytes == len(w.bases) * skv.geometry.page_size  # the null block's page only
+assert w.mapped_bytes == len(w.bases) * skv.layout.page_size  # the null block's page only
 # a limit: an exhausted pool is a scheduling miss, never an error
-skv.set_limit(2 * len(w.bases) * skv.geometry.page_size)  # 2 page groups = 16 blocks, one is null
+skv.set_limit(2 * len(w.bases) * skv.layout.page_size)  # 2 page groups = 16 blocks, one is null
 big = request("big", list(range(5000, 5000 + 20 * BS)))
 assert admit(big)[0] is None, "over the limit: allocate_slots must return None"
 small = request("small", list(range(9000, 9000 + 10 * BS)))
@@ -239,22 +239,22 @@ if os.environ.get("VATTN_TEST_PLUGIN") == "1":  # an unpatched tree: the plugin 
 from vattn.integrations import vllm as vv
 
 BLOCK = 4096
-_geometry = vv.geometry
+_block_layout = vv.block_layout
 _take = vv.SchedulerKV.take
 _live = []
 
-def geometry(cfg, page=None):
+def block_layout(cfg, page=None):
     if not list(cfg.kv_cache_tensors):
         P = page or vv.page_size()
-        return vv.Geometry(int(cfg.num_blocks), BLOCK, P, (0,), int(cfg.num_blocks) * BLOCK)
-    return _geometry(cfg, page)
+        return vv.BlockLayout(int(cfg.num_blocks), BLOCK, P, (0,), int(cfg.num_blocks) * BLOCK)
+    return _block_layout(cfg, page)
 
 def take(self, n):
     blocks = _take(self, n)
     w = getattr(self, "_test_worker", None)
     if w is None:
-        cfg = type("C", (), {"num_blocks": self.geometry.num_blocks, "kv_cache_tensors": []})()
-        w = self._test_worker = vv.WorkerKV(cfg, self.geometry.size, "cpu")
+        cfg = type("C", (), {"num_blocks": self.layout.num_blocks, "kv_cache_tensors": []})()
+        w = self._test_worker = vv.WorkerKV(cfg, self.layout.size, "cpu")
         w.seq = 0
         _live.append(self)
     w.apply(self.drain())
@@ -262,7 +262,7 @@ def take(self, n):
         assert w.is_mapped(b.block_id), f"block {b.block_id} handed out unmapped"
     return blocks
 
-vv.geometry = geometry
+vv.block_layout = block_layout
 vv.SchedulerKV.take = take
 
 @pytest.fixture(autouse=True)

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vattn.checks import as_int
+from vattn.checks import as_int, byte_limit
 from vattn.errors import InvalidConfigError, InvalidRequestError
 
 Reclaim = Callable[[int], int]
@@ -68,7 +68,7 @@ class Budget:
 
     def __init__(self, limit: int | None = None) -> None:
         self._lock = threading.Lock()
-        self._limit = _check_limit(limit)
+        self._limit = byte_limit(limit)
         self._used = 0
         self._participants: dict[int, tuple[Reclaim, Cached]] = {}
         self._ids = itertools.count(1)
@@ -114,7 +114,7 @@ class Budget:
 
     def set_limit(self, limit: int | None) -> None:
         """Change the limit at run time (None: no limit). Takes above it are refused from now on."""
-        limit = _check_limit(limit)
+        limit = byte_limit(limit)
         with self._lock:
             self._limit = limit
 
@@ -199,12 +199,6 @@ def _check_nbytes(nbytes: object) -> int:
     if n < 0:
         raise InvalidRequestError(f"nbytes must be >= 0, got {n}")
     return n
-
-
-def _check_limit(limit: object) -> int | None:
-    if limit is None:
-        return None
-    return as_int(limit, "limit", InvalidConfigError, low=0, what=">= 0 bytes or None")
 
 
 __all__ = ["Budget", "BudgetStats"]

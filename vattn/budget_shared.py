@@ -64,7 +64,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from vattn.budget import Budget, BudgetStats, _check_limit, _check_nbytes
+from vattn.budget import Budget, BudgetStats, _check_nbytes
+from vattn.checks import byte_limit
 from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
 
 logger = logging.getLogger("vattn.budget")
@@ -473,7 +474,7 @@ class SharedBudget(Budget):
         """Change the whole budget's limit at run time (None: none), for every member.
         Members over it are asked to give back cached bytes now; takes are refused until
         the used bytes are under it."""
-        limit = _check_limit(limit)
+        limit = byte_limit(limit)
         self._check_process()
         with self._table.locked() as t:
             wake = _set_limit(t, limit, None)
@@ -481,7 +482,7 @@ class SharedBudget(Budget):
 
     def set_member_limit(self, limit: int | None) -> None:
         """Change this process's own limit (None: none); cached bytes over it go back now."""
-        limit = _check_limit(limit)
+        limit = byte_limit(limit)
         self._check_process()
         with self._table.locked() as t:
             wake = _set_limit(t, limit, os.getpid())
@@ -715,7 +716,7 @@ def join(name: str, limit: int | None = None, *, device: Any = None, member_limi
          label: str | None = None) -> SharedBudget:
     """`vattn.Budget.shared`: see there."""
     name = check_name(name)
-    limit, member_limit = _check_limit(limit), _check_limit(member_limit)
+    limit, member_limit = byte_limit(limit), byte_limit(member_limit)
     if label is not None and not isinstance(label, str):
         raise InvalidConfigError(f"label must be a str or None, got {label!r}")
     key = device_key(device)
@@ -863,7 +864,7 @@ def set_limit(name: str, limit: int | None, *, pid: int | None = None, device: s
     """Change budget `name`'s limit (or member `pid`'s) from any process, as `vattn budget
     set-limit` does. `device`: the budget's device key (`list_budgets`) when the name
     exists on several devices. Returns the budget as `list_budgets` shows it."""
-    name, limit = check_name(name), _check_limit(limit)
+    name, limit = check_name(name), byte_limit(limit)
     found = [b for b in list_budgets(name) if device is None or b["device"] == device]
     if not found:
         raise InvalidRequestError(f"no budget {name!r}{'' if device is None else ' on ' + device} has live members "

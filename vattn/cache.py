@@ -205,10 +205,10 @@ class KVCache:
         no copy at all while nobody else took the slot or its pages."""
         g = self.geometry
         num_tokens = as_int(num_tokens, "num_tokens", InvalidRequestError)
-        slot = self.allocator._check_active(reqid)
-        if not 0 < num_tokens <= self.allocator.max_lens[slot]:
-            raise InvalidRequestError(
-                f"num_tokens={num_tokens} must be in [1, {self.allocator.max_lens[slot]}]: the tokens reqid {slot} has")
+        held = self.allocator.num_tokens(reqid)
+        slot = as_int(reqid, "reqid", InvalidRequestError)  # valid: num_tokens checked it
+        if not 0 < num_tokens <= held:
+            raise InvalidRequestError(f"num_tokens={num_tokens} must be in [1, {held}]: the tokens reqid {slot} has")
         nbytes, start = num_tokens * g.token_bytes, g.page_offset(slot, 0)
         pin = self.backend.device.type == "cuda"
         host = []
@@ -232,7 +232,7 @@ class KVCache:
         be swapped in again, as the scheduler does for a request preempted before it ran)."""
         if not isinstance(handle, SwapHandle):
             raise InvalidRequestError(f"swap_in takes the SwapHandle swap_out returned, got {handle!r}")
-        if handle.live is not None and self.allocator.alloc_seq.get(handle.live[0]) == handle.live[1]:
+        if handle.live is not None and self.allocator.allocation(handle.live[0]) == handle.live[1]:
             raise InvalidRequestError(
                 f"this SwapHandle was swapped in already and its request is live as reqid {handle.live[0]}: a second "
                 f"swap_in would run it twice; free_reqid({handle.live[0]}) first, or swap_out that reqid again")
@@ -244,7 +244,7 @@ class KVCache:
                 for src in chunks:
                     buf[off:off + src.numel()].copy_(src, non_blocking=pin)
                     off += src.numel()
-        handle.copied_in, handle.live = copy, (slot, self.allocator.alloc_seq[slot])
+        handle.copied_in, handle.live = copy, (slot, self.allocator.allocation(slot))
         return slot
 
     def trim(self) -> int:
@@ -268,7 +268,7 @@ class KVCache:
 
     @property
     def num_free_reqids(self) -> int:
-        return len(self.allocator.free_slots)
+        return self.allocator.num_free_slots
 
     def close(self) -> None:
         """Release all physical and virtual memory. Idempotent."""

@@ -1,5 +1,5 @@
-"""Argument checks shared by the configs and calls of the cache and of the engine.
-Plain Python, no torch.
+"""Argument checks shared by every config (the cache's, the elastic pool's, the engine's,
+the budget's) and by the calls of the cache and of the engine. Plain Python, no torch.
 
 An "int" is anything that is an integer without loss: a Python int, a numpy integer, or a
 0-d integer tensor / array (`operator.index` accepts them). Bools are not ints here.
@@ -9,10 +9,16 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Any
+import re
+from typing import Any, Sequence
+
+from vattn.errors import InvalidConfigError
 
 # torch.Generator.manual_seed / torch.manual_seed accept exactly this range.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# A page larger than this is never sane (and a page larger than a slot wastes memory for
+# nothing: see `vattn.config.Geometry.check_page_size`).
+MAX_PAGE_SIZE = 1 << 30
 
 
 def is_int(value: Any) -> bool:
@@ -70,3 +76,64 @@ def _int_range(low: int | None, high: int | None) -> str:
     if high is not None:
         return f"an int <= {high}"
     return "an int"
+
+
+# ------------------------------------------------------------------ configs ----
+# Each raises InvalidConfigError naming the field, what it must be, and what it got.
+def positive(value: Any, name: str, *, optional: bool = False) -> int | None:
+    """A positive int (None too when `optional`)."""
+    if optional and value is None:
+        return None
+    return as_int(value, name, InvalidConfigError, low=1, what="a positive int" + (" or None" if optional else ""))
+
+
+def byte_limit(value: Any, name: str = "limit") -> int | None:
+    """A memory limit: an int number of bytes >= 0, or None (no limit)."""
+    if value is None:
+        return None
+    return as_int(value, name, InvalidConfigError, low=0, what=">= 0 bytes or None")
+
+
+def flag(value: Any, name: str) -> bool:
+    """True or False (not 1, not "yes")."""
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def one_of(value: Any, name: str, choices: Sequence[Any]) -> Any:
+    if value not in choices:
+        raise InvalidConfigError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def page_size(value: Any) -> int | None:
+    """A page size in bytes, at most MAX_PAGE_SIZE, or None (the backend's)."""
+    if value is None:
+        return None
+    size = positive(value, "page_size")
+    if size > MAX_PAGE_SIZE:
+        raise InvalidConfigError(f"page_size={size} is over {MAX_PAGE_SIZE >> 20} MiB; use a page of 4 KiB to 2 MiB "
+                                 "(the default is the backend's)")
+    return size
+
+
+def device(value: Any, *, optional: bool = False) -> str | None:
+    """A device a backend runs on: 'cpu' (the host backend) or 'cuda[:N]', given as a string
+    or a torch.device; returned as a string (None too when `optional`). Parsed here without
+    torch: the books import this module."""
+    if optional and value is None:
+        return None
+    if hasattr(value, "type") and hasattr(value, "index") and not isinstance(value, str):  # a torch.device
+        value = str(value)
+    if not isinstance(value, str):
+        raise InvalidConfigError(f"device must be a string like 'cpu' or 'cuda:0', got {value!r}")
+    m = _DEVICE.fullmatch(value)
+    if m is None:
+        raise InvalidConfigError(f"device must be 'cpu' (host backend) or 'cuda[:N]', got {value!r}")
+    if m[1] == "cpu" and m[2] is not None and int(m[2]) != 0:
+        raise InvalidConfigError(f"the host has one memory: use device='cpu', not {value!r}")
+    return value
+
+
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")

@@ -7,7 +7,8 @@ from functools import cached_property
 
 import torch
 
-from vattn.checks import as_int
+from vattn import checks
+from vattn.checks import MAX_PAGE_SIZE  # noqa: F401 (re-exported: it was defined here)
 from vattn.errors import InvalidConfigError
 
 LAYOUTS = ("per-layer", "fused")
@@ -43,16 +44,10 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
-# A page larger than this is never sane (and a page larger than a slot wastes memory for
-# nothing): see `Geometry.check_page_size`.
-MAX_PAGE_SIZE = 1 << 30
-# Pages up to this size are always allowed, however small the slot (the stock CUDA page).
+# Pages up to this size are always allowed, however small the slot (the stock CUDA page);
+# larger ones up to MAX_PAGE_SIZE (`vattn.checks`) only where a slot is that large.
 SMALL_PAGE_SIZE = 2 << 20
 PREFETCH_TOKENS = 16  # pre-mapping's look-ahead (CacheConfig.prefetch_tokens)
-
-
-def _positive_int(name: str, value: object) -> int:
-    return as_int(value, name, InvalidConfigError, low=1, what="a positive int")
 
 
 @dataclass(frozen=True)
@@ -91,36 +86,17 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_context_len"):
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+            object.__setattr__(self, name, checks.positive(getattr(self, name), name))
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
-        if isinstance(self.device, torch.device):
-            object.__setattr__(self, "device", str(self.device))
-        if not isinstance(self.device, str):
-            raise InvalidConfigError(f"device must be a string like 'cpu' or 'cuda:0', got {self.device!r}")
-        try:
-            dev = torch.device(self.device)
-        except RuntimeError as e:
-            raise InvalidConfigError(f"bad device {self.device!r}: {e}") from None
-        if dev.type not in ("cpu", "cuda"):
-            raise InvalidConfigError(f"device must be 'cpu' (host backend) or 'cuda[:N]', got {self.device!r}")
-        if dev.type == "cpu" and dev.index not in (None, 0):
-            raise InvalidConfigError(f"the host has one memory: use device='cpu', not {self.device!r}")
-        if self.page_size is not None:
-            object.__setattr__(self, "page_size", _positive_int("page_size", self.page_size))
-            if self.page_size > MAX_PAGE_SIZE:
-                raise InvalidConfigError(
-                    f"page_size={self.page_size} is over {MAX_PAGE_SIZE >> 20} MiB; use a page of 4 KiB to 2 MiB "
-                    "(the default is the backend's)")
-        if self.layout not in LAYOUTS:
-            raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.physical_memory is not None:
-            object.__setattr__(self, "physical_memory", _positive_int("physical_memory", self.physical_memory))
-        object.__setattr__(self, "prefetch_tokens", _positive_int("prefetch_tokens", self.prefetch_tokens))
+        object.__setattr__(self, "device", checks.device(self.device))
+        object.__setattr__(self, "page_size", checks.page_size(self.page_size))
+        checks.one_of(self.layout, "layout", LAYOUTS)
+        object.__setattr__(self, "physical_memory", checks.positive(self.physical_memory, "physical_memory",
+                                                                    optional=True))
+        object.__setattr__(self, "prefetch_tokens", checks.positive(self.prefetch_tokens, "prefetch_tokens"))
         for name in ("background", "prefetch", "zero_reused_pages"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.cuda_driver not in CUDA_DRIVERS:
-            raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {self.cuda_driver!r}")
+            checks.flag(getattr(self, name), name)
+        checks.one_of(self.cuda_driver, "cuda_driver", CUDA_DRIVERS)
 
     @property
     def torch_device(self) -> torch.device:

@@ -26,6 +26,13 @@ class UnknownReqIdError(InvalidRequestError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownBlockError(InvalidRequestError, KeyError):
+    """An elastic pool's block id that is out of range, not allocated (double free), or given twice."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
 class ContextLengthError(InvalidRequestError):
     """A sequence length above max_context_len."""
 
@@ -61,3 +68,27 @@ class NotInitializedError(VattnError, RuntimeError):
 
 class ClosedError(VattnError, RuntimeError):
     """The cache was closed; create a new one with vattn.init()."""
+
+
+class TensorParallelError(FatalEngineError, RuntimeError):
+    """Tensor-parallel ranks could not go on together: a rank raised or exited, a collective
+    timed out, or the ranks were given different requests. The engine cannot be used again;
+    close it (and restart every rank)."""
+
+
+class RankCacheError(VattnError, RuntimeError):
+    """A KV cache `step` raised on some rank (a backend failure): every rank raises this, with
+    the same message, so that the scheduler requeues the same requests everywhere."""
+
+
+class UnsupportedLayoutError(VattnError, ValueError):
+    """This vLLM KV cache configuration cannot be put on vattn memory (vLLM keeps its own)."""
+
+
+class OpsOutOfOrderError(VattnError, RuntimeError):
+    """A vLLM worker got page operations out of sequence: its pages no longer match the books."""
+
+
+class HookError(VattnError, RuntimeError):
+    """A plugin's hunk does not fit the installed engine (another release, a local change, a
+    patch already applied on disk): the plugin installs nothing."""

@@ -36,37 +36,29 @@ the blocks in use:
 from __future__ import annotations
 
 import functools
-import heapq
 import math
-import threading
-import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
+from vattn import checks
+from vattn.block_books import BlockBooks, PoolStats
 from vattn.budget import Budget
 from vattn.checks import as_int
-from vattn.config import CUDA_DRIVERS, MAX_PAGE_SIZE, parse_dtype
+from vattn.config import CUDA_DRIVERS, parse_dtype
 from vattn.errors import (
     ClosedError,
     InvalidConfigError,
     InvalidRequestError,
     OutOfPhysicalMemoryError,
+    UnknownBlockError,  # (re-exported: it was defined here)
 )
 from vattn.vmem import host, make_backend
 from vattn.vmem.base import Backend
 
 SYNC_MODES = ("stream", "device")
-_PLANNED = object()  # a page booked as mapped while an alloc is being planned
-
-
-class UnknownBlockError(InvalidRequestError, KeyError):
-    """A block id that is out of range, not allocated (double free), or given twice."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -98,535 +90,27 @@ class PoolConfig:
     zero_new: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_blocks", _positive("num_blocks", self.num_blocks))
-        object.__setattr__(self, "num_buffers", _positive("num_buffers", self.num_buffers))
+        object.__setattr__(self, "num_blocks", checks.positive(self.num_blocks, "num_blocks"))
+        object.__setattr__(self, "num_buffers", checks.positive(self.num_buffers, "num_buffers"))
         shape = self.block_shape
         if not isinstance(shape, (tuple, list, torch.Size)):
             shape = (shape,)
         if not shape:
             raise InvalidConfigError("block_shape must have at least one dimension, got ()")
-        object.__setattr__(self, "block_shape", tuple(_positive("block_shape", d) for d in shape))
+        object.__setattr__(self, "block_shape", tuple(checks.positive(d, "block_shape") for d in shape))
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
-        device = str(self.device) if isinstance(self.device, torch.device) else self.device
-        if not isinstance(device, str):
-            raise InvalidConfigError(f"device must be a string like 'cpu' or 'cuda:0', got {self.device!r}")
-        try:
-            dev = torch.device(device)
-        except RuntimeError as e:
-            raise InvalidConfigError(f"bad device {device!r}: {e}") from None
-        if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
-            raise InvalidConfigError(f"device must be 'cpu' (host backend) or 'cuda[:N]', got {device!r}")
-        object.__setattr__(self, "device", device)
-        if self.page_size is not None:
-            object.__setattr__(self, "page_size", _positive("page_size", self.page_size))
-            if self.page_size > MAX_PAGE_SIZE:
-                raise InvalidConfigError(f"page_size={self.page_size} is over {MAX_PAGE_SIZE >> 20} MiB")
-        if self.limit is not None:
-            object.__setattr__(self, "limit", _limit(self.limit))
-        if self.sync not in SYNC_MODES:
-            raise InvalidConfigError(f"sync must be one of {SYNC_MODES}, got {self.sync!r}")
-        if self.cuda_driver not in CUDA_DRIVERS:
-            raise InvalidConfigError(f"cuda_driver must be one of {CUDA_DRIVERS}, got {self.cuda_driver!r}")
-        if self.grow is not None:
-            object.__setattr__(self, "grow", _positive("grow", self.grow))
-        if not isinstance(self.zero_new, bool):
-            raise InvalidConfigError(f"zero_new must be True or False, got {self.zero_new!r}")
+        object.__setattr__(self, "device", checks.device(self.device))
+        object.__setattr__(self, "page_size", checks.page_size(self.page_size))
+        object.__setattr__(self, "limit", checks.byte_limit(self.limit))
+        checks.one_of(self.sync, "sync", SYNC_MODES)
+        checks.one_of(self.cuda_driver, "cuda_driver", CUDA_DRIVERS)
+        object.__setattr__(self, "grow", checks.positive(self.grow, "grow", optional=True))
+        checks.flag(self.zero_new, "zero_new")
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in one buffer."""
         return math.prod(self.block_shape) * torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """Memory figures of one pool, in bytes (all buffers) and counts."""
-
-    num_blocks: int
-    block_bytes: int  # one block in every buffer
-    page_size: int
-    group_bytes: int  # one page in every buffer: the unit that is mapped
-    num_used_blocks: int
-    num_warm_blocks: int  # free blocks whose pages are all mapped (no mapping needed)
-    num_mapped_pages: int
-    num_cached_pages: int  # mapped, no block in use on them: what trim() gives back (with the spare ones)
-    num_spare_pages: int  # created ahead, not mapped: handed out before creating more
-    mapped_bytes: int
-    used_bytes: int  # blocks in use
-    peak_mapped_bytes: int
-    limit: int | None
-    available_blocks: int  # blocks alloc can give now, other pools' cached pages counted (see available_blocks())
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.num_blocks - self.num_used_blocks
-
-    @property
-    def cached_bytes(self) -> int:
-        return self.num_cached_pages * self.group_bytes
-
-    @property
-    def held_bytes(self) -> int:
-        """Physical bytes the pool holds (mapped and spare): what the limit bounds."""
-        return (self.num_mapped_pages + self.num_spare_pages) * self.group_bytes
-
-
-class _Books:
-    """The pool's books and page movement, plain Python. Holds no reference to the
-    `ElasticPool` (its finalizer) and none to torch tensors. Every free block is *warm* (all its pages
-    mapped; in `warm[first page]`) or *cold* (in `cold`, a lazy min-heap of block ids)."""
-
-    def __init__(self, config: PoolConfig, backend: Backend, bases: list[int], page_size: int,
-                 budget: Budget | None, grow: int, device_sync: Callable[[], None] | None = None,
-                 zero_pages: Callable[[list[int]], None] | None = None) -> None:
-        self.config = config
-        self.device_sync = device_sync  # sync="device": wait for every stream before an unmap
-        self.zero_pages = zero_pages  # zero_new: clears the pages mapped with new memory
-        self.grow = grow  # groups created at least per creation (the rest kept spare)
-        self.backend = backend
-        self.bases = bases
-        self.P = page_size
-        self.B = config.block_bytes
-        self.N = config.num_blocks
-        self.M = -(-self.N * self.B // self.P)  # pages per buffer
-        self.G = page_size * config.num_buffers  # bytes of one page group
-        # Most pages one block can span (a bound when blocks straddle page boundaries)
-        self.span_max = self.B // self.P if self.B % self.P == 0 else (self.P + self.B - 2) // self.P + 1
-        self.limit: int | None = config.limit
-        self.budget = budget
-
-        self.used = bytearray(self.N)
-        self.num_used = 0
-        self.users = [0] * self.M  # blocks in use on each page
-        self.groups: list[Any] = [None] * self.M  # the physical group mapped at each page (None: unmapped)
-        self.num_mapped = 0
-        self.miss = [self.pages_of(b)[1] - self.pages_of(b)[0] + 1 for b in range(self.N)]  # unmapped pages of each block
-        self.warm: dict[int, dict[int, None]] = {}  # first page -> warm free blocks starting there
-        self.num_warm = 0
-        self.busy_warm: set[int] = set()  # pages with blocks in use and warm free blocks starting there
-        self.idle_warm: set[int] = set()  # pages with no block in use and warm free blocks
-        self.cold = list(range(self.N))  # heap (lazy: stale entries are skipped when popped)
-        self.cached: set[int] = set()  # mapped pages with no block in use
-        self.fences: dict[int, Any] = {}  # page -> fence of the last free of a block on it
-        self.spare: list[Any] = []  # created, unmapped, no page: handed out before creating more
-        self.unreleased: list[Any] = []  # unmapped groups whose release failed (retried at close)
-        self.peak_mapped = 0
-        self.closed = False
-        self.lock = threading.Lock()
-        self.token = budget.register(self.reclaim_for_budget, self.cached_bytes) if budget is not None else None
-
-    # ---------------------------------------------------------------- geometry ----
-    def pages_of(self, b: int) -> tuple[int, int]:
-        """First and last page of block b."""
-        return b * self.B // self.P, ((b + 1) * self.B - 1) // self.P
-
-    def blocks_on(self, p: int) -> range:
-        return range(p * self.P // self.B, min(self.N, ((p + 1) * self.P - 1) // self.B + 1))
-
-    @property
-    def num_held(self) -> int:
-        """Groups the pool holds: mapped and spare (what the limit bounds)."""
-        return self.num_mapped + len(self.spare)
-
-    @property
-    def limit_pages(self) -> int | None:
-        return None if self.limit is None else self.limit // self.G
-
-    # ------------------------------------------------------------ book moves ----
-    def _touch(self, p: int) -> None:
-        if p in self.warm:
-            (self.busy_warm if self.users[p] else self.idle_warm).add(p)
-            (self.idle_warm if self.users[p] else self.busy_warm).discard(p)
-        else:
-            self.busy_warm.discard(p)
-            self.idle_warm.discard(p)
-
-    def _add_warm(self, b: int) -> None:
-        f = b * self.B // self.P
-        self.warm.setdefault(f, {})[b] = None
-        self.num_warm += 1
-        self._touch(f)
-
-    def _drop_warm(self, b: int) -> None:
-        f = b * self.B // self.P
-        d = self.warm[f]
-        del d[b]
-        if not d:
-            del self.warm[f]
-        self.num_warm -= 1
-        self._touch(f)
-
-    def _book_map(self, p: int, group: Any) -> None:
-        self.groups[p] = group
-        self.num_mapped += 1
-        if not self.users[p]:
-            self.cached.add(p)
-        for b in self.blocks_on(p):
-            self.miss[b] -= 1
-            if not self.miss[b] and not self.used[b]:
-                self._add_warm(b)
-
-    def _book_unmap(self, p: int) -> Any:
-        group, self.groups[p] = self.groups[p], None
-        self.num_mapped -= 1
-        self.cached.discard(p)
-        self.fences.pop(p, None)
-        for b in self.blocks_on(p):
-            if not self.miss[b] and not self.used[b]:
-                self._drop_warm(b)
-                heapq.heappush(self.cold, b)
-            self.miss[b] += 1
-        if len(self.cold) > 4 * self.N + 64:  # too many stale entries: rebuild (sorted = a heap)
-            self.cold = [b for b in range(self.N) if not self.used[b] and self.miss[b]]
-        return group
-
-    def _use(self, b: int) -> None:
-        self._drop_warm(b)  # all its pages are (booked as) mapped
-        self.used[b] = 1
-        self.num_used += 1
-        first, last = self.pages_of(b)
-        for p in range(first, last + 1):
-            self.users[p] += 1
-            if self.users[p] == 1:
-                self.cached.discard(p)
-                self._touch(p)
-
-    def _unuse(self, b: int, fence: Any = None) -> None:
-        self.used[b] = 0
-        self.num_used -= 1
-        first, last = self.pages_of(b)
-        for p in range(first, last + 1):
-            self.users[p] -= 1
-            if fence is not None:
-                self.fences[p] = fence
-            if not self.users[p]:
-                self.cached.add(p)
-                self._touch(p)
-        self._add_warm(b)
-
-    def _pick(self) -> int | None:
-        """The next free block to hand out: packed into partly used pages first."""
-        for pages in (self.busy_warm, self.idle_warm):
-            if pages:
-                return next(iter(self.warm[next(iter(pages))]))
-        while self.cold:
-            b = heapq.heappop(self.cold)
-            if not self.used[b] and self.miss[b]:
-                return b
-        return None
-
-    # -------------------------------------------------------------- alloc/free ----
-    def alloc(self, n: int | None, ids: list[int] | None) -> tuple[list[int] | None, int]:
-        """Lock held. Returns (block ids or None, bytes the shared budget could not give)."""
-        self.check_open()
-        count = n if ids is None else len(ids)
-        if count > self.N - self.num_used:
-            return None, 0
-        picked: list[int] = []
-        planned: list[int] = []  # pages to map
-        new: list[int] = []  # the planned pages given new memory
-        try:
-            for i in range(count):
-                b = self._pick() if ids is None else ids[i]
-                first, last = self.pages_of(b)
-                for p in range(first, last + 1):
-                    if self.groups[p] is None:
-                        self._book_map(p, _PLANNED)
-                        planned.append(p)
-                self._use(b)
-                picked.append(b)
-            ok, need, new = self._back(planned)
-            if ok and new and self.zero_pages is not None:
-                self.zero_pages(new)
-        except BaseException:
-            self._undo(picked, planned)
-            if new:  # mapped but maybe not cleared: never hand that memory out
-                try:
-                    self._release(self._unmap(new))
-                except Exception:
-                    pass
-            raise
-        if not ok:
-            self._undo(picked, planned)
-            return None, need
-        self.peak_mapped = max(self.peak_mapped, self.num_mapped)
-        return picked, 0
-
-    def _back(self, planned: list[int]) -> tuple[bool, int, list[int]]:
-        """Give physical groups to the planned pages: spare groups first, then the pool's own
-        cached pages (moved), then new ones, created `grow` at a time within the limit and
-        the budget (the extra ones stay spare). (False, bytes the budget could not give, [])
-        when memory is short; then nothing was mapped and no new group is held. Else (True,
-        0, the pages given memory never mapped before: spare or created groups)."""
-        k = len(planned)
-        if not k:
-            return True, 0, []
-        lp = self.limit_pages
-        cached = sorted(self.cached, reverse=True)  # the pool's own free memory, highest pages first
-        s = min(k, len(self.spare))
-        c = min(k - s, len(cached))
-        n = k - s - c  # groups to create
-        held = self.num_mapped - k + len(self.spare)  # groups held before this call
-        # groups to let go to stay within the limit: what is held after must fit
-        drop = 0 if lp is None else max(0, held + n - lp)
-        if drop > (len(self.spare) - s) + (len(cached) - c):
-            return False, 0, []  # the pool's own limit: a miss
-        drop_spare = min(drop, len(self.spare) - s)
-        drop_cached = drop - drop_spare
-        extra = 0  # created beyond need, kept spare: fewer, larger creations
-        if n:
-            extra = max(0, self.grow - n)
-            if lp is not None:
-                extra = max(0, min(extra, lp - (held + n - drop)))
-        taken = 0
-        if n and self.budget is not None:
-            if extra and self.budget.try_take((n + extra) * self.G):
-                taken = (n + extra) * self.G
-            elif self.budget.try_take(n * self.G):
-                taken, extra = n * self.G, 0
-            else:
-                return False, n * self.G, []  # the budget is asked to make this much free
-        unmapped: list[Any] = []
-        created: list[Any] = []
-        try:
-            unmapped = self._unmap(cached[:c + drop_cached])
-            if n:
-                try:
-                    created = self.backend.create(n + extra, self.config.num_buffers, self.P)
-                except OutOfPhysicalMemoryError:
-                    if not extra:
-                        raise
-                    if self.budget is not None:  # the chunk did not fit; what is needed may
-                        self.budget.give(extra * self.G)
-                        taken -= extra * self.G
-                    extra = 0
-                    created = self.backend.create(n, self.config.num_buffers, self.P)
-            spare = self.spare[len(self.spare) - s:]
-            groups = spare + unmapped[:c] + created[:n]
-            self.backend.map(self.bases, [p * self.P for p in planned], groups, self.P)
-        except BaseException as e:
-            # Nothing of the map happened (it is all or nothing): give back what this call holds.
-            if not created and taken:
-                self.budget.give(taken)
-            for groups in (created, unmapped):
-                try:
-                    self._release(groups)
-                except Exception:
-                    pass  # kept in `unreleased`, retried at close
-            if isinstance(e, OutOfPhysicalMemoryError):
-                return False, 0, []  # the device refused new pages now: a shortage, not an error
-            raise
-        del self.spare[len(self.spare) - s:]
-        for p, g in zip(planned, groups):
-            self.groups[p] = g
-        self.spare.extend(created[n:])
-        let_go = unmapped[c:]
-        if drop_spare:
-            let_go += self.spare[-drop_spare:]
-            del self.spare[-drop_spare:]
-        try:
-            self._release(let_go)  # over the limit
-        except Exception:
-            pass
-        return True, 0, planned[:s] + planned[s + c:]
-
-    def _undo(self, picked: list[int], planned: list[int]) -> None:
-        for b in reversed(picked):
-            self._unuse(b)
-        for p in reversed(planned):
-            if self.groups[p] is _PLANNED:
-                self._book_unmap(p)
-
-    def free(self, ids: list[int]) -> None:
-        self.check_open()
-        for b in ids:
-            if not self.used[b]:
-                raise UnknownBlockError(f"block {b} is not allocated (double free?)")
-        fence = self.backend.fence()  # nothing changed if this raises
-        for b in ids:
-            self._unuse(b, fence)
-        lp = self.limit_pages
-        if lp is not None and self.num_held > lp and (self.cached or self.spare):  # over the limit: give back now
-            try:
-                self.give_back(self.num_held - lp)
-            except Exception as e:  # the blocks are freed; the pages stay cached until trim() or an alloc
-                warnings.warn(f"vattn: giving back pages over the pool's limit failed ({e}); "
-                              "they stay mapped until trim()", RuntimeWarning, stacklevel=3)
-
-    # ------------------------------------------------------------ giving back ----
-    def _wait(self, pages: Iterable[int]) -> None:
-        """Block until no kernel that may read `pages` runs (their fences; the device)."""
-        seen: set[int] = set()
-        for p in pages:
-            f = self.fences.get(p)
-            if f is not None and id(f) not in seen:
-                seen.add(id(f))
-                self.backend.wait(f)
-        if self.device_sync is not None:
-            self.device_sync()
-
-    def _unmap(self, pages: list[int]) -> list[Any]:
-        """Unmap cached pages (one call, after their fences); returns their groups."""
-        if not pages:
-            return []
-        self._wait(pages)
-        self.backend.unmap(self.bases, [p * self.P for p in pages], self.P)
-        return [self._book_unmap(p) for p in pages]  # books change only after the unmap worked
-
-    def _release(self, groups: list[Any]) -> None:
-        """Release unmapped groups and give their bytes back to the budget."""
-        if not groups:
-            return
-        try:
-            self.backend.release(groups)
-        except Exception:
-            self.unreleased.extend(groups)  # still memory: keep it counted, retry at close
-            raise
-        if self.budget is not None:
-            self.budget.give(len(groups) * self.G)
-
-    def give_back(self, count: int | None = None) -> int:
-        """Release up to `count` groups the pool holds but no block uses (None: all): spare
-        groups first, then cached pages (unmapped after their fences). Returns groups given back."""
-        n = len(self.spare) if count is None else min(max(0, count), len(self.spare))
-        spare = self.spare[len(self.spare) - n:]
-        del self.spare[len(self.spare) - n:]
-        try:
-            self._release(spare)
-        except Exception:
-            pass  # kept in `unreleased`
-        pages = sorted(self.cached, reverse=True)
-        if count is not None:
-            pages = pages[:max(0, count - n)]
-        if pages:
-            self._release(self._unmap(pages))
-        return n + len(pages)
-
-    def reclaim_for_budget(self, nbytes: int) -> int:
-        """The budget's callback: another pool is short of `nbytes`."""
-        with self.lock:
-            if self.closed:
-                return 0
-            try:
-                return self.give_back(-(-nbytes // self.G)) * self.G
-            except Exception:
-                return 0
-
-    def cached_bytes(self) -> int:
-        """The budget's estimate of what `reclaim_for_budget` could give (read without the lock)."""
-        return 0 if self.closed else (len(self.cached) + len(self.spare)) * self.G
-
-    def set_limit(self, limit: int | None) -> None:
-        self.check_open()
-        self.limit = limit
-        lp = self.limit_pages
-        if lp is not None and self.num_held > lp:
-            self.give_back(self.num_held - lp)
-
-    # ---------------------------------------------------------------- figures ----
-    def available_blocks(self) -> int:
-        """Blocks alloc can give now, counting the cached pages other pools of the budget
-        would give back (exact when blocks and pages divide one another, no free block is
-        partly mapped and nothing changes in between; a lower bound otherwise)."""
-        new = None  # groups that may be created
-        if self.limit is not None:
-            new = max(0, self.limit_pages - self.num_held)
-        if self.budget is not None and (b := self.budget.stats()).limit is not None:
-            more = max(0, b.limit - b.used + self.budget.reclaimable(self.token)) // self.G
-            new = more if new is None else min(new, more)
-        room = self.M - self.num_mapped if new is None else min(self.M - self.num_mapped, len(self.spare) + new)
-        if self.P % self.B == 0:
-            fresh = room * (self.P // self.B)
-        else:
-            fresh = room // self.span_max
-        return min(self.N - self.num_used, self.num_warm + fresh)
-
-    def max_blocks(self) -> int:
-        """The most blocks that can be in use at once, pinned ones included: all of them, or
-        what the limit and the budget's limit can back (the other pools of the budget holding
-        nothing). Exact when blocks and pages divide one another, a lower bound otherwise."""
-        pages = self.M if self.limit is None else min(self.M, self.limit_pages)
-        if self.budget is not None and (limit := self.budget.stats().limit) is not None:
-            pages = min(pages, limit // self.G)
-        if pages >= self.M:
-            return self.N
-        fit = pages * (self.P // self.B) if self.P % self.B == 0 else pages // self.span_max
-        return min(self.N, fit)
-
-    def stats(self) -> PoolStats:
-        return PoolStats(
-            num_blocks=self.N, block_bytes=self.B * self.config.num_buffers, page_size=self.P, group_bytes=self.G,
-            num_used_blocks=self.num_used, num_warm_blocks=self.num_warm, num_mapped_pages=self.num_mapped,
-            num_cached_pages=len(self.cached), num_spare_pages=len(self.spare), mapped_bytes=self.num_mapped * self.G,
-            used_bytes=self.num_used * self.B * self.config.num_buffers, peak_mapped_bytes=self.peak_mapped * self.G,
-            limit=self.limit, available_blocks=self.available_blocks())
-
-    def check_invariants(self) -> None:
-        """Assert the books are consistent (tests, debugging). Lock held."""
-        users = [0] * self.M
-        for b in range(self.N):
-            first, last = self.pages_of(b)
-            miss = sum(self.groups[p] is None for p in range(first, last + 1))
-            assert self.miss[b] == miss, (b, self.miss[b], miss)
-            if self.used[b]:
-                assert miss == 0, f"block {b} in use on an unmapped page"
-                for p in range(first, last + 1):
-                    users[p] += 1
-            elif miss == 0:
-                assert b in self.warm.get(first, ()), f"warm block {b} not booked"
-            else:
-                assert b in self.cold, f"cold block {b} not in the heap"
-        assert users == self.users
-        assert self.num_used == sum(self.used)
-        mapped = {p for p in range(self.M) if self.groups[p] is not None}
-        assert _PLANNED not in self.groups
-        assert len(mapped) == self.num_mapped
-        assert self.cached == {p for p in mapped if not users[p]}
-        assert self.num_warm == sum(len(d) for d in self.warm.values())
-        assert self.busy_warm == {p for p in self.warm if users[p]} and self.idle_warm == {p for p in self.warm if not users[p]}
-        held = [self.groups[p] for p in mapped] + self.spare + self.unreleased
-        assert len({id(g) for g in held}) == len(held), "a group is in two places"
-
-    # ---------------------------------------------------------------- closing ----
-    def check_open(self) -> None:
-        if self.closed:
-            raise ClosedError("this pool was closed; create a new vattn.ElasticPool")
-
-    def close(self) -> None:
-        """Unmap and release every page (after the device finished), leave the budget."""
-        errors: list[Exception] = []
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            mapped = [p for p in range(self.M) if self.groups[p] is not None]
-            try:
-                self._wait(mapped)
-                fence = self.backend.fence()
-                if fence is not None:
-                    self.backend.wait(fence)
-            except Exception as e:
-                errors.append(e)
-            for _ in range(2):  # once more if the unmap failed (a transient error)
-                try:
-                    self.backend.unmap(self.bases, [p * self.P for p in mapped], self.P)
-                    break
-                except Exception as e:
-                    errors.append(e)
-            groups = [self.groups[p] for p in mapped] + self.spare + self.unreleased
-            self.groups = [None] * self.M
-            self.spare, self.unreleased = [], []
-            self.num_mapped = 0
-            self.cached.clear()
-            try:
-                self.backend.release(groups)
-            except Exception as e:
-                errors.append(e)
-            if self.budget is not None:
-                self.budget.give(len(groups) * self.G)
-                self.budget.unregister(self.token)
-        if errors:
-            raise errors[0]
 
 
 class ElasticPool:
@@ -682,7 +166,7 @@ class ElasticPool:
         sync = (lambda: torch.cuda.synchronize(dev)) if c.sync == "device" and dev.type == "cuda" else None
         zero = functools.partial(_zero_new_pages, weakref.ref(self)) if c.zero_new and \
             not self.backend.new_pages_zeroed else None
-        self._books = _Books(c, self.backend, bases, page, budget, grow, sync, zero)
+        self._books = BlockBooks(c, self.backend, bases, page, budget, grow, sync, zero)
         self._finalizer = weakref.finalize(self, _close, self._books, self.backend)
 
     # ----------------------------------------------------------------- tensors ----
@@ -727,7 +211,8 @@ class ElasticPool:
             books = self._books
             pages = {p for b in ids for p in range(books.pages_of(b)[0], books.pages_of(b)[1] + 1)}
             under = "" if books.limit is None else f" under a limit of {books.limit} bytes"
-            raise error(f"no memory for {what} ({len(pages)} page group(s) of {books.G} bytes{under}); {hint}")
+            raise error(f"no memory for {what} ({len(pages)} page group(s) of {books.group_bytes} bytes{under}); "
+                        f"{hint}")
         if zero:
             self._zero_blocks(ids)
         return ids
@@ -745,9 +230,9 @@ class ElasticPool:
                     books.check_open()
                     return []
                 got, need = books.alloc(n, ids)
-            if got is not None or not need or attempt or books.budget is None:
+            if got is not None or not need or attempt or books.physical.budget is None:
                 return got
-            books.budget.reclaim(need, requester=books.token)  # our lock is not held here
+            books.physical.budget.reclaim(need, requester=books.physical.budget_token)  # our lock is not held here
         return None
 
     def free(self, ids: Iterable[int]) -> None:
@@ -774,7 +259,7 @@ class ElasticPool:
         """Change the limit on mapped bytes at run time (None: none). New blocks that
         need memory beyond it are refused; cached pages above it are given back now; pages
         under blocks in use stay until the blocks are freed (then they are given back)."""
-        limit = _limit(limit) if limit is not None else None
+        limit = checks.byte_limit(limit)
         with self._books.lock:
             self._books.set_limit(limit)
 
@@ -786,7 +271,7 @@ class ElasticPool:
         """Give back every cached and spare page now (waits for the fences). Returns bytes given back."""
         with self._books.lock:
             self._books.check_open()
-            return self._books.give_back() * self._books.G
+            return self._books.give_back() * self._books.group_bytes
 
     def available_blocks(self) -> int:
         """Blocks `alloc` can give now, counting the cached pages other pools of the same
@@ -805,7 +290,7 @@ class ElasticPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._books.N - self._books.num_used
+        return self._books.num_blocks - self._books.num_used
 
     def stats(self) -> PoolStats:
         with self._books.lock:
@@ -864,15 +349,15 @@ def _zero_new_pages(ref: weakref.ref, pages: list[int]) -> None:
     pool._cleared()
 
 
-def _close(books: _Books, backend: Backend) -> None:
+def _close(books: BlockBooks, backend: Backend) -> None:
     try:
         books.close()
     finally:
         backend.close()
 
 
-# Host bytes of the books (`_Books`: plain Python lists, on the host whatever the device): measured about 50 a block
-# (a bytearray entry, the per-block miss list, the cold heap's int) and 16 a page (users, groups), rounded up
+# Host bytes of the books (`BlockBooks`: plain Python lists, on the host whatever the device): measured about 50 a
+# block (a bytearray entry, the per-block miss list, the cold heap's int) and 16 a page (users, groups), rounded up
 BOOKS_BYTES_PER_BLOCK, BOOKS_BYTES_PER_PAGE = 64, 16
 
 
@@ -888,14 +373,6 @@ def _check_books_fit(num_blocks: int, num_pages: int) -> None:
             f"for the pool's books ({BOOKS_BYTES_PER_BLOCK} bytes a block, {BOOKS_BYTES_PER_PAGE} a page), and "
             f"{max(0, avail) / 2**30:.1f} GiB is available (MemAvailable and the cgroup's memory limit; vattn keeps "
             f"{host.MIN_HEADROOM >> 20} MiB free): lower num_blocks, or use fewer, larger blocks")
-
-
-def _positive(name: str, value: object) -> int:
-    return as_int(value, name, InvalidConfigError, low=1, what="a positive int")
-
-
-def _limit(value: object) -> int:
-    return as_int(value, "limit", InvalidConfigError, low=0, what=">= 0 bytes or None")
 
 
 __all__ = ["ElasticPool", "PoolConfig", "PoolStats", "UnknownBlockError", "SYNC_MODES"]

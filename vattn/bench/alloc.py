@@ -108,21 +108,21 @@ def bench_map(args: argparse.Namespace, pages: list[int], reps: int) -> list[dic
                 offs = [g.page_offset(0, p) for p in range(n)]
                 t0 = time.perf_counter()
                 for i in range(n):
-                    be.map(a.bases, offs[i:i + 1], groups[i:i + 1], page)
+                    be.map(a.books.physical.bases, offs[i:i + 1], groups[i:i + 1], page)
                 _sync(args.device)
                 t_map = (time.perf_counter() - t0) / n
                 t0 = time.perf_counter()
                 for i in range(n):
-                    be.unmap(a.bases, offs[i:i + 1], page)
+                    be.unmap(a.books.physical.bases, offs[i:i + 1], page)
                 _sync(args.device)
                 t_unmap = (time.perf_counter() - t0) / n
                 t0 = time.perf_counter()  # the same group mapped one buffer at a time
                 for i in range(n):
                     for b in range(g.num_buffers):
-                        be.map(a.bases[b:b + 1], offs[i:i + 1], [_one(groups[i], b)], page)
+                        be.map(a.books.physical.bases[b:b + 1], offs[i:i + 1], [_one(groups[i], b)], page)
                 _sync(args.device)
                 t_per_buf = (time.perf_counter() - t0) / n
-                be.unmap(a.bases, offs, page)
+                be.unmap(a.books.physical.bases, offs, page)
                 be.release(groups)
                 rows.append(dict(layout=layout, page_KiB=page // KB, buffers=g.num_buffers, map_us=t_map * 1e6,
                                  unmap_us=t_unmap * 1e6, map_per_buffer_calls_us=t_per_buf * 1e6,
@@ -221,7 +221,7 @@ def _per_call(cache: vattn.KVCache, reps: int) -> dict[str, float]:
             for i in range(reps):
                 t0 = time.perf_counter(); h = drv._check("cuMemCreate", d.cuMemCreate(page, drv._prop, 0))[1]
                 ts["create"].append(time.perf_counter() - t0)
-                addr = a.bases[0] + g.page_offset(0, i)
+                addr = a.books.physical.bases[0] + g.page_offset(0, i)
                 t0 = time.perf_counter(); drv._check("cuMemMap", d.cuMemMap(addr, page, 0, h, 0))
                 ts["map"].append(time.perf_counter() - t0)
                 t0 = time.perf_counter(); drv._check("cuMemSetAccess", d.cuMemSetAccess(addr, page, [drv._access], 1))
@@ -231,7 +231,7 @@ def _per_call(cache: vattn.KVCache, reps: int) -> dict[str, float]:
                 t0 = time.perf_counter(); drv._check("cuMemRelease", d.cuMemRelease(h))
                 ts["release"].append(time.perf_counter() - t0)
         return {k: statistics.median(v) * 1e6 for k, v in ts.items()}
-    base = array("Q", a.bases[:1])  # cext: cuMemMap and cuMemSetAccess in one batched call
+    base = array("Q", a.books.physical.bases[:1])  # cext: cuMemMap and cuMemSetAccess in one batched call
     hs: list[int] = []
     create = [_t(lambda: hs.extend(drv.create(1, page))) for _ in range(reps)]
     mapt = [_t(drv.map, base, array("Q", [g.page_offset(0, i)]), [hs[i]], page) for i in range(reps)]

@@ -7,23 +7,15 @@ from typing import Any
 
 import torch
 
+from vattn import checks
 from vattn.attention import KERNELS
 from vattn.budget import Budget
-from vattn.config import LAYOUTS, PREFETCH_TOKENS, parse_dtype
 from vattn.checks import SEED_MAX, SEED_MIN, as_float, as_int
+from vattn.config import LAYOUTS, PREFETCH_TOKENS, parse_dtype
 from vattn.engine.scheduler import SchedulerConfig
 from vattn.errors import InvalidConfigError
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _positive(config: EngineConfig, name: str, optional: bool = False) -> None:
-    """Check a positive-int field and store it as a Python int."""
-    value = getattr(config, name)
-    if optional and value is None:
-        return
-    what = "a positive int" + (" or None" if optional else "")
-    object.__setattr__(config, name, as_int(value, name, InvalidConfigError, low=1, what=what))
 
 
 @dataclass(frozen=True)
@@ -85,27 +77,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.budget is not None and not isinstance(self.budget, Budget):
             raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {self.budget!r}")
-        _positive(self, "max_batch_size")
+        for name in ("max_batch_size", "max_num_batched_tokens", "prefetch_tokens"):
+            object.__setattr__(self, name, checks.positive(getattr(self, name), name))
         for name in ("max_context_len", "page_size", "physical_memory", "max_num_seqs"):
-            _positive(self, name, optional=True)
-        _positive(self, "max_num_batched_tokens")
-        _positive(self, "prefetch_tokens")
-        if self.layout not in LAYOUTS:
-            raise InvalidConfigError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+            object.__setattr__(self, name, checks.positive(getattr(self, name), name, optional=True))
+        checks.one_of(self.layout, "layout", LAYOUTS)
         for name in ("background", "prefetch", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            checks.flag(getattr(self, name), name)
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise InvalidConfigError(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
-        if isinstance(self.device, torch.device):
-            object.__setattr__(self, "device", str(self.device))
-        if self.device is not None:
-            try:
-                dev = torch.device(self.device)
-            except (RuntimeError, TypeError) as e:
-                raise InvalidConfigError(f"bad device {self.device!r}: {e}") from None
-            if dev.type not in ("cpu", "cuda"):
-                raise InvalidConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        object.__setattr__(self, "device", checks.device(self.device, optional=True))
         if self.dtype is not None:
             dtype = parse_dtype(self.dtype)
             if dtype not in MODEL_DTYPES:
@@ -131,7 +112,8 @@ class EngineConfig:
         self.scheduler_config()  # validates the token budget and the preemption mode
 
     def _check_parallel(self) -> None:
-        _positive(self, "tensor_parallel_size")
+        object.__setattr__(self, "tensor_parallel_size", checks.positive(self.tensor_parallel_size,
+                                                                         "tensor_parallel_size"))
         timeout = as_float(self.distributed_timeout_s, "distributed_timeout_s", InvalidConfigError,
                            what="a finite number of seconds > 0")
         if timeout <= 0:

@@ -90,8 +90,9 @@ import torch
 
 from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, load_tokenizer, run_dtype
-from vattn.errors import (
-    FatalEngineError, InvalidConfigError, InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError, VattnError)
+from vattn.errors import (  # TensorParallelError and RankCacheError are this module's (re-exported)
+    InvalidConfigError, InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError, RankCacheError,
+    TensorParallelError)
 from vattn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -102,12 +103,6 @@ DEFAULT_PLAN = {
     "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
     "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
 }
-
-
-class TensorParallelError(FatalEngineError, RuntimeError):
-    """Tensor-parallel ranks could not go on together: a rank raised or exited, a collective
-    timed out, or the ranks were given different requests. The engine cannot be used again;
-    close it (and restart every rank)."""
 
 
 # what a control message agrees on (`TensorParallel.agree`): ranks agreeing on different
@@ -124,11 +119,6 @@ class Agreement(NamedTuple):
     errors: tuple[int, ...]  # the ranks that flagged an error
     values: tuple[int, ...]  # each rank's value, in rank order
     slots: frozenset[int]  # the union of the ranks' slot sets
-
-
-class RankCacheError(VattnError, RuntimeError):
-    """A KV cache `step` raised on some rank (a backend failure): every rank raises this, with
-    the same message, so that the scheduler requeues the same requests everywhere."""
 
 
 # ----------------------------------------------------------------- the group ----

@@ -81,7 +81,7 @@ from typing import Any
 import torch
 
 from vattn.budget import Budget
-from vattn.config import MAX_PAGE_SIZE
+from vattn.checks import MAX_PAGE_SIZE
 from vattn.errors import InvalidConfigError, VattnError
 from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats

@@ -76,7 +76,7 @@ Layouts: the KV cache's block-compact layouts (`LBNHC`/NHD, `LBHNC`/HND, `BLNHC`
 `BLHNC`), attention layers only. Anything else (Mamba raw buffers, HiSparse host pools,
 non-block-compact layouts) is detected by the scheduler and by each worker from the
 `KVCacheConfig` (the same one, with the same environment), and vLLM then runs on its own
-memory with a warning. Every batch carries the layout's `Geometry.key`; a worker refuses a
+memory with a warning. Every batch carries the layout's `BlockLayout.key`; a worker refuses a
 batch for another layout. A worker on vattn memory under a scheduler that fell back gets
 no batches at all, which is not detected (it needs different `VATTN_VLLM*` variables in
 the two processes).
@@ -93,7 +93,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from vattn.budget_shared import POLL_S
-from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError, VattnError
+from vattn.errors import (  # OpsOutOfOrderError and UnsupportedLayoutError are this module's (re-exported)
+    InvalidConfigError, OpsOutOfOrderError, OutOfPhysicalMemoryError, UnsupportedLayoutError)
 from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
@@ -107,14 +108,6 @@ ALLOC_RETRY_S = 2.0  # how long blocks counted as free may wait on a shared budg
 DEFAULT_RESERVE = 4  # page groups each worker creates ahead of the scheduler (see "Refused pages")
 REFUSED_RETRY_S = 1.0  # after a worker could not fill its reserve, ask again this much later
 NULL_BLOCK = 0  # vLLM's null block: padding and skipped blocks read it; always mapped
-
-
-class UnsupportedLayoutError(VattnError, ValueError):
-    """This KV cache configuration cannot be put on vattn memory (vLLM keeps its own)."""
-
-
-class OpsOutOfOrderError(VattnError, RuntimeError):
-    """A worker got page operations out of sequence: its pages no longer match the books."""
 
 
 # ------------------------------------------------------------------ configuration ----
@@ -150,9 +143,9 @@ def settings() -> dict[str, Any]:
             "VATTN_VLLM_RESERVE": reserve_groups()}
 
 
-# ----------------------------------------------------------------------- geometry ----
+# ------------------------------------------------------------------- block layout ----
 @dataclass(frozen=True)
-class Geometry:
+class BlockLayout:
     """Where each block's bytes are in the KV cache's backing allocation.
 
     Block `b` occupies `[region + b * block_bytes, region + (b + 1) * block_bytes)` in every
@@ -194,8 +187,8 @@ def _layer_spec(kv_cache_config: Any, layer: str) -> Any:
     raise UnsupportedLayoutError(f"layer {layer!r} is in no KV cache group")
 
 
-def geometry(kv_cache_config: Any, page: int | None = None) -> Geometry:
-    """The `Geometry` of a vLLM `KVCacheConfig` (read by duck typing: `num_blocks`,
+def block_layout(kv_cache_config: Any, page: int | None = None) -> BlockLayout:
+    """The `BlockLayout` of a vLLM `KVCacheConfig` (read by duck typing: `num_blocks`,
     `kv_cache_tensors` with `size, layers, layer_stride, block_stride, offset`, and
     `kv_cache_groups` with `layer_names, kv_cache_spec.page_size_bytes`).
 
@@ -232,7 +225,7 @@ def geometry(kv_cache_config: Any, page: int | None = None) -> Geometry:
     if len(strides) != 1:
         raise UnsupportedLayoutError(f"block strides differ between KV cache tensors: {sorted(strides)}")
     B = strides.pop()
-    g = Geometry(N, B, P, tuple(sorted(regions)), size)
+    g = BlockLayout(N, B, P, tuple(sorted(regions)), size)
     span = g.num_pages * P
     for a, b in zip(g.regions, g.regions[1:]):
         if a % P or b - a < span:
@@ -271,7 +264,7 @@ class PageOps:
 
     `ops`: ("create", [group ids]) · ("map", [pages], [group ids]) · ("zero", [pages]: just
     mapped with new memory, see `ElasticPool(zero_new=True)`) · ("unmap", [pages]) ·
-    ("release", [group ids]). `seq` counts batches from 1; `key` is the geometry's."""
+    ("release", [group ids]). `seq` counts batches from 1; `key` is the block layout's."""
 
     seq: int
     key: tuple
@@ -349,7 +342,7 @@ class RecordingBackend(Backend):
         return log
 
 
-def _new_books(g: Geometry, limit: int | None, budget: Any = None) -> tuple[ElasticPool, RecordingBackend]:
+def _new_books(g: BlockLayout, limit: int | None, budget: Any = None) -> tuple[ElasticPool, RecordingBackend]:
     """The scheduler's books and their first operations (block 0 mapped). Deterministic:
     a worker builds the same books to know the state its allocation starts in. Pages
     mapped with new memory are cleared (`zero_new`: a "zero" operation for the workers)."""
@@ -370,18 +363,18 @@ class SchedulerKV:
     only the free blocks that must stay mapped (prefix-cached, watched); the others are
     free blocks of the elastic pool, which hands them out page-aware."""
 
-    def __init__(self, block_pool: Any, g: Geometry, limit: int | None = None, *,
+    def __init__(self, block_pool: Any, g: BlockLayout, limit: int | None = None, *,
                  worker_regions: Sequence[int] | None = None, reserve: int | None = None,
                  budget: Any = None) -> None:
         """`limit`: bytes of pages each worker may hold. `worker_regions`: the number of
-        regions of every worker (pipeline stages differ; default: this geometry's). `reserve`:
+        regions of every worker (pipeline stages differ; default: this layout's). `reserve`:
         page groups the workers hold ready (None: the device is trusted and never asked).
         `budget`: a `vattn.Budget` shared with other processes (`VATTN_BUDGET`), or None."""
         if block_pool.num_gpu_blocks != g.num_blocks:
             raise InvalidConfigError(f"the block pool has {block_pool.num_gpu_blocks} blocks, the KV cache "
                                      f"configuration {g.num_blocks}")
         self.block_pool = block_pool
-        self.geometry = g
+        self.layout = g
         self.budget = budget  # a shared vattn.Budget (VATTN_BUDGET), or None
         self.pool, self.recorder = _new_books(g, limit, budget)
         self.recorder.drain()  # the workers start in this state (see WorkerKV)
@@ -406,7 +399,7 @@ class SchedulerKV:
         """Blocks `get_new_blocks` can give now: vLLM's mapped free blocks and what the
         elastic pool can back under its limit (and the workers' confirmed reserve)."""
         n = self.block_pool.free_block_queue.num_free_blocks + self.pool.available_blocks()
-        self.short = n * self.geometry.block_bytes < self.geometry.page_size
+        self.short = n * self.layout.block_bytes < self.layout.page_size
         return n
 
     def num_unused_blocks(self) -> int:
@@ -525,7 +518,7 @@ class SchedulerKV:
         if now < self.retry_at:
             return None
         held = self._held()
-        room = self.geometry.num_pages - held
+        room = self.layout.num_pages - held
         lg = self.limit_groups()
         if lg is not None:
             room = min(room, lg - held)
@@ -567,7 +560,7 @@ class SchedulerKV:
         if not ops:
             return None
         self.seq += 1
-        return PageOps(self.seq, self.geometry.key, ops)
+        return PageOps(self.seq, self.layout.key, ops)
 
     def check_invariants(self) -> None:
         """Every block vLLM uses, caches or watches is in use in the elastic pool (mapped)."""
@@ -613,7 +606,7 @@ def attach(block_pool: Any, kv_cache_config: Any) -> SchedulerKV | None:
     if not enabled():
         return None
     try:
-        g = geometry(kv_cache_config)
+        g = block_layout(kv_cache_config)
     except UnsupportedLayoutError as e:
         logger.warning("vattn: vLLM keeps its own KV memory: %s", e)
         return None
@@ -691,8 +684,8 @@ def _unsupported(vllm_config: Any) -> str | None:
 def hello_rpc(worker: Any) -> dict[str, Any]:
     """`collective_rpc` target at start: this worker's settings and layout."""
     w = worker_kv()
-    return {"settings": settings(), "key": None if w is None else w.geometry.key,
-            "regions": 0 if w is None else len(w.geometry.regions)}
+    return {"settings": settings(), "key": None if w is None else w.layout.key,
+            "regions": 0 if w is None else len(w.layout.regions)}
 
 
 def start(engine_core: Any, kv_cache_configs: Sequence[Any] = ()) -> None:
@@ -798,7 +791,7 @@ class WorkerKV:
     def __init__(self, kv_cache_config: Any, size: int, device: torch.device | str,
                  backend: Backend | None = None) -> None:
         self.device = torch.device(device)
-        self.geometry = g = geometry(kv_cache_config)
+        self.layout = g = block_layout(kv_cache_config)
         if size > g.reserved_bytes:
             raise UnsupportedLayoutError(f"an allocation of {size} bytes is larger than the KV cache's reservation "
                                          f"of {g.reserved_bytes} bytes")
@@ -827,15 +820,16 @@ class WorkerKV:
             return
         if self.closed:
             raise OpsOutOfOrderError("page operations for a closed vattn KV cache")
-        if ops.key != self.geometry.key:
-            raise OpsOutOfOrderError(f"page operations for geometry {ops.key}, this worker has {self.geometry.key}")
+        if ops.key != self.layout.key:
+            raise OpsOutOfOrderError(f"page operations for block layout (geometry) {ops.key}, this worker has "
+                                     f"{self.layout.key}")
         if ops.seq != self.seq + 1:
             raise OpsOutOfOrderError(f"page operations batch {ops.seq} after batch {self.seq}")
         self._apply(ops.ops)
         self.seq = ops.seq
 
     def _apply(self, ops: list[tuple]) -> None:
-        P, synced = self.geometry.page_size, False
+        P, synced = self.layout.page_size, False
         for op in ops:
             kind = op[0]
             if kind == "create":  # from the reserve; the device only when none was confirmed
@@ -866,7 +860,7 @@ class WorkerKV:
         """Hold `target` page groups created and ready (release any beyond it); returns how
         many it holds: fewer when the device refused (another process, PyTorch's caching
         allocator took the memory), which is not an error: the scheduler waits."""
-        P, extra = self.geometry.page_size, len(self.spare) - max(0, target)
+        P, extra = self.layout.page_size, len(self.spare) - max(0, target)
         if extra > 0:
             self.backend.release([self.spare.pop() for _ in range(extra)])
         need = target - len(self.spare)
@@ -887,11 +881,11 @@ class WorkerKV:
 
     @property
     def mapped_bytes(self) -> int:
-        return len(self.mapped) * self.geometry.page_size * len(self.bases)
+        return len(self.mapped) * self.layout.page_size * len(self.bases)
 
     def is_mapped(self, block: int) -> bool:
         """Whether every page of `block` is mapped here."""
-        g = self.geometry
+        g = self.layout
         first, last = block * g.block_bytes // g.page_size, ((block + 1) * g.block_bytes - 1) // g.page_size
         return all(p in self.mapped for p in range(first, last + 1))
 
@@ -901,7 +895,7 @@ class WorkerKV:
             return
         self.closed = True
         self.synchronize()
-        P = self.geometry.page_size
+        P = self.layout.page_size
         try:
             self.backend.unmap(self.bases, [p * P for p in self.mapped], P)
             self.mapped.clear()
@@ -986,8 +980,8 @@ def reset_worker() -> None:
 
 
 __all__ = [
-    "Geometry", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "Workers", "UnsupportedLayoutError",
+    "BlockLayout", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "Workers", "UnsupportedLayoutError",
     "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "before_schedule", "enabled",
-    "geometry", "hello_rpc", "idle_wakeup", "kv_cache_buffer", "on_idle", "reserve_rpc", "set_limit", "settings",
+    "block_layout", "hello_rpc", "idle_wakeup", "kv_cache_buffer", "on_idle", "reserve_rpc", "set_limit", "settings",
     "start", "take_ops", "worker_kv",
 ]

@@ -33,12 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vattn.errors import VattnError
-
-
-class HookError(VattnError, RuntimeError):
-    """A hunk does not fit the installed engine (another release, a local change, a patch
-    already applied on disk): the plugin installs nothing."""
+from vattn.errors import HookError  # (re-exported: it was defined here)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,314 @@
+"""The slot allocator's books: which page groups each slot maps, which slots are active,
+and the references, pins and dirty marks of every group. Plain Python, no torch.
+
+A slot's pages are a prefix `slot_pages[s]` of references to page groups. A group may be
+mapped into several slots at once (a fork shares the whole pages of a prefix); `refs`
+counts the slots that map each group, plus one while it is pinned:
+
+```
+created groups = spare (free, unmapped) + distinct mapped or pinned groups + in flight (worker)
+sum of refs    = sum over slots of len(slot_pages[s]) + len(pins)
+```
+A shared group holds whole pages of tokens that every slot mapping it has already
+written: no slot ever writes into it. A slot's writable tail (from its length on) is in
+groups of its own.
+
+A slot (reqid) is *active* between alloc_reqid and free_reqid and *free* otherwise. A free
+slot keeps its pages (deferred reclamation). `epoch[s]` changes whenever a slot's data may
+change hands (a new owner, pages taken), so a parked request can tell whether its slot is
+untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+from vattn.checks import as_int
+from vattn.errors import ClosedError, InvalidRequestError, UnknownReqIdError
+
+if TYPE_CHECKING:  # the books import no torch: sizes are ints by the time they get here
+    from vattn.config import Geometry
+    from vattn.pages import PageGroups
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory figures in bytes (all buffers, K and V of every layer) and page groups.
+
+    The `num_*_pages` fields and `max_pages` count page groups (one page of every buffer,
+    `group_bytes` in all), the unit that is mapped; the names are kept for compatibility.
+    """
+
+    page_size: int
+    group_bytes: int
+    num_created_pages: int  # page groups that exist (spare, mapped or pinned)
+    num_free_pages: int  # spare: created, mapped nowhere
+    num_mapped_pages: int  # mapped into any slot
+    num_cached_pages: int  # mapped but under no live token: free slots, pre-mapped tails (reclaimable)
+    max_pages: int  # budget
+    mapped_bytes: int
+    used_bytes: int  # bytes holding tokens of active requests
+    free_tokens: int  # tokens that still fit (spare, budget and cached pages)
+    num_active: int
+    num_pinned_pages: int = 0  # kept for the prefix cache (mapped in a slot or not)
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        """Mapped to active requests but holding no token (internal fragmentation)."""
+        return self.active_bytes - self.used_bytes
+
+    @property
+    def active_bytes(self) -> int:
+        return (self.num_mapped_pages - self.num_cached_pages) * self.group_bytes
+
+    @property
+    def fragmentation(self) -> float:
+        return self.fragmentation_bytes / self.active_bytes if self.active_bytes else 0.0
+
+
+class SlotBooks:
+    """The books of one cache, shared by the allocator's parts (planning, mapping, the
+    pre-mapping worker, sharing, swap) and guarded by `lock`.
+
+    Cost grows with the work, not the capacity: the slot `alloc_reqid` hands out next comes
+    from a heap, and the derived figures of a slot are kept in step with its pages.
+    """
+
+    def __init__(self, geometry: Geometry, physical: PageGroups, max_pages: int, *, track_dirty: bool) -> None:
+        self.geometry = geometry
+        self.physical = physical  # the page layer: spare groups, budget, fences
+        self.num_slots = n = geometry.config.max_batch_size
+        self.max_len = geometry.config.max_context_len
+        self.max_pages = max_pages  # budget of groups
+        self.lock = threading.Lock()
+        self.closed = False
+
+        self.slot_pages: list[list[Any]] = [[] for _ in range(n)]
+        self.capacity = [0] * n  # tokens the slot's mapped pages hold (kept with slot_pages)
+        self.refs: dict[Any, int] = {}  # group -> slots mapping it + 1 if pinned
+        # Pinned groups (the prefix cache's pages), least recently used first: a pin is one
+        # more reference, so a pinned group outlives the slots that mapped it (its data stays
+        # in physical memory, unmapped) until it is evicted under memory pressure or trim().
+        self.pins: OrderedDict[Any, int] = OrderedDict()  # group -> generation of its pin
+        self._generation = itertools.count(1)
+        self.shared_slots: set[int] = set()  # slots that may map a group shared with another slot
+        self.free_slots: set[int] = set(range(n))
+        self._warm_heap = [(0, s) for s in range(n)]  # (-pages, slot) of free slots; stale entries skipped
+        self.active: dict[int, int] = {}  # active slot -> allocation order (age)
+        self._counter = itertools.count()
+        self.ran: dict[int, int] = {}  # the latest step's lengths: the iteration after it reads these slots
+        self.max_lens = [0] * n  # longest length since alloc: pages below it hold data
+        self.last_fence: list[Any] = [None] * n  # the slot's pages may be unmapped once this passed
+        self.epoch = [0] * n
+        self.eager_tokens = 0.0  # running mean of new requests' first lengths
+        # zero_reused_pages: groups holding data of a request that no longer owns them, and the
+        # slots that hold such groups; `step` clears them before the slot's request runs.
+        self.track_dirty = track_dirty
+        self.dirty: set[Any] = set()
+        self.dirty_slots: set[int] = set()
+        self.in_flight: list[Any] = []  # groups the worker is mapping right now (lock released)
+
+    # ----------------------------------------------------------------- slots ----
+    def take(self, slot: int) -> None:
+        """Hand free `slot` to a new request."""
+        self.free_slots.remove(slot)
+        self.active[slot] = next(self._counter)
+        self.epoch[slot] += 1
+
+    def untake(self, slot: int) -> None:
+        """Give back a slot `take` handed out for a call that failed."""
+        del self.active[slot]
+        self.free_slots.add(slot)
+        self.pages_changed(slot)
+
+    def free(self, slot: int) -> None:
+        """The request in active `slot` ended; the slot keeps its pages."""
+        del self.active[slot]
+        self.free_slots.add(slot)
+        self.max_lens[slot] = 0
+        self.pages_changed(slot)
+        if self.track_dirty and self.slot_pages[slot]:  # the next owner must not read them
+            # (pages shared with a live slot or pinned are someone's data still: a new owner
+            # drops them unread at its first step)
+            self.dirty.update(grp for grp in self.slot_pages[slot] if self.refs[grp] == 1)
+            self.dirty_slots.add(slot)
+
+    def warm_slot(self) -> int:
+        """The free slot alloc_reqid hands out next: most pages mapped, then lowest index."""
+        heap, pages, free = self._warm_heap, self.slot_pages, self.free_slots
+        while True:
+            neg, s = heap[0]
+            if s in free and -neg == len(pages[s]):
+                return s
+            heapq.heappop(heap)
+
+    def pages_changed(self, slot: int) -> None:
+        """Keep the derived figures of `slot` in step with `slot_pages[slot]`."""
+        g = self.geometry
+        self.capacity[slot] = len(self.slot_pages[slot]) * g.page_size // g.token_bytes
+        if slot in self.free_slots:
+            heap = self._warm_heap
+            if len(heap) > 4 * self.num_slots + 64:  # drop the stale entries now and then
+                heap[:] = [(-len(self.slot_pages[s]), s) for s in self.free_slots]
+                heapq.heapify(heap)
+            heapq.heappush(heap, (-len(self.slot_pages[slot]), slot))
+
+    def check_active(self, reqid: Any) -> int:
+        """`reqid` as the int of an active slot, or UnknownReqIdError."""
+        slot = as_index(reqid, "reqid")
+        if slot not in self.active:
+            state = "out of range" if not 0 <= slot < self.num_slots else "not allocated (or already freed)"
+            raise UnknownReqIdError(f"reqid {slot} is {state}")
+        return slot
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("this cache was closed; create a new one with vattn.init()")
+
+    @contextlib.contextmanager
+    def unlocked(self, release: bool) -> Iterator[None]:
+        """Drop the (held) lock for the block when `release`: the worker's driver calls."""
+        if not release:
+            yield
+            return
+        self.lock.release()
+        try:
+            yield
+        finally:
+            self.lock.acquire()
+
+    def fence_ran(self) -> None:
+        """The kernels of the last iteration read its slots: their pages may be unmapped
+        only after a fence taken now (at a step's start, and before any call between
+        iterations that may unmap pages: fork, map_pinned, trim, resume)."""
+        fence = self.physical.fence()
+        if fence is not None:
+            for s in self.ran:
+                self.last_fence[s] = fence
+
+    # ---------------------------------------------------------------- groups ----
+    def unref(self, groups: Iterable[Any]) -> None:
+        """Drop one reference to each group; a group nobody maps or pins becomes spare."""
+        refs, spare = self.refs, self.physical.spare
+        for grp in groups:
+            left = refs[grp] - 1
+            if left:
+                refs[grp] = left
+            else:
+                del refs[grp]
+                spare.append(grp)
+
+    def pin(self, slot: int, num_pages: int) -> list[tuple[Any, int]]:
+        """Pin the first `num_pages` groups of `slot` (a pin is one more reference); one
+        (group, generation) handle each. A group pinned already keeps its handle and
+        becomes the most recently used."""
+        handles = []
+        for grp in self.slot_pages[slot][:num_pages]:
+            gen = self.pins.get(grp)
+            if gen is None:
+                gen = self.pins[grp] = next(self._generation)
+                self.refs[grp] += 1
+            else:
+                self.pins.move_to_end(grp)
+            handles.append((grp, gen))
+        if handles:
+            self.shared_slots.add(slot)  # its pinned pages are shared with the prefix cache
+        return handles
+
+    def pinned(self, handles: Iterable[tuple[Any, int]]) -> list[Any]:
+        """The groups of the leading `handles` that are still pinned (not evicted since)."""
+        groups = []
+        for grp, gen in handles:
+            if self.pins.get(grp) != gen:
+                break
+            groups.append(grp)
+        return groups
+
+    def evict(self, count: int) -> int:
+        """Unpin up to `count` pinned groups that no slot maps, least recently used first;
+        they become spare. Returns how many."""
+        refs, victims = self.refs, []
+        for grp in self.pins:
+            if len(victims) >= count:
+                break
+            if refs[grp] == 1:
+                victims.append(grp)
+        for grp in victims:
+            del self.pins[grp]
+        self.unref(victims)
+        return len(victims)
+
+    def note_dirty(self, slots: list[int], groups: list[Any]) -> None:
+        """zero_reused_pages: a slot that got a group with someone else's data must be cleared."""
+        if self.dirty:
+            self.dirty_slots.update(s for s, grp in zip(slots, groups) if grp in self.dirty)
+
+    # --------------------------------------------------------------- figures ----
+    def stats(self) -> MemoryStats:
+        g, refs, pins, physical = self.geometry, self.refs, self.pins, self.physical
+        pin_only = sum(refs[grp] == 1 for grp in pins)
+        mapped = len(refs) - pin_only  # distinct groups mapped in a slot: a shared one is memory once
+        holding = {grp for s in self.active for grp in self.slot_pages[s][:g.pages_for(self.max_lens[s])]}
+        cached = len(refs) - len(holding)  # pages under no live token (pinned ones too)
+        spare = len(physical.spare) + (self.max_pages - physical.num_created) + cached
+        return MemoryStats(
+            page_size=g.page_size,
+            group_bytes=g.group_bytes,
+            num_created_pages=physical.num_created,
+            num_free_pages=len(physical.spare),
+            num_mapped_pages=mapped,
+            num_cached_pages=cached,
+            max_pages=self.max_pages,
+            mapped_bytes=mapped * g.group_bytes,
+            used_bytes=sum(self.max_lens[s] for s in self.active) * g.token_bytes_all,
+            free_tokens=spare * g.page_size // g.token_bytes,
+            num_active=len(self.active),
+            num_pinned_pages=len(pins),
+        )
+
+    def cached_bytes(self) -> int:
+        """An estimate, without the lock, of what could be given back now: spare groups, free
+        slots' pages and pins."""
+        pages = self.slot_pages
+        cached = len(self.physical.spare) + sum(len(pages[s]) for s in list(self.free_slots)) + len(self.pins)
+        return cached * self.geometry.group_bytes
+
+    def check_invariants(self) -> None:
+        """Assert the books are consistent (for tests and debugging). Lock held."""
+        mapped = [grp for pages in self.slot_pages for grp in pages]
+        counts: dict[Any, int] = {}
+        for grp in mapped:
+            counts[grp] = counts.get(grp, 0) + 1
+        for grp in self.pins:
+            counts[grp] = counts.get(grp, 0) + 1
+        assert counts == self.refs, "reference counts differ from the slots' pages and the pins"
+        everywhere = list(counts) + self.physical.spare + self.in_flight
+        assert len(everywhere) == self.physical.num_created <= self.max_pages
+        assert len(set(everywhere)) == self.physical.num_created, "a group is in two places"
+        assert not set(everywhere) & set(self.physical.unreleased), "an unreleased group is in use"
+        for s, pages in enumerate(self.slot_pages):
+            assert len(set(pages)) == len(pages), f"slot {s} maps a group twice"
+            if any(counts[grp] > 1 for grp in pages):
+                assert s in self.shared_slots
+        g = self.geometry
+        for s in self.active:  # the writable tail (from the length on) is the slot's own
+            if not self.max_lens[s]:  # not stepped yet: its first step unshares it
+                continue
+            first_writable = self.max_lens[s] * g.token_bytes // g.page_size
+            assert all(counts[grp] == 1 for grp in self.slot_pages[s][first_writable:]), \
+                f"slot {s} may write a shared page"
+        assert self.free_slots.isdisjoint(self.active)
+        assert len(self.free_slots) + len(self.active) == self.num_slots
+        for s in self.active:
+            assert len(self.slot_pages[s]) >= g.pages_for(self.max_lens[s])
+            assert len(self.slot_pages[s]) <= g.pages_per_slot
+
+
+def as_index(value: Any, what: str) -> int:
+    """An int argument of a call (a reqid, a length, a count), or InvalidRequestError."""
+    return as_int(value, what, InvalidRequestError)

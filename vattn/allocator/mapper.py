@@ -1,0 +1,196 @@
+"""Carrying out `StepPlan`s on the slot books: creating groups, unmapping slot tails after
+their fences, evicting pins, mapping, clearing reused pages. With the page layer
+(`vattn.pages`), the only place the slot allocator's driver calls are made. Plain Python.
+
+The books change only after a backend call worked: a failed map leaves its groups spare, a
+failed unmap leaves the pages booked to their slots (perhaps unreadable now, but never
+handed to another slot while still mapped).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from vattn.allocator.plan import StepPlan, StepResult, Unmaps, plan_step, plan_unmaps, reclaimable
+from vattn.errors import MapCountLimitError, OutOfPhysicalMemoryError
+
+if TYPE_CHECKING:
+    from vattn.allocator.books import SlotBooks
+
+GROW_CHUNK = 16  # groups created per growth at least (fewer memfds / cuMemCreate batches)
+
+
+class Mapper:
+    """Moves page groups between the spare list and slots, as plans say. Lock held."""
+
+    def __init__(self, books: SlotBooks, *, zero_pages: Callable[[list[int]], None] | None = None,
+                 copy_pages: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
+        """`zero_pages(offsets)` clears pages (zero_reused_pages); `copy_pages(pairs)` copies the
+        page at each (src, dst) offset pair in every buffer (fork)."""
+        self.books = books
+        self.zero_pages = zero_pages
+        self.copy_pages = copy_pages
+
+    # ----------------------------------------------------------------- plans ----
+    def back(self, lens: dict[int, int], short: list[int]) -> StepResult:
+        """Back the `short` slots of a step (or a resume) with pages for `lens`."""
+        plan, num_mapped, num_unmapped = self.carry_out(lambda limit: plan_step(self.books, lens, short, limit))
+        return StepResult(plan.failed, num_mapped, num_unmapped, out_of_memory=plan.limit < self.books.max_pages)
+
+    def carry_out(self, make_plan: Callable[[int], StepPlan]) -> tuple[StepPlan, int, int]:
+        """Plan within the budget, create what the plan needs and carry it out. A device (or
+        budget) that refuses new groups is a shortage now, not a smaller budget: plan again
+        with what exists. Returns (the plan carried out, groups mapped, pages unmapped)."""
+        limit = self.books.max_pages
+        while True:
+            plan = make_plan(limit)
+            if plan.num_create:
+                try:
+                    self.grow(plan.num_create, limit=limit)
+                except OutOfPhysicalMemoryError:
+                    limit = self.books.physical.num_created
+                    continue
+            return (plan, *self.execute(plan))
+
+    def execute(self, plan: StepPlan) -> tuple[int, int]:
+        """Unmap, evict and map as `plan` says (the groups it creates exist already). Returns
+        (groups mapped, pages unmapped)."""
+        num_unmapped = self.unmap_tails(plan.unmaps)
+        if plan.num_evict:
+            self.books.evict(plan.num_evict)
+        try:
+            num_mapped = self.map_slots(plan)
+        except MapCountLimitError:
+            # Every mapped page is a VMA on the host: give back the cached ones (free slots,
+            # pre-mapped tails) and try once more before failing.
+            freed = self.reclaim(reclaimable(self.books, plan.lens), self.books.physical.num_created)
+            if not freed:
+                raise
+            num_unmapped += freed
+            num_mapped = self.map_slots(plan)
+        return num_mapped, num_unmapped
+
+    # ------------------------------------------------------------- movements ----
+    def grow(self, count: int, background: bool = False, limit: int | None = None) -> None:
+        """Create at least `count` more spare groups (a chunk at a time) within `limit`
+        (default: the budget). In the background the lock is released around the driver
+        call (only step and reserve_physical grow otherwise, and both stop the worker first)."""
+        books = self.books
+        room = (books.max_pages if limit is None else limit) - books.physical.num_created
+        n = min(room, max(count, GROW_CHUNK))
+        if n <= 0:
+            return
+        need = min(count, room)
+        groups = books.physical.create(need, n - need, unlocked=books.unlocked(background))
+        if groups is None:
+            raise budget_refused(need, books.geometry.group_bytes)
+        books.physical.put_spare(groups)
+
+    def map_slots(self, plan: StepPlan) -> int:
+        """Map the plan's given groups, then spare ones, in one backend call (atomic), copy
+        what it copies, and book them. Returns the spare groups mapped."""
+        books, g = self.books, self.books.geometry
+        offsets, groups, takers = [], [], []
+        for slot, first, shared in plan.shares:
+            offsets += [g.page_offset(slot, first + i) for i in range(len(shared))]
+            groups += shared
+            takers += [slot] * len(shared)
+        num_shared = len(groups)
+        spare = books.physical.spare
+        for slot, first, count in plan.maps:
+            for p in range(first, first + count):
+                offsets.append(g.page_offset(slot, p))
+                groups.append(spare.pop())
+                takers.append(slot)
+        fresh = groups[num_shared:]
+        try:
+            books.physical.map(offsets, groups)
+        except BaseException:
+            spare.extend(reversed(fresh))  # the map was atomic: nothing of it happened
+            raise
+        if plan.copies:
+            try:
+                self.copy_pages(list(plan.copies))
+            except BaseException:
+                books.physical.unmap(offsets)
+                spare.extend(reversed(fresh))
+                raise
+            copied = {dst for _, dst in plan.copies}  # overwritten: no earlier owner's data left
+            books.dirty.difference_update(grp for off, grp in zip(offsets, groups) if off in copied)
+        refs, slot_pages = books.refs, books.slot_pages
+        for slot, grp in zip(takers[:num_shared], groups[:num_shared]):
+            refs[grp] += 1
+            slot_pages[slot].append(grp)
+        for slot, grp in zip(takers[num_shared:], fresh):
+            refs[grp] = 1
+            slot_pages[slot].append(grp)
+        if num_shared:  # (the caller books which slots share them)
+            books.dirty.difference_update(groups[:num_shared])  # a live slot's or a pin's data
+        for slot in dict.fromkeys(takers):
+            books.pages_changed(slot)
+        books.note_dirty(takers[num_shared:], fresh)
+        return len(fresh)
+
+    def unmap_tails(self, unmaps: Unmaps) -> int:
+        """Unmap the last k pages of each (slot, k), after the slot's fence (never under a
+        kernel that may read them). A group nobody else maps becomes spare; a shared one only
+        loses this slot's reference. Returns the pages unmapped."""
+        if not unmaps:
+            return 0
+        books, g = self.books, self.books.geometry
+        offsets = []
+        for s, k in unmaps:
+            n = len(books.slot_pages[s])
+            offsets += [g.page_offset(s, p) for p in range(n - k, n)]
+        books.physical.wait(books.last_fence[s] for s, _ in unmaps)
+        for s, _ in unmaps:
+            books.last_fence[s] = None
+            books.epoch[s] += 1
+        books.physical.unmap(offsets)
+        for s, k in unmaps:
+            pages = books.slot_pages[s]
+            books.unref(reversed(pages[len(pages) - k:]))
+            del pages[len(pages) - k:]
+            books.pages_changed(s)
+        return len(offsets)
+
+    def reclaim(self, donors: list[tuple[int, int]], count: int) -> int:
+        """Unmap the donors' tail pages until `count` groups became spare. Returns pages unmapped."""
+        unmaps, _, _ = plan_unmaps(self.books, donors, count)
+        return self.unmap_tails(unmaps)
+
+    def empty(self, slot: int) -> None:
+        """Unmap every page of `slot` (after its fence); groups nobody else maps become spare."""
+        n = len(self.books.slot_pages[slot])
+        if n:
+            self.reclaim([(slot, n)], n)
+
+    def zero_dirty(self, slots: Iterable[int]) -> None:
+        """Clear the pages of `slots` that hold an earlier request's data (zero_reused_pages)."""
+        books, g = self.books, self.books.geometry
+        offsets = []
+        for s in slots:
+            if s in books.dirty_slots:
+                books.dirty_slots.discard(s)
+                for p, grp in enumerate(books.slot_pages[s]):
+                    if grp in books.dirty:
+                        books.dirty.discard(grp)
+                        offsets.append(g.page_offset(s, p))
+        if offsets:
+            self.zero_pages(offsets)
+
+    def release_spare(self, count: int) -> int:
+        """Release up to `count` spare groups. Returns how many."""
+        spare = self.books.physical.spare
+        count = min(count, len(spare))
+        self.books.dirty.difference_update(spare[len(spare) - count:] if count else ())
+        return self.books.physical.release_spare(count)
+
+
+def budget_refused(num_groups: int, group_bytes: int) -> OutOfPhysicalMemoryError:
+    nbytes = num_groups * group_bytes
+    return OutOfPhysicalMemoryError(
+        f"the shared budget has no room for {num_groups} more page groups ({nbytes} bytes); free requests here "
+        "or in the caches sharing it, or raise its limit")
+
+
+__all__ = ["GROW_CHUNK", "Mapper", "budget_refused"]

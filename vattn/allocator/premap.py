@@ -1,0 +1,150 @@
+"""Background pre-mapping: after each step, map what the next iterations will want (the next
+page of every running request near its end, pages for the request that gets the warm slot)
+on a worker thread, batch by batch, while the model runs. Plain Python.
+
+The worker only ever maps spare (or newly created) groups into slots; only `step` unmaps.
+It holds the books' lock to plan and to commit each batch but not across the driver call,
+so other callers wait for bookkeeping only; a call that moves pages stops the job after the
+batch in flight (`Premapper.quiesce`).
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Callable
+
+from vattn.errors import OutOfPhysicalMemoryError
+
+if TYPE_CHECKING:
+    from vattn.allocator.books import SlotBooks
+    from vattn.allocator.mapper import Mapper
+
+Job = list[tuple[int, int]]  # (slot, pages it should have)
+
+_WORKER_BATCH = 16  # groups the worker maps per lock hold, at most
+_WORKER_CALLS = 64  # buffers x groups the worker maps per lock hold, about (at least one group)
+
+
+def worker_batch(num_buffers: int) -> int:
+    """Groups the worker maps per lock hold: about `_WORKER_CALLS` driver calls, so that a
+    step that must stop the worker waits for few (a 32-layer per-layer group is 64 calls,
+    ~2.8 ms on an H100)."""
+    return max(1, min(_WORKER_BATCH, _WORKER_CALLS // num_buffers))
+
+
+def plan_premap(books: SlotBooks, edge: list[int], ahead: int) -> Job:
+    """What the next iterations will want: `ahead` more tokens for every running request
+    that is that close to a page (`edge`), then pages for the request that gets the warm
+    slot (a running mean of new requests' first lengths). Only what is not mapped yet."""
+    g, max_len, lens, pages = books.geometry, books.max_len, books.ran, books.slot_pages
+    job = [(s, g.pages_for(min(lens[s] + ahead, max_len))) for s in edge]
+    if books.free_slots and books.eager_tokens:
+        job.append((books.warm_slot(), g.pages_for(min(int(books.eager_tokens), max_len))))
+    return [(s, t) for s, t in job if t > len(pages[s])]
+
+
+def map_ahead(mapper: Mapper, job: Job, batch: int, worker: Premapper | None = None) -> None:
+    """Map spare (or newly created) groups into the job's slots, `batch` at a time; never
+    reclaims. Lock held on entry. On the `worker` it is released around each driver call:
+    nothing else changes `slot_pages` meanwhile (only calls that stop the worker first do),
+    and the batch's groups sit in `in_flight` until committed."""
+    books = mapper.books
+    g, physical, background = books.geometry, books.physical, worker is not None
+    for s, target in job:
+        while not (background and worker.stopped):
+            have = len(books.slot_pages[s])
+            n = min(target - have, batch)
+            if n <= 0:
+                break
+            if len(physical.spare) < n:
+                try:
+                    mapper.grow(n - len(physical.spare), background)
+                except OutOfPhysicalMemoryError:
+                    pass  # a shortage now: pre-map what is spare; step tries again later
+                n = min(n, len(physical.spare))
+                if n == 0 or (background and worker.stopped):
+                    return
+            groups = physical.take_spare(n)
+            offsets = [g.page_offset(s, have + i) for i in range(n)]
+            books.in_flight = groups
+            try:
+                with books.unlocked(background):
+                    physical.map(offsets, groups)
+            except BaseException:
+                physical.spare.extend(reversed(groups))  # the map was atomic
+                raise
+            finally:
+                books.in_flight = []
+            books.slot_pages[s].extend(groups)
+            books.refs.update(dict.fromkeys(groups, 1))
+            books.pages_changed(s)
+            books.note_dirty([s] * n, groups)
+
+
+class Premapper:
+    """One worker thread that carries out the jobs it is given, one at a time.
+
+    Its interface is small: `run(job)` is called with `lock` held (it may drop it around
+    driver calls, and stops between batches once `stopped`); `on_error(e)` hears what a job
+    raised. `quiesce` (lock held) stops the job after the batch in flight and waits for it;
+    `cancel` may be set without the lock (a caller that wants the lock soon tells the worker
+    to stop early).
+    """
+
+    def __init__(self, lock: threading.Lock, run: Callable[[Job], None],
+                 on_error: Callable[[BaseException], None]) -> None:
+        self.cv = threading.Condition(lock)
+        self.job: Job = []
+        self.busy = False
+        self.cancel = False
+        self.closed = False
+        self.thread: threading.Thread | None = None
+        self._run = run
+        self._on_error = on_error
+
+    def submit(self, job: Job) -> None:
+        """Start `job` on the worker thread (lock held)."""
+        self.job, self.cancel, self.busy = job, False, True
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="vattn-premap", daemon=True)
+            self.thread.start()
+        self.cv.notify_all()
+
+    def quiesce(self) -> None:
+        """Stop the job after its current batch and wait for it (lock held)."""
+        self.cancel = True
+        while self.busy:
+            self.cv.wait()
+
+    def wait(self) -> None:
+        """Wait until the job is done, without stopping it (lock held)."""
+        while self.busy:
+            self.cv.wait()
+
+    @property
+    def stopped(self) -> bool:
+        return self.cancel or self.closed
+
+    def is_worker(self) -> bool:
+        return self.thread is not None and threading.current_thread() is self.thread
+
+    def close(self) -> None:
+        """End the thread once its job stopped (lock held; `join` after releasing it)."""
+        self.closed = True
+        self.cv.notify_all()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+    def _loop(self) -> None:
+        with self.cv:
+            while not self.closed:
+                if not self.busy:
+                    self.cv.wait()
+                    continue
+                try:
+                    self._run(self.job)
+                except Exception as e:  # step() will meet the same error synchronously
+                    self._on_error(e)
+                self.job, self.busy = [], False
+                self.cv.notify_all()

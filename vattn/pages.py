@@ -1,0 +1,191 @@
+"""The physical page layer under both allocators: page groups created within the budget,
+kept spare, unmapped after their fences, released (failed releases kept for a retry) and
+closed. Plain Python, no torch.
+
+A *page group* is one page of each of the `num_buffers` buffers (K and V of every layer),
+created, mapped, unmapped and released together: the unit both allocators count. The slot
+allocator (`vattn.allocator`) and the elastic pool (`vattn.pool`) keep their own books of
+where groups are mapped; every group is born and dies here:
+
+```
+num_created = spare (created, not mapped) + mapped (the owner's books) + in flight (a worker's map)
+budget bytes this participant holds = (num_created + len(unreleased)) * group_bytes
+```
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Sequence
+
+from vattn.errors import OutOfPhysicalMemoryError
+
+if TYPE_CHECKING:
+    from vattn.budget import Budget
+    from vattn.vmem.base import Backend
+
+
+class PageGroups:
+    """The page groups of one cache or pool, and its place on a shared `Budget`.
+
+    Bytes are taken from the budget before a group is created and given back once it is
+    released. A group whose release the backend refused is still memory: it moves to
+    `unreleased` (still counted by the budget, no longer by `num_created`) and is released
+    again at `close`, which gives the budget everything back whatever failed.
+    """
+
+    def __init__(self, backend: Backend, bases: Sequence[int], page_size: int, num_buffers: int, *,
+                 budget: Budget | None = None, reclaim: Callable[[int], int] | None = None,
+                 cached: Callable[[], int] | None = None, device_sync: Callable[[], None] | None = None) -> None:
+        """`reclaim(nbytes)` and `cached()` are the owner's budget callbacks (see `vattn.budget`);
+        `device_sync` is called before every unmap (wait for every stream of the device)."""
+        self.backend = backend
+        self.bases = list(bases)
+        self.page_size = page_size
+        self.num_buffers = num_buffers
+        self.group_bytes = page_size * num_buffers
+        self.device_sync = device_sync
+        self.spare: list[Any] = []  # created, not mapped; pop() hands out the first created of a batch first
+        self.num_created = 0
+        self.unreleased: list[Any] = []  # released but refused by the backend: retried at close
+        self.budget = budget
+        self.budget_short = 0  # most bytes the budget refused since take_budget_short()
+        self.budget_token = budget.register(reclaim, cached) if budget is not None else None
+
+    # ---------------------------------------------------------------- creating ----
+    def create(self, count: int, extra: int = 0, *,
+               unlocked: ContextManager[Any] | None = None) -> list[Any] | None:
+        """`count` new groups, and `extra` more where the budget and the device have room for
+        them (fewer, larger creations). None when the budget cannot give `count` (nothing
+        created); OutOfPhysicalMemoryError when the device cannot create them. The budget and
+        driver calls run inside `unlocked` (a worker drops its owner's lock there); the
+        counts change after it."""
+        with unlocked if unlocked is not None else contextlib.nullcontext():
+            groups = self._create(count, extra)
+        if groups is not None:
+            self.num_created += len(groups)
+        return groups
+
+    def _create(self, count: int, extra: int) -> list[Any] | None:
+        if extra and not self._take_budget(count + extra):
+            extra = 0
+        if not extra and not self._take_budget(count):
+            return None
+        try:
+            return self.backend.create(count + extra, self.num_buffers, self.page_size)
+        except OutOfPhysicalMemoryError:
+            self._give_budget(extra)
+            if not extra:  # the device is short of what is needed
+                self._give_budget(count)
+                raise
+        except BaseException:
+            self._give_budget(count + extra)
+            raise
+        try:  # the larger batch did not fit; what is needed may
+            return self.backend.create(count, self.num_buffers, self.page_size)
+        except BaseException:
+            self._give_budget(count)
+            raise
+
+    def _take_budget(self, num_groups: int) -> bool:
+        nbytes = num_groups * self.group_bytes
+        if self.budget is None or self.budget.try_take(nbytes):
+            return True
+        self.budget_short = max(self.budget_short, nbytes)
+        return False
+
+    def _give_budget(self, num_groups: int) -> None:
+        if self.budget is not None and num_groups:
+            self.budget.give(num_groups * self.group_bytes)
+
+    def take_budget_short(self) -> int:
+        """The most bytes the budget refused since the last call (0: none), to ask the other
+        participants for (`Budget.reclaim`) outside the owner's lock."""
+        short, self.budget_short = self.budget_short, 0
+        return short
+
+    # ------------------------------------------------------------------- spare ----
+    def take_spare(self, count: int) -> list[Any]:
+        """Take `count` spare groups, in the order they are handed out."""
+        spare = self.spare
+        return [spare.pop() for _ in range(count)]
+
+    def put_spare(self, groups: Sequence[Any]) -> None:
+        """Make `groups` spare; the first of them is handed out first."""
+        self.spare.extend(reversed(groups))
+
+    # ---------------------------------------------------------------- mapping ----
+    def map(self, offsets: Sequence[int], groups: Sequence[Any]) -> None:
+        """Map groups[i] at offsets[i] of every buffer (one backend call, all or nothing)."""
+        self.backend.map(self.bases, offsets, groups, self.page_size)
+
+    def unmap(self, offsets: Sequence[int]) -> None:
+        """Unmap the pages at `offsets` of every buffer (one backend call). Wait for the
+        fences of the work that may read them first (`wait`)."""
+        self.backend.unmap(self.bases, offsets, self.page_size)
+
+    def fence(self) -> Any:
+        """A marker of the device work enqueued so far (None where work is synchronous)."""
+        return self.backend.fence()
+
+    def wait(self, fences: Iterable[Any]) -> None:
+        """Block until the work before each fence finished (each distinct fence once), and
+        until the whole device finished where the owner asked for that (`device_sync`)."""
+        seen: set[int] = set()
+        for fence in fences:
+            if fence is not None and id(fence) not in seen:
+                seen.add(id(fence))
+                self.backend.wait(fence)
+        if self.device_sync is not None:
+            self.device_sync()
+
+    # --------------------------------------------------------------- releasing ----
+    def release(self, groups: list[Any]) -> None:
+        """Release unmapped groups and give their bytes back to the budget. Groups the
+        backend refused to release are kept in `unreleased` (retried at close) and the error
+        is raised."""
+        if not groups:
+            return
+        self.num_created -= len(groups)
+        try:
+            self.backend.release(groups)
+        except Exception:
+            self.unreleased.extend(groups)  # still memory: the budget keeps counting it
+            raise
+        self._give_budget(len(groups))
+
+    def release_spare(self, count: int) -> int:
+        """Release the `count` spare groups that would be handed out next. Returns `count`."""
+        groups = self.spare[len(self.spare) - count:] if count > 0 else []
+        del self.spare[len(self.spare) - len(groups):]
+        self.release(groups)
+        return len(groups)
+
+    def close(self, offsets: list[int], mapped: list[Any], fences: Iterable[Any] = ()) -> list[Exception]:
+        """Give everything back: unmap `offsets` (after `fences` and all the device work
+        enqueued so far), release the `mapped` groups (each once), the spare and the
+        unreleased ones, give the budget back in full and leave it. Goes on past a failed
+        call; returns the errors in order (the caller raises the first)."""
+        errors: list[Exception] = []
+        try:
+            self.wait(fences)
+            fence = self.backend.fence()
+            if fence is not None:
+                self.backend.wait(fence)
+        except Exception as e:
+            errors.append(e)
+        for _ in range(2):  # once more if the unmap failed (a transient error)
+            try:
+                self.unmap(offsets)
+                break
+            except Exception as e:
+                errors.append(e)
+        groups = list(mapped) + self.spare + self.unreleased
+        self.spare, self.unreleased, self.num_created = [], [], 0
+        try:
+            self.backend.release(groups)
+        except Exception as e:
+            errors.append(e)
+        if self.budget is not None:  # the participant leaves: whatever failed, its bytes go back
+            self.budget.give(len(groups) * self.group_bytes)
+            self.budget.unregister(self.budget_token)
+        return errors
