@@ -10,13 +10,14 @@ the burst needs at once answers every request too (they wait in transformers' sc
 and keeps answering afterwards. `python -m vattn serve` itself starts as a process and
 answers.
 
-The contract (the README's "vattn serve"), each case followed by a normal request that must
-get its answer: requests that can never fit (empty, longer than the cache, larger than the
-memory limit, max_tokens past the room) are refused alone with a 400 that says why and what
-the limit is, and the batching loop never dies of them; a loop that dies anyway is
-restarted; `n` gives n choices; every stream ends with `data: [DONE]`; `/v1/models` lists
-the served model; SIGTERM drains (503 with Retry-After for new requests, open ones finish,
-or end with an error event and [DONE] past --shutdown-timeout; exit 0).
+The contract (docs/servers.md, "`vattn serve`: what a client can count on"), each case
+followed by a normal request that must get its answer: requests that can never fit (empty,
+longer than the cache, larger than the memory limit, max_tokens past the room) are refused
+alone with a 400 that says why and what the limit is, and the batching loop never dies of
+them; a loop that dies anyway is restarted; `n` gives n choices; every stream ends with
+`data: [DONE]`; `/v1/models` lists the served model; SIGTERM drains (503 with Retry-After
+for new requests, open ones finish, or end with an error event and [DONE] past
+--shutdown-timeout; exit 0).
 Needs `transformers[serving]` (the `test` extra has it).
 """
 from __future__ import annotations
@@ -186,7 +187,7 @@ def wait_for(predicate, timeout: float = 30.0) -> bool:
 def at_idle_floor(cb) -> bool:
     """Whether mapped memory is down to what a trim leaves with no request in flight: the
     trash sectors alone on 5.18+ (the trim evicts transformers' prefix-sharing blocks inside
-    the paused loop); on 5.17, whose loop cannot pause (README, `ElasticCB.trim`), the trash
+    the paused loop); on 5.17, whose loop cannot pause (docs/servers.md, `ElasticCB.trim`), the trash
     and exactly the prefix-sharing blocks its BlockManager keeps, and no free page mapped."""
     s = cb.stats()
     if hf_cb.design() == "sectors":
