@@ -206,8 +206,9 @@ def test_map_pinned_maps_whole_units_and_truncates_in_units(make_cache):
     check(c, b, UNIT, 1)
     d = c.alloc_reqid()
     assert c.map_pinned(d, handles) == 3 * UNIT
-    with pytest.raises(vattn.InvalidRequestError, match="whole number of sharing units"):
-        c.truncate_pinned(d, 2 * UNIT - 1)
+    for bad in (2 * UNIT - 1, -UNIT):
+        with pytest.raises(vattn.InvalidRequestError, match="whole number of sharing units"):
+            c.truncate_pinned(d, bad)
     assert c.truncate_pinned(d, UNIT) == 6
     check(c, d, UNIT, 1)
     assert c.step({d: 100})

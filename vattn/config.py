@@ -147,11 +147,12 @@ class Geometry:
     @cached_property
     def share_tokens(self) -> int:
         """Tokens of the sharing unit: lcm(page_size, token_bytes) bytes of a buffer, the
-        fewest whole tokens that fill whole pages (`share_pages` of them). Pages that other
-        slots or pins share hold whole units only (`map_pinned`), so that a request never
-        writes a token whose bytes begin in a page it shares. A page that holds whole tokens
-        is its own unit; e.g. 6 KiB tokens (Phi-3: 32 KV heads x head_dim 96, fp16) in
-        2 MiB pages share 1024 tokens in three pages."""
+        fewest whole tokens that fill whole pages (`share_pages` of them). Pinned pages map
+        into a new request in whole units (`map_pinned`, the prefix cache's blocks), so that
+        it never writes a token whose bytes begin in a page it shares (fork copies the page
+        its first own token begins in instead). A page that holds whole tokens is its own
+        unit; e.g. 6 KiB tokens (Phi-3: 32 KV heads x head_dim 96, fp16) in 2 MiB pages
+        share 1024 tokens in three pages."""
         return self.page_size // math.gcd(self.page_size, self.token_bytes)
 
     @cached_property

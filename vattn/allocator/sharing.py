@@ -121,7 +121,7 @@ class Sharing:
             raise InvalidRequestError(  # it ran (or holds other pages): its own tokens would be lost
                 f"reqid {slot} does not hold just the pinned pages map_pinned mapped into it (it ran, or "
                 "nothing was mapped): truncate_pinned right after map_pinned, before its first step")
-        if num_tokens % g.share_tokens or num_tokens > mapped:
+        if num_tokens < 0 or num_tokens % g.share_tokens or num_tokens > mapped:
             raise InvalidRequestError(
                 f"num_tokens={num_tokens} must be a whole number of sharing units ({g.share_tokens} tokens in "
                 f"{g.share_pages} page(s) each) of at most the {mapped} tokens map_pinned mapped into reqid {slot}")
