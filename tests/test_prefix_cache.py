@@ -95,8 +95,7 @@ def test_pin_and_map_errors(make_cache):
     h = c.pin(a, 1)
     with pytest.raises(vattn.InvalidRequestError, match="has run"):
         c.map_pinned(a, h)
-    with pytest.raises(vattn.InvalidConfigError, match="whole tokens"):
-        PrefixCache(make_cache(page_size=4 * KB, head_dim=24))  # 192 B tokens
+    PrefixCache(make_cache(page_size=4 * KB, head_dim=24))  # 192 B tokens: blocks of 3 pages (issue 23)
 
 
 def test_truncate_pinned_keeps_the_agreed_prefix(make_cache):
@@ -113,9 +112,9 @@ def test_truncate_pinned_keeps_the_agreed_prefix(make_cache):
     c.free_reqid(a)
     b = c.alloc_reqid()
     assert pc.map_prefix(b, prompt + [1]) == 3 * TPP
-    with pytest.raises(vattn.InvalidRequestError, match="whole number of pages"):
+    with pytest.raises(vattn.InvalidRequestError, match="whole number of sharing units"):
         c.truncate_pinned(b, TPP + 1)
-    with pytest.raises(vattn.InvalidRequestError, match="whole number of pages"):
+    with pytest.raises(vattn.InvalidRequestError, match="whole number of sharing units"):
         c.truncate_pinned(b, 4 * TPP)
     assert c.truncate_pinned(b, TPP) == 2
     assert c.stats().num_pinned_pages == 3
@@ -146,9 +145,82 @@ def test_token_ids_that_are_not_token_ids_are_refused(make_cache, bad):
     pc = PrefixCache(c)
     a = c.alloc_reqid()
     assert c.step({a: 40})
-    for call in (pc.map_prefix, pc.insert, lambda _r, ids: pc.page_hashes(ids)):
+    for call in (pc.map_prefix, pc.insert, lambda _r, ids: pc.block_hashes(ids)):
         with pytest.raises(vattn.InvalidRequestError, match="token_ids must be"):
             call(a, bad)
     assert not pc.entries and pc.num_query_tokens == 0
     pc.insert(a, list(range(40)))  # still works
     assert len(pc.entries) == 1
+
+
+# ------------------------------------------- tokens that do not divide the page (issue 23) ----
+ODD = dict(page_size=4 * KB, head_dim=24, prefetch=False)  # 192 B tokens: 64 tokens in 3 pages share
+UNIT = 64
+
+
+def test_a_token_that_does_not_divide_the_page_shares_whole_units(make_cache):
+    """A page of 4 KiB holds 21 1/3 tokens of 192 bytes: prefix caching keys blocks of 64
+    tokens (lcm(4096, 192) bytes = 3 pages) and maps them whole, so the new request's own
+    tokens start on a page boundary and it never writes into a page it shares."""
+    c = make_cache(**ODD)
+    g = c.geometry
+    assert (g.share_tokens, g.share_pages) == (UNIT, 3) and g.slot_tokens % UNIT == 0
+    pc = PrefixCache(c, salt="phi")
+    assert (pc.block_tokens, pc.block_pages) == (UNIT, 3)
+    prompt = list(range(150))  # 2 whole blocks + 22 tokens
+    a = c.alloc_reqid()
+    assert c.step({a: 150})
+    fill(c, a, 0, 150, 1)
+    pc.insert(a, prompt)
+    assert c.stats().num_pinned_pages == 6
+    c.free_reqid(a)
+    b = c.alloc_reqid()
+    mapped = c.backend.num_pages_mapped
+    assert pc.map_prefix(b, prompt + [7]) == 2 * UNIT
+    assert c.backend.num_pages_mapped == mapped + 6  # mapped, not copied
+    check(c, b, 2 * UNIT, 1)
+    assert c.step({b: 170})  # its own pages from page 6 (token 128, byte 24576) on
+    fill(c, b, 2 * UNIT, 170, 2)
+    d = c.alloc_reqid()
+    assert pc.map_prefix(d, prompt[:100] + [5, 6]) == UNIT  # one block in common
+    check(c, d, UNIT, 1)
+    e = c.alloc_reqid()
+    assert pc.map_prefix(e, prompt + [9]) == 2 * UNIT  # b's own tokens changed nothing pinned
+    check(c, e, 2 * UNIT, 1)
+    assert pc.hit_rate == pytest.approx(5 * UNIT / (151 + 102 + 151))
+    c.allocator.check_invariants()
+
+
+def test_map_pinned_maps_whole_units_and_truncates_in_units(make_cache):
+    c = make_cache(**ODD)
+    a = c.alloc_reqid()
+    assert c.step({a: 200})
+    fill(c, a, 0, 200, 1)
+    with pytest.raises(vattn.InvalidRequestError, match="whole pages"):
+        c.pin(a, 10)  # 200 tokens fill 9 pages and a third (37 1/2 KiB)
+    handles = c.pin(a, 9)
+    c.free_reqid(a)
+    b = c.alloc_reqid()
+    assert c.map_pinned(b, handles[:5]) == UNIT  # a unit and 2 pages of the next: one unit
+    assert len(c.allocator.books.slot_pages[b]) == 3
+    check(c, b, UNIT, 1)
+    d = c.alloc_reqid()
+    assert c.map_pinned(d, handles) == 3 * UNIT
+    for bad in (2 * UNIT - 1, -UNIT):
+        with pytest.raises(vattn.InvalidRequestError, match="whole number of sharing units"):
+            c.truncate_pinned(d, bad)
+    assert c.truncate_pinned(d, UNIT) == 6
+    check(c, d, UNIT, 1)
+    assert c.step({d: 100})
+    fill(c, d, UNIT, 100, 2)
+    check(c, b, UNIT, 1)
+    assert c.map_pinned(c.alloc_reqid(), handles[:2]) == 0  # less than a unit
+    c.allocator.check_invariants()
+
+
+def test_a_unit_no_prompt_could_share_is_refused_with_what_fits(make_cache):
+    with pytest.raises(vattn.InvalidConfigError, match="no prompt could ever share.*layout='fused'"):
+        PrefixCache(make_cache(**ODD, max_context_len=UNIT))  # fused: 384 B tokens, 32 a block
+    with pytest.raises(vattn.InvalidConfigError, match="no layout or page size"):  # 56 B tokens: 512 a block
+        PrefixCache(make_cache(page_size=4 * KB, head_dim=7, num_layers=1, max_context_len=512))
+    PrefixCache(make_cache(**ODD, max_context_len=UNIT + 1))

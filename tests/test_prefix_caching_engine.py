@@ -84,7 +84,7 @@ def test_shared_system_prompt_is_computed_once(layout: str) -> None:
     ref = [list(r) for r in system_reference()]
     assert tokens(plain) == ref and tokens(cached) == ref
     assert none is None
-    tpp = stats.tokens_per_page
+    tpp = stats.block_tokens
     assert tpp == {"per-layer": 32, "fused": 16}[layout]
     # every request after the first two (which arrive together, before anything is cached)
     # maps the system prompt's whole pages
@@ -162,10 +162,59 @@ def test_prefix_caching_config_errors() -> None:
         LLM(tiny_config(), enable_prefix_caching="yes")
     from transformers import LlamaConfig
 
+    # 192-byte tokens in 4 KiB pages share blocks of 64 tokens: none fits a 64-token context
     odd = LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # 192-byte tokens
-    with pytest.raises(InvalidConfigError, match="whole tokens"):
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with pytest.raises(InvalidConfigError, match="no prompt could ever share a block; use layout='fused'"):
         LLM(odd, page_size=PAGE, enable_prefix_caching=True)
+    with LLM(odd, page_size=PAGE, layout="fused", enable_prefix_caching=True) as llm:
+        assert llm.prefix_cache_stats().block_tokens == 32
+
+
+# ------------------------------------------- a token that does not divide the page ----
+def phi3_config() -> Any:
+    """A tiny Phi-3-shaped model: head_dim 96 (as Phi-3-mini's), so a token of a per-layer
+    buffer (2 KV heads x 96 x fp32 = 768 bytes) does not divide the host's default 64 KiB
+    page; blocks of 256 tokens (128 fused) fill 3 pages."""
+    from transformers import Phi3Config
+
+    return Phi3Config(vocab_size=128, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+PHI_SUFFIX_LENS = (5, 40, 1, 23, 70, 12)
+PHI_MAX_TOKENS = (8, 6, 10, 5, 7, 9)
+PHI_ARRIVALS = (0, 0, 1, 2, 4, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def phi_prompts() -> tuple[tuple[int, ...], ...]:
+    """Six prompts sharing a 300-token system prompt (one or two whole blocks)."""
+    g = torch.Generator().manual_seed(11)
+    system = torch.randint(3, 128, (300,), generator=g).tolist()
+    return tuple(tuple(system + torch.randint(3, 128, (n,), generator=g).tolist()) for n in PHI_SUFFIX_LENS)
+
+
+@pytest.mark.parametrize("layout, block", [("per-layer", 256), ("fused", 128)])
+def test_phi3_shaped_model_with_prefix_caching_at_the_default_page_size(layout: str, block: int) -> None:
+    """Issue 23: prefix caching refused a page that holds no whole number of tokens, and the
+    user had to find a page size that did. Now it shares whole blocks of lcm(page, token)
+    bytes at the default page size; greedy outputs equal transformers' own."""
+    model = build_model(phi3_config())
+    ref = [hf_greedy(model, list(p), m) for p, m in zip(phi_prompts(), PHI_MAX_TOKENS)]
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in PHI_MAX_TOKENS]
+    with LLM(phi3_config(), seed=0, max_batch_size=4, layout=layout, enable_prefix_caching=True) as llm:
+        g = llm.cache.geometry
+        assert g.page_size % g.token_bytes  # (a token straddles pages)
+        assert (g.share_tokens, g.share_pages) == (block, 3)
+        outs = run_online(llm, [list(p) for p in phi_prompts()], params, PHI_ARRIVALS)
+        stats = llm.prefix_cache_stats()
+        llm.cache.allocator.check_invariants()
+    assert tokens(outs) == ref
+    assert stats.block_tokens == block
+    # every request after the first two (which arrive together) maps the system prompt's blocks
+    assert stats.num_hit_tokens >= (len(PHI_SUFFIX_LENS) - 2) * (300 // block * block)
 
 
 # ------------------------------------------------------------ the scheduler alone ----

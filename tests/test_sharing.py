@@ -3,6 +3,7 @@ trim. The same physical page is mapped at two virtual addresses (a memfd offset 
 twice on the host; one handle mapped twice on CUDA)."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -36,6 +37,48 @@ def test_fork_shares_whole_pages_and_copies_the_partial_one(make_cache):
     c.k_cache(1)[b, 64:70] = 9.0  # the copied page is b's own
     check(c, a, 120, 1)
     c.allocator.check_invariants()
+
+
+def test_fork_with_tokens_that_straddle_pages(make_cache):
+    """192 B tokens in 4 KiB pages (token 85 straddles pages 3 and 4): a fork shares the
+    pages its tokens fill and copies the page its first own token begins in, which holds
+    the straddling token's tail; at a unit boundary (64 tokens: 3 pages) nothing is copied."""
+    c = make_cache(page_size=4 * KB, head_dim=24, prefetch=False)
+    a = c.alloc_reqid()
+    assert c.step({a: 100})
+    fill(c, a, 0, 100, 1)
+    mapped = c.backend.num_pages_mapped
+    b = c.fork(a, 86)  # 16512 bytes: pages 0..3 shared, page 4 (token 85's tail) copied
+    assert c.backend.num_pages_mapped == mapped + 5
+    d = c.fork(a, 64)  # 12288 bytes: 3 whole pages, no copy
+    assert c.backend.num_pages_mapped == mapped + 5 + 3
+    check(c, b, 86, 1)
+    check(c, d, 64, 1)
+    assert c.step({a: 120, b: 110, d: 80})
+    fill(c, a, 100, 120, 1)
+    fill(c, b, 86, 110, 2)
+    fill(c, d, 64, 80, 3)
+    check(c, a, 120, 1)
+    check(c, b, 86, 1)
+    check(c, d, 64, 1)
+    c.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("head_dim, layout, page, unit", [
+    (96, "per-layer", 2 << 20, (1024, 3)),  # Phi-3-mini: 6 KiB tokens, 1024 of them in three 2 MiB pages
+    (96, "fused", 2 << 20, (32, 3)),  # 32 layers a token: 192 KiB
+    (80, "per-layer", 2 << 20, (2048, 5)),  # Phi-2
+    (128, "per-layer", 2 << 20, (256, 1)),  # whole tokens: a page is a unit
+    (96, "per-layer", 4 * KB, (2, 3)),
+    (80, "per-layer", 64 * KB, (64, 5)),
+])
+def test_the_sharing_unit_is_the_lcm_of_page_and_token(head_dim, layout, page, unit):
+    cfg = vattn.CacheConfig(num_layers=32, num_kv_heads=32, head_dim=head_dim, max_batch_size=2,
+                            max_context_len=4000, layout=layout)
+    g = vattn.config.Geometry(cfg, page)
+    assert (g.share_tokens, g.share_pages) == unit
+    assert g.share_tokens * g.token_bytes == g.share_pages * page == math.lcm(page, g.token_bytes)
+    assert g.slot_tokens % g.share_tokens == 0 and g.slot_tokens >= 4000
 
 
 def test_shared_page_lives_until_both_let_go(make_cache):

@@ -17,11 +17,12 @@ BUDGET = 6  # page groups
 class CacheMachine(RuleBasedStateMachine):
     background = True
     device = "cpu"
+    head_dim = 16
 
     def __init__(self) -> None:
         super().__init__()
         self.live_before = fake_cuda.load().live() if self.device == "fakecuda" else None
-        self.cache = new_cache(self.device, num_layers=1, num_kv_heads=1, head_dim=16, max_batch_size=B,
+        self.cache = new_cache(self.device, num_layers=1, num_kv_heads=1, head_dim=self.head_dim, max_batch_size=B,
                                max_context_len=L, page_size=PAGE, physical_memory=BUDGET * 2 * PAGE,
                                background=self.background)
         self.g = self.cache.geometry
@@ -120,7 +121,7 @@ class CacheMachine(RuleBasedStateMachine):
         r = max(self.lens, key=self.tags.__getitem__)  # the one alloc() just made
         n = self.cache.map_pinned(r, handles)
         k = n * self.g.token_bytes // self.g.page_size
-        assert n % (self.g.page_size // self.g.token_bytes) == 0 and k <= len(handles)
+        assert n % self.g.share_tokens == 0 and n * self.g.token_bytes == k * self.g.page_size and k <= len(handles)
         self.lens[r] = n
         self.segs[r] = [(a, min(b, n), t) for a, b, t in segs if a < n]
         self.pages[r] = ids[:k]
@@ -159,6 +160,12 @@ class SyncCacheMachine(CacheMachine):
     background = False
 
 
+class StraddleCacheMachine(CacheMachine):
+    """96 B tokens: a token straddles pages, forks copy the page their first own token
+    begins in, and pinned pages map in units of 128 tokens in 3 pages (issue 23)."""
+    head_dim = 24
+
+
 class FakeCudaCacheMachine(CacheMachine):  # the CUDA backend on tests/fake_cuda's driver
     device = "fakecuda"
 
@@ -169,6 +176,8 @@ class FakeCudaSyncCacheMachine(SyncCacheMachine):
 
 TestBackground = CacheMachine.TestCase
 TestBackground.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestStraddle = StraddleCacheMachine.TestCase
+TestStraddle.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
 TestSync = SyncCacheMachine.TestCase
 TestSync.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
 TestFakeCudaBackground = pytest.mark.usefixtures("fake_cuda")(FakeCudaCacheMachine.TestCase)

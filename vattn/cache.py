@@ -188,11 +188,14 @@ class KVCache:
     def map_pinned(self, reqid: int, handles: Sequence) -> int:
         """Map pinned pages (handles from `pin`) as the first pages of `reqid` before its
         first step: no copy, and their tokens need no prefill. Stops at the first handle
-        that was evicted. Returns the number of tokens now in the slot."""
+        that was evicted, and maps whole sharing units only (`geometry.share_pages` pages
+        of `geometry.share_tokens` tokens: one page where a page holds whole tokens), so
+        that `reqid` never writes into a page it shares. Returns the number of tokens now
+        in the slot."""
         return self.allocator.map_pinned(reqid, handles)
 
     def truncate_pinned(self, reqid: int, num_tokens: int) -> int:
-        """Keep only the first `num_tokens` tokens (whole pages) of what `map_pinned` mapped
+        """Keep only the first `num_tokens` tokens (whole sharing units) of what `map_pinned` mapped
         into `reqid` before its first step; the later pages are unmapped from it and stay
         pinned. Tensor-parallel ranks use it to keep the prefix every rank could map.
         Returns the pages unmapped."""

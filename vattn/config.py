@@ -145,9 +145,26 @@ class Geometry:
         return self.token_bytes * self.num_buffers
 
     @cached_property
+    def share_tokens(self) -> int:
+        """Tokens of the sharing unit: lcm(page_size, token_bytes) bytes of a buffer, the
+        fewest whole tokens that fill whole pages (`share_pages` of them). Pinned pages map
+        into a new request in whole units (`map_pinned`, the prefix cache's blocks), so that
+        it never writes a token whose bytes begin in a page it shares (fork copies the page
+        its first own token begins in instead). A page that holds whole tokens is its own
+        unit; e.g. 6 KiB tokens (Phi-3: 32 KV heads x head_dim 96, fp16) in 2 MiB pages
+        share 1024 tokens in three pages."""
+        return self.page_size // math.gcd(self.page_size, self.token_bytes)
+
+    @cached_property
+    def share_pages(self) -> int:
+        """Pages of the sharing unit (`share_tokens`): 1 when a page holds whole tokens."""
+        return self.token_bytes // math.gcd(self.page_size, self.token_bytes)
+
+    @cached_property
     def slot_tokens(self) -> int:
-        """max_context_len rounded up so that a slot is a whole number of pages."""
-        q = self.page_size // math.gcd(self.page_size, self.token_bytes)
+        """max_context_len rounded up to whole sharing units (so a slot is a whole number of
+        pages, and every slot's units start at the same page of it)."""
+        q = self.share_tokens
         return -(-self.config.max_context_len // q) * q
 
     @cached_property
@@ -176,12 +193,6 @@ class Geometry:
                 f"page_size={self.page_size} is larger than a whole slot ({slot} bytes: max_context_len="
                 f"{self.config.max_context_len} tokens x {self.token_bytes} bytes per buffer); use a page of "
                 f"at most {max(SMALL_PAGE_SIZE, 1 << (slot - 1).bit_length())} bytes")
-
-    @cached_property
-    def whole_tokens_per_page(self) -> int:
-        """Tokens one page of a buffer holds when it holds a whole number of them, else 0
-        (pages shared between requests, as prefix caching maps them, need whole tokens)."""
-        return 0 if self.page_size % self.token_bytes else self.page_size // self.token_bytes
 
     def pages_for(self, num_tokens: int) -> int:
         """Page groups a slot needs to hold `num_tokens` tokens."""

@@ -3,8 +3,11 @@ prefix cache (least recently used first when memory runs short) and their mappin
 new request's slot. Plain Python.
 
 A shared group holds whole pages of tokens every slot mapping it has written; a slot's
-writable tail is always its own. A pin is one more reference, so a pinned group outlives
-the slots that mapped it until it is evicted (`SlotBooks.evict`) or trimmed.
+writable tail is always its own. Where a page does not hold a whole number of tokens, a
+token may straddle two pages: `map_pinned` shares whole units of lcm(page, token) bytes
+(`Geometry.share_pages`), and fork copies the page the first token of its own begins
+in. A pin is one more reference, so a pinned group outlives the slots that mapped it
+until it is evicted (`SlotBooks.evict`) or trimmed.
 """
 from __future__ import annotations
 
@@ -82,46 +85,47 @@ class Sharing:
 
     def map_pinned(self, reqid: int, handles: Sequence[Handle]) -> int:
         """Map the leading still-pinned `handles` as the first pages of a request that has not
-        run yet (its slot keeps nothing of earlier requests). Returns the tokens mapped."""
+        run yet (its slot keeps nothing of earlier requests), in whole sharing units
+        (`Geometry.share_pages` pages, `share_tokens` tokens: the request's first token of
+        its own then starts on a page boundary, so it never writes into a shared page; a
+        unit that lost a page to eviction ends the prefix). Returns the tokens mapped."""
         books = self.books
         slot = books.check_active(reqid)
         g = books.geometry
-        if not g.whole_tokens_per_page:
-            raise InvalidRequestError(
-                f"a page of {g.page_size} bytes does not hold a whole number of {g.token_bytes}-byte "
-                "tokens; pick a page size that does to map pinned pages")
         if books.max_lens[slot]:
             raise InvalidRequestError(f"reqid {slot} has run already; map pinned pages before its first step")
         books.fence_ran()
         groups = books.pinned(handles)
+        groups = groups[:len(groups) - len(groups) % g.share_pages]
         if not groups:
             return 0
         self.mapper.empty(slot)  # a reused slot: drop its pages first
         self.mapper.execute(StepPlan({}, shares=((slot, 0, tuple(groups)),)))
-        for grp in groups:
+        for grp in groups:  # (the rest of a broken unit stays least recently used: evicted first)
             books.pins.move_to_end(grp)
         books.shared_slots.add(slot)
-        books.max_lens[slot] = len(groups) * g.whole_tokens_per_page
+        books.max_lens[slot] = len(groups) // g.share_pages * g.share_tokens
         return books.max_lens[slot]
 
     def truncate_pinned(self, reqid: int, num_tokens: int) -> int:
-        """Keep only the first `num_tokens` tokens (whole pages) of what `map_pinned` mapped
-        into a request that has not run yet; the later pages stay pinned. Returns the pages
-        unmapped."""
+        """Keep only the first `num_tokens` tokens (whole sharing units) of what `map_pinned`
+        mapped into a request that has not run yet; the later pages stay pinned. Returns the
+        pages unmapped."""
         books = self.books
         slot = books.check_active(reqid)
         num_tokens = as_index(num_tokens, "num_tokens")
-        tpp = books.geometry.whole_tokens_per_page
+        g = books.geometry
         mapped, pages = books.max_lens[slot], books.slot_pages[slot]
-        if not mapped or mapped != len(pages) * tpp or any(grp not in books.pins for grp in pages):
+        if (not mapped or mapped * g.share_pages != len(pages) * g.share_tokens
+                or any(grp not in books.pins for grp in pages)):
             raise InvalidRequestError(  # it ran (or holds other pages): its own tokens would be lost
                 f"reqid {slot} does not hold just the pinned pages map_pinned mapped into it (it ran, or "
                 "nothing was mapped): truncate_pinned right after map_pinned, before its first step")
-        if not tpp or num_tokens < 0 or num_tokens % tpp or num_tokens > mapped:
+        if num_tokens < 0 or num_tokens % g.share_tokens or num_tokens > mapped:
             raise InvalidRequestError(
-                f"num_tokens={num_tokens} must be a whole number of pages of at most the {mapped} tokens "
-                f"map_pinned mapped into reqid {slot}")
-        drop = len(pages) - num_tokens // tpp
+                f"num_tokens={num_tokens} must be a whole number of sharing units ({g.share_tokens} tokens in "
+                f"{g.share_pages} page(s) each) of at most the {mapped} tokens map_pinned mapped into reqid {slot}")
+        drop = len(pages) - num_tokens // g.share_tokens * g.share_pages
         unmapped = self.mapper.reclaim([(slot, drop)], drop) if drop else 0
         books.max_lens[slot] = num_tokens
         return unmapped

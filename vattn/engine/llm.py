@@ -47,7 +47,7 @@ class PrefixCacheStats:
     num_query_tokens: int  # tokens of the sequences looked up
     num_hit_tokens: int  # of those, mapped from cached pages instead of computed
     num_pinned_pages: int  # page groups the cache keeps now
-    tokens_per_page: int  # the sharing granularity
+    block_tokens: int  # tokens a cached block covers: the sharing granularity (`Geometry.share_tokens`)
 
     @property
     def hit_rate(self) -> float:
@@ -285,7 +285,7 @@ class LLM:
             return None
         with self._lock:
             pinned = self.runner.cache.stats().num_pinned_pages if not self._closed else 0
-            return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.tokens_per_page)
+            return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.block_tokens)
 
     @property
     def num_preemptions(self) -> int:

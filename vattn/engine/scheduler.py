@@ -48,10 +48,10 @@ leaves the sample waiting (FCFS: nothing behind it is admitted in that iteration
 Prefix caching (a `prefix_cache`, see `vattn.prefix_cache.PrefixCache`): a sequence that
 gets a new slot maps the longest cached prefix of its tokens into it (`map_prefix`: no
 copy, at least one token left to compute) and starts with those tokens computed. When a
-sequence's prompt is computed, its whole prompt pages are pinned in the cache (`insert`);
-a sequence preempted for memory pins the whole pages of everything it computed, so that
-its recomputation maps them back unless memory pressure evicted them first (least
-recently used first).
+sequence's prompt is computed, the pages of its whole prompt blocks (whole tokens in whole
+pages) are pinned in the cache (`insert`); a sequence preempted for memory pins the whole
+blocks of everything it computed, so that its recomputation maps them back unless memory
+pressure evicted them first (least recently used first).
 
 When `kv.step` raises (a `BackendError`, the host's mapping limit, ...), the failure
 belongs to no one request: the iteration runs nothing, and every sequence it had
@@ -439,7 +439,7 @@ class Scheduler:
             self.requests.pop(seq.request_id, None)
 
     def _cache_prefix(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Pin the whole pages of `token_ids`, computed in `seq`'s slot, for later requests."""
+        """Pin the whole blocks of `token_ids`, computed in `seq`'s slot, for later requests."""
         if self.prefix_cache is None:
             return
         try:
