@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +13,13 @@ torch.set_num_threads(1)
 import vattn
 from tests import fake_cuda as fake_cuda_lib
 
+# The repository: subprocess tests run from it and put it on PYTHONPATH (`tests.*` imports).
+REPO = Path(__file__).resolve().parent.parent
+
 
 def cuda_ok() -> bool:
     return torch.cuda.is_available()
+
 
 
 def pytest_collection_modifyitems(config, items):
