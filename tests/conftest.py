@@ -21,6 +21,17 @@ def cuda_ok() -> bool:
     return torch.cuda.is_available()
 
 
+def hf_cb_problem() -> str:
+    """Why transformers' continuous batching cannot run on vattn here ("" when it can): a
+    transformers release `hf_cb` does not support, or 5.17-5.20 on a host without psutil."""
+    from vattn.integrations import hf_cb
+
+    try:
+        hf_cb.check_transformers()
+        return hf_cb.memory_problem() or ""
+    except vattn.InvalidConfigError as e:  # pragma: no cover - another transformers
+        return str(e)
+
 
 def pytest_collection_modifyitems(config, items):
     if cuda_ok():

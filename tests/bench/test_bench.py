@@ -12,12 +12,6 @@ from vattn.cli import main
 ENV_KEYS = {"device", "torch", "commit", "date"}
 
 
-@pytest.fixture(autouse=True)
-def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VATTN_BENCH_QUIET", "1")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-
-
 def _load(folder, name: str) -> dict:
     payload = json.loads((folder / f"{name}.json").read_text())
     assert ENV_KEYS <= payload["environment"].keys()

@@ -21,11 +21,6 @@ ENV_KEYS = {"device", "device_kind", "python", "torch", "vattn", "kernel", "comm
 TINY_MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--device", "cpu"]
 
 
-@pytest.fixture(autouse=True)
-def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VATTN_BENCH_QUIET", "1")
-
-
 def _load(tmp_path: Path, name: str) -> dict:
     data = json.loads((tmp_path / f"{name}_host.json").read_text())
     assert ENV_KEYS <= set(data["environment"]), data["environment"]

@@ -56,11 +56,7 @@ def test_forward_context_is_cleared() -> None:
 
 
 # -------------------------------------------------------------------- CUDA kernels ----
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("fused", [False, True], ids=["per-layer", "fused"])
 @pytest.mark.parametrize("kernel", ["torch_flash", "flash_attn"])

@@ -16,8 +16,6 @@ from vattn.engine.config import EngineConfig  # noqa: E402
 from vattn.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size  # noqa: E402
 from vattn.errors import InvalidConfigError  # noqa: E402
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
 
 def test_capture_sizes_and_padding() -> None:
     assert capture_sizes(1) == [1]
@@ -64,7 +62,6 @@ def _engine(**kw) -> LLM:
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("layout", ["per-layer", "fused"])
 def test_graph_decodes_agree_with_eager(layout: str) -> None:
     # online arrivals and different lengths: prefills, mixed and decode-only iterations, and
@@ -92,7 +89,6 @@ def test_graph_decodes_agree_with_eager(layout: str) -> None:
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_graphs_are_on_by_default_on_cuda() -> None:
     with _engine() as llm:
         assert isinstance(llm.runner.graphs, DecodeGraphs)
@@ -102,7 +98,6 @@ def test_graphs_are_on_by_default_on_cuda() -> None:
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("when", ["always", "captured"])
 def test_a_model_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog, when: str) -> None:
     # a forward that reads a device value on the host, always or only while captured: the

@@ -337,11 +337,7 @@ def test_load_checkpoint_directory(tmp_path: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- CUDA ----
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
 @pytest.mark.gpu
-@needs_cuda
 def test_engine_on_cuda_matches_sdpa_kernel() -> None:
     import importlib.util
 
@@ -359,7 +355,6 @@ def test_engine_on_cuda_matches_sdpa_kernel() -> None:
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_config_model_is_made_on_the_gpu_in_the_run_dtype() -> None:
     from vattn.engine.config import EngineConfig
     from vattn.engine.model_runner import load_model

@@ -25,42 +25,30 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 from transformers.generation.continuous_batching import cache as cache_mod  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 
 import vattn  # noqa: E402
+from tests.conftest import hf_cb_problem  # noqa: E402
+from tests.helpers import FAMILIES, PROMPT_LENS, build_model, prompts, tiny_config  # noqa: E402
 from vattn.integrations import hf_cb  # noqa: E402
 from vattn.integrations.hf import VAttnCache  # noqa: E402
 
-try:
-    hf_cb.check_transformers()
-    CB_SKIP = hf_cb.memory_problem() or ""  # transformers 5.17-5.20 on a host without psutil
-except vattn.InvalidConfigError as e:  # pragma: no cover - another transformers
-    CB_SKIP = str(e)
+CB_SKIP = hf_cb_problem()
 needs_cb = pytest.mark.skipif(bool(CB_SKIP), reason=CB_SKIP)
 
 PAGE = 4096
-PROMPT_LENS = (5, 17, 33, 48, 70, 3)
 # 16 tokens a block: 2 layers x 2 KV heads x 16 x fp32 x K and V = 8 KiB, one block a sector
 SECTOR = 2 * 2 * 16 * 4 * 16 * 2
 WINDOW = 24  # Mistral's sliding window: shorter than most requests
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 
 
 def tiny(family: str, seed: int = 0):
+    """The engine tests' tiny seeded model of `family`; Mistral with its sliding window."""
     extra = {"sliding_window": WINDOW} if family == "mistral" else {}
-    config = FAMILIES[family](vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                              initializer_range=0.2, **extra)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return build_model(tiny_config(family, **extra), seed)
 
 
 GEN = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=-1, pad_token_id=0)

@@ -46,15 +46,11 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import vattn  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
+from tests.conftest import REPO, hf_cb_problem  # noqa: E402
 from vattn.bench._models import char_checkpoint  # noqa: E402  (a tiny Llama, a character tokenizer)
 from vattn.integrations import hf_cb, hf_serve  # noqa: E402
 
-try:
-    hf_cb.check_transformers()
-    SKIP = hf_cb.memory_problem() or ""  # transformers 5.17-5.20 on a host without psutil
-except vattn.InvalidConfigError as e:  # pragma: no cover - another transformers
-    SKIP = str(e)
+SKIP = hf_cb_problem()
 if not SKIP and (missing := [m for m in hf_serve.SERVING_PACKAGES if importlib.util.find_spec(m) is None]):
     SKIP = f"transformers serve needs {missing}: pip install 'transformers[serving]' (in the test extra)"
 pytestmark = pytest.mark.skipif(bool(SKIP), reason=SKIP)
