@@ -59,9 +59,10 @@ transformers' generation loop, which stops and fails the requests in flight (`va
 then starts a new loop: `vattn.integrations.hf_serve`). Sharing a GPU, give each process a
 `memory_limit` (and the servers theirs) whose sum fits it.
 
-Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py and
-tests/test_serve.py, see tests/test_hf_cb_versions.py). The hook checks the exact names,
-signatures and source lines it relies on and raises `InvalidConfigError` when they changed.
+Supported: `SUPPORTED_VERSIONS` (each verified with tests/integrations/test_hf_cb.py and
+tests/integrations/test_serve.py, see tests/integrations/test_hf_cb_versions.py). The hook
+checks the exact names, signatures and source lines it relies on and raises
+`InvalidConfigError` when they changed.
 A release newer than these is recognised by that same check, not by its version string:
 when it keeps one design's hook points, vattn warns that it is unverified and runs; an
 older release, or a newer one with a changed cache, gets `InvalidConfigError`.
@@ -89,8 +90,9 @@ from vattn.pool import ElasticPool, PoolStats
 
 logger = logging.getLogger("vattn.hf_cb")
 
-# transformers major.minor -> the design of its continuous-batching cache, each verified with tests/test_hf_cb.py
-# and tests/test_serve.py (tests/test_hf_cb_versions.py runs them on each); pyproject's extras stop below the next one
+# transformers major.minor -> the design of its continuous-batching cache, each verified with
+# tests/integrations/test_hf_cb.py and tests/integrations/test_serve.py (tests/integrations/test_hf_cb_versions.py
+# runs them on each); pyproject's extras stop below the next one
 DESIGNS = {"5.17": "blocks", "5.18": "sectors", "5.19": "sectors", "5.20": "sectors", "5.21": "sectors", "5.22": "sectors",
            "5.23": "sectors", "5.24": "sectors"}
 SUPPORTED_VERSIONS = tuple(DESIGNS)
