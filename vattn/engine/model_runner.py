@@ -211,10 +211,11 @@ class ModelRunner:
     """Runs the model on a batch of scheduled sequences and samples their next tokens."""
 
     def __init__(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
-        from vattn.integrations.hf import use_vattn_attention
+        from vattn.integrations.hf import check_model, use_vattn_attention
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
+        check_model(self.model)  # UnsupportedModelError: layers vattn cannot run (Mamba, linear attention, ...)
         hf = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         num_layers = hf.num_hidden_layers

@@ -16,12 +16,22 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from vattn.attention import get_forward_context
+from vattn.attention import ForwardContext, forward_context, get_forward_context
 from vattn.cache import KVCache
 from vattn.checks import as_int
-from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError
+from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
 
 ATTN_IMPLEMENTATION = "vattn"
+# The layer kinds (transformers' `layer_types` names) whose only memory of earlier tokens is
+# their K/V, which vattn keeps; "dummy" layers (an MLP-only layer, or one that reads another
+# layer's K/V) keep nothing. Everything else keeps a state vattn does not (see `check_model`).
+SUPPORTED_LAYER_KINDS = ("full_attention", "sliding_attention", "dummy")
+# What the kinds vattn refuses are, for its message.
+_KIND_NAMES = {"linear_attention": "state-space or linear-attention (Mamba, Mamba2, gated delta-net)",
+               "hybrid": "attention beside Mamba", "conv": "short-convolution", "chunked_attention": "chunked-attention",
+               "indexed_attention": "sparse-attention"}
+# A module's own parameters that only state-space layers have (Mamba, Mamba2, gated delta-net).
+_SSM_PARAMETERS = ("A_log", "dt_bias")
 
 
 def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -77,6 +87,121 @@ def restore_attention(model: PreTrainedModel, implementation: str | None) -> Non
             model.set_attn_implementation(implementation)
         except (ValueError, ImportError):
             pass
+
+
+# ------------------------------------------------------------ which models run ----
+def layer_kinds(config: Any) -> list[str]:
+    """Each decoder layer's kind as transformers' caches see it ("full_attention",
+    "sliding_attention", "linear_attention" for Mamba/Mamba2/gated delta-net layers, "hybrid"
+    for attention and Mamba side by side, "conv", "chunked_attention", ...). A config that
+    names no kinds says "full_attention" (or "sliding_attention") for every layer."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    try:
+        return list(get_layer_types_and_kwargs(text)[0])
+    except (AttributeError, TypeError, ValueError):  # a config transformers' caches cannot read
+        n = getattr(text, "num_hidden_layers", None) or 0
+        return list(getattr(text, "layer_types", None) or ["full_attention"] * n)
+
+
+def state_modules(model: torch.nn.Module) -> list[str]:
+    """The decoder's modules that keep a state of earlier tokens other than attention K/V,
+    found by what they are made of: a causal convolution (`Conv1d`: Mamba, gated delta-net,
+    short-conv layers) or state-space parameters (`A_log`, `dt_bias`). As "Class (path)"."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    found: dict[str, str] = {}
+    for path, module in decoder.named_modules():
+        owner = None
+        if isinstance(module, torch.nn.Conv1d):
+            owner = path.rpartition(".")[0]
+        elif any(name in _SSM_PARAMETERS for name, _ in module.named_parameters(recurse=False)):
+            owner = path
+        if owner is not None and not any(owner.startswith(p + ".") for p in found):
+            found.setdefault(owner, type(decoder.get_submodule(owner)).__name__)
+    return [f"{cls} ({path})" for path, cls in found.items()]
+
+
+class _SelfOnly:
+    """A stand-in attention kernel: each query sees only its own token's value."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any) -> torch.Tensor:
+        return value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)  # [T, H_q, D]
+
+
+class _NoCaches:
+    def __getitem__(self, layer: int) -> None:
+        return None
+
+
+@torch.inference_mode()
+def mixes_tokens_outside_attention(model: PreTrainedModel) -> bool:
+    """Whether `model` carries anything from one token to the next other than through its
+    attention (a state-space or recurrent layer, an attention that does not go through
+    vattn's hook): run with vattn's attention made to see each token alone, a token must
+    give the same logits after other tokens as alone. One forward of 5 tokens, run as
+    vattn's engine runs the model (packed, no cache)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    device = next(model.parameters()).device
+    ids = torch.tensor([[1, 2, 3, 4, 1]], device=device) % vocab  # [1, 5]: token 1 alone, then after others
+    keep = torch.tensor([0, 4], device=device)
+    previous = use_vattn_attention(model)
+    try:
+        with forward_context(ForwardContext(_NoCaches(), _NoCaches(), None, _SelfOnly())):
+            logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False,
+                           logits_to_keep=keep).logits[0].float()  # [2, V]
+    finally:
+        restore_attention(model, previous)
+    tol = 1e-4 if model.dtype == torch.float32 else 2e-2  # relative; a state's effect is far larger
+    return bool((logits[0] - logits[1]).abs().max() > tol * logits.abs().max() + 1e-6)
+
+
+def check_model(model: PreTrainedModel, probe: bool = True) -> None:
+    """Raise `UnsupportedModelError` unless every layer of `model` is attention that vattn
+    runs (`SUPPORTED_LAYER_KINDS`): state-space (Mamba, Mamba2: Bamba, Falcon-H1, Jamba),
+    linear-attention (gated delta-net: Qwen3-Next), convolution and other recurrent layers
+    keep a per-request state that vattn does not keep, so their tokens would differ from
+    `generate`. Decided by the config's layer kinds, by the modules the decoder is made of
+    (`state_modules`) and, with `probe`, by running it (`mixes_tokens_outside_attention`),
+    which refuses an unknown hybrid too."""
+    kinds = layer_kinds(model.config)
+    by_kind: dict[str, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        if kind not in SUPPORTED_LAYER_KINDS:
+            by_kind.setdefault(kind, []).append(i)
+    problems = [f"{len(ids)} {kind} layer{'s' * (len(ids) > 1)} ({_KIND_NAMES.get(kind, 'not attention')}: "
+                f"{_layers(ids)})" for kind, ids in by_kind.items()]
+    modules = state_modules(model)
+    if modules:
+        shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+        problems.append(f"modules that keep a state of earlier tokens besides attention K/V: {shown}")
+    if not problems and probe and _probe_mixes(model):
+        problems.append("a forward that carries tokens' information outside its attention layers (a recurrent, "
+                        "state-space or convolution layer, or an attention that does not use transformers' "
+                        "AttentionInterface)")
+    if problems:
+        raise UnsupportedModelError(
+            f"vattn cannot run {type(model).__name__}: it has {'; '.join(problems)}. vattn keeps the K/V of "
+            f"attention layers only ({', '.join(SUPPORTED_LAYER_KINDS[:2])}), so such a model would give wrong "
+            "tokens; run it with transformers' generate (or an engine that keeps its recurrent state), or pick "
+            "an attention-only model (Llama, Qwen2, Mistral, ...)")
+
+
+def _probe_mixes(model: PreTrainedModel) -> bool:
+    try:
+        return mixes_tokens_outside_attention(model)
+    except UnsupportedModelError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the engine's forward would fail the same way
+        raise UnsupportedModelError(f"vattn cannot run {type(model).__name__}: its forward fails when run as vattn's "
+                                    f"engine runs it (packed tokens, position_ids, no cache): {type(e).__name__}: {e}"
+                                    ) from e
+
+
+def _layers(ids: list[int]) -> str:
+    shown = ", ".join(map(str, ids[:8]))
+    return f"layer{'s' * (len(ids) > 1)} {shown}" + (f", ... {ids[-1]}" if len(ids) > 8 else "")
 
 
 class _VAttnLayer(CacheLayerMixin):
@@ -165,11 +290,10 @@ class VAttnCache(Cache):
     def __init__(self, config: Any, max_cache_len: int, *, max_batch_size: int | None = None,
                  page_size: int | None = None, physical_memory: int | None = None, layout: str = "per-layer",
                  background: bool = True) -> None:
-        text = config.get_text_config(decoder=True)
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        layer_types = layer_kinds(config)
         unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unsupported:
-            raise InvalidConfigError(f"VAttnCache supports attention layers only, not {unsupported}")
+            raise UnsupportedModelError(f"VAttnCache supports attention layers only, not {unsupported}")
         # (stored under names of our own: transformers 5.17's Cache has read-only properties of these names)
         self._max_len = as_int(max_cache_len, "max_cache_len", InvalidConfigError, low=1)
         self._max_rows = (None if max_batch_size is None
@@ -241,5 +365,6 @@ class VAttnCache(Cache):
         self.close()
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "vattn_attention_forward", "vattn_mask", "register",
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_LAYER_KINDS", "layer_kinds", "state_modules",
+           "mixes_tokens_outside_attention", "check_model", "vattn_attention_forward", "vattn_mask", "register",
            "use_vattn_attention", "restore_attention", "VAttnCache"]

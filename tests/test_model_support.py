@@ -1,0 +1,108 @@
+"""Which models vattn runs: every layer must be attention whose only memory is its K/V.
+
+Hybrids and state-space models (Mamba2 in Bamba and Falcon-H1, gated delta-net in
+Qwen3-Next, Mamba2 alone) keep a per-request state vattn does not keep: they are refused at
+load with `UnsupportedModelError`, never served with tokens that differ from `generate`.
+Tiny configs built here, random seeded weights, no download; transformers' PyTorch
+fallbacks run the mixers on the CPU.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers as tf
+
+from tests.helpers import build_model, tiny_config
+from vattn.engine import LLM
+from vattn.errors import InvalidConfigError, UnsupportedModelError
+from vattn.integrations import hf_cb
+from vattn.integrations.hf import VAttnCache, check_model, mixes_tokens_outside_attention
+
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+              mamba_chunk_size=16)
+
+
+def hybrid_config(family: str) -> Any:
+    """A tiny config of each state-carrying family (no EOS: generation runs to max_tokens)."""
+    if family == "bamba":  # Mamba2 layers 0 and 2, attention at 1
+        return tf.BambaConfig(**_COMMON, **_MAMBA, num_hidden_layers=3, attn_layer_indices=[1])
+    if family == "falcon_h1":  # attention and Mamba2 side by side in every layer
+        return tf.FalconH1Config(**_COMMON, **_MAMBA, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128)
+    if family == "qwen3_next":  # gated delta-net at 0, attention at 1
+        return tf.Qwen3NextConfig(**_COMMON, num_hidden_layers=2, head_dim=16,
+                                  layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                                  linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if family == "mamba2":  # no attention at all
+        return tf.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                               n_groups=1, state_size=16, conv_kernel=4, expand=2, chunk_size=16,
+                               eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    raise KeyError(family)
+
+
+# family -> (the kind transformers names its state layers, the module that keeps the state)
+HYBRIDS = {"bamba": ("linear_attention", "BambaMixer"), "falcon_h1": ("hybrid", "FalconH1Mixer"),
+           "qwen3_next": ("linear_attention", "Qwen3NextGatedDeltaNet"), "mamba2": ("linear_attention", "Mamba2Mixer")}
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_llm_refuses_models_with_state_layers(family: str) -> None:
+    kind, mixer = HYBRIDS[family]
+    with pytest.raises(UnsupportedModelError, match=f"{kind} layer.*{mixer}.*generate") as e:
+        LLM(hybrid_config(family), seed=0, max_batch_size=2)
+    assert isinstance(e.value, InvalidConfigError)  # those who caught the config errors still do
+    with pytest.raises(UnsupportedModelError, match=mixer):  # a loaded model too
+        LLM(build_model(hybrid_config(family)), max_batch_size=2)
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_the_probe_alone_sees_every_state_layer(family: str) -> None:
+    """What refuses an unknown hybrid: run with attention seeing each token alone, the model
+    still carries tokens forward."""
+    assert mixes_tokens_outside_attention(build_model(hybrid_config(family)))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_attention_models_pass_the_probe(family: str) -> None:
+    kw = {"sliding_window": 8} if family == "mistral" else {}
+    model = build_model(tiny_config(family, **kw))
+    assert not mixes_tokens_outside_attention(model)
+    check_model(model)
+    assert model.config._attn_implementation != "vattn"  # the probe put the attention back
+
+
+class _RunningMean(torch.nn.Module):
+    """An unknown layer that carries tokens forward: no Conv1d, no SSM parameters, no config kind."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
+        y = self.mlp(x)
+        steps = torch.arange(1, y.shape[1] + 1, device=y.device, dtype=y.dtype)[None, :, None]
+        return y.cumsum(1) / steps
+
+
+def test_an_unknown_hybrid_is_refused_by_running_it() -> None:
+    model = build_model(tiny_config("llama"))
+    model.model.layers[1].mlp = _RunningMean(model.model.layers[1].mlp)
+    with pytest.raises(UnsupportedModelError, match="outside its attention layers"):
+        LLM(model, max_batch_size=2)
+
+
+def test_continuous_batching_hooks_refuse_state_layers() -> None:
+    """hf_cb (and so `vattn serve`, which enables every model it loads) refuses them too;
+    transformers' own continuous batching would raise a bare ValueError at its cache."""
+    model = build_model(hybrid_config("bamba"))
+    with pytest.raises(UnsupportedModelError, match="BambaMixer"):
+        hf_cb.enable(model)
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        hf_cb._check_layer_kinds(model.config)
+    with pytest.raises(UnsupportedModelError, match="attention layers only"):
+        VAttnCache(model.config, max_cache_len=64)
