@@ -1,10 +1,14 @@
-"""Which models vattn runs: every layer must be attention whose only memory is its K/V.
+"""Which models vattn runs, and the ones with recurrent states.
 
 Hybrids and state-space models (Mamba2 in Bamba and Falcon-H1, gated delta-net in
-Qwen3-Next, Mamba2 alone) keep a per-request state vattn does not keep: they are refused at
-load with `UnsupportedModelError`, never served with tokens that differ from `generate`.
-Tiny configs built here, random seeded weights, no download; transformers' PyTorch
-fallbacks run the mixers on the CPU.
+Qwen3-Next, Mamba2 alone) keep a per-request state besides attention K/V. vattn's engine
+keeps it in vattn memory (`vattn.engine.states`) and must give `generate`'s greedy tokens
+(continuous batching, chunked prefill, n > 1, preemption by swap or recompute); prefix
+caching is refused for them. Everything else that keeps a state (and every such model
+outside the engine: `hf_cb`, `VAttnCache`, tensor parallelism) is refused at load with
+`UnsupportedModelError`, never served with tokens that differ from `generate`. Tiny configs
+built here, random seeded weights, no download; transformers' PyTorch fallbacks run the
+mixers on the CPU.
 """
 from __future__ import annotations
 
@@ -14,8 +18,8 @@ import pytest
 import torch
 import transformers as tf
 
-from tests.helpers import build_model, tiny_config
-from vattn.engine import LLM
+from tests.helpers import MAX_TOKENS, PAGE, build_model, hf_greedy, prompts, run_online, tiny_config
+from vattn.engine import LLM, SamplingParams
 from vattn.errors import InvalidConfigError, UnsupportedModelError
 from vattn.integrations import hf_cb
 from vattn.integrations.hf import VAttnCache, check_model, mixes_tokens_outside_attention
@@ -50,14 +54,88 @@ HYBRIDS = {"bamba": ("linear_attention", "BambaMixer"), "falcon_h1": ("hybrid", 
            "qwen3_next": ("linear_attention", "Qwen3NextGatedDeltaNet"), "mamba2": ("linear_attention", "Mamba2Mixer")}
 
 
+_REFERENCES: dict[str, list[list[int]]] = {}
+
+
+def reference(family: str) -> list[list[int]]:
+    """generate's greedy tokens for `prompts()` (cached per family)."""
+    if family not in _REFERENCES:
+        model = build_model(hybrid_config(family))
+        _REFERENCES[family] = [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS)]
+    return _REFERENCES[family]
+
+
+def greedy(n: int = 1) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=m, n=n, ignore_eos=True) for m in MAX_TOKENS]
+
+
 @pytest.mark.parametrize("family", list(HYBRIDS))
-def test_llm_refuses_models_with_state_layers(family: str) -> None:
+def test_state_models_match_generate_with_continuous_batching(family: str) -> None:
+    """Requests arriving over time, prompts in chunks of 16 tokens beside decodes."""
+    with LLM(hybrid_config(family), seed=0, max_batch_size=4, max_num_seqs=3, max_num_batched_tokens=16,
+             page_size=PAGE) as llm:
+        outs = run_online(llm, prompts(), greedy())
+        states = llm.runner.states
+        assert states is not None and not states.tokens  # every slot's states given back
+        assert states.pool.stats().num_used_blocks == 0
+    assert [o.token_ids for o in outs] == reference(family)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_state_models_fork_and_preempt(family: str, mode: str) -> None:
+    """n=3 greedy samples fork the state at the prompt's end; a memory cap preempts: by
+    swapping (the states go to the host with the K/V and come back) or by recomputing."""
+    cap = (12 if family == "mamba2" else 24) * PAGE  # (Mamba2's K/V: a stand-in of one 16-wide head)
+    with LLM(hybrid_config(family), seed=0, max_batch_size=6, page_size=PAGE, physical_memory=cap,
+             preemption_mode=mode) as llm:
+        kv = llm.scheduler.kv
+        calls = {"fork": 0, "swap_in": 0}
+        for name in calls:
+            def counted(*a: Any, _name: str = name, _f: Any = getattr(kv, name)) -> Any:
+                calls[_name] += 1
+                return _f(*a)
+            setattr(kv, name, counted)
+        outs = run_online(llm, prompts(), greedy(n=3))
+        assert llm.num_preemptions > 0 and calls["fork"] > 0 and (calls["swap_in"] > 0) == (mode == "swap")
+        assert not llm.runner.states.tokens
+    for out, ref in zip(outs, reference(family)):
+        assert [o.token_ids for o in out.outputs] == [ref] * 3
+
+
+def test_seeded_samples_of_a_state_model_are_runs_with_seed_plus_index() -> None:
+    p = prompts()[2]
+    seeded = lambda seed, n=1: SamplingParams(temperature=0.9, max_tokens=12, seed=seed, n=n, ignore_eos=True)  # noqa: E731
+    with LLM(hybrid_config("qwen3_next"), seed=0, max_batch_size=4, page_size=PAGE) as llm:
+        alone = [llm.generate(p, seeded(100 + i))[0].token_ids for i in range(3)]
+        together = llm.generate(p, seeded(100, n=3))[0]
+    assert [o.token_ids for o in together.outputs] == alone
+    assert len(set(map(tuple, alone))) > 1
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_prefix_caching_over_states_is_refused(family: str) -> None:
+    with pytest.raises(UnsupportedModelError, match="enable_prefix_caching=False"):
+        LLM(hybrid_config(family), seed=0, max_batch_size=2, enable_prefix_caching=True)
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_state_models_outside_the_engine_are_refused(family: str) -> None:
+    """Where nothing keeps the states (hf_cb, vattn serve, VAttnCache, tensor parallelism):
+    the load-time check without states names the layers and their modules."""
     kind, mixer = HYBRIDS[family]
+    model = build_model(hybrid_config(family))
     with pytest.raises(UnsupportedModelError, match=f"{kind} layer.*{mixer}.*generate") as e:
-        LLM(hybrid_config(family), seed=0, max_batch_size=2)
+        check_model(model)
     assert isinstance(e.value, InvalidConfigError)  # those who caught the config errors still do
-    with pytest.raises(UnsupportedModelError, match=mixer):  # a loaded model too
-        LLM(build_model(hybrid_config(family)), max_batch_size=2)
+
+
+def test_a_state_module_vattn_was_not_checked_with_is_refused() -> None:
+    model = build_model(hybrid_config("bamba"))
+    mixer = model.model.layers[0].mamba
+    mixer.__class__ = type("OtherMixer", (type(mixer),), {})
+    with pytest.raises(UnsupportedModelError, match=r"not of OtherMixer \(layers.0.mamba\)"):
+        LLM(model, max_batch_size=2)
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))

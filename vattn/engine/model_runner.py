@@ -215,11 +215,12 @@ class ModelRunner:
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
-        check_model(self.model)  # UnsupportedModelError: layers vattn cannot run (Mamba, linear attention, ...)
+        # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states only on one rank
+        has_states = check_model(self.model, states=config.tensor_parallel_size == 1)
         hf = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         num_layers = hf.num_hidden_layers
-        num_heads = hf.num_attention_heads
+        num_heads = getattr(hf, "num_attention_heads", None) or 1  # (a Mamba2 model has no attention)
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         max_pos = getattr(hf, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
@@ -237,6 +238,10 @@ class ModelRunner:
                                  prefetch_tokens=config.prefetch_tokens, budget=config.budget)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
+        self.states, self._uninstall_states = None, None
+        self.slots: Any = self.cache  # what the scheduler allocates slots from
+        if has_states:
+            self._open_states(config)
         self.slot_tokens = self.cache.geometry.slot_tokens
         self.k_caches = [self.cache.k_cache(layer) for layer in range(num_layers)]  # [B, T, H_kv, D] each
         self.v_caches = [self.cache.v_cache(layer) for layer in range(num_layers)]
@@ -244,6 +249,23 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.graphs = self._decode_graphs(config)
         self.previous_attention = use_vattn_attention(self.model)
+
+    def _open_states(self, config: EngineConfig) -> None:
+        """Recurrent states (Mamba2, gated delta-net) in vattn memory, one block per slot
+        (`vattn.engine.states`); the scheduler gets slots that carry them."""
+        from vattn.engine.states import RecurrentStates, StateSlots, install, state_specs
+        from vattn.integrations.hf import state_mixers
+
+        try:
+            self.states = RecurrentStates(state_specs(self.model), config.max_batch_size, self.device,
+                                          config.page_size, budget=config.budget)
+            self._uninstall_states = install(state_mixers(self.model), self.states)
+        except BaseException:
+            if self.states is not None:
+                self.states.close()
+            self.cache.close()
+            raise
+        self.slots = StateSlots(self.cache, self.states)
 
     def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
         """Decode under CUDA graphs (`EngineConfig.cuda_graphs`; see vattn.engine.cuda_graphs)."""
@@ -253,6 +275,8 @@ class ModelRunner:
         why_not = None
         if self.device.type != "cuda":
             why_not = f"they need a CUDA device, not {self.device}"
+        elif self.states is not None:
+            why_not = "the model's recurrent states run request by request"
         elif config.tensor_parallel_size > 1:
             why_not = "they are not supported under tensor parallelism"
         elif self.kernel.name not in GRAPH_KERNELS:
@@ -282,6 +306,8 @@ class ModelRunner:
         try:
             return self._run(scheduled)
         except Exception as e:  # noqa: BLE001 - see the docstring
+            if self.states is not None:  # states were updated in place by the layers that ran: no retry
+                return self._fail_all(scheduled, e)
             logger.warning("vattn: the forward of a batch of %d sequences failed (%s: %s); "
                            "running each alone", len(scheduled), type(e).__name__, e)
         tokens: dict[SeqId, int] = {}
@@ -299,6 +325,14 @@ class ModelRunner:
             tokens.update(out.tokens)
             errors.update(out.errors)
         return RunOutput(tokens, errors)
+
+    def _fail_all(self, scheduled: list[ScheduledSequence], e: Exception) -> RunOutput:
+        """A model with recurrent states cannot run a failed batch again: the layers that ran
+        advanced its states. Every sequence of the batch fails."""
+        logger.warning("vattn: the forward of a batch of %d sequences failed", len(scheduled), exc_info=True)
+        msg = (f"the model's forward raised ({type(e).__name__}: {e}); with recurrent states it is not run again "
+               "(the states of the layers that ran moved on)")
+        return RunOutput({}, {s.seq_id: msg for item in scheduled for s in (item.seq, *item.fan_out)})
 
     @torch.inference_mode()
     def _run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
@@ -326,6 +360,8 @@ class ModelRunner:
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
             keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
             logits = self._forward(ids, keep, meta)  # [S, V]
+        if self.states is not None:
+            self.states.tokens.update({s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in batch})
         if not sampling:
             return RunOutput({}, {})
         if len(rows) != len(sample_rows):
@@ -349,5 +385,9 @@ class ModelRunner:
         restore_attention(self.model, self.previous_attention)
         if self.graphs is not None:
             self.graphs.close()
+        if self._uninstall_states is not None:
+            self._uninstall_states()
+        if self.states is not None:
+            self.states.close()
         self.k_caches, self.v_caches = [], []
         self.cache.close()

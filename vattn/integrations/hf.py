@@ -30,6 +30,10 @@ SUPPORTED_LAYER_KINDS = ("full_attention", "sliding_attention", "dummy")
 _KIND_NAMES = {"linear_attention": "state-space or linear-attention (Mamba, Mamba2, gated delta-net)",
                "hybrid": "attention beside Mamba", "conv": "short-convolution", "chunked_attention": "chunked-attention",
                "indexed_attention": "sparse-attention"}
+# Layer kinds whose per-request state vattn's engine keeps in its memory (vattn.engine.states),
+# for the mixers it was checked with (greedy equality with generate, tests/test_model_support.py).
+STATE_KINDS = ("linear_attention", "hybrid")
+STATE_MIXERS = ("BambaMixer", "FalconH1Mixer", "Mamba2Mixer", "Qwen3NextGatedDeltaNet")
 # A module's own parameters that only state-space layers have (Mamba, Mamba2, gated delta-net).
 _SSM_PARAMETERS = ("A_log", "dt_bias")
 
@@ -109,9 +113,13 @@ def state_modules(model: torch.nn.Module) -> list[str]:
     """The decoder's modules that keep a state of earlier tokens other than attention K/V,
     found by what they are made of: a causal convolution (`Conv1d`: Mamba, gated delta-net,
     short-conv layers) or state-space parameters (`A_log`, `dt_bias`). As "Class (path)"."""
+    return [f"{type(m).__name__} ({path})" for path, m in _state_modules(model).items()]
+
+
+def _state_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else model
-    found: dict[str, str] = {}
+    found: dict[str, torch.nn.Module] = {}
     for path, module in decoder.named_modules():
         owner = None
         if isinstance(module, torch.nn.Conv1d):
@@ -119,8 +127,22 @@ def state_modules(model: torch.nn.Module) -> list[str]:
         elif any(name in _SSM_PARAMETERS for name, _ in module.named_parameters(recurse=False)):
             owner = path
         if owner is not None and not any(owner.startswith(p + ".") for p in found):
-            found.setdefault(owner, type(decoder.get_submodule(owner)).__name__)
-    return [f"{cls} ({path})" for path, cls in found.items()]
+            found.setdefault(owner, decoder.get_submodule(owner))
+    return found
+
+
+def state_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The state modules vattn's engine runs on states in its memory (`STATE_MIXERS`, each
+    with the layer index its cache calls name); raises `UnsupportedModelError` for others."""
+    found = _state_modules(model)
+    other = [f"{type(m).__name__} ({p})" for p, m in found.items()
+             if type(m).__name__ not in STATE_MIXERS or not isinstance(getattr(m, "layer_idx", None), int)]
+    if other:
+        raise UnsupportedModelError(
+            f"vattn cannot run {type(model).__name__}: vattn keeps the recurrent state of {', '.join(STATE_MIXERS)} "
+            f"layers only (each checked token for token against generate), not of {', '.join(other)}; run it with "
+            "transformers' generate")
+    return list(found.values())
 
 
 class _SelfOnly:
@@ -157,21 +179,30 @@ def mixes_tokens_outside_attention(model: PreTrainedModel) -> bool:
     return bool((logits[0] - logits[1]).abs().max() > tol * logits.abs().max() + 1e-6)
 
 
-def check_model(model: PreTrainedModel, probe: bool = True) -> None:
+def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False) -> bool:
     """Raise `UnsupportedModelError` unless every layer of `model` is attention that vattn
     runs (`SUPPORTED_LAYER_KINDS`): state-space (Mamba, Mamba2: Bamba, Falcon-H1, Jamba),
     linear-attention (gated delta-net: Qwen3-Next), convolution and other recurrent layers
     keep a per-request state that vattn does not keep, so their tokens would differ from
     `generate`. Decided by the config's layer kinds, by the modules the decoder is made of
     (`state_modules`) and, with `probe`, by running it (`mixes_tokens_outside_attention`),
-    which refuses an unknown hybrid too."""
+    which refuses an unknown hybrid too.
+
+    `states`: the caller keeps recurrent states (vattn's engine, `vattn.engine.states`):
+    `STATE_KINDS` layers of `STATE_MIXERS` pass too (the probe cannot tell them apart from
+    other state, so a model with them is not probed). Returns whether the model has them."""
     kinds = layer_kinds(model.config)
+    has_states = states and any(k in STATE_KINDS for k in kinds)
+    allowed = SUPPORTED_LAYER_KINDS + (STATE_KINDS if has_states else ())
     by_kind: dict[str, list[int]] = {}
     for i, kind in enumerate(kinds):
-        if kind not in SUPPORTED_LAYER_KINDS:
+        if kind not in allowed:
             by_kind.setdefault(kind, []).append(i)
     problems = [f"{len(ids)} {kind} layer{'s' * (len(ids) > 1)} ({_KIND_NAMES.get(kind, 'not attention')}: "
                 f"{_layers(ids)})" for kind, ids in by_kind.items()]
+    if has_states and not by_kind:
+        state_mixers(model)  # raises for a state module vattn was not checked with
+        return True
     modules = state_modules(model)
     if modules:
         shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
@@ -183,9 +214,11 @@ def check_model(model: PreTrainedModel, probe: bool = True) -> None:
     if problems:
         raise UnsupportedModelError(
             f"vattn cannot run {type(model).__name__}: it has {'; '.join(problems)}. vattn keeps the K/V of "
-            f"attention layers only ({', '.join(SUPPORTED_LAYER_KINDS[:2])}), so such a model would give wrong "
-            "tokens; run it with transformers' generate (or an engine that keeps its recurrent state), or pick "
-            "an attention-only model (Llama, Qwen2, Mistral, ...)")
+            f"attention layers only ({', '.join(SUPPORTED_LAYER_KINDS[:2])}) here, so such a model would give wrong "
+            "tokens. vattn.LLM on one rank keeps the states of Mamba2 and gated delta-net layers (Bamba, Falcon-H1, "
+            "Mamba2, Qwen3-Next); otherwise run it with transformers' generate, or pick an attention-only model "
+            "(Llama, Qwen2, Mistral, ...)")
+    return False
 
 
 def _probe_mixes(model: PreTrainedModel) -> bool:
@@ -365,6 +398,7 @@ class VAttnCache(Cache):
         self.close()
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_LAYER_KINDS", "layer_kinds", "state_modules",
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_LAYER_KINDS", "STATE_KINDS", "STATE_MIXERS", "layer_kinds",
+           "state_modules", "state_mixers",
            "mixes_tokens_outside_attention", "check_model", "vattn_attention_forward", "vattn_mask", "register",
            "use_vattn_attention", "restore_attention", "VAttnCache"]
