@@ -132,6 +132,13 @@ def prefix_salt(model: Any, dtype: torch.dtype) -> bytes:
     return h.digest()
 
 
+def _kv_layers(config: Any) -> list[int]:
+    """The layers of a model with recurrent states that have attention (so K/V)."""
+    from vattn.integrations.hf import layer_kinds
+
+    return [i for i, kind in enumerate(layer_kinds(config)) if kind != "linear_attention"]
+
+
 def _check_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in MODEL_DTYPES:
         raise InvalidConfigError(f"the model's dtype {dtype} is not supported; pass dtype= one of {MODEL_DTYPES}")
@@ -229,8 +236,11 @@ class ModelRunner:
             raise InvalidConfigError(
                 f"max_context_len={self.max_context_len} exceeds the model's max_position_embeddings={max_pos}")
 
+        # K/V only for the layers that have attention: not a state model's Mamba2 / gated delta-net
+        # layers (a model with none still gets one small layer: the cache also hands out the slots)
+        kv_layers = _kv_layers(self.model.config) if has_states else list(range(num_layers))
         try:
-            self.cache = KVCache(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            self.cache = KVCache(num_layers=max(1, len(kv_layers)), num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  max_batch_size=config.max_batch_size, max_context_len=self.max_context_len,
                                  dtype=self.dtype, device=str(self.device), page_size=config.page_size,
                                  layout=config.layout, physical_memory=config.physical_memory,
@@ -243,8 +253,11 @@ class ModelRunner:
         if has_states:
             self._open_states(config)
         self.slot_tokens = self.cache.geometry.slot_tokens
-        self.k_caches = [self.cache.k_cache(layer) for layer in range(num_layers)]  # [B, T, H_kv, D] each
-        self.v_caches = [self.cache.v_cache(layer) for layer in range(num_layers)]
+        # by the model's layer index: [B, T, H_kv, D] each, None for a layer without attention
+        self.k_caches: list[Any] = [None] * num_layers
+        self.v_caches: list[Any] = [None] * num_layers
+        for i, layer in enumerate(kv_layers):
+            self.k_caches[layer], self.v_caches[layer] = self.cache.k_cache(i), self.cache.v_cache(i)
         self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
         self.sampler = Sampler(self.device, config.seed)
         self.graphs = self._decode_graphs(config)

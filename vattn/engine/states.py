@@ -20,6 +20,7 @@ prompt; prefix caching is refused (no state is kept per prefix).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import types
@@ -146,20 +147,23 @@ class _SlotCache:
     def __init__(self, states: RecurrentStates, slot: int, fresh: bool) -> None:
         self.states, self.slot, self.fresh = states, slot, fresh
 
+    def _kept(self, kind: str, layer_idx: int, state_idx: int) -> torch.Tensor:
+        return self.states.view(kind, layer_idx, state_idx, self.slot)
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return None if self.fresh else self.states.view("conv", layer_idx, state_idx, self.slot)
+        return None if self.fresh else self._kept("conv", layer_idx, state_idx)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return None if self.fresh else self.states.view("recurrent", layer_idx, state_idx, self.slot)
+        return None if self.fresh else self._kept("recurrent", layer_idx, state_idx)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           **kwargs: Any) -> torch.Tensor:
-        """conv_states `[1, C, T]`: keeps the last K columns (transformers' LinearAttentionLayer
+        """conv_states `[B, C, T]`: keeps the last K columns (transformers' LinearAttentionLayer
         rule) and returns what the causal convolution must see."""
-        kept = self.states.view("conv", layer_idx, state_idx, self.slot)  # [1, C, K]
+        kept = self._kept("conv", layer_idx, state_idx)  # [B, C, K]
         k = kept.shape[-1]
         if self.fresh:
             full = conv_states
@@ -172,38 +176,77 @@ class _SlotCache:
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs: Any) -> torch.Tensor:
-        kept = self.states.view("recurrent", layer_idx, state_idx, self.slot)
+        kept = self._kept("recurrent", layer_idx, state_idx)
         kept.copy_(recurrent_states)
         return kept
 
 
 def install(modules: list[torch.nn.Module], states: RecurrentStates) -> Callable[[], None]:
-    """Make each state module run request by request on its slot's states (the packed
-    batch split by the forward context's metadata). Returns the function that undoes it."""
-    undo = []
+    """Make each state module run on its slots' states: the batch's decodes (one token on a
+    state) in one call on their states gathered by slot, every other request (a prompt or a
+    chunk of one) alone on its slot's views; the packed batch is split by the forward
+    context's metadata. Returns the function that undoes it."""
     for module in modules:
         original = module.forward
 
         def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, _original: Any = original,
                     **kwargs: Any) -> torch.Tensor:
             meta = get_forward_context().metadata
-            kwargs.pop("cache", None), kwargs.pop("cache_params", None), kwargs.pop("position_ids", None)
-            kwargs.pop("attention_mask", None)
-            outs, at = [], 0
-            for slot, start, n in zip(meta.slots, meta.starts, meta.query_lens):  # [1, n, H] each
-                outs.append(_original(hidden_states[:, at:at + n], cache=_SlotCache(states, slot, start == 0),
-                                      attention_mask=None, **kwargs))
-                at += n
-            return torch.cat(outs, dim=1)  # [1, T, H]
+            for name in ("cache", "cache_params", "position_ids", "attention_mask"):
+                kwargs.pop(name, None)
+            run = functools.partial(_original, attention_mask=None, **kwargs)
+            return _run_packed(run, self.layer_idx, states, hidden_states, meta)
 
         module.forward = types.MethodType(forward, module)
-        undo.append(module)
 
     def uninstall() -> None:
-        for m in undo:
+        for m in modules:
             m.__dict__.pop("forward", None)
 
     return uninstall
+
+
+def _run_packed(run: Callable[..., torch.Tensor], layer: int, states: RecurrentStates, hidden_states: torch.Tensor,
+                meta: Any) -> torch.Tensor:
+    """hidden_states `[1, T, H]` packed as `meta` says -> the mixer's output `[1, T, H]`."""
+    cu = meta.cu_query_lens
+    decodes = [i for i, (start, n) in enumerate(zip(meta.starts, meta.query_lens)) if n == 1 and start > 0]
+    pieces: list[torch.Tensor | None] = [None] * len(meta.slots)
+    if len(decodes) > 1:
+        rows = torch.tensor([cu[i] for i in decodes], device=hidden_states.device)
+        slots = torch.tensor([meta.slots[i] for i in decodes], device=hidden_states.device)
+        cache = _GatheredCache(states, layer, slots)
+        out = run(hidden_states[0, rows].unsqueeze(1), cache=cache)  # [B, 1, H]
+        cache.scatter()
+        for k, i in enumerate(decodes):
+            pieces[i] = out[k:k + 1]
+    for i, (slot, start) in enumerate(zip(meta.slots, meta.starts)):
+        if pieces[i] is None:
+            pieces[i] = run(hidden_states[:, cu[i]:cu[i + 1]], cache=_SlotCache(states, slot, start == 0))
+    return torch.cat(pieces, dim=1)  # [1, T, H]
+
+
+class _GatheredCache(_SlotCache):
+    """The `Cache` calls of a batch of decodes: their slots' states of one layer, gathered
+    (`[B, *shape]` copies: the mixers update them in place), written back by `scatter`."""
+
+    def __init__(self, states: RecurrentStates, layer: int, slots: torch.Tensor) -> None:
+        super().__init__(states, -1, False)
+        self.slots = slots
+        self.gathered = {key: t[slots] for key, t in states.views.items() if key[1] == layer}
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.gathered[("conv", layer_idx, state_idx)]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.gathered[("recurrent", layer_idx, state_idx)]
+
+    def _kept(self, kind: str, layer_idx: int, state_idx: int) -> torch.Tensor:
+        return self.gathered[(kind, layer_idx, state_idx)]
+
+    def scatter(self) -> None:
+        for key, t in self.gathered.items():
+            self.states.views[key][self.slots] = t
 
 
 class StateSlots:
