@@ -186,3 +186,16 @@ def test_continuous_batching_hooks_refuse_state_layers() -> None:
         hf_cb._check_layer_kinds(model.config)
     with pytest.raises(UnsupportedModelError, match="attention layers only"):
         VAttnCache(model.config, max_cache_len=64)
+
+
+def test_models_that_bypass_the_attention_hook_are_refused() -> None:
+    """RWKV (no attention layers to hook, a recurrent state of its own; its config names no
+    layer kinds) and Gemma 2 (logit softcapping) are refused at load, before any request."""
+    rwkv = tf.RwkvConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                         intermediate_size=128)
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
+        LLM(rwkv, seed=0, max_batch_size=2)
+    gemma2 = tf.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(UnsupportedModelError, match="softcapping"):
+        LLM(gemma2, seed=0, max_batch_size=2)

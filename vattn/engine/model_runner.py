@@ -289,7 +289,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             why_not = f"they need a CUDA device, not {self.device}"
         elif self.states is not None:
-            why_not = "the model's recurrent states run request by request"
+            why_not = "they do not cover the recurrent-state layers (the batch is split by request in Python)"
         elif config.tensor_parallel_size > 1:
             why_not = "they are not supported under tensor parallelism"
         elif self.kernel.name not in GRAPH_KERNELS:

@@ -32,6 +32,7 @@ import torch
 from vattn.attention import get_forward_context
 from vattn.errors import InvalidRequestError, OutOfPhysicalMemoryError, UnsupportedModelError
 from vattn.pool import ElasticPool
+from vattn.vmem import make_backend
 
 _ALIGN = 64  # bytes: every state view starts aligned
 
@@ -87,23 +88,21 @@ class RecurrentStates:
             raise UnsupportedModelError("the model's cache keeps no recurrent state: nothing to put in vattn memory")
         self.specs = specs
         end = max(s.offset + s.nbytes for s in specs)
-        self.pool = ElasticPool(num_slots, 1, torch.uint8, device=str(device), page_size=page_size, budget=budget)
-        page = self.pool.page_size
-        self.slot_bytes = -(-end // page) * page  # one page group (or several) per slot
-        self.pool.close()
-        self.pool = ElasticPool(num_slots, (self.slot_bytes,), torch.uint8, device=str(device), page_size=page,
-                                budget=budget)
+        self.backend = make_backend(torch.device(device))
+        try:
+            page = page_size if page_size is not None else self.backend.default_page_size
+            self.slot_bytes = -(-end // page) * page  # one page group (or several) per slot
+            self.pool = ElasticPool(num_slots, (self.slot_bytes,), torch.uint8, device=str(device), page_size=page,
+                                    budget=budget, backend=self.backend)
+        except BaseException:  # a pool that was not built does not close a backend it was given
+            self.backend.close()
+            raise
         raw = self.pool.buffer(0)  # [num_slots, slot_bytes]
         self.views: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, layer, index) -> [num_slots, *shape]
         for s in specs:
             flat = raw[:, s.offset:s.offset + s.nbytes].view(s.dtype)  # [num_slots, elems]
             self.views[(s.kind, s.layer, s.index)] = flat.unflatten(1, s.shape)
         self.tokens: dict[int, int] = {}  # slot -> tokens its states have seen
-        self.layers = sorted({s.layer for s in specs})
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return self.slot_bytes
 
     def open(self, slot: int, tokens: int = 0) -> None:
         """Map `slot`'s block (a request starts in it)."""
@@ -137,7 +136,7 @@ class RecurrentStates:
     def close(self) -> None:
         self.tokens.clear()
         self.views.clear()
-        self.pool.close()
+        self.pool.close()  # (and the backend: the pool owns it once built)
 
 
 class _SlotCache:

@@ -48,7 +48,7 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     ctx = get_forward_context()
     layer = module.layer_idx
     if kwargs.get("softcap") is not None:
-        raise InvalidConfigError("vattn attention does not support attention logit softcapping")
+        raise UnsupportedModelError("vattn attention does not support attention logit softcapping (Gemma 2 style)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = ctx.kernel.forward(
         query[0].transpose(0, 1),  # [T, H_q, D]
@@ -76,9 +76,9 @@ def use_vattn_attention(model: PreTrainedModel) -> str:
     try:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     except (ValueError, ImportError) as e:
-        raise InvalidConfigError(f"{type(model).__name__} cannot use the vattn attention: {e}") from None
+        raise UnsupportedModelError(f"{type(model).__name__} cannot use the vattn attention: {e}") from None
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        raise InvalidConfigError(
+        raise UnsupportedModelError(
             f"{type(model).__name__} does not route its attention through transformers' "
             "AttentionInterface, so vattn cannot plug in; use a Llama, Qwen2 or Mistral style model")
     return previous
@@ -224,7 +224,7 @@ def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False
 def _probe_mixes(model: PreTrainedModel) -> bool:
     try:
         return mixes_tokens_outside_attention(model)
-    except UnsupportedModelError:
+    except InvalidConfigError:  # vattn's own refusals (no AttentionInterface, softcapping, ...) as they are
         raise
     except Exception as e:  # noqa: BLE001 - the engine's forward would fail the same way
         raise UnsupportedModelError(f"vattn cannot run {type(model).__name__}: its forward fails when run as vattn's "
