@@ -199,3 +199,27 @@ def test_models_that_bypass_the_attention_hook_are_refused() -> None:
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     with pytest.raises(UnsupportedModelError, match="softcapping"):
         LLM(gemma2, seed=0, max_batch_size=2)
+
+
+def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on() -> None:
+    """The layers that ran before the failure moved their states on: the batch is not run
+    again request by request (as for attention-only models), its requests fail; the slots'
+    blocks are given back, and later requests in them give generate's tokens."""
+    with LLM(hybrid_config("bamba"), seed=0, max_batch_size=4, page_size=PAGE) as llm:
+        mixer = llm.runner.model.model.layers[2].mamba
+        installed, calls = mixer.forward, [0]
+
+        def failing(*args: Any, **kwargs: Any) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected")
+            return installed(*args, **kwargs)
+
+        mixer.forward = failing
+        failed = llm.generate(prompts()[:2], greedy()[:2])
+        assert [o.finish_reason for o in failed] == ["error", "error"]
+        assert all("not run again" in o.error for o in failed)
+        assert not llm.runner.states.tokens
+        mixer.forward = installed
+        outs = llm.generate(prompts(), greedy())
+    assert [o.token_ids for o in outs] == reference("bamba")
