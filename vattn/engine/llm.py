@@ -33,7 +33,7 @@ from vattn.engine.parallel import AgreedPrefixCache, AgreedSlots, TensorParallel
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
-from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
+from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError, UnsupportedModelError
 from vattn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.dtype, device, self.config)
         try:
-            self._start(loaded, self.runner.cache)
+            self._start(loaded, self.runner.slots)
         except BaseException:
             self.runner.close()
             raise
@@ -138,6 +138,11 @@ class LLM:
 
     def _start(self, loaded: LoadedModel, kv: Any) -> None:
         self.prefix_cache = None
+        if self.config.enable_prefix_caching and getattr(self.runner, "states", None) is not None:
+            raise UnsupportedModelError(
+                f"enable_prefix_caching=True cannot serve {type(loaded.model).__name__}: its recurrent (Mamba2 / "
+                "gated delta-net) states are kept per request, not per prefix, so a cached prefix's K/V would come "
+                "without the state after it; pass enable_prefix_caching=False")
         if self.config.enable_prefix_caching:
             salt = prefix_salt(loaded.model, loaded.dtype)  # the rank's shard config: the same on every rank
             self.prefix_cache = (PrefixCache(self.runner.cache, salt=salt) if self.tp is None

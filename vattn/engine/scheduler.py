@@ -291,14 +291,16 @@ class Scheduler:
                                seq.request_id, type(e).__name__, e)
         return True
 
-    @staticmethod
-    def _fork_source(seq: Sequence) -> Sequence | None:
-        """A running sibling of `seq` whose slot holds the whole prompt, if any."""
+    def _fork_source(self, seq: Sequence) -> Sequence | None:
+        """A running sibling of `seq` whose slot holds the whole prompt, if any (one that has
+        computed the prompt and nothing after it, for a cache with `fork_exact`: a recurrent
+        state is right at one length only)."""
         if len(seq.samples) == 1:
             return None
         n = seq.num_prompt_tokens
+        exact = getattr(self.kv, "fork_exact", False)
         return next((s for s in seq.samples if s is not seq and s.status is SequenceStatus.RUNNING
-                     and s.num_computed_tokens >= n), None)
+                     and (s.num_computed_tokens == n if exact else s.num_computed_tokens >= n)), None)
 
     @staticmethod
     def _with_fan_out(item: ScheduledSequence) -> ScheduledSequence:

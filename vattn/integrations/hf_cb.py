@@ -84,7 +84,7 @@ from typing import Any, Iterable
 import torch
 
 from vattn.budget import Budget
-from vattn.errors import ClosedError, InvalidConfigError, OutOfPhysicalMemoryError
+from vattn.errors import ClosedError, InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
 from vattn.integrations import _env
 from vattn.pool import ElasticPool, PoolStats
 
@@ -469,6 +469,19 @@ def _check_settings(memory_limit: Any, budget: Any, idle_trim_s: Any) -> float |
     return _env.idle_delay(idle_trim_s)
 
 
+def _check_layer_kinds(config: Any) -> None:
+    """Refuse a cache for a model with layers that are not attention (`vattn serve` enables
+    every model it loads and sees its config only here)."""
+    from vattn.integrations.hf import SUPPORTED_LAYER_KINDS, layer_kinds
+
+    other = sorted(set(layer_kinds(config)) - set(SUPPORTED_LAYER_KINDS))
+    if other:
+        raise UnsupportedModelError(
+            f"vattn cannot back the continuous-batching cache of a {type(config).__name__} model: it has {other} "
+            "layers, whose per-request state (Mamba, linear attention, ...) the paged cache does not keep; serve "
+            "an attention-only model")
+
+
 def _check_memory() -> None:
     problem = memory_problem()
     if problem:  # fail here, not on transformers' generation thread with "available memory 0"
@@ -493,6 +506,9 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
     get_text_config = getattr(getattr(model, "config", None), "get_text_config", None)
     if get_text_config is None or not hasattr(model, "generate_batch"):
         raise InvalidConfigError(f"{type(model).__name__} is not a transformers model with continuous batching")
+    from vattn.integrations.hf import check_model
+
+    check_model(model, probe=False)  # transformers' batching would run it, but with no state for its SSM layers
     config = get_text_config()
     if config is not get_text_config():
         raise InvalidConfigError(f"{type(model.config).__name__}.get_text_config() returns a new object each call; "
@@ -798,6 +814,7 @@ def _make_classes(cache_mod: Any, base: type, kind: str) -> type:
                 return
             if getattr(distributed_helper, "tp_size", 1) > 1:
                 raise InvalidConfigError("vattn.integrations.hf_cb does not support tensor parallelism yet")
+            _check_layer_kinds(config)
             build = {"kind": kind, "cache": self, "handle": handle, "tensors": [], "pool": None}
             with _lock:  # one vattn cache is built at a time; other threads see torch itself
                 saved = cache_mod.torch
