@@ -211,7 +211,7 @@ class ModelRunner:
     """Runs the model on a batch of scheduled sequences and samples their next tokens."""
 
     def __init__(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
-        from vattn.integrations.hf import use_vattn_attention
+        from vattn.integrations.hf import layer_windows, use_vattn_attention
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
@@ -233,7 +233,9 @@ class ModelRunner:
                                  dtype=self.dtype, device=str(self.device), page_size=config.page_size,
                                  layout=config.layout, physical_memory=config.physical_memory,
                                  background=config.background, prefetch=config.prefetch,
-                                 prefetch_tokens=config.prefetch_tokens, budget=config.budget)
+                                 prefetch_tokens=config.prefetch_tokens, budget=config.budget,
+                                 # sliding-window layers give their pages behind the window back
+                                 layer_windows=layer_windows(hf) if config.layout == "per-layer" else None)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
         self.slot_tokens = self.cache.geometry.slot_tokens
