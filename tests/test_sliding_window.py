@@ -125,7 +125,7 @@ def test_greedy_matches_transformers_with_pages_given_back(family: str) -> None:
         assert st.kinds[f"window={WINDOW}"].num_mapped_pages < st.kinds["full"].num_mapped_pages
 
 
-@pytest.mark.parametrize("family,memory", [("gemma3", 448 << 10), ("qwen2", 200 << 10)])
+@pytest.mark.parametrize("family,memory", [("gemma3", 448 << 10), ("qwen2", 200 << 10), ("mistral", 112 << 10)])
 def test_prefix_caching_parallel_samples_and_swap(family: str, memory: int) -> None:
     """Shared prompts longer than the window (prefix hits map the pinned pages still in the
     window), n > 1 (forks share only pages within it), and swapping under a small budget:
@@ -186,6 +186,26 @@ def test_swap_parks_only_live_pages() -> None:
             assert cache.k_cache(layer)[back, 80 - WINDOW:80, 0, 0].tolist() == list(range(81 - WINDOW, 81))
             assert cache.v_cache(layer)[back, 79, 0, 0].item() == -80
         assert cache.step({back: 81})
+
+
+def test_swap_with_every_layer_windowed() -> None:
+    """Mistral's case, one kind with a window: swap parks and copies back only live pages."""
+    with vattn.init(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context_len=512,
+                    dtype="float32", page_size=PAGE, layer_windows=(WINDOW, WINDOW), background=False,
+                    prefetch=False) as cache:
+        r = cache.alloc_reqid()
+        for n in range(1, 41):
+            assert cache.step({r: n})
+            cache.k_cache(1)[r, n - 1] = n
+        handle = cache.swap_out(r, 40)
+        assert handle.first_pages == (cache.allocator.books.holes(r),) and handle.first_pages[0] > 0
+        other = cache.alloc_reqid()
+        assert other == r and cache.step({other: 40})
+        back = cache.swap_in(handle)
+        assert back != r and handle.copied_in
+        assert cache.k_cache(1)[back, 40 - WINDOW:40, 0, 0].tolist() == list(range(41 - WINDOW, 41))
+        assert cache.step({back: 41})
+        cache.allocator.check_invariants()
 
 
 def test_fork_shares_only_pages_within_the_window_and_pins_compose() -> None:

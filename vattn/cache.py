@@ -277,13 +277,15 @@ class KVCache:
                 chunks.append(dst)
             host.append(chunks)
         slot, epoch = self.allocator.park(slot)
-        return SwapHandle(slot, epoch, num_tokens, host, first_pages=tuple(firsts) if len(firsts) > 1 else None)
+        return SwapHandle(slot, epoch, num_tokens, host, first_pages=tuple(firsts))
 
     def _first_pages(self, slot: int) -> list[int]:
         """Per layer kind, the first page `slot` maps (0 but behind a sliding window)."""
         if isinstance(self.allocator, HybridAllocator):
             return self.allocator.first_pages(slot)
-        return [0]
+        books = self.allocator.books
+        with books.lock:
+            return [books.holes(slot)]
 
     def swap_in(self, handle: SwapHandle) -> int:
         """Bring a swapped-out request back; returns its (new) reqid. No copy when its old
@@ -298,15 +300,15 @@ class KVCache:
             raise InvalidRequestError(
                 f"this SwapHandle was swapped in already and its request is live as reqid {handle.live[0]}: a second "
                 f"swap_in would run it twice; free_reqid({handle.live[0]}) first, or swap_out that reqid again")
-        if handle.first_pages is not None:
-            slot, copies = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens, handle.first_pages)
+        firsts = handle.first_pages or (0,) * len(self.kind_buffers)
+        if isinstance(self.allocator, HybridAllocator):
+            slot, copies = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens, firsts)
         else:
-            slot, copy = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens)
-            copies = (copy,) * len(self.kind_buffers)
+            slot, copy = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens, first_page=firsts[0])
+            copies = (copy,)
         copy = any(copies)
         if copy:
             start, pin = self.geometry.page_offset(slot, 0), self.backend.device.type == "cuda"
-            firsts = handle.first_pages or (0,) * len(self.kind_buffers)
             for b, (buf, chunks) in enumerate(zip(self._bytes, handle.host)):
                 kind = self._kind_of[b]
                 if not copies[kind]:  # this kind's pages were untouched

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from vattn.allocator.books import MemoryStats
 from vattn.allocator.core import PageAllocator
 from vattn.allocator.plan import StepResult
-from vattn.allocator.sharing import window_covers
+from vattn.allocator.sharing import fork_refused, truncate_refused, window_covers
 from vattn.errors import InvalidRequestError
 
 
@@ -117,9 +117,7 @@ class HybridAllocator:
     # ---------------------------------------------------------------- sharing ----
     def fork(self, reqid: int, num_tokens: int) -> int:
         if not self.can_fork(reqid, num_tokens):  # refused before any kind forks
-            raise InvalidRequestError(
-                f"reqid {reqid}'s sliding-window layers gave back pages the child's first query (at token "
-                f"{num_tokens}) reads: fork before the parent moves a window past it, or compute the prompt")
+            raise fork_refused(reqid, num_tokens)
         child = self.primary.fork(reqid, num_tokens)
         self._follow(child, lambda a: a.fork(reqid, num_tokens, child))
         return child
@@ -163,9 +161,7 @@ class HybridAllocator:
             with books.lock:
                 tpp = books.geometry.whole_tokens_per_page
                 if num_tokens and tpp and not window_covers(books, books.holes(reqid), num_tokens // tpp):
-                    raise InvalidRequestError(
-                        f"num_tokens={num_tokens}: reqid {reqid}'s sliding-window layers have no pages for the "
-                        "window before it (given back); map fewer or no cached tokens")
+                    raise truncate_refused(reqid, num_tokens)
         unmapped = 0
         for alloc in self.parts:
             if alloc.num_tokens(reqid) > num_tokens:

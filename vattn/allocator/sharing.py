@@ -31,6 +31,18 @@ def window_covers(books: SlotBooks, holes: int, num_pages: int) -> bool:
     return books.window is not None and tpp > 0 and holes * tpp + books.window - 1 <= num_pages * tpp
 
 
+def fork_refused(parent: int, num_tokens: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"reqid {parent}'s sliding-window layers gave back pages the child's first query (at token "
+        f"{num_tokens}) reads: fork before the parent moves a window past it, or compute the prompt")
+
+
+def truncate_refused(slot: int, num_tokens: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"num_tokens={num_tokens}: reqid {slot}'s sliding-window layers have no pages for the window "
+        "before it (given back); map fewer or no cached tokens")
+
+
 class Sharing:
     """fork, pin and map_pinned over the books. The caller holds the lock (and has stopped
     the pre-mapping worker where pages move)."""
@@ -53,9 +65,7 @@ class Sharing:
                 f"num_tokens={num_tokens} must be in [1, {books.max_lens[parent]}]: the tokens reqid "
                 f"{parent} has (its longest step length)")
         if not books.reads_held(parent, num_tokens):
-            raise InvalidRequestError(
-                f"reqid {parent}'s sliding-window layers gave back pages the child's first query (at token "
-                f"{num_tokens}) reads: fork before the parent moves a window past it, or compute the prompt")
+            raise fork_refused(parent, num_tokens)
         books.fence_ran()
         if not books.free_slots:
             raise NoFreeSlotError(f"all {books.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
@@ -143,9 +153,7 @@ class Sharing:
                 f"num_tokens={num_tokens} must be a whole number of pages of at most the {mapped} tokens "
                 f"map_pinned mapped into reqid {slot}")
         if num_tokens and not window_covers(books, books.holes(slot), num_tokens // tpp):
-            raise InvalidRequestError(
-                f"num_tokens={num_tokens}: reqid {slot}'s sliding-window layers have no pages for the window "
-                "before it (given back); map fewer or no cached tokens")
+            raise truncate_refused(slot, num_tokens)
         drop = len(pages) - num_tokens // tpp
         unmapped = self.mapper.reclaim([(slot, drop)], drop) if drop else 0
         books.max_lens[slot] = num_tokens
