@@ -69,6 +69,13 @@ class MemoryStats:
         return self.active_bytes - self.used_bytes
 
     @property
+    def created_bytes(self) -> int:
+        """Physical bytes of the page groups that exist (every layer kind's)."""
+        if self.kinds:
+            return sum(k.created_bytes for k in self.kinds.values())
+        return self.num_created_pages * self.group_bytes
+
+    @property
     def active_bytes(self) -> int:
         if self.kinds:
             return sum(k.active_bytes for k in self.kinds.values())
