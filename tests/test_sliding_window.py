@@ -66,6 +66,13 @@ def reference(family: str) -> list[list[int]]:
     return _REFS[family]
 
 
+def window_cache(layer_windows: tuple, max_batch_size: int = 2, max_context_len: int = 512, **kw: Any) -> Any:
+    """A small host cache (8 tokens a page), mapping only in `step` (no worker, no look-ahead)."""
+    return vattn.init(num_layers=len(layer_windows), num_kv_heads=2, head_dim=64, max_batch_size=max_batch_size,
+                      max_context_len=max_context_len, dtype="float32", page_size=PAGE, layer_windows=layer_windows,
+                      background=False, prefetch=False, **kw)
+
+
 def window_kinds(cache: Any) -> list[Any]:
     """The page allocators of the cache's sliding-window layer kinds."""
     parts = cache.allocator.parts if isinstance(cache.allocator, HybridAllocator) else [cache.allocator]
@@ -160,9 +167,7 @@ def test_prefix_caching_parallel_samples_and_swap(family: str, memory: int) -> N
 def test_swap_parks_only_live_pages() -> None:
     """A swapped-out request of a hybrid cache copies only the pages its window kinds still
     map; swapped in elsewhere, its tokens (full layers) and its window (window layers) are back."""
-    with vattn.init(num_layers=3, num_kv_heads=2, head_dim=64, max_batch_size=3, max_context_len=1024,
-                    dtype="float32", page_size=PAGE, layer_windows=(WINDOW, None, WINDOW), background=False,
-                    prefetch=False) as cache:
+    with window_cache((WINDOW, None, WINDOW), max_batch_size=3, max_context_len=1024) as cache:
         tpp = cache.geometry.whole_tokens_per_page
         r = cache.alloc_reqid()
         for n in range(1, 81):
@@ -190,9 +195,7 @@ def test_swap_parks_only_live_pages() -> None:
 
 def test_swap_with_every_layer_windowed() -> None:
     """Mistral's case, one kind with a window: swap parks and copies back only live pages."""
-    with vattn.init(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context_len=512,
-                    dtype="float32", page_size=PAGE, layer_windows=(WINDOW, WINDOW), background=False,
-                    prefetch=False) as cache:
+    with window_cache((WINDOW, WINDOW)) as cache:
         r = cache.alloc_reqid()
         for n in range(1, 41):
             assert cache.step({r: n})
@@ -209,9 +212,7 @@ def test_swap_with_every_layer_windowed() -> None:
 
 
 def test_fork_shares_only_pages_within_the_window_and_pins_compose() -> None:
-    with vattn.init(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=4, max_context_len=1024,
-                    dtype="float32", page_size=PAGE, layer_windows=(WINDOW, None), background=False,
-                    prefetch=False) as cache:
+    with window_cache((WINDOW, None), max_batch_size=4, max_context_len=1024) as cache:
         tpp = cache.geometry.whole_tokens_per_page
         win = cache.allocator.parts[1]
         r = cache.alloc_reqid()
@@ -244,9 +245,7 @@ def test_fork_shares_only_pages_within_the_window_and_pins_compose() -> None:
 def test_pages_behind_the_window_are_unmapped_and_bounded() -> None:
     """The window kind's mapped bytes stay at the window plus an iteration and a page while
     the full kind's grow with the request; free slots keep only their window."""
-    with vattn.init(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context_len=2048,
-                    dtype="float32", page_size=PAGE, layer_windows=(64, None), prefetch=False,
-                    background=False) as cache:
+    with window_cache((64, None), max_context_len=2048) as cache:
         r = cache.alloc_reqid()
         for n in range(1, 1001):
             assert cache.step({r: n})
@@ -264,9 +263,7 @@ def test_pages_behind_the_window_are_unmapped_and_bounded() -> None:
 
 
 def test_an_iteration_reading_given_back_pages_is_refused() -> None:
-    with vattn.init(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context_len=512,
-                    dtype="float32", page_size=PAGE, layer_windows=(WINDOW, None), prefetch=False,
-                    background=False) as cache:
+    with window_cache((WINDOW, None)) as cache:
         r = cache.alloc_reqid()
         assert cache.step({r: 40}) and cache.step({r: 41})
         assert cache.step({r: 41})  # the same iteration planned again: its queries still start at 40
@@ -278,9 +275,7 @@ def test_an_iteration_reading_given_back_pages_is_refused() -> None:
 
 
 def test_fused_layout_keeps_every_page_and_config_errors() -> None:
-    with vattn.init(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context_len=512,
-                    dtype="float32", page_size=PAGE, layer_windows=(WINDOW, None), layout="fused",
-                    prefetch=False, background=False) as cache:
+    with window_cache((WINDOW, None), layout="fused") as cache:
         r = cache.alloc_reqid()
         for n in (100, 200):
             assert cache.step({r: n})
@@ -295,9 +290,7 @@ def test_fused_layout_keeps_every_page_and_config_errors() -> None:
 
 
 def test_window_validation_errors_say_what_to_do() -> None:
-    with vattn.init(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context_len=512,
-                    dtype="float32", page_size=PAGE, layer_windows=(WINDOW, None), prefetch=False,
-                    background=False) as cache:
+    with window_cache((WINDOW, None)) as cache:
         r = cache.alloc_reqid()
         assert cache.step({r: 64})
         assert cache.step({r: 65})
