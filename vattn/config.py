@@ -66,6 +66,10 @@ class CacheConfig:
     limit) on the host. `zero_reused_pages` clears a page before a request that did not
     write it can read it (pages of a freed slot, or reclaimed from another slot); off by
     default: the engine always writes before it reads.
+    `layer_windows`: per layer, its sliding window in tokens (None: full attention); with
+    the per-layer layout each window size is a layer kind of its own whose pages wholly
+    behind the window are given back as a request grows (see `layer_kinds`). The fused
+    layout keeps every page (a page holds every layer of its tokens).
     """
 
     num_layers: int
@@ -83,6 +87,7 @@ class CacheConfig:
     prefetch_tokens: int = PREFETCH_TOKENS
     cuda_driver: str = "auto"
     zero_reused_pages: bool = False
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_context_len"):
@@ -97,6 +102,24 @@ class CacheConfig:
         for name in ("background", "prefetch", "zero_reused_pages"):
             checks.flag(getattr(self, name), name)
         checks.one_of(self.cuda_driver, "cuda_driver", CUDA_DRIVERS)
+        if self.layer_windows is not None:
+            windows = tuple(self.layer_windows)
+            if len(windows) != self.num_layers:
+                raise InvalidConfigError(f"layer_windows has {len(windows)} entries; give one per layer "
+                                         f"(num_layers={self.num_layers}), None for full attention")
+            windows = tuple(None if w is None else checks.positive(w, "a layer window") for w in windows)
+            # a window as long as the context is full attention: nothing is ever behind it
+            windows = tuple(None if w is None or w >= self.max_context_len else w for w in windows)
+            object.__setattr__(self, "layer_windows", windows if any(w is not None for w in windows) else None)
+
+    def layer_kinds(self) -> list[tuple[int | None, tuple[int, ...]]]:
+        """(window, layers) of each layer kind, full attention first, then windows from the
+        largest: one kind with the fused layout or without windows (every page kept)."""
+        windows = self.layer_windows
+        if windows is None or self.layout != "per-layer":
+            return [(None, tuple(range(self.num_layers)))]
+        sizes = sorted(set(windows), key=lambda w: (w is not None, -(w or 0)))
+        return [(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in sizes]
 
     @property
     def torch_device(self) -> torch.device:

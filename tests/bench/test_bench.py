@@ -48,6 +48,30 @@ def test_fragmentation_models_and_replay_agree(tmp_path) -> None:
         assert r["measured_waste_pct"] == pytest.approx(r["model_waste_pct"], rel=0.05, abs=0.05), r
 
 
+def test_fragmentation_hybrid_models(tmp_path) -> None:
+    """Sliding-window and Mamba hybrids: per-kind pools and vattn's windows against one block
+    size for all layers; the real allocator maps what the closed form says, kind by kind."""
+    assert main(["bench", "fragmentation", "--hybrid", "--requests", "200", "--hybrid-requests", "40",
+                 "--hybrid-contexts", "8192", "--hybrid-replay-requests", "3", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "fragmentation_hybrid_host.json").read_text())
+    assert payload["benchmark"] == "fragmentation" and (tmp_path / "fragmentation_hybrid_host.png").exists()
+    res = payload["result"]
+    rows = {(r["model"], r["workload"], r["manager"]): r for r in res["rows"]}
+    g3 = {m: rows["gemma-3-27b", "long-8K", m] for m in ("uniform-16", "pools", "vattn-L-64K", "vattn-L-2M",
+                                                           "vattn-L-2M-keep")}
+    assert g3["pools"]["mean_request_MiB"] == g3["vattn-L-64K"]["mean_request_MiB"]  # 16 tokens a page either way
+    assert g3["uniform-16"]["fit"] < g3["vattn-L-2M"]["fit"] < g3["pools"]["fit"]
+    assert g3["vattn-L-2M-keep"]["window_MiB"] > 2 * g3["vattn-L-2M"]["window_MiB"]
+    assert rows["gemma-2-9b", "long-8K", "pools"]["fit_vs_uniform"] > 1.03  # a 4096-token window binds at 8K
+    jamba = rows["jamba-1.5-mini", "long-8K", "pools"]
+    assert jamba["tokens_per_page"] == 80 and jamba["state_MiB"] > 8  # a page holds one Mamba layer's state
+    assert ("gemma-2-9b", "long-128K", "pools") not in rows  # past its context
+    assert res["replays"]
+    for r in res["replays"]:
+        assert r["measured_full_MiB"] == pytest.approx(r["model_full_MiB"], rel=1e-9), r
+        assert r["measured_window_MiB"] == pytest.approx(r["model_window_MiB"], rel=1e-9), r
+
+
 def test_fragmentation_trace_csv(tmp_path, capsys: pytest.CaptureFixture) -> None:
     trace = tmp_path / "t.csv"
     trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{100 + 37 * i},{5 + i}\n" for i in range(20)))

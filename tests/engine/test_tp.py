@@ -172,9 +172,12 @@ def _outputs(rank: int, ports: list[int], checkpoint: str) -> dict:
 
 def _extra_cases() -> list[tuple[str, Any, Any]]:
     """Biases on the rowwise modules (added once, after the all-reduce), and parallel
-    sampling (forks agreed on both ranks, rank 0's seeded draws)."""
+    sampling (forks agreed on both ranks, rank 0's seeded draws), and a sliding-window layer
+    beside a full one (each rank's window pages given back alike; n=2 forks agreed)."""
+    sliding = tiny_config("qwen2", 2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     return [("bias", tiny_config("llama", 2, attention_bias=True, mlp_bias=True), greedy_params()[:3]),
-            ("n=3", tiny_config(), SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=12))]
+            ("n=3", tiny_config(), SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=12)),
+            ("sliding", sliding, [SamplingParams(temperature=0, max_tokens=40, n=2)] * 3)]
 
 
 def _agreement(rank: int, ports: list[int]) -> dict:

@@ -218,7 +218,7 @@ class ModelRunner:
     """Runs the model on a batch of scheduled sequences and samples their next tokens."""
 
     def __init__(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
-        from vattn.integrations.hf import check_model, use_vattn_attention
+        from vattn.integrations.hf import check_model, layer_windows, use_vattn_attention
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
@@ -239,13 +239,17 @@ class ModelRunner:
         # K/V only for the layers that have attention: not a state model's Mamba2 / gated delta-net
         # layers (a model with none still gets one small layer: the cache also hands out the slots)
         kv_layers = _kv_layers(self.model.config) if has_states else list(range(num_layers))
+        windows = layer_windows(hf)  # by the model's layer index; the cache's by its K/V layer
+        kv_windows = tuple(windows[layer] for layer in kv_layers) or (None,)
         try:
             self.cache = KVCache(num_layers=max(1, len(kv_layers)), num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  max_batch_size=config.max_batch_size, max_context_len=self.max_context_len,
                                  dtype=self.dtype, device=str(self.device), page_size=config.page_size,
                                  layout=config.layout, physical_memory=config.physical_memory,
                                  background=config.background, prefetch=config.prefetch,
-                                 prefetch_tokens=config.prefetch_tokens, budget=config.budget)
+                                 prefetch_tokens=config.prefetch_tokens, budget=config.budget,
+                                 # sliding-window layers give their pages behind the window back
+                                 layer_windows=kv_windows if config.layout == "per-layer" else None)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
         self.states, self._uninstall_states = None, None

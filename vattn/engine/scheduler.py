@@ -267,6 +267,9 @@ class Scheduler:
                 self.num_swapped_in += 1
                 return True
         source = self._fork_source(seq)
+        can_fork = getattr(self.kv, "can_fork", None)  # a sliding window may have moved past the prompt
+        if source is not None and can_fork is not None and not can_fork(source.slot, seq.num_prompt_tokens):
+            source = None
         if source is not None:
             try:
                 seq.slot = self.kv.fork(source.slot, seq.num_prompt_tokens)

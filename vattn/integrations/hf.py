@@ -49,6 +49,8 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layer = module.layer_idx
     if kwargs.get("softcap") is not None:
         raise UnsupportedModelError("vattn attention does not support attention logit softcapping (Gemma 2 style)")
+    if kwargs.get("s_aux") is not None:  # gpt-oss: a learned sink logit per head
+        raise UnsupportedModelError("vattn attention does not support attention sinks (gpt-oss's s_aux)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = ctx.kernel.forward(
         query[0].transpose(0, 1),  # [T, H_q, D]
@@ -56,6 +58,18 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         value[0].transpose(0, 1),
         ctx.k_caches[layer], ctx.v_caches[layer], ctx.metadata, scale, sliding_window)
     return out.unsqueeze(0), None  # [1, T, H_q, D]
+
+
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Per layer of a transformers config, the sliding window its attention uses (None: full
+    attention): `layer_types` where the config has them (Gemma-2/3, Qwen2's
+    use_sliding_window, Ministral, gpt-oss), else `sliding_window` for every layer (Mistral)."""
+    text = config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        return (window,) * text.num_hidden_layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def vattn_mask(*args: Any, **kwargs: Any) -> None:
@@ -399,6 +413,6 @@ class VAttnCache(Cache):
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_LAYER_KINDS", "STATE_KINDS", "STATE_MIXERS", "layer_kinds",
-           "state_modules", "state_mixers",
+           "state_modules", "state_mixers", "layer_windows",
            "mixes_tokens_outside_attention", "check_model", "vattn_attention_forward", "vattn_mask", "register",
            "use_vattn_attention", "restore_attention", "VAttnCache"]

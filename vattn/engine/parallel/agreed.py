@@ -112,6 +112,11 @@ class AgreedSlots:
     def fork(self, reqid: int, num_tokens: int) -> int:
         return self._new_slot("fork", FORK, lambda: self.cache.fork(reqid, num_tokens))
 
+    def can_fork(self, reqid: int, num_tokens: int) -> bool:
+        """The same on every rank: the ranks' slots hold the same pages' places (their
+        sliding windows give back the same pages)."""
+        return self.cache.can_fork(reqid, num_tokens)
+
     def _raise_agreed(self, what: str, error: Exception | None) -> None:
         raise_agreed(self.tp, what, error)
 
