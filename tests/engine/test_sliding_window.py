@@ -329,3 +329,30 @@ def test_window_pages_on_the_fake_cuda_driver(fake_cuda) -> None:
     assert cache.trim() >= 0
     cache.close()
     assert fake_cuda.live()[:2] == (handles, mappings)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_windows_with_prefix_caching_at_a_token_that_does_not_divide_the_page(family: str) -> None:
+    """48-dim heads: a 384-byte token does not divide the 4 KiB page, so prefixes are shared
+    in units of 32 tokens in 3 pages (lcm) while the window layers give back the pages behind
+    their 8-token window (the check that a cached prefix still holds its window is in bytes):
+    prefix hits happen and every sample's greedy tokens equal transformers' generate."""
+    config = family_config(family)
+    config.head_dim = 48
+    ps = prompts()
+    system = (ps[4] + ps[5])[:70]  # two whole units and a part
+    plist = [system + p[:12] for p in ps]
+    params = [SamplingParams(temperature=0, max_tokens=m, n=1 + i % 2) for i, m in enumerate(MAX_TOKENS)]
+    model = build_model(config)
+    ref = [hf_greedy(model, p, m) for p, m in zip(plist, MAX_TOKENS)]
+    with LLM(config, seed=0, max_batch_size=8, page_size=PAGE, max_num_batched_tokens=BATCHED, prefetch=False,
+             enable_prefix_caching=True) as llm:
+        g = llm.cache.geometry
+        assert (g.share_tokens, g.share_pages) == (32, 3)
+        outs = run_online(llm, plist, params, (0, 1, 3, 3, 5, 8))
+        assert llm.prefix_cache_stats().num_hit_tokens > 0
+        llm.cache.allocator.check_invariants()
+    for out, r, p in zip(outs, ref, params):
+        assert len(out.outputs) == p.n
+        for o in out.outputs:
+            assert o.token_ids == r and o.error is None
