@@ -65,6 +65,10 @@ signatures and source lines it relies on and raises `InvalidConfigError` when th
 A release newer than these is recognised by that same check, not by its version string:
 when it keeps one design's hook points, vattn warns that it is unverified and runs; an
 older release, or a newer one with a changed cache, gets `InvalidConfigError`.
+
+Here: `enable`/`disable` (the registry of enabled models) and the hook's `install`; the
+parts are `support` (`DESIGNS`, `design`, `check_transformers`, `memory_problem`), `caches`
+(the classes over transformers' own) and `handle` (`ElasticCB`), their names re-exported here.
 """
 from __future__ import annotations
 

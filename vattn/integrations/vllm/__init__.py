@@ -80,6 +80,10 @@ memory with a warning. Every batch carries the layout's `BlockLayout.key`; a wor
 batch for another layout. A worker on vattn memory under a scheduler that fell back gets
 no batches at all, which is not detected (it needs different `VATTN_VLLM*` variables in
 the two processes).
+
+Here: the hooks the patch calls and this process's state (`_started`, `_workers`); the
+parts are `layout` (the settings, `BlockLayout`), `scheduler` (`SchedulerKV`, `PageOps`),
+`worker` (`WorkerKV`) and `startup` (the start-up checks), their names re-exported here.
 """
 from __future__ import annotations
 
