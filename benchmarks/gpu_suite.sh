@@ -177,7 +177,7 @@ TESTS_PAT="passed|failed|error|no tests ran"
 if [ $HAVE_CUDA = 1 ]; then
     step pytest_gpu_cext 60 150 "$TESTS_PAT" env VATTN_CUDA_DRIVER=cext "${PYTEST[@]}" -m gpu tests
     step pytest_alloc_cuda_python 40 120 "$TESTS_PAT" env VATTN_CUDA_DRIVER=cuda-python "${PYTEST[@]}" -m gpu \
-        tests/test_allocator.py tests/test_fences.py tests/test_state_machine.py
+        tests/alloc/test_allocator.py tests/alloc/test_fences.py tests/alloc/test_state_machine.py
 else
     skip pytest_gpu_cext "no CUDA"
     skip pytest_alloc_cuda_python "no CUDA"

@@ -20,7 +20,12 @@ greedy (or seeded) outputs, which must be identical token for token:
 Each case runs `--repeats` times on a fresh engine; the fastest run is reported (the
 tokens must be the same every time).
 
-    OMP_NUM_THREADS=1 python benchmarks/sharing.py [--quick]
+`--shape phi3` runs (a) only, on a Phi-3-shaped model (head_dim 96 as Phi-3-mini's, 4
+layers, 4 KV heads: a 1536-byte per-layer token does not divide a page) at the default
+page size, per-layer and fused: prefix caching shares blocks of whole tokens in whole
+pages (`Geometry.share_tokens`, issue 23); writes sharing_phi3_<device>.*.
+
+    OMP_NUM_THREADS=1 python benchmarks/sharing.py [--quick] [--shape phi3]
 
 torch runs on one thread (OMP_NUM_THREADS=1 unless set). Peak figures are sampled after
 every engine step; "mapped" includes pages kept for later (free slots, pre-mapped tails,
@@ -46,7 +51,13 @@ from vattn.engine import LLM, SamplingParams  # noqa: E402
 KB, MB = 1 << 10, 1 << 20
 
 
-def model_config() -> Any:
+def model_config(shape: str = "llama") -> Any:
+    if shape == "phi3":
+        from transformers import Phi3Config
+
+        return Phi3Config(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
+                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -71,8 +82,8 @@ def serve(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> d
     tokens = [[o.token_ids for o in out.outputs] for out in outs]
     errors = sum(o.finish_reason == "error" for out in outs for o in out.outputs)
     n_out = sum(len(t) for ts in tokens for t in ts)
-    pc = llm.prefix_cache_stats()
-    return dict(seconds=seconds, peak_mapped_pages=peak_pages, peak_mapped_MiB=peak_bytes / MB,
+    pc, g = llm.prefix_cache_stats(), llm.cache.geometry
+    return dict(page_size=g.page_size, block_tokens=g.share_tokens, block_pages=g.share_pages, seconds=seconds, peak_mapped_pages=peak_pages, peak_mapped_MiB=peak_bytes / MB,
                 group_KiB=llm.memory_stats().group_bytes / KB, computed_tokens=llm.scheduler.num_computed_tokens,
                 output_tokens=n_out, output_tok_s=n_out / seconds, preemptions=llm.num_preemptions,
                 swapped_out=llm.scheduler.num_swapped_out, swapped_in=llm.scheduler.num_swapped_in,
@@ -80,8 +91,8 @@ def serve(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> d
                 errors=errors, tokens=tokens)
 
 
-def engine(layout: str = "per-layer", page_size: int = 16 * KB, **kw: Any) -> LLM:
-    return LLM(model_config(), seed=0, dtype="float32", device="cpu", max_context_len=2048, layout=layout,
+def engine(layout: str = "per-layer", page_size: int | None = 16 * KB, shape: str = "llama", **kw: Any) -> LLM:
+    return LLM(model_config(shape), seed=0, dtype="float32", device="cpu", max_context_len=2048, layout=layout,
                page_size=page_size, **kw)
 
 
@@ -113,18 +124,22 @@ def prefix_workload(num_requests: int, seed: int = 0) -> tuple[list[list[int]], 
 
 def run_prefix(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompts, params = prefix_workload(args.prefix_requests)
-    configs = [("per-layer", 4 * KB), ("per-layer", 16 * KB), ("per-layer", 64 * KB), ("per-layer", 256 * KB),
-               ("fused", 64 * KB)]
+    configs: list[tuple[str, int | None]] = [("per-layer", 4 * KB), ("per-layer", 16 * KB), ("per-layer", 64 * KB),
+                                             ("per-layer", 256 * KB), ("fused", 64 * KB)]
+    if args.shape == "phi3":
+        configs = [("per-layer", None), ("fused", None)]  # the default page size
     rows = []
     for layout, page in configs:
-        runs = {cached: measure(args.repeats, prompts, params, layout=layout, page_size=page,
+        runs = {cached: measure(args.repeats, prompts, params, layout=layout, page_size=page, shape=args.shape,
                                 max_batch_size=args.prefix_requests, max_num_batched_tokens=2048,
                                 enable_prefix_caching=cached) for cached in (False, True)}
         off, on = runs[False], runs[True]
-        cfg = model_config()
+        page = on["page_size"]
+        cfg = model_config(args.shape)
         token_bytes = 4 * cfg.num_key_value_heads * cfg.hidden_size // cfg.num_attention_heads  # float32
-        tpp = page // (token_bytes * (cfg.num_hidden_layers if layout == "fused" else 1))
-        rows.append(dict(layout=layout, page_KiB=page // KB, tokens_per_page=tpp, hit_rate=on["hit_rate"],
+        tpp = page // (token_bytes * (cfg.num_hidden_layers if layout == "fused" else 1))  # (rounded down)
+        rows.append(dict(layout=layout, page_KiB=page // KB, tokens_per_page=tpp, block_tokens=on["block_tokens"],
+                         block_pages=on["block_pages"], hit_rate=on["hit_rate"],
                          peak_mapped_MiB_off=off["peak_mapped_MiB"], peak_mapped_MiB_on=on["peak_mapped_MiB"],
                          peak_pages_off=off["peak_mapped_pages"], peak_pages_on=on["peak_mapped_pages"],
                          computed_off=off["computed_tokens"], computed_on=on["computed_tokens"],
@@ -194,20 +209,31 @@ def main() -> None:
     ap.add_argument("--preempt-budget-mib", type=int, default=12, help="KV budget of (c)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each case; the fastest is reported")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--shape", choices=("llama", "phi3"), default="llama",
+                    help="phi3: (a) only, on a Phi-3-shaped model (tokens that do not divide the page)")
     args = ap.parse_args()
     if args.quick:
         args.prefix_requests, args.parallel_prompts, args.preempt_requests, args.repeats = 4, 2, 6, 1
         args.preempt_budget_mib = 6
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    prefix, parallel, preemption = run_prefix(args), run_parallel(args), run_preemption(args)
-
+    prefix = run_prefix(args)
     print(f"\n(a) {args.prefix_requests} requests sharing a 1000-token system prompt, 32 tokens each")
-    print_table(["layout", "page KiB", "tok/page", "hit rate", "peak MiB off", "peak MiB on", "computed off",
-                 "computed on", "s off", "s on", "same tokens"],
-                [[r["layout"], r["page_KiB"], r["tokens_per_page"], r["hit_rate"], r["peak_mapped_MiB_off"],
-                  r["peak_mapped_MiB_on"], r["computed_off"], r["computed_on"], r["seconds_off"], r["seconds_on"],
-                  r["same_tokens"]] for r in prefix])
+    print_table(["layout", "page KiB", "tok/page", "tok/block", "pages/block", "hit rate", "peak MiB off",
+                 "peak MiB on", "computed off", "computed on", "s off", "s on", "same tokens"],
+                [[r["layout"], r["page_KiB"], r["tokens_per_page"], r["block_tokens"], r["block_pages"], r["hit_rate"],
+                  r["peak_mapped_MiB_off"], r["peak_mapped_MiB_on"], r["computed_off"], r["computed_on"],
+                  r["seconds_off"], r["seconds_on"], r["same_tokens"]] for r in prefix])
+    cfg = model_config(args.shape)
+    model = dict(shape=args.shape, layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
+                 head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype="float32")
+    if args.shape == "phi3":
+        total = time.perf_counter() - t0
+        save("sharing_phi3_host", {"env": environment("cpu"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                                   "torch_threads": torch.get_num_threads(), "seconds": total, "model": model,
+                                   "config": vars(args), "prefix_caching": prefix}, out=args.out)
+        return
+    parallel, preemption = run_parallel(args), run_preemption(args)
     print(f"\n(b) {args.parallel_prompts} prompts of 256-512 tokens, 4 samples of 64 tokens each")
     print_table(["case", "peak MiB", "peak pages", "computed", "s", "out tok/s", "same tokens"],
                 [[r["case"], r["peak_mapped_MiB"], r["peak_mapped_pages"], r["computed_tokens"], r["seconds"],
@@ -226,7 +252,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
-    labels = [f"{r['layout']}\n{r['page_KiB']} KiB\n{r['tokens_per_page']} tok/page" for r in prefix]
+    labels = [f"{r['layout']}\n{r['page_KiB']} KiB\n{r['block_tokens']} tok/block" for r in prefix]
     x = range(len(prefix))
     ax1.bar([i - 0.2 for i in x], [r["peak_mapped_MiB_off"] for r in prefix], 0.4, label="no prefix cache")
     ax1.bar([i + 0.2 for i in x], [r["peak_mapped_MiB_on"] for r in prefix], 0.4, label="prefix cache")
@@ -245,12 +271,8 @@ def main() -> None:
     for i, r in enumerate(preemption):
         ax3.annotate(f"{r['preemptions']} preemptions", (i, r["output_tok_s"]), ha="center", va="bottom", fontsize=8)
 
-    cfg = model_config()
     payload = {"env": environment("cpu"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-               "torch_threads": torch.get_num_threads(), "seconds": total,
-               "model": dict(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
-                             head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype="float32"),
-               "config": vars(args), "prefix_caching": prefix, "parallel_sampling": parallel, "preemption": preemption}
+               "torch_threads": torch.get_num_threads(), "seconds": total, "model": model, "config": vars(args), "prefix_caching": prefix, "parallel_sampling": parallel, "preemption": preemption}
     save("sharing_host", payload, fig, out=args.out)
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +13,24 @@ torch.set_num_threads(1)
 import vattn
 from tests import fake_cuda as fake_cuda_lib
 
+# The repository: subprocess tests run from it and put it on PYTHONPATH (`tests.*` imports).
+REPO = Path(__file__).resolve().parent.parent
+
 
 def cuda_ok() -> bool:
     return torch.cuda.is_available()
+
+
+def hf_cb_problem() -> str:
+    """Why transformers' continuous batching cannot run on vattn here ("" when it can): a
+    transformers release `hf_cb` does not support, or 5.17-5.20 on a host without psutil."""
+    from vattn.integrations import hf_cb
+
+    try:
+        hf_cb.check_transformers()
+        return hf_cb.memory_problem() or ""
+    except vattn.InvalidConfigError as e:  # pragma: no cover - another transformers
+        return str(e)
 
 
 def pytest_collection_modifyitems(config, items):

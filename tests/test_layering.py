@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import vattn
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 # Run first in the child: an import hook that refuses the packages named in argv[1] (and their
 # submodules) with an error naming the import, and `load(name)`, which imports a module and,

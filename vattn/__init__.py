@@ -29,6 +29,7 @@ from vattn.errors import (
     OutOfPhysicalMemoryError,
     OutOfVirtualMemoryError,
     UnknownReqIdError,
+    UnsupportedModelError,
     VattnError,
 )
 
@@ -110,7 +111,7 @@ __all__ = [
     "k_cache", "v_cache", "close", "VattnError", "InvalidConfigError", "InvalidRequestError",
     "UnknownReqIdError", "ContextLengthError", "NoFreeSlotError", "OutOfVirtualMemoryError",
     "OutOfPhysicalMemoryError", "MapCountLimitError", "BackendError", "NotInitializedError", "ClosedError",
-    "FatalEngineError",
+    "FatalEngineError", "UnsupportedModelError",
     "ElasticPool", "PoolStats", "UnknownBlockError", "Budget",
 ]
 

@@ -387,11 +387,7 @@ class BlockBooks:
             new = more if new is None else min(new, more)
         unmapped = self.num_pages - self.num_mapped
         room = unmapped if new is None else min(unmapped, len(self.physical.spare) + new)
-        if self.page_size % self.block_bytes == 0:
-            fresh = room * (self.page_size // self.block_bytes)
-        else:
-            fresh = room // self.max_block_pages
-        return min(self.num_blocks - self.num_used, self.num_warm + fresh)
+        return min(self.num_blocks - self.num_used, self.num_warm + self._blocks_in(room))
 
     def max_blocks(self) -> int:
         """The most blocks that can be in use at once, pinned ones included: all of them, or
@@ -403,11 +399,14 @@ class BlockBooks:
             pages = min(pages, limit // self.group_bytes)
         if pages >= self.num_pages:
             return self.num_blocks
+        return min(self.num_blocks, self._blocks_in(pages))
+
+    def _blocks_in(self, pages: int) -> int:
+        """Blocks that `pages` unmapped pages back wherever they lie: exact when blocks and
+        pages divide one another, a lower bound otherwise (a block may span max_block_pages)."""
         if self.page_size % self.block_bytes == 0:
-            fit = pages * (self.page_size // self.block_bytes)
-        else:
-            fit = pages // self.max_block_pages
-        return min(self.num_blocks, fit)
+            return pages * (self.page_size // self.block_bytes)
+        return pages // self.max_block_pages
 
     def stats(self) -> PoolStats:
         nb = self.config.num_buffers

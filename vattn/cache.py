@@ -1,6 +1,7 @@
 """`KVCache`: virtual K/V tensors per layer, backed by physical pages on demand."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from vattn.allocator import MemoryStats, PageAllocator, StepResult
+from vattn.allocator import HybridAllocator, MemoryStats, PageAllocator, StepResult
 from vattn.checks import as_int
 from vattn.config import CacheConfig, Geometry
 from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
@@ -17,6 +18,9 @@ from vattn.vmem.base import Backend
 
 
 SWAP_CHUNK = 256 << 20  # host buffers of a swapped-out request: never one buffer over this
+# Tokens kept mapped before a sliding window on CUDA: FlashAttention-2's local attention
+# reads whole key blocks (64 or 128 tokens) from the one holding the window's first key.
+WINDOW_MARGIN_TOKENS = 256
 
 
 @dataclass
@@ -29,6 +33,9 @@ class SwapHandle:
     host: list[list[torch.Tensor]]  # per buffer, chunks of its first num_tokens tokens (uint8)
     copied_in: bool | None = None  # after swap_in: whether the data had to be copied back
     live: tuple[int, int] | None = None  # after swap_in: (reqid, its allocation) the request came back as
+    # sliding-window layer kinds: per kind, the first page the slot still mapped (the host
+    # copy of its buffers starts there: the pages before it were given back)
+    first_pages: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -94,13 +101,18 @@ class KVCache:
         self._k, self._v = self._make_views()
         # uint8 views of each whole buffer: pages are copied (fork) and cleared through them
         self._bytes = self._byte_views()
-        self.allocator = PageAllocator(g, self.backend, bases, max_pages=max_pages,
-                                       background=config.background, prefetch=config.prefetch,
-                                       prefetch_tokens=config.prefetch_tokens,
-                                       zero_pages=functools.partial(_zero_pages, weakref.ref(self))
-                                       if config.zero_reused_pages else None,
-                                       copy_pages=functools.partial(_copy_pages, weakref.ref(self)),
-                                       budget=budget)
+        kinds = config.layer_kinds()
+        # per kind: its buffers (K of its layers, then V), in the order its page groups hold them
+        self.kind_buffers = [[*layers, *(config.num_layers + i for i in layers)] for _, layers in kinds]
+        self.kind_names = ["full" if w is None else f"window={w}" for w, _ in kinds]
+        self._kind_of = {b: k for k, buffers in enumerate(self.kind_buffers) for b in buffers}  # buffer -> kind
+        if len(kinds) == 1:  # every layer alike (full attention, or one window: Mistral)
+            window = kinds[0][0]
+            self.allocator: PageAllocator | HybridAllocator = self._kind_allocator(
+                g, bases, list(range(g.num_buffers)), max_pages,
+                None if window is None else window + self._window_margin(), budget)
+        else:
+            self.allocator = self._hybrid(kinds, bases, max_pages, budget)
         # The memory goes when this cache and its last tensor view are gone (or at close()):
         # every view keeps the range alive, the range keeps `owner`, and the owner's finalizer
         # unmaps and releases the pages before the range frees its address space. Neither
@@ -108,6 +120,42 @@ class KVCache:
         owner = _MemoryOwner()
         self._range.keepalive = owner
         self._finalizer = weakref.finalize(owner, _close, self.allocator, self.backend)
+
+    def _kind_allocator(self, g: Geometry, bases: list[int], buffers: list[int], max_pages: int,
+                        window: int | None, budget: Any) -> PageAllocator:
+        """The page allocator of the layer kind whose K/V buffers are `buffers`."""
+        c, ref = self.config, weakref.ref(self)
+        return PageAllocator(g, self.backend, [bases[b] for b in buffers], max_pages=max_pages,
+                             background=c.background, prefetch=c.prefetch, prefetch_tokens=c.prefetch_tokens,
+                             zero_pages=functools.partial(_zero_pages, ref, buffers) if c.zero_reused_pages else None,
+                             copy_pages=functools.partial(_copy_pages, ref, buffers), budget=budget, window=window)
+
+    def _hybrid(self, kinds: list[tuple[int | None, tuple[int, ...]]], bases: list[int], max_pages: int,
+                budget: Any) -> HybridAllocator:
+        """One allocator per layer kind (full attention, each window size), on one budget: the
+        cache's own (its physical memory) unless the caller gave one."""
+        from vattn.budget import Budget
+
+        c, g = self.config, self.geometry
+        own = None
+        if budget is None:
+            budget = own = Budget(max_pages * g.group_bytes)
+        margin = self._window_margin()
+        parts = []
+        for (window, layers), buffers, name in zip(kinds, self.kind_buffers, self.kind_names):
+            gk = Geometry(dataclasses.replace(c, num_layers=len(layers), layer_windows=None), self.page_size)
+            cap = gk.pages_per_slot * c.max_batch_size
+            if own is None and c.physical_memory is not None:
+                cap = max(1, min(cap, c.physical_memory // gk.group_bytes))
+            parts.append((name, self._kind_allocator(gk, bases, buffers, cap,
+                                                     None if window is None else window + margin, budget)))
+        return HybridAllocator(parts, budget=own, whole_group_bytes=g.group_bytes)
+
+    def _window_margin(self) -> int:
+        """Tokens kept mapped before a sliding window: the kernels read from a block boundary
+        before it on CUDA (FlashAttention's local attention starts at the key block holding
+        the window's first key); the CPU kernels read exactly the window."""
+        return WINDOW_MARGIN_TOKENS if self.backend.device.type == "cuda" else 0
 
     def _byte_views(self) -> list[torch.Tensor]:
         """One `[buffer_bytes]` uint8 view of each buffer (page copies and clears)."""
@@ -178,6 +226,12 @@ class KVCache:
         length `reqid` was stepped to. Raises NoFreeSlotError or OutOfPhysicalMemoryError."""
         return self.allocator.fork(reqid, num_tokens)
 
+    def can_fork(self, reqid: int, num_tokens: int) -> bool:
+        """Whether `fork(reqid, num_tokens)` would find every page the child reads: False once
+        a sliding-window layer of `reqid` gave back pages within the window before
+        `num_tokens` (the parent moved on); the child then computes its prompt instead."""
+        return self.allocator.can_fork(reqid, num_tokens)
+
     def pin(self, reqid: int, num_pages: int) -> list:
         """Keep the first `num_pages` whole pages of `reqid` after it ends (the prefix
         cache's pages): a pinned page stays in physical memory, unmapped once no slot maps
@@ -188,11 +242,14 @@ class KVCache:
     def map_pinned(self, reqid: int, handles: Sequence) -> int:
         """Map pinned pages (handles from `pin`) as the first pages of `reqid` before its
         first step: no copy, and their tokens need no prefill. Stops at the first handle
-        that was evicted. Returns the number of tokens now in the slot."""
+        that was evicted, and maps whole sharing units only (`geometry.share_pages` pages
+        of `geometry.share_tokens` tokens: one page where a page holds whole tokens), so
+        that `reqid` never writes into a page it shares. Returns the number of tokens now
+        in the slot."""
         return self.allocator.map_pinned(reqid, handles)
 
     def truncate_pinned(self, reqid: int, num_tokens: int) -> int:
-        """Keep only the first `num_tokens` tokens (whole pages) of what `map_pinned` mapped
+        """Keep only the first `num_tokens` tokens (whole sharing units) of what `map_pinned` mapped
         into `reqid` before its first step; the later pages are unmapped from it and stay
         pinned. Tensor-parallel ranks use it to keep the prefix every rank could map.
         Returns the pages unmapped."""
@@ -211,17 +268,27 @@ class KVCache:
             raise InvalidRequestError(f"num_tokens={num_tokens} must be in [1, {held}]: the tokens reqid {slot} has")
         nbytes, start = num_tokens * g.token_bytes, g.page_offset(slot, 0)
         pin = self.backend.device.type == "cuda"
+        firsts = self._first_pages(slot)
         host = []
-        for buf in self._bytes:  # the slot's row is contiguous in every buffer
+        for b, buf in enumerate(self._bytes):  # the slot's row is contiguous in every buffer
             chunks = []
-            for off in range(0, nbytes, SWAP_CHUNK):
+            # a sliding-window kind: only its live pages (those behind the window are unmapped)
+            for off in range(firsts[self._kind_of[b]] * g.page_size, nbytes, SWAP_CHUNK):
                 n = min(SWAP_CHUNK, nbytes - off)
                 dst = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
                 dst.copy_(buf[start + off:start + off + n], non_blocking=pin)
                 chunks.append(dst)
             host.append(chunks)
         slot, epoch = self.allocator.park(slot)
-        return SwapHandle(slot, epoch, num_tokens, host)
+        return SwapHandle(slot, epoch, num_tokens, host, first_pages=tuple(firsts))
+
+    def _first_pages(self, slot: int) -> list[int]:
+        """Per layer kind, the first page `slot` maps (0 but behind a sliding window)."""
+        if isinstance(self.allocator, HybridAllocator):
+            return self.allocator.first_pages(slot)
+        books = self.allocator.books
+        with books.lock:
+            return [books.holes(slot)]
 
     def swap_in(self, handle: SwapHandle) -> int:
         """Bring a swapped-out request back; returns its (new) reqid. No copy when its old
@@ -236,11 +303,20 @@ class KVCache:
             raise InvalidRequestError(
                 f"this SwapHandle was swapped in already and its request is live as reqid {handle.live[0]}: a second "
                 f"swap_in would run it twice; free_reqid({handle.live[0]}) first, or swap_out that reqid again")
-        slot, copy = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens)
+        firsts = handle.first_pages or (0,) * len(self.kind_buffers)
+        if isinstance(self.allocator, HybridAllocator):
+            slot, copies = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens, firsts)
+        else:
+            slot, copy = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens, first_page=firsts[0])
+            copies = (copy,)
+        copy = any(copies)
         if copy:
             start, pin = self.geometry.page_offset(slot, 0), self.backend.device.type == "cuda"
-            for buf, chunks in zip(self._bytes, handle.host):
-                off = start
+            for b, (buf, chunks) in enumerate(zip(self._bytes, handle.host)):
+                kind = self._kind_of[b]
+                if not copies[kind]:  # this kind's pages were untouched
+                    continue
+                off = start + firsts[kind] * self.geometry.page_size
                 for src in chunks:
                     buf[off:off + src.numel()].copy_(src, non_blocking=pin)
                     off += src.numel()
@@ -291,11 +367,11 @@ class KVCache:
 
 # The allocator reaches the byte views through a weak reference: it must hold nothing that
 # keeps the cache's memory alive (views -> range -> owner -> the finalizer that closes it).
-def _copy_pages(ref: weakref.ref, pairs: list[tuple[int, int]]) -> None:
-    """Copy the page at each src offset to its dst offset in every buffer (fork)."""
+def _copy_pages(ref: weakref.ref, buffers: list[int], pairs: list[tuple[int, int]]) -> None:
+    """Copy the page at each src offset to its dst offset in every buffer of a layer kind (fork)."""
     cache = ref()
     page = cache.page_size
-    for buf in cache._bytes:  # [buffer_bytes] uint8 each
+    for buf in (cache._bytes[b] for b in buffers):  # [buffer_bytes] uint8 each
         for src, dst in pairs:
             buf[dst:dst + page].copy_(buf[src:src + page])
 
@@ -304,11 +380,12 @@ class _MemoryOwner:
     """Stands for a cache's physical memory: its finalizer closes the allocator."""
 
 
-def _zero_pages(ref: weakref.ref, offsets: list[int]) -> None:
-    """Clear the pages at `offsets` (bytes into every buffer): zero_reused_pages."""
+def _zero_pages(ref: weakref.ref, buffers: list[int], offsets: list[int]) -> None:
+    """Clear the pages at `offsets` (bytes into every buffer of a layer kind): zero_reused_pages."""
     cache = ref()
     page = cache.page_size
-    cache.backend.zero(cache._bytes, [off // page for off in offsets], page)  # buffers: [buffer_bytes] uint8
+    views = [cache._bytes[b] for b in buffers]  # [buffer_bytes] uint8 each
+    cache.backend.zero(views, [off // page for off in offsets], page)
 
 
 def _close(allocator: PageAllocator, backend: Any) -> None:

@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _add_tensor_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="ranks to split the model's heads over, one process each, launched with torchrun "
-                   "(default: 1); see the README's 'Tensor parallelism'")
+                   "(default: 1); see docs/tensor-parallel.md")
 
 
 def _torchrun_message(n: int, argv: list[str]) -> str:

@@ -66,6 +66,10 @@ class CacheConfig:
     limit) on the host. `zero_reused_pages` clears a page before a request that did not
     write it can read it (pages of a freed slot, or reclaimed from another slot); off by
     default: the engine always writes before it reads.
+    `layer_windows`: per layer, its sliding window in tokens (None: full attention); with
+    the per-layer layout each window size is a layer kind of its own whose pages wholly
+    behind the window are given back as a request grows (see `layer_kinds`). The fused
+    layout keeps every page (a page holds every layer of its tokens).
     """
 
     num_layers: int
@@ -83,6 +87,7 @@ class CacheConfig:
     prefetch_tokens: int = PREFETCH_TOKENS
     cuda_driver: str = "auto"
     zero_reused_pages: bool = False
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_context_len"):
@@ -97,6 +102,24 @@ class CacheConfig:
         for name in ("background", "prefetch", "zero_reused_pages"):
             checks.flag(getattr(self, name), name)
         checks.one_of(self.cuda_driver, "cuda_driver", CUDA_DRIVERS)
+        if self.layer_windows is not None:
+            windows = tuple(self.layer_windows)
+            if len(windows) != self.num_layers:
+                raise InvalidConfigError(f"layer_windows has {len(windows)} entries; give one per layer "
+                                         f"(num_layers={self.num_layers}), None for full attention")
+            windows = tuple(None if w is None else checks.positive(w, "a layer window") for w in windows)
+            # a window as long as the context is full attention: nothing is ever behind it
+            windows = tuple(None if w is None or w >= self.max_context_len else w for w in windows)
+            object.__setattr__(self, "layer_windows", windows if any(w is not None for w in windows) else None)
+
+    def layer_kinds(self) -> list[tuple[int | None, tuple[int, ...]]]:
+        """(window, layers) of each layer kind, full attention first, then windows from the
+        largest: one kind with the fused layout or without windows (every page kept)."""
+        windows = self.layer_windows
+        if windows is None or self.layout != "per-layer":
+            return [(None, tuple(range(self.num_layers)))]
+        sizes = sorted(set(windows), key=lambda w: (w is not None, -(w or 0)))
+        return [(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in sizes]
 
     @property
     def torch_device(self) -> torch.device:
@@ -145,9 +168,26 @@ class Geometry:
         return self.token_bytes * self.num_buffers
 
     @cached_property
+    def share_tokens(self) -> int:
+        """Tokens of the sharing unit: lcm(page_size, token_bytes) bytes of a buffer, the
+        fewest whole tokens that fill whole pages (`share_pages` of them). Pinned pages map
+        into a new request in whole units (`map_pinned`, the prefix cache's blocks), so that
+        it never writes a token whose bytes begin in a page it shares (fork copies the page
+        its first own token begins in instead). A page that holds whole tokens is its own
+        unit; e.g. 6 KiB tokens (Phi-3: 32 KV heads x head_dim 96, fp16) in 2 MiB pages
+        share 1024 tokens in three pages."""
+        return self.page_size // math.gcd(self.page_size, self.token_bytes)
+
+    @cached_property
+    def share_pages(self) -> int:
+        """Pages of the sharing unit (`share_tokens`): 1 when a page holds whole tokens."""
+        return self.token_bytes // math.gcd(self.page_size, self.token_bytes)
+
+    @cached_property
     def slot_tokens(self) -> int:
-        """max_context_len rounded up so that a slot is a whole number of pages."""
-        q = self.page_size // math.gcd(self.page_size, self.token_bytes)
+        """max_context_len rounded up to whole sharing units (so a slot is a whole number of
+        pages, and every slot's units start at the same page of it)."""
+        q = self.share_tokens
         return -(-self.config.max_context_len // q) * q
 
     @cached_property
@@ -176,12 +216,6 @@ class Geometry:
                 f"page_size={self.page_size} is larger than a whole slot ({slot} bytes: max_context_len="
                 f"{self.config.max_context_len} tokens x {self.token_bytes} bytes per buffer); use a page of "
                 f"at most {max(SMALL_PAGE_SIZE, 1 << (slot - 1).bit_length())} bytes")
-
-    @cached_property
-    def whole_tokens_per_page(self) -> int:
-        """Tokens one page of a buffer holds when it holds a whole number of them, else 0
-        (pages shared between requests, as prefix caching maps them, need whole tokens)."""
-        return 0 if self.page_size % self.token_bytes else self.page_size // self.token_bytes
 
     def pages_for(self, num_tokens: int) -> int:
         """Page groups a slot needs to hold `num_tokens` tokens."""

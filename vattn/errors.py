@@ -15,6 +15,12 @@ class InvalidConfigError(VattnError, ValueError):
     """A configuration value is wrong (sizes, dtype, page size, layout, device)."""
 
 
+class UnsupportedModelError(InvalidConfigError):
+    """The model has layers vattn cannot run (state-space, linear-attention, recurrent or
+    convolution layers, chunked or sparse attention): refused at load, never served wrong.
+    The message names the layers and their kinds."""
+
+
 class InvalidRequestError(VattnError, ValueError):
     """A call's arguments are wrong (bad seq_lens, bad prompt, ...)."""
 

@@ -1,27 +1,39 @@
 """Automatic prefix caching on contiguous virtual memory.
 
-Whole pages of prompt tokens are keyed by a chained hash (like vLLM's block hashes: each
-page's key covers every token before it, salted per model), and their physical pages are
+Blocks of prompt tokens are keyed by a chained hash (like vLLM's block hashes: each
+block's key covers every token before it, salted per model), and their physical pages are
 pinned in the cache when a request has computed them. A new request whose prompt starts
-with cached pages maps those pages into its own slot (the same physical memory at a second
-virtual address: no copy) and prefills only the rest; the kernels still read one
+with cached blocks maps those pages into its own slot (the same physical memory at a
+second virtual address: no copy) and prefills only the rest; the kernels still read one
 contiguous tensor. Pinned pages no slot maps are evicted, least recently used first, when
 the cache runs short of memory (or at `trim()`).
 
 ```
-prompt:   [ page 0 tokens ][ page 1 tokens ][ page 2 tok... ]
-key:        h0 = H(salt, p0)  h1 = H(h0, p1)   (partial page: never cached)
+prompt:   [ block 0 tokens ][ block 1 tokens ][ block 2 tok... ]
+key:        h0 = H(salt, b0)   h1 = H(h0, b1)    (partial block: never cached)
+pages:    [ p0 ][ p1 ][ p2 ][ p3 ][ p4 ][ p5 ]    (here 3 pages a block)
 ```
-The page size decides the sharing granularity: `tokens_per_page` tokens of one request
-per page (fewer with the fused layout, which puts every layer of a token in each page).
+A block is the cache's sharing unit (`Geometry.share_tokens` tokens in `share_pages`
+pages): the fewest whole tokens that fill whole pages, lcm(page_size, token bytes) bytes.
+A page that holds whole tokens is one block; where a token does not divide the page (head
+dims of 80 or 96, as Phi-2 and Phi-3 have), a block spans a few pages, so that a request
+that maps cached blocks computes its own tokens from a page boundary on and never writes
+into a page it shares. No page size arithmetic is asked of the user; only a block longer
+than the context (no prompt could ever share one) is refused, naming a fitting page size
+or layout. The fused layout, which puts every layer of a token in each page, has fewer
+tokens per page, and shorter blocks.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from array import array
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from vattn.errors import InvalidConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from vattn.config import Geometry
 
 
 class PrefixCache:
@@ -29,22 +41,20 @@ class PrefixCache:
 
     def __init__(self, cache: Any, salt: bytes | str = b"") -> None:
         g = cache.geometry
-        if not g.whole_tokens_per_page:
-            raise InvalidConfigError(
-                f"prefix caching needs a page that holds whole tokens; {g.page_size} bytes is not a multiple "
-                f"of a token's {g.token_bytes} bytes: pick another page_size")
+        check_sharing_unit(g, cache.backend.granularity)
         self.cache = cache
-        self.tokens_per_page = g.whole_tokens_per_page
+        self.block_tokens = g.share_tokens  # tokens a key covers
+        self.block_pages = g.share_pages  # pages a block is pinned in (a handle each)
         self.salt = salt.encode() if isinstance(salt, str) else bytes(salt)
-        self.entries: dict[bytes, Any] = {}  # chained page hash -> pin handle
+        self.entries: dict[bytes, tuple] = {}  # chained block hash -> its pages' pin handles
         self.num_query_tokens = 0  # prompt tokens looked up
         self.num_hit_tokens = 0  # of those, found in the cache
 
-    def page_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """The chained key of every whole page of `token_ids` (a sequence of token ids:
+    def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The chained key of every whole block of `token_ids` (a sequence of token ids:
         ints >= 0, else InvalidRequestError)."""
         ids = token_array(token_ids)
-        tpp, keys, prev = self.tokens_per_page, [], self.salt
+        tpp, keys, prev = self.block_tokens, [], self.salt
         for start in range(0, len(ids) - tpp + 1, tpp):
             h = hashlib.blake2b(prev, digest_size=16)
             h.update(ids[start:start + tpp].tobytes())
@@ -67,40 +77,70 @@ class PrefixCache:
         return n
 
     def lookup(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[Any]]:
-        """The keys of the whole pages of `token_ids` but its last token, and the handles of
-        the leading ones that are cached (they may have been evicted since)."""
+        """The keys of the whole blocks of `token_ids` but its last token, and the page
+        handles of the leading ones that are cached (they may have been evicted since), one
+        after another."""
         ids = token_array(token_ids)
-        keys = self.page_hashes(ids[:len(ids) - 1])
-        handles = []
+        keys = self.block_hashes(ids[:len(ids) - 1])
+        handles: list[Any] = []
         for key in keys:
-            handle = self.entries.get(key)
-            if handle is None:
+            block = self.entries.get(key)
+            if block is None:
                 break
-            handles.append(handle)
+            handles.extend(block)
         return keys, handles
 
     def forget_evicted(self, keys: Sequence[bytes], num_mapped: int) -> None:
-        """`map_pinned` mapped `num_mapped` tokens of the handles of `keys`: the pages after
-        those were evicted meanwhile."""
-        for key in keys[num_mapped // self.tokens_per_page:]:
+        """`map_pinned` mapped `num_mapped` tokens of the handles of `keys`: the blocks after
+        those lost pages to eviction meanwhile."""
+        for key in keys[num_mapped // self.block_tokens:]:
             self.entries.pop(key, None)
 
     def insert(self, reqid: int, token_ids: Sequence[int]) -> None:
-        """Pin the whole pages of `token_ids`, which `reqid` has written (computed) from
-        its first token on, and remember them under their keys."""
-        keys = self.page_hashes(token_ids)
+        """Pin the pages of the whole blocks of `token_ids`, which `reqid` has written
+        (computed) from its first token on, and remember them under their keys."""
+        keys = self.block_hashes(token_ids)
         if not keys:
             return
-        for key, handle in zip(keys, self.cache.pin(reqid, len(keys))):
-            self.entries[key] = handle
-        if len(self.entries) > 2 * len(self.cache.allocator.pins) + 1024:  # forget evicted pages
+        u = self.block_pages
+        handles = self.cache.pin(reqid, len(keys) * u)
+        for i, key in enumerate(keys):
+            self.entries[key] = tuple(handles[i * u:(i + 1) * u])
+        if len(self.entries) > 2 * len(self.cache.allocator.pins) + 1024:  # forget evicted blocks
             live = self.cache.allocator.pins
-            self.entries = {k: h for k, h in self.entries.items() if live.get(h[0]) == h[1]}
+            self.entries = {k: b for k, b in self.entries.items() if all(live.get(g) == gen for g, gen in b)}
 
     @property
     def hit_rate(self) -> float:
         """Prompt tokens found in the cache / prompt tokens looked up."""
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+def check_sharing_unit(g: Geometry, granularity: int) -> None:
+    """InvalidConfigError if the sharing unit of `g` (`Geometry.share_tokens`) is no
+    shorter than the context: a prompt has fewer than max_context_len tokens and its last
+    one is always computed, so no block could ever be shared. (A unit is at most one slot
+    of a buffer, so no bigger a cap is needed.) The message names page sizes (multiples of
+    the backend's `granularity`) and layouts whose unit fits: a smaller page, or the fused
+    layout (more bytes a token, usually more factors of two), shortens it."""
+    c = g.config
+    if g.share_tokens < c.max_context_len:
+        return
+    from vattn.config import LAYOUTS  # (torch: only on this error path)
+
+    fits = []
+    for layout in (c.layout, *(x for x in LAYOUTS if x != c.layout)):
+        for page in dict.fromkeys((g.page_size, granularity)):
+            alt = type(g)(dataclasses.replace(c, layout=layout, page_size=page), page)
+            if alt.share_tokens < c.max_context_len and (layout, page) != (c.layout, g.page_size):
+                fits.append(f"layout={layout!r}, page_size={page} ({alt.share_tokens} tokens a block)")
+    hint = ("use " + " or ".join(fits[:2])) if fits else (
+        "no layout or page size of this backend makes blocks shorter: run without prefix caching, or raise "
+        "max_context_len")
+    raise InvalidConfigError(
+        f"prefix caching shares whole tokens in blocks of {g.share_tokens} tokens here ({g.token_bytes}-byte tokens "
+        f"meet {g.page_size}-byte page boundaries only every {g.share_pages} pages), not fewer than "
+        f"max_context_len={c.max_context_len}: no prompt could ever share a block; {hint}")
 
 
 def token_array(token_ids: Any) -> array:

@@ -31,7 +31,7 @@
  *   fake_cuda_num_handles(), _num_mappings(), _num_reservations(), _num_violations()
  *   fake_cuda_violations()                   the logged violations, one per line
  * For cuda-python: cuDriverGetVersion, and cuGetProcAddress(_v2), through which the bindings
- * find every entry point above (tests/test_cuda_driver.py runs them on the fake).
+ * find every entry point above (tests/vmem/test_cuda_driver.py runs them on the fake).
  * Environment, read when the library loads: VATTN_FAKE_CUDA_FAIL="cuMemMap:3,cuMemCreate:1:2"
  * (name:ordinal[:code], code 999 = CUDA_ERROR_UNKNOWN by default), and
  * VATTN_FAKE_CUDA_GRANULARITY (bytes, default 64 KiB). The fake has FAKE_NUM_DEVICES devices.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from vattn.allocator.books import MemoryStats, SlotBooks
 from vattn.allocator.core import PageAllocator
+from vattn.allocator.hybrid import HybridAllocator
 from vattn.allocator.plan import StepPlan, StepResult
 
-__all__ = ["MemoryStats", "PageAllocator", "SlotBooks", "StepPlan", "StepResult"]
+__all__ = ["HybridAllocator", "MemoryStats", "PageAllocator", "SlotBooks", "StepPlan", "StepResult"]

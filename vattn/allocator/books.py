@@ -1,7 +1,9 @@
 """The slot allocator's books: which page groups each slot maps, which slots are active,
 and the references, pins and dirty marks of every group. Plain Python, no torch.
 
-A slot's pages are a prefix `slot_pages[s]` of references to page groups. A group may be
+A slot's pages are a prefix `slot_pages[s]` of references to page groups; in a
+sliding-window layer kind its leading entries may be holes (None): pages wholly behind the
+window, unmapped while the slot's virtual range stays reserved. A group may be
 mapped into several slots at once (a fork shares the whole pages of a prefix); `refs`
 counts the slots that map each group, plus one while it is pinned:
 
@@ -56,6 +58,10 @@ class MemoryStats:
     free_tokens: int  # tokens that still fit (spare, budget and cached pages)
     num_active: int
     num_pinned_pages: int = 0  # kept for the prefix cache (mapped in a slot or not)
+    # A cache with sliding-window layers: each layer kind's own figures ("full",
+    # "window=W"), whose sums these are (page groups of different sizes added; bytes exact;
+    # free_tokens and the pins are the first kind's). None: one kind.
+    kinds: dict[str, MemoryStats] | None = None
 
     @property
     def fragmentation_bytes(self) -> int:
@@ -63,7 +69,16 @@ class MemoryStats:
         return self.active_bytes - self.used_bytes
 
     @property
+    def created_bytes(self) -> int:
+        """Physical bytes of the page groups that exist (every layer kind's)."""
+        if self.kinds:
+            return sum(k.created_bytes for k in self.kinds.values())
+        return self.num_created_pages * self.group_bytes
+
+    @property
     def active_bytes(self) -> int:
+        if self.kinds:
+            return sum(k.active_bytes for k in self.kinds.values())
         return (self.num_mapped_pages - self.num_cached_pages) * self.group_bytes
 
     @property
@@ -79,8 +94,12 @@ class SlotBooks:
     from a heap, and the derived figures of a slot are kept in step with its pages.
     """
 
-    def __init__(self, geometry: Geometry, physical: PageGroups, max_pages: int, *, track_dirty: bool) -> None:
+    def __init__(self, geometry: Geometry, physical: PageGroups, max_pages: int, *, track_dirty: bool,
+                 window: int | None = None) -> None:
+        """`window`: the tokens a query of these layers sees (their sliding window, plus the
+        kernels' margin), None for full attention: pages behind it are given back."""
         self.geometry = geometry
+        self.window = window
         self.physical = physical  # the page layer: spare groups, budget, fences
         self.num_slots = n = geometry.config.max_batch_size
         self.max_len = geometry.config.max_context_len
@@ -103,6 +122,11 @@ class SlotBooks:
         self._counter = itertools.count()
         self.ran: dict[int, int] = {}  # the latest step's lengths: the iteration after it reads these slots
         self.max_lens = [0] * n  # longest length since alloc: pages below it hold data
+        # Sliding windows: the slot's previous step length below its latest one (where the
+        # queries of the iteration being planned start; a step re-planned at the same length
+        # is the same iteration).
+        self.prev_lens = [0] * n
+        self.lead = [0] * n  # holes (None) leading slot_pages[s]: pages given back behind a window
         self.last_fence: list[Any] = [None] * n  # the slot's pages may be unmapped once this passed
         self.epoch = [0] * n
         self.eager_tokens = 0.0  # running mean of new requests' first lengths
@@ -119,6 +143,7 @@ class SlotBooks:
         self.free_slots.remove(slot)
         self.active[slot] = next(self._counter)
         self.epoch[slot] += 1
+        self.prev_lens[slot] = 0
 
     def untake(self, slot: int) -> None:
         """Give back a slot `take` handed out for a call that failed."""
@@ -135,8 +160,35 @@ class SlotBooks:
         if self.track_dirty and self.slot_pages[slot]:  # the next owner must not read them
             # (pages shared with a live slot or pinned are someone's data still: a new owner
             # drops them unread at its first step)
-            self.dirty.update(grp for grp in self.slot_pages[slot] if self.refs[grp] == 1)
+            self.dirty.update(grp for grp in self.slot_pages[slot] if grp is not None and self.refs[grp] == 1)
             self.dirty_slots.add(slot)
+
+    def holes(self, slot: int) -> int:
+        """Leading pages of `slot` given back behind its sliding window (None entries)."""
+        return self.lead[slot]
+
+    def num_mapped(self, slot: int) -> int:
+        """Pages of `slot` that are mapped (its holes are not)."""
+        return len(self.slot_pages[slot]) - self.holes(slot)
+
+    def first_needed(self, slot: int, new_len: int) -> int:
+        """The first page an iteration taking `slot` to `new_len` tokens reads (0 without a
+        window): its queries start at the previous step length, and a query at position q
+        sees keys from q - window + 1 on."""
+        if self.window is None:
+            return 0
+        start = self.prev_lens[slot] if new_len == self.max_lens[slot] else self.max_lens[slot]
+        first_key = max(0, min(start, new_len - 1) - self.window + 1)
+        return first_key * self.geometry.token_bytes // self.geometry.page_size
+
+    def reads_held(self, slot: int, start: int) -> bool:
+        """Whether `slot` still maps every key a query at position `start` sees (its holes
+        lie wholly behind that query's window)."""
+        holes = self.holes(slot)
+        if not holes or self.window is None:
+            return not holes
+        g = self.geometry
+        return holes <= max(0, start - self.window + 1) * g.token_bytes // g.page_size
 
     def warm_slot(self) -> int:
         """The free slot alloc_reqid hands out next: most pages mapped, then lowest index."""
@@ -196,6 +248,8 @@ class SlotBooks:
         """Drop one reference to each group; a group nobody maps or pins becomes spare."""
         refs, spare = self.refs, self.physical.spare
         for grp in groups:
+            if grp is None:  # a hole behind a sliding window: nothing mapped
+                continue
             left = refs[grp] - 1
             if left:
                 refs[grp] = left
@@ -209,6 +263,9 @@ class SlotBooks:
         becomes the most recently used."""
         handles = []
         for grp in self.slot_pages[slot][:num_pages]:
+            if grp is None:  # behind a sliding window: nothing to keep
+                handles.append((None, 0))
+                continue
             gen = self.pins.get(grp)
             if gen is None:
                 gen = self.pins[grp] = next(self._generation)
@@ -221,9 +278,13 @@ class SlotBooks:
         return handles
 
     def pinned(self, handles: Iterable[tuple[Any, int]]) -> list[Any]:
-        """The groups of the leading `handles` that are still pinned (not evicted since)."""
-        groups = []
+        """The groups of the leading `handles` that are still pinned (not evicted since);
+        None for a hole (a page pinned behind a sliding window)."""
+        groups: list[Any] = []
         for grp, gen in handles:
+            if grp is None:
+                groups.append(None)
+                continue
             if self.pins.get(grp) != gen:
                 break
             groups.append(grp)
@@ -253,7 +314,8 @@ class SlotBooks:
         g, refs, pins, physical = self.geometry, self.refs, self.pins, self.physical
         pin_only = sum(refs[grp] == 1 for grp in pins)
         mapped = len(refs) - pin_only  # distinct groups mapped in a slot: a shared one is memory once
-        holding = {grp for s in self.active for grp in self.slot_pages[s][:g.pages_for(self.max_lens[s])]}
+        holding = {grp for s in self.active for grp in self.slot_pages[s][:g.pages_for(self.max_lens[s])]
+                   if grp is not None}
         cached = len(refs) - len(holding)  # pages under no live token (pinned ones too)
         spare = len(physical.spare) + (self.max_pages - physical.num_created) + cached
         return MemoryStats(
@@ -265,22 +327,28 @@ class SlotBooks:
             num_cached_pages=cached,
             max_pages=self.max_pages,
             mapped_bytes=mapped * g.group_bytes,
-            used_bytes=sum(self.max_lens[s] for s in self.active) * g.token_bytes_all,
+            used_bytes=sum(self.live_tokens(s) for s in self.active) * g.token_bytes_all,
             free_tokens=spare * g.page_size // g.token_bytes,
             num_active=len(self.active),
             num_pinned_pages=len(pins),
         )
 
+    def live_tokens(self, slot: int) -> int:
+        """Tokens of `slot` in mapped pages (those behind its window were given back)."""
+        g, n = self.geometry, self.max_lens[slot]
+        return max(0, n - self.holes(slot) * g.page_size // g.token_bytes) if self.window is not None else n
+
     def cached_bytes(self) -> int:
         """An estimate, without the lock, of what could be given back now: spare groups, free
         slots' pages and pins."""
         pages = self.slot_pages
-        cached = len(self.physical.spare) + sum(len(pages[s]) for s in list(self.free_slots)) + len(self.pins)
+        lead = self.lead
+        cached = len(self.physical.spare) + len(self.pins) + sum(len(pages[s]) - lead[s] for s in list(self.free_slots))
         return cached * self.geometry.group_bytes
 
     def check_invariants(self) -> None:
         """Assert the books are consistent (for tests and debugging). Lock held."""
-        mapped = [grp for pages in self.slot_pages for grp in pages]
+        mapped = [grp for pages in self.slot_pages for grp in pages if grp is not None]
         counts: dict[Any, int] = {}
         for grp in mapped:
             counts[grp] = counts.get(grp, 0) + 1
@@ -292,15 +360,20 @@ class SlotBooks:
         assert len(set(everywhere)) == self.physical.num_created, "a group is in two places"
         assert not set(everywhere) & set(self.physical.unreleased), "an unreleased group is in use"
         for s, pages in enumerate(self.slot_pages):
-            assert len(set(pages)) == len(pages), f"slot {s} maps a group twice"
-            if any(counts[grp] > 1 for grp in pages):
+            held = [grp for grp in pages if grp is not None]
+            assert len(set(held)) == len(held), f"slot {s} maps a group twice"
+            lead = next((i for i, grp in enumerate(pages) if grp is not None), len(pages))
+            assert lead == self.lead[s], f"slot {s}: {lead} leading holes, booked {self.lead[s]}"
+            assert len(held) == len(pages) - lead, f"slot {s} has a hole after a mapped page"
+            assert self.window is not None or len(held) == len(pages), f"slot {s} has holes without a window"
+            if any(counts[grp] > 1 for grp in held):
                 assert s in self.shared_slots
         g = self.geometry
         for s in self.active:  # the writable tail (from the length on) is the slot's own
             if not self.max_lens[s]:  # not stepped yet: its first step unshares it
                 continue
             first_writable = self.max_lens[s] * g.token_bytes // g.page_size
-            assert all(counts[grp] == 1 for grp in self.slot_pages[s][first_writable:]), \
+            assert all(counts.get(grp) == 1 for grp in self.slot_pages[s][first_writable:]), \
                 f"slot {s} may write a shared page"
         assert self.free_slots.isdisjoint(self.active)
         assert len(self.free_slots) + len(self.active) == self.num_slots

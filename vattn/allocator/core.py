@@ -50,12 +50,13 @@ class PageAllocator:
                  max_pages: int, background: bool, prefetch: bool, prefetch_tokens: int = 1,
                  zero_pages: Callable[[list[int]], None] | None = None,
                  copy_pages: Callable[[list[tuple[int, int]]], None] | None = None,
-                 budget: Any = None) -> None:
+                 budget: Any = None, window: int | None = None) -> None:
         """`max_pages`: the budget of page groups. `zero_pages(offsets)` clears pages
         (zero_reused_pages); `copy_pages(pairs)` copies pages between offsets (fork).
         `budget`: a `vattn.Budget` shared with other caches and pools: every group created is
         taken from it, others may ask for our cached pages, and a step it refused asks them
-        next time."""
+        next time. `window`: these layers' sliding window in tokens (with the kernels'
+        margin), None for full attention: a step gives back the pages wholly behind it."""
         self.geometry = geometry
         self.backend = backend
         self.background = background
@@ -65,7 +66,7 @@ class PageAllocator:
         self.worker_error: BaseException | None = None
         physical = PageGroups(backend, bases, geometry.page_size, geometry.num_buffers, budget=budget,
                               reclaim=self._give_back, cached=self._cached_bytes)
-        self.books = SlotBooks(geometry, physical, max_pages, track_dirty=zero_pages is not None)
+        self.books = SlotBooks(geometry, physical, max_pages, track_dirty=zero_pages is not None, window=window)
         self.mapper = Mapper(self.books, zero_pages=zero_pages, copy_pages=copy_pages)
         self.sharing = Sharing(self.books, self.mapper)
         self.swap = Swap(self.books, self.mapper)
@@ -75,14 +76,19 @@ class PageAllocator:
                                    self._record_worker_error)
 
     # ------------------------------------------------------------------ slots ----
-    def alloc_reqid(self) -> int:
+    def alloc_reqid(self, slot: int | None = None) -> int:
+        """A free slot (the warm one), or `slot` when given (a hybrid cache's other layer
+        kinds take the slot its first kind gave)."""
         books = self.books
         with books.lock:
             books.check_open()
             if not books.free_slots:
                 raise NoFreeSlotError(
                     f"all {books.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
-            slot = books.warm_slot()
+            if slot is None:
+                slot = books.warm_slot()
+            elif slot not in books.free_slots:
+                raise InvalidRequestError(f"slot {slot} is not free")
             books.take(slot)
             return slot
 
@@ -116,7 +122,7 @@ class PageAllocator:
             with books.lock:
                 books.check_open()
                 lens, short, edge = normalize(books, seq_lens, ahead)
-                if not (short or books.shared_slots or books.dirty_slots):
+                if not (short or books.shared_slots or books.dirty_slots or self._behind(lens)):
                     books.fence_ran()
                     return self._finish_step(lens, StepResult(), edge)
         with self._quiet():  # the worker stopped after its batch in flight
@@ -124,12 +130,40 @@ class PageAllocator:
             books.fence_ran()
             if books.shared_slots and self.sharing.unshare_new_owners(lens):
                 short, edge = short_and_edge(books, lens, ahead)
+            if books.window is not None and self._drop_behind(lens):
+                short, edge = short_and_edge(books, lens, ahead)
             result = self.mapper.back(lens, short) if short else StepResult()
             for s in result.failed:  # not backed: this iteration will not run them
                 del lens[s]
             if books.dirty_slots:
                 self.mapper.zero_dirty(lens)
             return self._finish_step(lens, result, edge if not short else None)
+
+    def _behind(self, lens: dict[int, int]) -> bool:
+        """Whether a slot of the step has pages wholly behind its sliding window, or holes
+        where it must read (lock held)."""
+        books = self.books
+        return books.window is not None and any(books.first_needed(s, n) != books.holes(s) for s, n in lens.items())
+
+    def _drop_behind(self, lens: dict[int, int]) -> bool:
+        """Sliding window: give back every page of the step's slots wholly behind the window
+        of its queries (after the last iteration's fence). A new request's slot holding
+        holes where it reads is emptied. Returns whether pages moved (lock held, worker stopped)."""
+        books, changed = self.books, False
+        for s, n in lens.items():
+            first, holes = books.first_needed(s, n), books.holes(s)
+            if first > holes:
+                changed |= self.mapper.drop_behind(s, first) > 0
+            elif first < holes:
+                if books.max_lens[s]:
+                    raise InvalidRequestError(
+                        f"reqid {s}'s sliding-window layers gave back the pages before token "
+                        f"{holes * self.geometry.page_size // self.geometry.token_bytes} and this step reads from "
+                        f"page {first}; an iteration's queries must start at the previous step's length (free the "
+                        "request and compute it again)")
+                self.mapper.empty(s)  # a new owner: the earlier request's pages are nothing to it
+                changed = True
+        return changed
 
     def _finish_step(self, lens: dict[int, int], result: StepResult, edge: list[int] | None) -> StepResult:
         """The books of the iteration `lens` runs (lock held), and what to pre-map next."""
@@ -141,6 +175,7 @@ class PageAllocator:
                 if not m:  # a new request's first length
                     books.eager_tokens = n if not books.eager_tokens else 0.8 * books.eager_tokens + 0.2 * n
                 ml[s] = n
+                books.prev_lens[s] = m
         books.ran = lens
         if result and self.prefetch:
             self._premap(edge)
@@ -175,10 +210,16 @@ class PageAllocator:
             self.premapper.wait()
 
     # ---------------------------------------------------------------- sharing ----
-    def fork(self, reqid: int, num_tokens: int) -> int:
-        """See `KVCache.fork`."""
+    def fork(self, reqid: int, num_tokens: int, child: int | None = None) -> int:
+        """See `KVCache.fork`; `child`: the free slot to fork into (None: one is chosen)."""
         with self._quiet():
-            return self.sharing.fork(reqid, num_tokens)
+            return self.sharing.fork(reqid, num_tokens, child)
+
+    def can_fork(self, reqid: int, num_tokens: int) -> bool:
+        """Whether `fork(reqid, num_tokens)` finds every page the child's first query reads
+        (a sliding window may have moved past them)."""
+        with self.books.lock:
+            return self.books.reads_held(self.books.check_active(reqid), as_index(num_tokens, "num_tokens"))
 
     def pin(self, reqid: int, num_pages: int) -> list[Handle]:
         """See `KVCache.pin`."""
@@ -218,10 +259,11 @@ class PageAllocator:
         with self.books.lock:
             return slot, self.books.epoch[slot]
 
-    def resume(self, slot: int, epoch: int, num_tokens: int) -> tuple[int, bool]:
+    def resume(self, slot: int, epoch: int, num_tokens: int, new: int | None = None,
+               first_page: int = 0) -> tuple[int, bool]:
         """See `Swap.resume`."""
         with self._quiet():
-            return self.swap.resume(slot, epoch, num_tokens)
+            return self.swap.resume(slot, epoch, num_tokens, new, first_page)
 
     # ----------------------------------------------------------------- memory ----
     def trim(self) -> int:
@@ -325,9 +367,11 @@ class PageAllocator:
         # error is raised at the end.
         with books.lock:
             g, n = self.geometry, books.num_slots
-            offsets = [g.page_offset(s, p) for s in range(n) for p in range(len(books.slot_pages[s]))]
+            offsets = [g.page_offset(s, p) for s in range(n) for p, grp in enumerate(books.slot_pages[s])
+                       if grp is not None]
             mapped = list(books.refs)  # each group once, however many slots map it
             books.slot_pages, books.refs, books.capacity = [[] for _ in range(n)], {}, [0] * n
+            books.lead = [0] * n
             books.pins.clear()
             books.shared_slots.clear()
             books.dirty.clear()

@@ -102,8 +102,13 @@ class Mapper:
                 groups.append(spare.pop())
                 takers.append(slot)
         fresh = groups[num_shared:]
+        holes = [i for i in range(num_shared) if groups[i] is None]  # behind a sliding window: not mapped
         try:
-            books.physical.map(offsets, groups)
+            if holes:
+                keep = [i for i in range(len(groups)) if groups[i] is not None]
+                books.physical.map([offsets[i] for i in keep], [groups[i] for i in keep])
+            else:
+                books.physical.map(offsets, groups)
         except BaseException:
             spare.extend(reversed(fresh))  # the map was atomic: nothing of it happened
             raise
@@ -111,14 +116,17 @@ class Mapper:
             try:
                 self.copy_pages(list(plan.copies))
             except BaseException:
-                books.physical.unmap(offsets)
+                books.physical.unmap([off for off, grp in zip(offsets, groups) if grp is not None])
                 spare.extend(reversed(fresh))
                 raise
             copied = {dst for _, dst in plan.copies}  # overwritten: no earlier owner's data left
             books.dirty.difference_update(grp for off, grp in zip(offsets, groups) if off in copied)
         refs, slot_pages = books.refs, books.slot_pages
         for slot, grp in zip(takers[:num_shared], groups[:num_shared]):
-            refs[grp] += 1
+            if grp is not None:
+                refs[grp] += 1
+            else:  # a hole (they lead: the slot held nothing before)
+                books.lead[slot] += 1
             slot_pages[slot].append(grp)
         for slot, grp in zip(takers[num_shared:], fresh):
             refs[grp] = 1
@@ -139,8 +147,9 @@ class Mapper:
         books, g = self.books, self.books.geometry
         offsets = []
         for s, k in unmaps:
-            n = len(books.slot_pages[s])
-            offsets += [g.page_offset(s, p) for p in range(n - k, n)]
+            pages = books.slot_pages[s]
+            n = len(pages)
+            offsets += [g.page_offset(s, p) for p in range(n - k, n) if pages[p] is not None]
         books.physical.wait(books.last_fence[s] for s, _ in unmaps)
         for s, _ in unmaps:
             books.last_fence[s] = None
@@ -150,8 +159,33 @@ class Mapper:
             pages = books.slot_pages[s]
             books.unref(reversed(pages[len(pages) - k:]))
             del pages[len(pages) - k:]
+            if pages and pages[-1] is None:  # only holes left (they lead): nothing mapped
+                pages.clear()
+            books.lead[s] = min(books.lead[s], len(pages))
             books.pages_changed(s)
         return len(offsets)
+
+    def drop_behind(self, slot: int, first: int) -> int:
+        """Give back the pages of `slot` before page `first` (wholly behind its sliding window),
+        after its fence: they become holes (None), the virtual range stays reserved, and a
+        group another slot or a pin still holds only loses this slot's reference. Returns
+        the pages unmapped."""
+        books, g = self.books, self.books.geometry
+        pages = books.slot_pages[slot]
+        if first > len(pages):
+            pages.extend([None] * (first - len(pages)))
+        drop = [p for p in range(books.holes(slot), first) if pages[p] is not None]
+        if not drop:
+            books.lead[slot] = max(books.lead[slot], first)
+            return 0
+        books.physical.wait([books.last_fence[slot]])
+        books.physical.unmap([g.page_offset(slot, p) for p in drop])
+        books.unref(pages[p] for p in drop)
+        for p in drop:
+            pages[p] = None
+        books.lead[slot] = first
+        books.pages_changed(slot)
+        return len(drop)
 
     def reclaim(self, donors: list[tuple[int, int]], count: int) -> int:
         """Unmap the donors' tail pages until `count` groups became spare. Returns pages unmapped."""
@@ -163,6 +197,9 @@ class Mapper:
         n = len(self.books.slot_pages[slot])
         if n:
             self.reclaim([(slot, n)], n)
+            self.books.slot_pages[slot].clear()  # (holes too)
+            self.books.lead[slot] = 0
+            self.books.pages_changed(slot)
 
     def zero_dirty(self, slots: Iterable[int]) -> None:
         """Clear the pages of `slots` that hold an earlier request's data (zero_reused_pages)."""

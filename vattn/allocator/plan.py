@@ -211,6 +211,8 @@ def plan_unmaps(books: SlotBooks, donors: list[tuple[int, int]], count: int) -> 
         while take < k and freed < count:
             take += 1
             grp = pages[n - take]
+            if grp is None:  # a hole behind a sliding window: nothing to free
+                continue
             left[grp] = left.get(grp, refs[grp]) - 1
             freed += left[grp] == 0
         unmaps.append((s, take))
@@ -240,6 +242,8 @@ def freeable(books: SlotBooks, donors: list[tuple[int, int]]) -> int:
     for s, k in donors:
         pages = books.slot_pages[s]
         for grp in pages[len(pages) - k:]:
+            if grp is None:
+                continue
             taken[grp] = taken.get(grp, 0) + 1
     pins, refs = books.pins, books.refs
     return (sum(t + (grp in pins) == refs[grp] for grp, t in taken.items())

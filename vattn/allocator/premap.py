@@ -38,7 +38,9 @@ def plan_premap(books: SlotBooks, edge: list[int], ahead: int) -> Job:
     g, max_len, lens, pages = books.geometry, books.max_len, books.ran, books.slot_pages
     job = [(s, g.pages_for(min(lens[s] + ahead, max_len))) for s in edge]
     if books.free_slots and books.eager_tokens:
-        job.append((books.warm_slot(), g.pages_for(min(int(books.eager_tokens), max_len))))
+        warm = books.warm_slot()
+        if not books.holes(warm):  # (holes: its next request empties it first)
+            job.append((warm, g.pages_for(min(int(books.eager_tokens), max_len))))
     return [(s, t) for s, t in job if t > len(pages[s])]
 
 

@@ -34,28 +34,39 @@ class Swap:
             self.books.last_fence[slot] = fence
         return slot
 
-    def resume(self, slot: int, epoch: int, num_tokens: int) -> tuple[int, bool]:
+    def resume(self, slot: int, epoch: int, num_tokens: int, new: int | None = None,
+               first_page: int = 0) -> tuple[int, bool]:
         """A slot for a parked request of `num_tokens` tokens: its own, untouched since it was
         parked at `epoch` ((slot, False): the data is there), or a new one with pages mapped
         for the tokens ((slot, True): copy the data in). Raises NoFreeSlotError or
-        OutOfPhysicalMemoryError and changes nothing when it cannot."""
+        OutOfPhysicalMemoryError and changes nothing when it cannot. `new`: the slot to take
+        (a hybrid cache's other layer kinds follow its first kind; the old one is kept
+        untouched only when it is that slot). `first_page`: pages before it held nothing
+        when parked (behind a sliding window): a new slot maps none there."""
         books = self.books
         num_tokens = as_index(num_tokens, "num_tokens")
         if not 0 < num_tokens <= books.max_len:
             raise InvalidRequestError(f"num_tokens={num_tokens} must be in [1, {books.max_len}]")
         if not books.free_slots:
             raise NoFreeSlotError(f"all {books.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
-        if slot in books.free_slots and books.epoch[slot] == epoch and books.capacity[slot] >= num_tokens:
+        if new is not None and new not in books.free_slots:
+            raise InvalidRequestError(f"slot {new} is not free")
+        if (new in (None, slot) and slot in books.free_slots and books.epoch[slot] == epoch
+                and books.capacity[slot] >= num_tokens):
             books.take(slot)
             books.dirty.difference_update(books.slot_pages[slot][:books.geometry.pages_for(num_tokens)])
             books.max_lens[slot] = num_tokens
             return slot, False
         books.fence_ran()
-        new = books.warm_slot()
+        if new is None:
+            new = books.warm_slot()
         books.take(new)
         try:
-            if any(books.refs[grp] > 1 for grp in books.slot_pages[new]):  # the copy must not land in shared pages
-                self.mapper.empty(new)
+            pages = books.slot_pages[new]
+            if any(grp is not None and books.refs[grp] > 1 for grp in pages) or books.holes(new):
+                self.mapper.empty(new)  # the copy must not land in shared pages, nor in holes
+            if first_page and books.window is not None:
+                self.mapper.drop_behind(new, first_page)
             result = self.mapper.back({new: num_tokens}, [new]) if books.capacity[new] < num_tokens else StepResult()
         except BaseException:
             books.untake(new)

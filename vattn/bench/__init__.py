@@ -100,7 +100,8 @@ def execute(mod: ModuleType, name: str, args: argparse.Namespace) -> dict:
     fig = None if args.no_plot else mod.plot(result)
     config = {k: v for k, v in vars(args).items() if k not in ("bench", "out", "no_plot")}
     payload = {"benchmark": name, "environment": _common.environment(device), "config": config, "result": result}
-    payload["path"] = str(_common.save(f"{name}_{device_tag(device)}", payload, fig, out=args.out))
+    file_name = result.get("file_name", name) if isinstance(result, dict) else name  # a mode's own file
+    payload["path"] = str(_common.save(f"{file_name}_{device_tag(device)}", payload, fig, out=args.out))
     if fig is not None:
         import matplotlib.pyplot as plt
 

@@ -41,6 +41,14 @@ running while others wait, preemptions, and the closed form's waste for the same
 next to it: the check that the model above is the allocator's arithmetic.
 
     vattn bench fragmentation [--trace CSV | --synthetic lognormal] [--replay-requests 0]
+
+HYBRID (`--hybrid`, saved as fragmentation_hybrid_<device>): models that mix full-attention,
+sliding-window and Mamba layers (Gemma-2, Gemma-3, Jamba) at their real shapes on long
+contexts, vattn with sliding-window pages given back against one block size for every layer
+(vLLM's behaviour before its hybrid allocator) and per-kind pools (its hybrid KV cache
+manager); see `vattn.bench._hybrid`.
+
+    vattn bench fragmentation --hybrid [--hybrid-contexts 8192 32768 131072]
 """
 from __future__ import annotations
 
@@ -317,9 +325,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-budget-tokens", type=int, default=131072,
                    help="the replays' physical budget in tokens (default: 131072)")
     p.add_argument("--slots", type=int, default=128, help="the replays' max_batch_size (default: 128)")
+    from . import _hybrid
+
+    h = p.add_argument_group("hybrid models (--hybrid)")
+    h.add_argument("--hybrid", action="store_true",
+                   help="models with sliding-window / Mamba layers instead: memory per request and requests that "
+                   "fit, vattn vs one block size for all layers and per-kind pools (fragmentation_hybrid_<device>)")
+    h.add_argument("--hybrid-models", nargs="+", default=list(_hybrid.HYBRIDS), choices=list(_hybrid.HYBRIDS),
+                   help="hybrid model shapes (default: all)")
+    h.add_argument("--hybrid-contexts", type=int, nargs="+", default=[8192, 32768, 131072],
+                   help="long-context workloads' context lengths, besides the arXiv trace (default: 8192 32768 "
+                   "131072)")
+    h.add_argument("--hybrid-requests", type=int, default=2000, help="requests per long workload (default: 2000)")
+    h.add_argument("--hybrid-replay-model", default="gemma-3-27b", choices=list(_hybrid.HYBRIDS),
+                   help="the shape the real allocator replays (default: gemma-3-27b)")
+    h.add_argument("--hybrid-replay-requests", type=int, default=16,
+                   help="long requests the real allocator serves per page size (default: 16)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "hybrid", False):
+        return run_hybrid(args)
     requests, source = load_requests(args)
     if not requests:
         raise InvalidConfigError("the trace has no requests; give a non-empty --trace or --synthetic")
@@ -364,8 +390,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 replay_seconds=sum(r["seconds"] for r in replays))
 
 
+def run_hybrid(args: argparse.Namespace) -> dict[str, Any]:
+    """The hybrid models' figures (`vattn.bench._hybrid`)."""
+    from . import _hybrid
+
+    t0 = time.perf_counter()
+    rows = _hybrid.computed_rows(args)
+    model_s = time.perf_counter() - t0
+    replays = _hybrid.replay(args) if args.hybrid_replay_requests else []
+    return dict(hybrid=True, file_name="fragmentation_hybrid", budget_gib=args.budget_gib, rows=rows,
+                replays=replays, model_seconds=model_s, replay_seconds=sum(r["seconds"] for r in replays),
+                shapes={k: vars(v) for k, v in _hybrid.HYBRIDS.items() if k in args.hybrid_models})
+
+
+def hybrid_table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
+    headers = ["model", "workload", "manager", "tok/page", "MiB/req", "full", "window", "state", "worst MiB", "fit",
+               "fit x", "mem x"]
+    rows = [[r["model"], r["workload"], r["manager"], r["tokens_per_page"], r["mean_request_MiB"], r["full_MiB"],
+             r["window_MiB"], r["state_MiB"], r["worst_request_MiB"], round(r["fit"], 1), r["fit_vs_uniform"],
+             r["mem_vs_uniform"]] for r in result["rows"]]
+    for r in result["replays"]:
+        rows.append([r["model"], r["workload"], r["manager"], "", r["measured_full_MiB"] + r["measured_window_MiB"],
+                     f"{r['measured_full_MiB']:.1f} | {r['model_full_MiB']:.1f}",
+                     f"{r['measured_window_MiB']:.1f} | {r['model_window_MiB']:.1f}", "", "", "", "", ""])
+    print(f"\nHybrid models: mean MiB per running request (time-averaged over every iteration of the workload; "
+          f"full / window / state: by layer kind), requests that fit {result['budget_gib']:g} GiB, ratios to "
+          f"uniform-16 (one block size for every layer, no window). '(replay)' rows: the real allocator, measured | "
+          f"computed. Computed in {result['model_seconds']:.2f} s, replays {result['replay_seconds']:.0f} s.")
+    return headers, rows
+
+
+def hybrid_plot(result: dict[str, Any]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    cases = list(dict.fromkeys((r["model"], r["workload"]) for r in rows))
+    names = list(dict.fromkeys(r["manager"] for r in rows))
+    fig, ax = plt.subplots(figsize=(15, 4.8))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        by = {(r["model"], r["workload"]): r for r in rows if r["manager"] == name}
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(cases))]
+        ax.bar(xs, [by[c]["fit_vs_uniform"] for c in cases], width, label=name)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(yscale="log", ylabel="requests that fit / uniform-16 (log)",
+           title=f"hybrid models: requests that fit {result['budget_gib']:g} GiB (memory per request, time-averaged)")
+    ax.set_xticks(range(len(cases)), [f"{m}\n{w}" for m, w in cases], rotation=45, ha="right", fontsize=7)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    return fig
+
+
 def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
     """One row per (model, TP, manager) (computed), then the replays (measured)."""
+    if result.get("hybrid"):
+        return hybrid_table(result)
     headers = ["model", "TP", "manager", "tok/page", "waste %", "worst MiB", "MiB/req", "fit", "fit x", "mem x",
                "measured waste %", "running (saturated)", "preempt"]
     rows = [[f"{r['model']}", r["tp"], r["system"], r["tokens_per_page"], r["waste_pct"], r["worst_waste_MiB"],
@@ -384,6 +466,8 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
 
 
 def plot(result: dict[str, Any]) -> Any:
+    if result.get("hybrid"):
+        return hybrid_plot(result)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -131,7 +131,7 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
         "kv_mapped_mib_peak": peak_mapped / MIB,
         "kv_used_mib_peak": peak_used / MIB,
         "kv_fragmentation_pct_mean": 100 * sum(frag) / len(frag) if frag else 0.0,
-        "kv_created_mib_end": stats.num_created_pages * stats.group_bytes / MIB,
+        "kv_created_mib_end": stats.created_bytes / MIB,
     }
     if verbose:
         print(format_table(result))

@@ -33,7 +33,7 @@ from vattn.engine.parallel import AgreedPrefixCache, AgreedSlots, TensorParallel
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
-from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
+from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError, UnsupportedModelError
 from vattn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class PrefixCacheStats:
     num_query_tokens: int  # tokens of the sequences looked up
     num_hit_tokens: int  # of those, mapped from cached pages instead of computed
     num_pinned_pages: int  # page groups the cache keeps now
-    tokens_per_page: int  # the sharing granularity
+    block_tokens: int  # tokens a cached block covers: the sharing granularity (`Geometry.share_tokens`)
 
     @property
     def hit_rate(self) -> float:
@@ -112,7 +112,7 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.dtype, device, self.config)
         try:
-            self._start(loaded, self.runner.cache)
+            self._start(loaded, self.runner.slots)
         except BaseException:
             self.runner.close()
             raise
@@ -138,6 +138,11 @@ class LLM:
 
     def _start(self, loaded: LoadedModel, kv: Any) -> None:
         self.prefix_cache = None
+        if self.config.enable_prefix_caching and getattr(self.runner, "states", None) is not None:
+            raise UnsupportedModelError(
+                f"enable_prefix_caching=True cannot serve {type(loaded.model).__name__}: its recurrent (Mamba2 / "
+                "gated delta-net) states are kept per request, not per prefix, so a cached prefix's K/V would come "
+                "without the state after it; pass enable_prefix_caching=False")
         if self.config.enable_prefix_caching:
             salt = prefix_salt(loaded.model, loaded.dtype)  # the rank's shard config: the same on every rank
             self.prefix_cache = (PrefixCache(self.runner.cache, salt=salt) if self.tp is None
@@ -285,7 +290,7 @@ class LLM:
             return None
         with self._lock:
             pinned = self.runner.cache.stats().num_pinned_pages if not self._closed else 0
-            return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.tokens_per_page)
+            return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.block_tokens)
 
     @property
     def num_preemptions(self) -> int:

@@ -132,6 +132,13 @@ def prefix_salt(model: Any, dtype: torch.dtype) -> bytes:
     return h.digest()
 
 
+def _kv_layers(config: Any) -> list[int]:
+    """The layers of a model with recurrent states that have attention (so K/V)."""
+    from vattn.integrations.hf import layer_kinds
+
+    return [i for i, kind in enumerate(layer_kinds(config)) if kind != "linear_attention"]
+
+
 def _check_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in MODEL_DTYPES:
         raise InvalidConfigError(f"the model's dtype {dtype} is not supported; pass dtype= one of {MODEL_DTYPES}")
@@ -211,14 +218,16 @@ class ModelRunner:
     """Runs the model on a batch of scheduled sequences and samples their next tokens."""
 
     def __init__(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
-        from vattn.integrations.hf import use_vattn_attention
+        from vattn.integrations.hf import check_model, layer_windows, use_vattn_attention
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
+        # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states only on one rank
+        has_states = check_model(self.model, states=config.tensor_parallel_size == 1)
         hf = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         num_layers = hf.num_hidden_layers
-        num_heads = hf.num_attention_heads
+        num_heads = getattr(hf, "num_attention_heads", None) or 1  # (a Mamba2 model has no attention)
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         max_pos = getattr(hf, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
@@ -227,22 +236,53 @@ class ModelRunner:
             raise InvalidConfigError(
                 f"max_context_len={self.max_context_len} exceeds the model's max_position_embeddings={max_pos}")
 
+        # K/V only for the layers that have attention: not a state model's Mamba2 / gated delta-net
+        # layers (a model with none still gets one small layer: the cache also hands out the slots)
+        kv_layers = _kv_layers(self.model.config) if has_states else list(range(num_layers))
+        windows = layer_windows(hf)  # by the model's layer index; the cache's by its K/V layer
+        kv_windows = tuple(windows[layer] for layer in kv_layers) or (None,)
         try:
-            self.cache = KVCache(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            self.cache = KVCache(num_layers=max(1, len(kv_layers)), num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  max_batch_size=config.max_batch_size, max_context_len=self.max_context_len,
                                  dtype=self.dtype, device=str(self.device), page_size=config.page_size,
                                  layout=config.layout, physical_memory=config.physical_memory,
                                  background=config.background, prefetch=config.prefetch,
-                                 prefetch_tokens=config.prefetch_tokens, budget=config.budget)
+                                 prefetch_tokens=config.prefetch_tokens, budget=config.budget,
+                                 # sliding-window layers give their pages behind the window back
+                                 layer_windows=kv_windows if config.layout == "per-layer" else None)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
+        self.states, self._uninstall_states = None, None
+        self.slots: Any = self.cache  # what the scheduler allocates slots from
+        if has_states:
+            self._open_states(config)
         self.slot_tokens = self.cache.geometry.slot_tokens
-        self.k_caches = [self.cache.k_cache(layer) for layer in range(num_layers)]  # [B, T, H_kv, D] each
-        self.v_caches = [self.cache.v_cache(layer) for layer in range(num_layers)]
+        # by the model's layer index: [B, T, H_kv, D] each, None for a layer without attention
+        self.k_caches: list[Any] = [None] * num_layers
+        self.v_caches: list[Any] = [None] * num_layers
+        for i, layer in enumerate(kv_layers):
+            self.k_caches[layer], self.v_caches[layer] = self.cache.k_cache(i), self.cache.v_cache(i)
         self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
         self.sampler = Sampler(self.device, config.seed)
         self.graphs = self._decode_graphs(config)
         self.previous_attention = use_vattn_attention(self.model)
+
+    def _open_states(self, config: EngineConfig) -> None:
+        """Recurrent states (Mamba2, gated delta-net) in vattn memory, one block per slot
+        (`vattn.engine.states`); the scheduler gets slots that carry them."""
+        from vattn.engine.states import RecurrentStates, StateSlots, install, state_specs
+        from vattn.integrations.hf import state_mixers
+
+        try:
+            self.states = RecurrentStates(state_specs(self.model), config.max_batch_size, self.device,
+                                          config.page_size, budget=config.budget)
+            self._uninstall_states = install(state_mixers(self.model), self.states)
+        except BaseException:
+            if self.states is not None:
+                self.states.close()
+            self.cache.close()
+            raise
+        self.slots = StateSlots(self.cache, self.states)
 
     def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
         """Decode under CUDA graphs (`EngineConfig.cuda_graphs`; see vattn.engine.cuda_graphs)."""
@@ -252,6 +292,8 @@ class ModelRunner:
         why_not = None
         if self.device.type != "cuda":
             why_not = f"they need a CUDA device, not {self.device}"
+        elif self.states is not None:
+            why_not = "they do not cover the recurrent-state layers (the batch is split by request in Python)"
         elif config.tensor_parallel_size > 1:
             why_not = "they are not supported under tensor parallelism"
         elif self.kernel.name not in GRAPH_KERNELS:
@@ -281,6 +323,8 @@ class ModelRunner:
         try:
             return self._run(scheduled)
         except Exception as e:  # noqa: BLE001 - see the docstring
+            if self.states is not None:  # states were updated in place by the layers that ran: no retry
+                return self._fail_all(scheduled, e)
             logger.warning("vattn: the forward of a batch of %d sequences failed (%s: %s); "
                            "running each alone", len(scheduled), type(e).__name__, e)
         tokens: dict[SeqId, int] = {}
@@ -298,6 +342,14 @@ class ModelRunner:
             tokens.update(out.tokens)
             errors.update(out.errors)
         return RunOutput(tokens, errors)
+
+    def _fail_all(self, scheduled: list[ScheduledSequence], e: Exception) -> RunOutput:
+        """A model with recurrent states cannot run a failed batch again: the layers that ran
+        advanced its states. Every sequence of the batch fails."""
+        logger.warning("vattn: the forward of a batch of %d sequences failed", len(scheduled), exc_info=True)
+        msg = (f"the model's forward raised ({type(e).__name__}: {e}); with recurrent states it is not run again "
+               "(the states of the layers that ran moved on)")
+        return RunOutput({}, {s.seq_id: msg for item in scheduled for s in (item.seq, *item.fan_out)})
 
     @torch.inference_mode()
     def _run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
@@ -325,6 +377,8 @@ class ModelRunner:
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
             keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
             logits = self._forward(ids, keep, meta)  # [S, V]
+        if self.states is not None:
+            self.states.tokens.update({s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in batch})
         if not sampling:
             return RunOutput({}, {})
         if len(rows) != len(sample_rows):
@@ -348,5 +402,9 @@ class ModelRunner:
         restore_attention(self.model, self.previous_attention)
         if self.graphs is not None:
             self.graphs.close()
+        if self._uninstall_states is not None:
+            self._uninstall_states()
+        if self.states is not None:
+            self.states.close()
         self.k_caches, self.v_caches = [], []
         self.cache.close()

@@ -48,10 +48,10 @@ leaves the sample waiting (FCFS: nothing behind it is admitted in that iteration
 Prefix caching (a `prefix_cache`, see `vattn.prefix_cache.PrefixCache`): a sequence that
 gets a new slot maps the longest cached prefix of its tokens into it (`map_prefix`: no
 copy, at least one token left to compute) and starts with those tokens computed. When a
-sequence's prompt is computed, its whole prompt pages are pinned in the cache (`insert`);
-a sequence preempted for memory pins the whole pages of everything it computed, so that
-its recomputation maps them back unless memory pressure evicted them first (least
-recently used first).
+sequence's prompt is computed, the pages of its whole prompt blocks (whole tokens in whole
+pages) are pinned in the cache (`insert`); a sequence preempted for memory pins the whole
+blocks of everything it computed, so that its recomputation maps them back unless memory
+pressure evicted them first (least recently used first).
 
 When `kv.step` raises (a `BackendError`, the host's mapping limit, ...), the failure
 belongs to no one request: the iteration runs nothing, and every sequence it had
@@ -267,6 +267,9 @@ class Scheduler:
                 self.num_swapped_in += 1
                 return True
         source = self._fork_source(seq)
+        can_fork = getattr(self.kv, "can_fork", None)  # a sliding window may have moved past the prompt
+        if source is not None and can_fork is not None and not can_fork(source.slot, seq.num_prompt_tokens):
+            source = None
         if source is not None:
             try:
                 seq.slot = self.kv.fork(source.slot, seq.num_prompt_tokens)
@@ -291,14 +294,16 @@ class Scheduler:
                                seq.request_id, type(e).__name__, e)
         return True
 
-    @staticmethod
-    def _fork_source(seq: Sequence) -> Sequence | None:
-        """A running sibling of `seq` whose slot holds the whole prompt, if any."""
+    def _fork_source(self, seq: Sequence) -> Sequence | None:
+        """A running sibling of `seq` whose slot holds the whole prompt, if any (one that has
+        computed the prompt and nothing after it, for a cache with `fork_exact`: a recurrent
+        state is right at one length only)."""
         if len(seq.samples) == 1:
             return None
         n = seq.num_prompt_tokens
+        exact = getattr(self.kv, "fork_exact", False)
         return next((s for s in seq.samples if s is not seq and s.status is SequenceStatus.RUNNING
-                     and s.num_computed_tokens >= n), None)
+                     and (s.num_computed_tokens == n if exact else s.num_computed_tokens >= n)), None)
 
     @staticmethod
     def _with_fan_out(item: ScheduledSequence) -> ScheduledSequence:
@@ -439,7 +444,7 @@ class Scheduler:
             self.requests.pop(seq.request_id, None)
 
     def _cache_prefix(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Pin the whole pages of `token_ids`, computed in `seq`'s slot, for later requests."""
+        """Pin the whole blocks of `token_ids`, computed in `seq`'s slot, for later requests."""
         if self.prefix_cache is None:
             return
         try:

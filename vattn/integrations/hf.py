@@ -16,12 +16,26 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from vattn.attention import get_forward_context
+from vattn.attention import ForwardContext, forward_context, get_forward_context
 from vattn.cache import KVCache
 from vattn.checks import as_int
-from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError
+from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
 
 ATTN_IMPLEMENTATION = "vattn"
+# The layer kinds (transformers' `layer_types` names) whose only memory of earlier tokens is
+# their K/V, which vattn keeps; "dummy" layers (an MLP-only layer, or one that reads another
+# layer's K/V) keep nothing. Everything else keeps a state vattn does not (see `check_model`).
+SUPPORTED_LAYER_KINDS = ("full_attention", "sliding_attention", "dummy")
+# What the kinds vattn refuses are, for its message.
+_KIND_NAMES = {"linear_attention": "state-space or linear-attention (Mamba, Mamba2, gated delta-net)",
+               "hybrid": "attention beside Mamba", "conv": "short-convolution", "chunked_attention": "chunked-attention",
+               "indexed_attention": "sparse-attention"}
+# Layer kinds whose per-request state vattn's engine keeps in its memory (vattn.engine.states),
+# for the mixers it was checked with (greedy equality with generate, tests/test_model_support.py).
+STATE_KINDS = ("linear_attention", "hybrid")
+STATE_MIXERS = ("BambaMixer", "FalconH1Mixer", "Mamba2Mixer", "Qwen3NextGatedDeltaNet")
+# A module's own parameters that only state-space layers have (Mamba, Mamba2, gated delta-net).
+_SSM_PARAMETERS = ("A_log", "dt_bias")
 
 
 def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -34,7 +48,9 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     ctx = get_forward_context()
     layer = module.layer_idx
     if kwargs.get("softcap") is not None:
-        raise InvalidConfigError("vattn attention does not support attention logit softcapping")
+        raise UnsupportedModelError("vattn attention does not support attention logit softcapping (Gemma 2 style)")
+    if kwargs.get("s_aux") is not None:  # gpt-oss: a learned sink logit per head
+        raise UnsupportedModelError("vattn attention does not support attention sinks (gpt-oss's s_aux)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = ctx.kernel.forward(
         query[0].transpose(0, 1),  # [T, H_q, D]
@@ -42,6 +58,18 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         value[0].transpose(0, 1),
         ctx.k_caches[layer], ctx.v_caches[layer], ctx.metadata, scale, sliding_window)
     return out.unsqueeze(0), None  # [1, T, H_q, D]
+
+
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Per layer of a transformers config, the sliding window its attention uses (None: full
+    attention): `layer_types` where the config has them (Gemma-2/3, Qwen2's
+    use_sliding_window, Ministral, gpt-oss), else `sliding_window` for every layer (Mistral)."""
+    text = config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        return (window,) * text.num_hidden_layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def vattn_mask(*args: Any, **kwargs: Any) -> None:
@@ -62,9 +90,9 @@ def use_vattn_attention(model: PreTrainedModel) -> str:
     try:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     except (ValueError, ImportError) as e:
-        raise InvalidConfigError(f"{type(model).__name__} cannot use the vattn attention: {e}") from None
+        raise UnsupportedModelError(f"{type(model).__name__} cannot use the vattn attention: {e}") from None
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        raise InvalidConfigError(
+        raise UnsupportedModelError(
             f"{type(model).__name__} does not route its attention through transformers' "
             "AttentionInterface, so vattn cannot plug in; use a Llama, Qwen2 or Mistral style model")
     return previous
@@ -77,6 +105,150 @@ def restore_attention(model: PreTrainedModel, implementation: str | None) -> Non
             model.set_attn_implementation(implementation)
         except (ValueError, ImportError):
             pass
+
+
+# ------------------------------------------------------------ which models run ----
+def layer_kinds(config: Any) -> list[str]:
+    """Each decoder layer's kind as transformers' caches see it ("full_attention",
+    "sliding_attention", "linear_attention" for Mamba/Mamba2/gated delta-net layers, "hybrid"
+    for attention and Mamba side by side, "conv", "chunked_attention", ...). A config that
+    names no kinds says "full_attention" (or "sliding_attention") for every layer."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    try:
+        return list(get_layer_types_and_kwargs(text)[0])
+    except (AttributeError, TypeError, ValueError):  # a config transformers' caches cannot read
+        n = getattr(text, "num_hidden_layers", None) or 0
+        return list(getattr(text, "layer_types", None) or ["full_attention"] * n)
+
+
+def state_modules(model: torch.nn.Module) -> list[str]:
+    """The decoder's modules that keep a state of earlier tokens other than attention K/V,
+    found by what they are made of: a causal convolution (`Conv1d`: Mamba, gated delta-net,
+    short-conv layers) or state-space parameters (`A_log`, `dt_bias`). As "Class (path)"."""
+    return [f"{type(m).__name__} ({path})" for path, m in _state_modules(model).items()]
+
+
+def _state_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    found: dict[str, torch.nn.Module] = {}
+    for path, module in decoder.named_modules():
+        owner = None
+        if isinstance(module, torch.nn.Conv1d):
+            owner = path.rpartition(".")[0]
+        elif any(name in _SSM_PARAMETERS for name, _ in module.named_parameters(recurse=False)):
+            owner = path
+        if owner is not None and not any(owner.startswith(p + ".") for p in found):
+            found.setdefault(owner, decoder.get_submodule(owner))
+    return found
+
+
+def state_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The state modules vattn's engine runs on states in its memory (`STATE_MIXERS`, each
+    with the layer index its cache calls name); raises `UnsupportedModelError` for others."""
+    found = _state_modules(model)
+    other = [f"{type(m).__name__} ({p})" for p, m in found.items()
+             if type(m).__name__ not in STATE_MIXERS or not isinstance(getattr(m, "layer_idx", None), int)]
+    if other:
+        raise UnsupportedModelError(
+            f"vattn cannot run {type(model).__name__}: vattn keeps the recurrent state of {', '.join(STATE_MIXERS)} "
+            f"layers only (each checked token for token against generate), not of {', '.join(other)}; run it with "
+            "transformers' generate")
+    return list(found.values())
+
+
+class _SelfOnly:
+    """A stand-in attention kernel: each query sees only its own token's value."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any) -> torch.Tensor:
+        return value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)  # [T, H_q, D]
+
+
+class _NoCaches:
+    def __getitem__(self, layer: int) -> None:
+        return None
+
+
+@torch.inference_mode()
+def mixes_tokens_outside_attention(model: PreTrainedModel) -> bool:
+    """Whether `model` carries anything from one token to the next other than through its
+    attention (a state-space or recurrent layer, an attention that does not go through
+    vattn's hook): run with vattn's attention made to see each token alone, a token must
+    give the same logits after other tokens as alone. One forward of 5 tokens, run as
+    vattn's engine runs the model (packed, no cache)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    device = next(model.parameters()).device
+    ids = torch.tensor([[1, 2, 3, 4, 1]], device=device) % vocab  # [1, 5]: token 1 alone, then after others
+    keep = torch.tensor([0, 4], device=device)
+    previous = use_vattn_attention(model)
+    try:
+        with forward_context(ForwardContext(_NoCaches(), _NoCaches(), None, _SelfOnly())):
+            logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False,
+                           logits_to_keep=keep).logits[0].float()  # [2, V]
+    finally:
+        restore_attention(model, previous)
+    tol = 1e-4 if model.dtype == torch.float32 else 2e-2  # relative; a state's effect is far larger
+    return bool((logits[0] - logits[1]).abs().max() > tol * logits.abs().max() + 1e-6)
+
+
+def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False) -> bool:
+    """Raise `UnsupportedModelError` unless every layer of `model` is attention that vattn
+    runs (`SUPPORTED_LAYER_KINDS`): state-space (Mamba, Mamba2: Bamba, Falcon-H1, Jamba),
+    linear-attention (gated delta-net: Qwen3-Next), convolution and other recurrent layers
+    keep a per-request state that vattn does not keep, so their tokens would differ from
+    `generate`. Decided by the config's layer kinds, by the modules the decoder is made of
+    (`state_modules`) and, with `probe`, by running it (`mixes_tokens_outside_attention`),
+    which refuses an unknown hybrid too.
+
+    `states`: the caller keeps recurrent states (vattn's engine, `vattn.engine.states`):
+    `STATE_KINDS` layers of `STATE_MIXERS` pass too (the probe cannot tell them apart from
+    other state, so a model with them is not probed). Returns whether the model has them."""
+    kinds = layer_kinds(model.config)
+    has_states = states and any(k in STATE_KINDS for k in kinds)
+    allowed = SUPPORTED_LAYER_KINDS + (STATE_KINDS if has_states else ())
+    by_kind: dict[str, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        if kind not in allowed:
+            by_kind.setdefault(kind, []).append(i)
+    problems = [f"{len(ids)} {kind} layer{'s' * (len(ids) > 1)} ({_KIND_NAMES.get(kind, 'not attention')}: "
+                f"{_layers(ids)})" for kind, ids in by_kind.items()]
+    if has_states and not by_kind:
+        state_mixers(model)  # raises for a state module vattn was not checked with
+        return True
+    modules = state_modules(model)
+    if modules:
+        shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+        problems.append(f"modules that keep a state of earlier tokens besides attention K/V: {shown}")
+    if not problems and probe and _probe_mixes(model):
+        problems.append("a forward that carries tokens' information outside its attention layers (a recurrent, "
+                        "state-space or convolution layer, or an attention that does not use transformers' "
+                        "AttentionInterface)")
+    if problems:
+        raise UnsupportedModelError(
+            f"vattn cannot run {type(model).__name__}: it has {'; '.join(problems)}. vattn keeps the K/V of "
+            f"attention layers only ({', '.join(SUPPORTED_LAYER_KINDS[:2])}) here, so such a model would give wrong "
+            "tokens. vattn.LLM on one rank keeps the states of Mamba2 and gated delta-net layers (Bamba, Falcon-H1, "
+            "Mamba2, Qwen3-Next); otherwise run it with transformers' generate, or pick an attention-only model "
+            "(Llama, Qwen2, Mistral, ...)")
+    return False
+
+
+def _probe_mixes(model: PreTrainedModel) -> bool:
+    try:
+        return mixes_tokens_outside_attention(model)
+    except InvalidConfigError:  # vattn's own refusals (no AttentionInterface, softcapping, ...) as they are
+        raise
+    except Exception as e:  # noqa: BLE001 - the engine's forward would fail the same way
+        raise UnsupportedModelError(f"vattn cannot run {type(model).__name__}: its forward fails when run as vattn's "
+                                    f"engine runs it (packed tokens, position_ids, no cache): {type(e).__name__}: {e}"
+                                    ) from e
+
+
+def _layers(ids: list[int]) -> str:
+    shown = ", ".join(map(str, ids[:8]))
+    return f"layer{'s' * (len(ids) > 1)} {shown}" + (f", ... {ids[-1]}" if len(ids) > 8 else "")
 
 
 class _VAttnLayer(CacheLayerMixin):
@@ -165,11 +337,10 @@ class VAttnCache(Cache):
     def __init__(self, config: Any, max_cache_len: int, *, max_batch_size: int | None = None,
                  page_size: int | None = None, physical_memory: int | None = None, layout: str = "per-layer",
                  background: bool = True) -> None:
-        text = config.get_text_config(decoder=True)
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        layer_types = layer_kinds(config)
         unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unsupported:
-            raise InvalidConfigError(f"VAttnCache supports attention layers only, not {unsupported}")
+            raise UnsupportedModelError(f"VAttnCache supports attention layers only, not {unsupported}")
         # (stored under names of our own: transformers 5.17's Cache has read-only properties of these names)
         self._max_len = as_int(max_cache_len, "max_cache_len", InvalidConfigError, low=1)
         self._max_rows = (None if max_batch_size is None
@@ -241,5 +412,7 @@ class VAttnCache(Cache):
         self.close()
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "vattn_attention_forward", "vattn_mask", "register",
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_LAYER_KINDS", "STATE_KINDS", "STATE_MIXERS", "layer_kinds",
+           "state_modules", "state_mixers", "layer_windows",
+           "mixes_tokens_outside_attention", "check_model", "vattn_attention_forward", "vattn_mask", "register",
            "use_vattn_attention", "restore_attention", "VAttnCache"]

@@ -59,8 +59,8 @@ transformers' generation loop, which stops and fails the requests in flight (`va
 then starts a new loop: `vattn.integrations.hf_serve`). Sharing a GPU, give each process a
 `memory_limit` (and the servers theirs) whose sum fits it.
 
-Supported: `SUPPORTED_VERSIONS` (each verified with tests/test_hf_cb.py and
-tests/test_serve.py, see tests/test_hf_cb_versions.py). The hook checks the exact names,
+Supported: `SUPPORTED_VERSIONS` (each verified with tests/integrations/test_hf_cb.py and
+tests/integrations/test_serve.py, see tests/integrations/test_hf_cb_versions.py). The hook checks the exact names,
 signatures and source lines it relies on and raises `InvalidConfigError` when they changed.
 A release newer than these is recognised by that same check, not by its version string:
 when it keeps one design's hook points, vattn warns that it is unverified and runs; an
@@ -127,6 +127,9 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
     get_text_config = getattr(getattr(model, "config", None), "get_text_config", None)
     if get_text_config is None or not hasattr(model, "generate_batch"):
         raise InvalidConfigError(f"{type(model).__name__} is not a transformers model with continuous batching")
+    from vattn.integrations.hf import check_model
+
+    check_model(model, probe=False)  # transformers' batching would run it, but with no state for its SSM layers
     config = get_text_config()
     if config is not get_text_config():
         raise InvalidConfigError(f"{type(model.config).__name__}.get_text_config() returns a new object each call; "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError
+from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
 from vattn.pool import ElasticPool
 
 if TYPE_CHECKING:
@@ -24,6 +24,18 @@ ALLOC_RETRY_S = 2.0  # how long a block transformers counted as free may wait fo
 _lock = threading.RLock()
 _intercept = threading.local()  # the cache being built on this thread, and its pool
 
+
+def _check_layer_kinds(config: Any) -> None:
+    """Refuse a cache for a model with layers that are not attention (`vattn serve` enables
+    every model it loads and sees its config only here)."""
+    from vattn.integrations.hf import SUPPORTED_LAYER_KINDS, layer_kinds
+
+    other = sorted(set(layer_kinds(config)) - set(SUPPORTED_LAYER_KINDS))
+    if other:
+        raise UnsupportedModelError(
+            f"vattn cannot back the continuous-batching cache of a {type(config).__name__} model: it has {other} "
+            "layers, whose per-request state (Mamba, linear attention, ...) the paged cache does not keep; serve "
+            "an attention-only model")
 
 class _TorchProxy:
     """Stands for `torch` in transformers' cache module while a vattn cache is built: the
@@ -238,6 +250,7 @@ class _ElasticCache:
             return
         if getattr(distributed_helper, "tp_size", 1) > 1:
             raise InvalidConfigError("vattn.integrations.hf_cb does not support tensor parallelism yet")
+        _check_layer_kinds(config)
         kind, cache_mod = self.vattn_kind, self.vattn_cache_mod
         build = {"kind": kind, "cache": self, "handle": handle, "tensors": [], "pool": None, "cache_mod": cache_mod}
         with _lock:  # one vattn cache is built at a time; other threads see torch itself

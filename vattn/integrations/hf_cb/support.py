@@ -13,8 +13,9 @@ from typing import Any
 from vattn.errors import InvalidConfigError
 
 
-# transformers major.minor -> the design of its continuous-batching cache, each verified with tests/test_hf_cb.py
-# and tests/test_serve.py (tests/test_hf_cb_versions.py runs them on each); pyproject's extras stop below the next one
+# transformers major.minor -> the design of its continuous-batching cache, each verified with
+# tests/integrations/test_hf_cb.py and tests/integrations/test_serve.py (tests/integrations/test_hf_cb_versions.py
+# runs them on each); pyproject's extras stop below the next one
 DESIGNS = {"5.17": "blocks", "5.18": "sectors", "5.19": "sectors", "5.20": "sectors", "5.21": "sectors", "5.22": "sectors",
            "5.23": "sectors", "5.24": "sectors"}
 SUPPORTED_VERSIONS = tuple(DESIGNS)

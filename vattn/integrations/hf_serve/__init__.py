@@ -193,7 +193,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     if max_batch_tokens is None and num_blocks is not None and hf_cb.design() == "blocks":
         # transformers 5.17, given num_blocks alone, sizes max_batch_tokens (its attention mask and IO
         # buffers, M x (num_blocks * block_size + M)) to fill the device's free memory: 21 GB of a 23 GB
-        # host in tests/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.24 take
+        # host in tests/integrations/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.24 take
         # 8192 when it is not given: so does 5.17 here.
         max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
     if isinstance(budget, str):  # one budget for the servers of this GPU (or host), named

@@ -1,7 +1,7 @@
 """The releases vattn hooks, and the source fingerprint of every function (or class) each
 release's patch hooks (`hunks.fingerprint` of its source as installed from the release's
 wheel). A release not listed here is refused; a listed one whose installed function has
-another fingerprint is refused too. `tests/test_plugins_releases.py` (slow) recomputes this
+another fingerprint is refused too. `tests/integrations/test_plugins_releases.py` (slow) recomputes this
 table from each release's wheel."""
 from __future__ import annotations
 

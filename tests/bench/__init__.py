@@ -1,0 +1,1 @@
+"""`vattn bench` (vattn.bench) and the reports it prints (vattn.report)."""

@@ -1,0 +1,225 @@
+"""Which models vattn runs, and the ones with recurrent states.
+
+Hybrids and state-space models (Mamba2 in Bamba and Falcon-H1, gated delta-net in
+Qwen3-Next, Mamba2 alone) keep a per-request state besides attention K/V. vattn's engine
+keeps it in vattn memory (`vattn.engine.states`) and must give `generate`'s greedy tokens
+(continuous batching, chunked prefill, n > 1, preemption by swap or recompute); prefix
+caching is refused for them. Everything else that keeps a state (and every such model
+outside the engine: `hf_cb`, `VAttnCache`, tensor parallelism) is refused at load with
+`UnsupportedModelError`, never served with tokens that differ from `generate`. Tiny configs
+built here, random seeded weights, no download; transformers' PyTorch fallbacks run the
+mixers on the CPU.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers as tf
+
+from tests.helpers import MAX_TOKENS, PAGE, build_model, hf_greedy, prompts, run_online, tiny_config
+from vattn.engine import LLM, SamplingParams
+from vattn.errors import InvalidConfigError, UnsupportedModelError
+from vattn.integrations import hf_cb
+from vattn.integrations.hf import VAttnCache, check_model, mixes_tokens_outside_attention
+
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+              mamba_chunk_size=16)
+
+
+def hybrid_config(family: str) -> Any:
+    """A tiny config of each state-carrying family (no EOS: generation runs to max_tokens)."""
+    if family == "bamba":  # Mamba2 layers 0 and 2, attention at 1
+        return tf.BambaConfig(**_COMMON, **_MAMBA, num_hidden_layers=3, attn_layer_indices=[1])
+    if family == "falcon_h1":  # attention and Mamba2 side by side in every layer
+        return tf.FalconH1Config(**_COMMON, **_MAMBA, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128)
+    if family == "qwen3_next":  # gated delta-net at 0, attention at 1
+        return tf.Qwen3NextConfig(**_COMMON, num_hidden_layers=2, head_dim=16,
+                                  layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                                  linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if family == "mamba2":  # no attention at all
+        return tf.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                               n_groups=1, state_size=16, conv_kernel=4, expand=2, chunk_size=16,
+                               eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    raise KeyError(family)
+
+
+# family -> (the kind transformers names its state layers, the module that keeps the state)
+HYBRIDS = {"bamba": ("linear_attention", "BambaMixer"), "falcon_h1": ("hybrid", "FalconH1Mixer"),
+           "qwen3_next": ("linear_attention", "Qwen3NextGatedDeltaNet"), "mamba2": ("linear_attention", "Mamba2Mixer")}
+
+
+KV_LAYERS = {"bamba": 1, "falcon_h1": 2, "qwen3_next": 1, "mamba2": 1}  # (Mamba2: a stand-in for the slots)
+_REFERENCES: dict[str, list[list[int]]] = {}
+
+
+def reference(family: str) -> list[list[int]]:
+    """generate's greedy tokens for `prompts()` (cached per family)."""
+    if family not in _REFERENCES:
+        model = build_model(hybrid_config(family))
+        _REFERENCES[family] = [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS)]
+    return _REFERENCES[family]
+
+
+def greedy(n: int = 1) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=m, n=n, ignore_eos=True) for m in MAX_TOKENS]
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_state_models_match_generate_with_continuous_batching(family: str) -> None:
+    """Requests arriving over time, prompts in chunks of 16 tokens beside decodes."""
+    with LLM(hybrid_config(family), seed=0, max_batch_size=4, max_num_seqs=3, max_num_batched_tokens=16,
+             page_size=PAGE) as llm:
+        outs = run_online(llm, prompts(), greedy())
+        states = llm.runner.states
+        assert states is not None and not states.tokens  # every slot's states given back
+        assert llm.runner.cache.geometry.config.num_layers == KV_LAYERS[family]  # no K/V for state layers
+        assert states.pool.stats().num_used_blocks == 0
+    assert [o.token_ids for o in outs] == reference(family)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_state_models_fork_and_preempt(family: str, mode: str) -> None:
+    """n=3 greedy samples fork the state at the prompt's end; a memory cap preempts: by
+    swapping (the states go to the host with the K/V and come back) or by recomputing."""
+    cap = (4 if family == "mamba2" else 24) * PAGE  # (Mamba2: one small stand-in K/V layer)
+    with LLM(hybrid_config(family), seed=0, max_batch_size=6, page_size=PAGE, physical_memory=cap,
+             preemption_mode=mode) as llm:
+        kv = llm.scheduler.kv
+        calls = {"fork": 0, "swap_in": 0}
+        for name in calls:
+            def counted(*a: Any, _name: str = name, _f: Any = getattr(kv, name)) -> Any:
+                calls[_name] += 1
+                return _f(*a)
+            setattr(kv, name, counted)
+        outs = run_online(llm, prompts(), greedy(n=3))
+        assert llm.num_preemptions > 0 and calls["fork"] > 0 and (calls["swap_in"] > 0) == (mode == "swap")
+        assert not llm.runner.states.tokens
+    for out, ref in zip(outs, reference(family)):
+        assert [o.token_ids for o in out.outputs] == [ref] * 3
+
+
+def test_seeded_samples_of_a_state_model_are_runs_with_seed_plus_index() -> None:
+    p = prompts()[2]
+    seeded = lambda seed, n=1: SamplingParams(temperature=0.9, max_tokens=12, seed=seed, n=n, ignore_eos=True)  # noqa: E731
+    with LLM(hybrid_config("qwen3_next"), seed=0, max_batch_size=4, page_size=PAGE) as llm:
+        alone = [llm.generate(p, seeded(100 + i))[0].token_ids for i in range(3)]
+        together = llm.generate(p, seeded(100, n=3))[0]
+    assert [o.token_ids for o in together.outputs] == alone
+    assert len(set(map(tuple, alone))) > 1
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_prefix_caching_over_states_is_refused(family: str) -> None:
+    with pytest.raises(UnsupportedModelError, match="enable_prefix_caching=False"):
+        LLM(hybrid_config(family), seed=0, max_batch_size=2, enable_prefix_caching=True)
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_state_models_outside_the_engine_are_refused(family: str) -> None:
+    """Where nothing keeps the states (hf_cb, vattn serve, VAttnCache, tensor parallelism):
+    the load-time check without states names the layers and their modules."""
+    kind, mixer = HYBRIDS[family]
+    model = build_model(hybrid_config(family))
+    with pytest.raises(UnsupportedModelError, match=f"{kind} layer.*{mixer}.*generate") as e:
+        check_model(model)
+    assert isinstance(e.value, InvalidConfigError)  # those who caught the config errors still do
+
+
+def test_a_state_module_vattn_was_not_checked_with_is_refused() -> None:
+    model = build_model(hybrid_config("bamba"))
+    mixer = model.model.layers[0].mamba
+    mixer.__class__ = type("OtherMixer", (type(mixer),), {})
+    with pytest.raises(UnsupportedModelError, match=r"not of OtherMixer \(layers.0.mamba\)"):
+        LLM(model, max_batch_size=2)
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_the_probe_alone_sees_every_state_layer(family: str) -> None:
+    """What refuses an unknown hybrid: run with attention seeing each token alone, the model
+    still carries tokens forward."""
+    assert mixes_tokens_outside_attention(build_model(hybrid_config(family)))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_attention_models_pass_the_probe(family: str) -> None:
+    kw = {"sliding_window": 8} if family == "mistral" else {}
+    model = build_model(tiny_config(family, **kw))
+    assert not mixes_tokens_outside_attention(model)
+    check_model(model)
+    assert model.config._attn_implementation != "vattn"  # the probe put the attention back
+
+
+class _RunningMean(torch.nn.Module):
+    """An unknown layer that carries tokens forward: no Conv1d, no SSM parameters, no config kind."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
+        y = self.mlp(x)
+        steps = torch.arange(1, y.shape[1] + 1, device=y.device, dtype=y.dtype)[None, :, None]
+        return y.cumsum(1) / steps
+
+
+def test_an_unknown_hybrid_is_refused_by_running_it() -> None:
+    model = build_model(tiny_config("llama"))
+    model.model.layers[1].mlp = _RunningMean(model.model.layers[1].mlp)
+    with pytest.raises(UnsupportedModelError, match="outside its attention layers"):
+        LLM(model, max_batch_size=2)
+
+
+def test_continuous_batching_hooks_refuse_state_layers() -> None:
+    """hf_cb (and so `vattn serve`, which enables every model it loads) refuses them too;
+    transformers' own continuous batching would raise a bare ValueError at its cache."""
+    model = build_model(hybrid_config("bamba"))
+    with pytest.raises(UnsupportedModelError, match="BambaMixer"):
+        hf_cb.enable(model)
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        hf_cb.caches._check_layer_kinds(model.config)
+    with pytest.raises(UnsupportedModelError, match="attention layers only"):
+        VAttnCache(model.config, max_cache_len=64)
+
+
+def test_models_that_bypass_the_attention_hook_are_refused() -> None:
+    """RWKV (no attention layers to hook, a recurrent state of its own; its config names no
+    layer kinds) and Gemma 2 (logit softcapping) are refused at load, before any request."""
+    rwkv = tf.RwkvConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                         intermediate_size=128)
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
+        LLM(rwkv, seed=0, max_batch_size=2)
+    gemma2 = tf.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(UnsupportedModelError, match="softcapping"):
+        LLM(gemma2, seed=0, max_batch_size=2)
+
+
+def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on() -> None:
+    """The layers that ran before the failure moved their states on: the batch is not run
+    again request by request (as for attention-only models), its requests fail; the slots'
+    blocks are given back, and later requests in them give generate's tokens."""
+    with LLM(hybrid_config("bamba"), seed=0, max_batch_size=4, page_size=PAGE) as llm:
+        mixer = llm.runner.model.model.layers[2].mamba
+        installed, calls = mixer.forward, [0]
+
+        def failing(*args: Any, **kwargs: Any) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected")
+            return installed(*args, **kwargs)
+
+        mixer.forward = failing
+        failed = llm.generate(prompts()[:2], greedy()[:2])
+        assert [o.finish_reason for o in failed] == ["error", "error"]
+        assert all("not run again" in o.error for o in failed)
+        assert not llm.runner.states.tokens
+        mixer.forward = installed
+        outs = llm.generate(prompts(), greedy())
+    assert [o.token_ids for o in outs] == reference("bamba")

@@ -1,0 +1,60 @@
+"""One physical-memory budget shared by the processes of a machine (`SharedBudget`).
+
+`vattn.Budget.shared(name, limit)` joins the budget `name` of one device (a GPU, keyed by
+its UUID, or the host) and returns a `Budget` that several processes draw from: `vattn
+serve` servers, vLLM's and SGLang's schedulers, engines and caches of your own. It follows
+the in-process `Budget`'s participant protocol (`vattn.budget`), so caches and pools use
+it unchanged.
+
+```
+ /dev/shm/vattn-budget-NAME@DEVICE   (36 KiB, memory-mapped by every member)
+ [ header: limit ][ row 0: pid, taken, cached, limit, asks ... ][ row 1 ] ... [ row 63 ]
+   byte 0 lock: the books (fcntl, a few microseconds a take or a give)
+   byte LIVE + i lock: held by row i's process for as long as it lives
+```
+
+- **No daemon.** The books are the file; each member writes its own row under the books'
+  lock. The kernel drops a dead process's fcntl locks, so the books are never left
+  locked, and a member whose liveness lock can be taken is dead: any member (every
+  `POLL_S`, and before refusing a take) or `vattn top` clears its row, and its bytes go
+  back to the budget. The process's pages went with it (its memfd, its CUDA context).
+  Pid reuse is harmless: liveness is the lock, never the pid.
+- **Give-back.** A member short of bytes asks its own other participants first (as the
+  in-process budget does), then writes asks into the rows of the others (those with the
+  most cached bytes first) and wakes them (an abstract Unix datagram socket; polling every
+  `POLL_S` otherwise). Each member runs a responder thread that answers even when its
+  process is idle: it calls its participants' `reclaim` (free slots, pre-mapped tails,
+  idle pins, cached pool pages) and marks the ask done. The asker waits until the room is
+  there, every ask is answered, or `ANSWER_S`; a member that leaves an ask unanswered
+  that long is not waited for again until it answers (a stopped or stuck process costs
+  others one wait, not one per step).
+- **Limits.** The budget's limit bounds the sum of the members' bytes; a member limit
+  (`member_limit=`, `vattn budget set-limit NAME BYTES --pid PID`) bounds one process's.
+  Lowering either asks the members to give back cached bytes over it now; bytes under
+  live data stay until freed, and takes are refused meanwhile.
+- **One member per process and budget.** `Budget.shared` called again in the same
+  process returns the same member (its participants are that process's caches and
+  pools). A forked child must call `Budget.shared` itself. Members must share /dev/shm
+  (containers: mount the same one); files are readable by their owner only.
+
+The bytes are what the members *took*: a cache takes before it creates pages and gives
+after they are released, so the physical memory of all members together never exceeds
+the limit (the vLLM integration is the exception: its scheduler counts, and its workers
+unmap what it gave back with their next step or idle call, within about `POLL_S`).
+
+The package, by job: `table` (the file in /dev/shm: layout, locks, rows, the books, the
+wake-ups), `member` (this process's `SharedBudget`: its lease on the budget and its
+responder thread), `readers` (`list_budgets` and `set_limit` for `vattn top` / `vattn budget`,
+from any process).
+"""
+from __future__ import annotations
+
+from vattn.budget_shared.member import SharedBudget, SharedBudgetStats, join
+from vattn.budget_shared.readers import list_budgets, reading, set_limit
+from vattn.budget_shared.table import (  # noqa: F401 - MAX_MEMBERS, PREFIX, check_name: re-exported
+    ANSWER_S, DIR_ENV, MAX_MEMBERS, POLL_S, PREFIX, budget_dir, check_name, device_key, table_path)
+
+_reading = reading  # the name the tests have used
+
+__all__ = ["ANSWER_S", "DIR_ENV", "POLL_S", "SharedBudget", "SharedBudgetStats", "budget_dir", "device_key", "join",
+           "list_budgets", "reading", "set_limit", "table_path"]

@@ -1,0 +1,438 @@
+"""This process's membership of a shared budget (`SharedBudget`): taking and giving bytes,
+the limits, asking the others to give back, the responder thread that answers their asks,
+joining and leaving."""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import select
+import secrets
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from vattn.budget import Budget, BudgetStats, _check_nbytes
+from vattn.budget_shared.table import (
+    ANSWER_S, POLL_S, Table, check_name, claim, close_sender, device_key, forget_sender, listen, table_path,
+    wake_members)
+from vattn.checks import byte_limit
+from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
+
+logger = logging.getLogger("vattn.budget")
+
+_registry_lock = threading.Lock()
+_members: dict[Path, SharedBudget] = {}  # this process's members, by table path
+
+
+@contextlib.contextmanager
+def registry_locked() -> Iterator[dict[Path, SharedBudget]]:
+    """This process's members by table path, with the registry's lock held: no member joins
+    or leaves meanwhile."""
+    with _registry_lock:
+        yield _members
+
+
+@dataclass(frozen=True)
+class SharedBudgetStats(BudgetStats):
+    """`BudgetStats` of a shared budget as this process sees it: `limit` is what its
+    takes are compared against now (the budget's limit, lowered to what the member limit
+    leaves while the others hold what they hold), `used` the bytes of all members;
+    `budget_limit` and `member_limit` bound what this process could ever have."""
+
+    budget_limit: int | None = None
+    member_limit: int | None = None
+    member_used: int = 0
+    num_members: int = 0
+
+
+# ------------------------------------------------------------------ member ----
+class SharedBudget(Budget):
+    """A `Budget` shared by the processes of a machine; get one with `vattn.Budget.shared`.
+
+    ```
+    budget = vattn.Budget.shared("gpu0", 40 << 30)     # join (or create with this limit)
+    cache = vattn.KVCache(..., budget=budget)           # as with vattn.Budget
+    budget.stats()                                      # limit, used by all members
+    budget.set_limit(32 << 30)                          # the whole budget's
+    budget.set_member_limit(8 << 30)                    # this process's
+    ```
+    """
+
+    def __init__(self, name: str, key: str, path: Path, table: Table, row: int, nonce: int,
+                 sock: socket.socket | None) -> None:
+        """Internal: use `vattn.Budget.shared`."""
+        super().__init__(None)
+        self.name, self.device_key, self.path = name, key, path
+        self._table, self._row, self._nonce, self._sock = table, row, nonce, sock
+        self._pid = os.getpid()
+        self._closed = False
+        self._stop = threading.Event()
+        self._last_warning = -1e9
+        self._responder = threading.Thread(target=self._respond_loop, name=f"vattn-budget-{name}", daemon=True)
+
+    # ---------------------------------------------------------------- taking ----
+    def try_take(self, nbytes: int) -> bool:
+        """Take `nbytes` if the budget's limit (all members) and this member's limit allow."""
+        n = _check_nbytes(nbytes)
+        if not self._usable():
+            return False
+        with self._table.locked() as t:
+            r, i = t.rows, self._row
+            mine, ml, lim = int(r["taken"][i]), int(r["limit"][i]), t.limit
+            ok = ml < 0 or mine + n <= ml
+            if ok and lim is not None and t.used() + n > lim:
+                ok = t.reap() > 0 and t.used() + n <= lim  # a dead member's bytes may be back
+            if not ok:
+                r["refusals"][i] += 1
+                return False
+            r["taken"][i] = mine + n
+            r["peak"][i] = max(int(r["peak"][i]), mine + n)
+            return True
+
+    def give(self, nbytes: int) -> None:
+        """Give back `nbytes` taken earlier (by this process)."""
+        n = _check_nbytes(nbytes)
+        if self._closed or self._pid != os.getpid():
+            return  # left the budget (exiting), or a forked child's copy: nothing of it is counted
+        with self._table.locked() as t:
+            mine = int(t.rows["taken"][self._row])
+            if n > mine:
+                raise InvalidRequestError(f"give({n}) is more than the {mine} bytes this process took from budget "
+                                          f"{self.name!r}")
+            t.rows["taken"][self._row] = mine - n
+
+    # ----------------------------------------------------------------- limits ----
+    @property
+    def limit(self) -> int | None:
+        """What this process's takes are compared against, in bytes of all members (None:
+        no limit): the budget's limit, lowered to what this member's limit leaves."""
+        return self.stats().limit
+
+    @property
+    def budget_limit(self) -> int | None:
+        with self._table.locked() as t:
+            return t.limit
+
+    @property
+    def member_limit(self) -> int | None:
+        with self._table.locked() as t:
+            v = int(t.rows["limit"][self._row])
+        return None if v < 0 else v
+
+    def set_limit(self, limit: int | None) -> None:
+        """Change the whole budget's limit at run time (None: none), for every member.
+        Members over it are asked to give back cached bytes now; takes are refused until
+        the used bytes are under it."""
+        limit = byte_limit(limit)
+        self._check_process()
+        with self._table.locked() as t:
+            wake = t.set_limit(limit, None)
+        wake_members(wake)
+
+    def set_member_limit(self, limit: int | None) -> None:
+        """Change this process's own limit (None: none); cached bytes over it go back now."""
+        limit = byte_limit(limit)
+        self._check_process()
+        with self._table.locked() as t:
+            wake = t.set_limit(limit, os.getpid())
+        wake_members(wake)
+
+    @property
+    def used(self) -> int:
+        """Bytes taken by all members."""
+        with self._table.locked() as t:
+            return t.used()
+
+    def available(self) -> int | None:
+        s = self.stats()
+        return None if s.limit is None else max(0, s.limit - s.used)
+
+    def stats(self) -> SharedBudgetStats:
+        with self._table.locked() as t:
+            r, i = t.rows, self._row
+            live = t.live()
+            used, mine, ml, lim = t.used(), int(r["taken"][i]), int(r["limit"][i]), t.limit
+            parts = sum(int(r["participants"][j]) for j in live if j != i)
+        with self._lock:
+            parts += len(self._participants)
+        eff = lim
+        if ml >= 0:  # used + n <= eff  <=>  within the budget's limit and mine + n <= ml
+            eff = used - mine + ml if lim is None else min(lim, used - mine + ml)
+        return SharedBudgetStats(eff, used, parts, lim, None if ml < 0 else ml, mine, len(live))
+
+    # ------------------------------------------------------------ give-back ----
+    def reclaim(self, nbytes: int, requester: int | None = None) -> int:
+        """Ask for cached pages until `nbytes` fit: this process's other participants first,
+        then the other members (waiting up to `ANSWER_S` for their answers). Returns the
+        bytes given back. Call it without holding any lock of your own."""
+        n = _check_nbytes(nbytes)
+        if not self._usable():
+            return 0
+        freed = 0
+        with self._lock:
+            local = [cb for t, (cb, _) in self._participants.items() if t != requester]
+        for cb in local:
+            short = self._short(n)
+            if short <= 0:
+                return freed
+            try:
+                freed += max(0, int(cb(short)))
+            except Exception:
+                pass
+        with self._table.locked() as t:
+            r, i = t.rows, self._row
+            ml, lim = int(r["limit"][i]), t.limit
+            if lim is None or (ml >= 0 and int(r["taken"][i]) + n > ml):
+                return freed  # the others' bytes cannot help: no budget limit, or this member's own binds
+            short = t.used() + n - lim
+            asks = t.ask(short, exclude=i) if short > 0 else []
+            wake = [(int(r["pid"][a.row]), a.nonce) for a in asks]
+        wake_members(wake)
+        waiting = [a for a in asks if a.wait]
+        deadline, delay = time.monotonic() + ANSWER_S, 0.0005
+        while waiting and time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)
+            with self._table.locked() as t:
+                if t.used() + n <= lim:
+                    break
+                waiting = [a for a in waiting if not t.answered(a)]
+        with self._table.locked() as t:
+            return freed + t.given(asks)
+
+    def _short(self, n: int) -> int:
+        """Bytes missing for a take of `n` now (0: it fits)."""
+        s = self.stats()
+        return 0 if s.limit is None else max(0, s.used + n - s.limit)
+
+    def reclaimable(self, requester: int | None = None) -> int:
+        """Bytes the others could give back now that would help this process: its other
+        participants' `cached()` and the other members' cached bytes (as they last
+        published them), none of those when this member's own limit is what binds."""
+        local = super().reclaimable(requester)
+        with self._table.locked() as t:
+            r, i = t.rows, self._row
+            remote = sum(int(r["cached"][j]) for j in t.live() if j != i)
+            used, mine, ml, lim = t.used(), int(r["taken"][i]), int(r["limit"][i]), t.limit
+        if ml >= 0:  # beyond the member's room, others giving back does not help
+            remote = 0 if lim is None else min(remote, max(0, (ml - mine) - (lim - used)))
+        return local + remote
+
+    # --------------------------------------------------------------- members ----
+    def register(self, reclaim: Any = None, cached: Any = None) -> int:
+        self._check_process()
+        token = super().register(reclaim, cached)
+        self._publish()
+        return token
+
+    def unregister(self, token: int) -> None:
+        super().unregister(token)
+        if not self._closed and self._pid == os.getpid():
+            self._publish()
+
+    def _publish(self) -> None:
+        """Write this process's participant count and cached bytes into its row."""
+        cached = self._local_cached()
+        with self._lock:
+            parts = len(self._participants)
+        with self._table.locked() as t:
+            t.rows["participants"][self._row] = parts
+            t.rows["cached"][self._row] = cached
+            t.rows["heartbeat"][self._row] = time.time()
+
+    def _local_cached(self) -> int:
+        return super().reclaimable(None)
+
+    # -------------------------------------------------------------- responder ----
+    def _respond_loop(self) -> None:
+        """Answer asks, enforce the member limit, publish cached bytes, clear dead members:
+        every POLL_S, and at once when woken."""
+        while not self._stop.is_set():
+            try:
+                if self._sock is not None:
+                    if select.select([self._sock], [], [], POLL_S)[0]:
+                        for _ in range(64):  # the wake-ups so far (bounded: askers may keep sending)
+                            self._sock.recv(16)
+                else:
+                    self._stop.wait(POLL_S)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except (OSError, ValueError):  # the socket was closed (leaving)
+                if self._stop.is_set():
+                    return
+                self._stop.wait(POLL_S)
+            if self._stop.is_set():
+                return
+            try:
+                self._respond()
+            except Exception:  # never let the responder die: say so (once a minute) and go on
+                if time.monotonic() - self._last_warning > 60:
+                    self._last_warning = time.monotonic()
+                    logger.warning("vattn: budget %s: the responder failed", self.name, exc_info=True)
+
+    def _respond(self) -> None:
+        cached = self._local_cached()
+        with self._lock:
+            parts = len(self._participants)
+        with self._table.locked() as t:
+            r, i = t.rows, self._row
+            r["heartbeat"][i], r["cached"][i], r["participants"][i] = time.time(), cached, parts
+            seq, want = int(r["ask_seq"][i]), int(r["ask_bytes"][i])
+            r["ask_bytes"][i] = 0
+            ml = int(r["limit"][i])
+            if ml >= 0:
+                want = max(want, int(r["taken"][i]) - ml)
+            t.reap()
+        freed = 0
+        if want > 0:
+            with self._lock:
+                local = [cb for cb, _ in self._participants.values()]
+            for cb in local:
+                if freed >= want:
+                    break
+                try:
+                    freed += max(0, int(cb(want - freed)))
+                except Exception:
+                    pass
+        cached = self._local_cached() if freed else cached
+        with self._table.locked() as t:
+            r, i = t.rows, self._row
+            r["cached"][i] = cached
+            if freed:
+                r["gave"][i] += freed
+                r["last_give_time"][i], r["last_give_bytes"][i] = time.time(), freed
+            if seq > int(r["done_seq"][i]):
+                r["done_seq"][i] = seq
+                r["ask_time"][i] = time.time() if int(r["ask_seq"][i]) > seq else 0.0
+
+    # ---------------------------------------------------------------- leaving ----
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Leave the budget (idempotent). Close the caches and pools on it first."""
+        if self._closed or self._pid != os.getpid():
+            return
+        with self._lock:
+            if self._participants:
+                raise InvalidRequestError(f"{len(self._participants)} caches or pools of this process still use "
+                                          f"budget {self.name!r}; close them first")
+        self._leave()
+
+    def _leave(self) -> None:
+        with _registry_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+            if self._sock is not None:
+                self._sock.close()
+            t = self._table
+            with t.locked():
+                t.release_row(self._row, self._nonce)
+                t.reap()
+                if not t.live():  # the last member: the budget ends with it
+                    with contextlib.suppress(OSError):
+                        os.unlink(t.path)
+            if _members.get(self.path) is self:
+                del _members[self.path]
+        if self._responder.is_alive() and self._responder is not threading.current_thread():
+            self._responder.join(timeout=2 * POLL_S)
+        if not self._responder.is_alive():
+            t.close()  # else the responder may still read it: the process is ending anyway
+
+    def _usable(self) -> bool:
+        self._check_process()
+        return not self._closed
+
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():
+            raise ClosedError(f"budget {self.name!r} was joined by process {self._pid}; this forked child "
+                              f"(pid {os.getpid()}) must call vattn.Budget.shared itself")
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return f"SharedBudget({self.name!r}, {self.device_key}, closed)"
+        s = self.stats()
+        return (f"SharedBudget({self.name!r}, {self.device_key}, limit={s.budget_limit}, used={s.used}, "
+                f"members={s.num_members}, this process={s.member_used})")
+
+
+def join(name: str, limit: int | None = None, *, device: Any = None, member_limit: int | None = None,
+         label: str | None = None) -> SharedBudget:
+    """`vattn.Budget.shared`: see there."""
+    name = check_name(name)
+    limit, member_limit = byte_limit(limit), byte_limit(member_limit)
+    if label is not None and not isinstance(label, str):
+        raise InvalidConfigError(f"label must be a str or None, got {label!r}")
+    key = device_key(device)
+    path = table_path(name, key)
+    label = label if label is not None else _default_label()
+    with _registry_lock:
+        m = _members.get(path)
+        if m is None or m.closed:
+            nonce = secrets.randbits(62) + 1
+            sock = listen(nonce)
+            try:
+                table, row = claim(path, name, key, limit, member_limit, label, nonce)
+            except BaseException:
+                if sock is not None:
+                    sock.close()
+                raise
+            m = SharedBudget(name, key, path, table, row, nonce, sock)
+            _members[path] = m
+            m._responder.start()
+            _register_exit()
+            return m
+    with m._table.locked() as t:  # already a member: the same one, with these settings
+        t.rows["label"][m._row] = label.encode()[:127]
+        if member_limit is not None:
+            t.rows["limit"][m._row] = member_limit
+        if limit is not None and t.limit is None:
+            t.header["limit"] = limit
+        elif limit is not None and limit != t.limit:
+            logger.warning("vattn: budget %s exists with limit %s; joined with it (limit=%d was not used)",
+                           name, t.limit, limit)
+    return m
+
+
+def _default_label() -> str:
+    """The command, short: `python -m vattn serve` shows as "vattn serve"."""
+    argv = [a for a in sys.argv[:3] if a] or ["python"]
+    head = Path(argv[0])
+    argv[0] = head.parent.name if head.name == "__main__.py" else head.name
+    return " ".join(argv)[:127]
+
+
+_exit_registered = False
+
+
+def _register_exit() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_leave_all)
+        os.register_at_fork(after_in_child=_after_fork)
+
+
+def _leave_all() -> None:
+    """At exit: leave every budget (caches still open may give after this: ignored)."""
+    for m in list(_members.values()):
+        with contextlib.suppress(Exception):
+            m._leave()
+    close_sender()
+
+
+def _after_fork() -> None:
+    """In a forked child: no membership (the locks stayed with the parent)."""
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _members.clear()
+    forget_sender()
