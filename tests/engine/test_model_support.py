@@ -291,7 +291,7 @@ def test_continuous_batching_hooks_refuse_state_layers() -> None:
     with pytest.raises(UnsupportedModelError, match="BambaMixer"):
         hf_cb.enable(model)
     with pytest.raises(UnsupportedModelError, match="linear_attention"):
-        hf_cb._check_layer_kinds(model.config)
+        hf_cb.caches._check_layer_kinds(model.config)
     with pytest.raises(UnsupportedModelError, match="attention layers only"):
         VAttnCache(model.config, max_cache_len=64)
 

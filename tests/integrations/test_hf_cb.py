@@ -373,7 +373,7 @@ def test_a_block_counted_as_free_waits_for_memory_then_fails_clearly(monkeypatch
         timer.start()
         assert hf_cb._alloc_one(pool, handle, "block") in range(8)
         timer.join()
-        monkeypatch.setattr(hf_cb, "ALLOC_RETRY_S", 0.05)
+        monkeypatch.setattr(hf_cb.caches, "ALLOC_RETRY_S", 0.05)  # where _alloc_one looks it up
         pool.alloc(1)
         with pytest.raises(vattn.OutOfPhysicalMemoryError, match="could not back a cache block.*0 backable now"):
             hf_cb._alloc_one(pool, handle, "block")

@@ -412,7 +412,7 @@ def serve(page_size: int, size: int, *, settings: vs.KVSettings | None = None, t
 @pytest.fixture
 def tenant(monkeypatch):
     t = Tenant()
-    monkeypatch.setattr(vs, "make_backend", lambda device: refusing_backend(t))
+    monkeypatch.setattr(vs.backing, "make_backend", lambda device: refusing_backend(t))  # where ElasticKV looks it up
     clock = [1000.0]
     monkeypatch.setattr(vs.time, "monotonic", lambda: clock[0])  # the loop advances it: 4 steps a second
     t.clock = clock

@@ -561,7 +561,7 @@ def make(ps, size, settings):
 
 
 tenant = loop.Tenant()
-vs.make_backend = lambda device: loop.refusing_backend(tenant)
+vs.backing.make_backend = lambda device: loop.refusing_backend(tenant)  # where ElasticKV looks it up
 clock = [1000.0]
 vs.time.monotonic = lambda: clock[0]
 for ps in (1, 16):

@@ -218,7 +218,7 @@ def run(cfgs, on: bool, tenant: Tenant | None = None, block_steps=range(0), n_re
 @pytest.fixture
 def tenant(monkeypatch):
     t = Tenant()
-    monkeypatch.setattr(vv, "make_backend", lambda device: refusing_backend(t)())
+    monkeypatch.setattr(vv.worker, "make_backend", lambda device: refusing_backend(t)())  # where WorkerKV looks it up
     monkeypatch.setenv("VATTN_VLLM_RESERVE", "2")
     yield t
     vv._started = None

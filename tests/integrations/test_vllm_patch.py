@@ -263,7 +263,7 @@ def take(self, n):
         assert w.is_mapped(b.block_id), f"block {b.block_id} handed out unmapped"
     return blocks
 
-vv.block_layout = block_layout
+vv.block_layout = vv.worker.block_layout = block_layout  # attach and WorkerKV look it up there
 vv.SchedulerKV.take = take
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,315 @@
+"""The hook's classes: transformers' `PagedAttentionCache` (and 5.18+'s `CachePool`) on an
+`ElasticPool`, one mixin per class over transformers' own, built for the design installed
+(`make_classes`), and the stand-ins that hand transformers the pool's tensors and blocks."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+
+from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
+from vattn.pool import ElasticPool
+
+if TYPE_CHECKING:
+    from vattn.integrations.hf_cb.handle import ElasticCB
+
+TRASH_SECTORS = 2
+ALLOC_RETRY_S = 2.0  # how long a block transformers counted as free may wait for memory before it is an error
+
+# hf_cb's one lock: the registry of enabled models, the hook's installation, the build of a cache (which
+# swaps `torch` in transformers' cache module) and `vattn serve`'s build of its classes
+_lock = threading.RLock()
+_intercept = threading.local()  # the cache being built on this thread, and its pool
+
+
+def _check_layer_kinds(config: Any) -> None:
+    """Refuse a cache for a model with layers that are not attention (`vattn serve` enables
+    every model it loads and sees its config only here)."""
+    from vattn.integrations.hf import SUPPORTED_LAYER_KINDS, layer_kinds
+
+    other = sorted(set(layer_kinds(config)) - set(SUPPORTED_LAYER_KINDS))
+    if other:
+        raise UnsupportedModelError(
+            f"vattn cannot back the continuous-batching cache of a {type(config).__name__} model: it has {other} "
+            "layers, whose per-request state (Mamba, linear attention, ...) the paged cache does not keep; serve "
+            "an attention-only model")
+
+class _TorchProxy:
+    """Stands for `torch` in transformers' cache module while a vattn cache is built: the
+    allocation of the cache tensors (`torch.zeros` of the flat tensor on "sectors",
+    `torch.empty` of each layer's K and V on "blocks") returns the pool's virtual tensors;
+    every other name (and every call on another thread) is torch's own."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "zeros":
+            return _zeros
+        if name == "empty":
+            return _empty
+        return getattr(torch, name)
+
+
+def _building() -> dict | None:
+    return getattr(_intercept, "build", None)
+
+
+def _zeros(*size: Any, **kwargs: Any) -> torch.Tensor:
+    """"sectors": the one flat uint8 cache tensor of `num_sectors + 2` sectors."""
+    build = _building()
+    if build is None or build["kind"] != "sectors" or build["pool"] is not None \
+            or kwargs.get("dtype") is not torch.uint8 or len(size) != 1:
+        return torch.zeros(*size, **kwargs)
+    cache = build["cache"]
+    nbytes = int(size[0])
+    sector = cache.bytes_per_sector
+    if nbytes != (cache.num_sectors + TRASH_SECTORS) * sector:  # not the cache tensor (checked after __init__)
+        return torch.zeros(*size, **kwargs)
+    pool = _new_cache_pool(build, cache.num_sectors, (sector,), torch.uint8, 1, kwargs.get("device", cache.device))
+    tensor = pool.buffer(0).view(-1)  # [(num_sectors + 2) * sector] uint8
+    build["tensors"].append(tensor)
+    return tensor
+
+
+def _empty(*size: Any, **kwargs: Any) -> torch.Tensor:
+    """"blocks": the K and V tensors of every layer of a group, `[(num_blocks + 2) * block_size,
+    heads, head_dim]` each, asked for in turn: buffer i of one pool of `num_blocks + 2` blocks."""
+    build = _building()
+    if build is None or build["kind"] != "blocks" or len(size) != 1:
+        return torch.empty(*size, **kwargs)
+    cache = build["cache"]
+    shape = getattr(cache, "cache_shape", None)
+    if shape is None or tuple(size[0]) != tuple(shape) or kwargs.get("dtype") is not cache.dtype:
+        return torch.empty(*size, **kwargs)
+    if build["pool"] is None:
+        groups, _ = build["cache_mod"].group_layers_by_attn_type(cache.config)
+        _new_cache_pool(build, cache.num_blocks, (cache.block_size, cache.num_key_value_heads, cache.head_dim),
+                        cache.dtype, 2 * len(groups[0]), kwargs.get("device", cache.device))
+    pool, i = build["pool"], len(build["tensors"])
+    if i >= pool.config.num_buffers:
+        raise InvalidConfigError("transformers asked for more cache tensors than vattn counted")
+    tensor = pool.buffer(i).view(shape)
+    build["tensors"].append(tensor)
+    return tensor
+
+
+def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
+                    device: Any) -> ElasticPool:
+    """The pool of a cache being built: `num_blocks` data blocks then the two trash blocks
+    transformers keeps for padding tokens, mapped at once and for good, cleared (the read
+    trash must read zeros; 5.18+ put them first). When memory cannot back them,
+    OutOfPhysicalMemoryError (the cache's constructor then closes the pool)."""
+    pool = build["handle"]._new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
+    build["pool"] = pool
+    trash = list(range(TRASH_SECTORS)) if build["kind"] == "sectors" else [num_blocks, num_blocks + 1]
+    pool.pin(trash, f"the {TRASH_SECTORS} trash blocks of the continuous-batching cache",
+             "raise memory_limit or the budget", zero=True)
+    return pool
+
+
+def _evict_cached_blocks(cache: Any) -> None:
+    """Drop the prefix-sharing blocks no request uses (their memory becomes free), with
+    transformers' own code. The generation loop must not run meanwhile."""
+    if hasattr(cache, "evict_cached_blocks"):  # sectors
+        cache.evict_cached_blocks()
+        cache.pool.try_to_free_sectors()
+    else:  # blocks: asking for every free block uninitializes every initialized one
+        bm = cache._block_manager
+        if bm._init_block_ids:
+            bm.has_enough_free_blocks(len(bm._uninit_block_ids) + len(bm._init_block_ids))
+
+
+def _calling_manager(manager_cls: type | None) -> Any:
+    """The ContinuousBatchingManager building the cache (a caller's `self`), or None: lets
+    `trim` and the idle policy evict its prefix-sharing blocks and see its requests."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None or manager_cls is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, manager_cls):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+
+def _alloc_one(pool: ElasticPool, handle: ElasticCB, what: str) -> int:
+    """One block of `pool` for transformers, which counted it as free a moment ago. The
+    count can be wrong only if the memory went in between (another model of the budget, or
+    the device refusing new pages under outside pressure): retry for up to
+    `ALLOC_RETRY_S` (the others give back, pressure passes) before a clear error, since
+    transformers' loop cannot take a miss here."""
+    handle._touch()
+    deadline = time.monotonic() + ALLOC_RETRY_S
+    delay = 0.001
+    while (got := pool.alloc(1)) is None and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(2 * delay, 0.1)
+    if got is None:
+        raise OutOfPhysicalMemoryError(
+            f"vattn could not back a cache {what} transformers' scheduler had counted as free (another model of the "
+            f"same budget took the memory in between, or the device refused new pages; {pool.num_free_blocks} free "
+            f"{what}s, {pool.available_blocks()} backable now); raise memory_limit or the budget")
+    return got[0]
+
+
+class _FreeBlocks:
+    """Stands for the free-block deque of 5.17's `BlockManager` (`_uninit_block_ids`, which
+    it only ever `popleft`s, `append`s, `extend`s and counts): the pool's free blocks.
+    Its length is the free blocks that memory can back now, so transformers' scheduler
+    sees a full cache when the limit or the budget is reached; `popleft` maps a block
+    (page-aware), `append`/`extend` give blocks back to the pool (pages stay cached)."""
+
+    def __init__(self, pool: ElasticPool, handle: ElasticCB) -> None:
+        self.pool = pool
+        self.handle = handle
+
+    def __len__(self) -> int:
+        return self.pool.available_blocks()  # never more than the free blocks
+
+    def popleft(self) -> int:
+        return _alloc_one(self.pool, self.handle, "block")
+
+    def append(self, block: int) -> None:
+        self.handle._touch()
+        self.pool.free([block])
+
+    def extend(self, blocks: Iterable[int]) -> None:
+        blocks = list(blocks)
+        if blocks:
+            self.handle._touch()
+            self.pool.free(blocks)
+
+
+class _SectorPool:
+    """("sectors") Mixed in over transformers' CachePool: sectors come from an ElasticPool, mapped
+    when handed to an allocator, given back to the pool as soon as all their blocks are free."""
+
+    def __init__(self, num_sectors: int, num_allocators: int, elastic: ElasticPool, handle: ElasticCB,
+                 num_reserved_sectors: int = TRASH_SECTORS) -> None:
+        self.elastic = elastic
+        self.handle = handle
+        self._held: set[int] = set()  # data sectors handed to allocators
+        self._pos: dict[int, int] = {}  # free sector -> its index in free_sectors
+        super().__init__(num_sectors, num_allocators, num_reserved_sectors)
+
+    def reset(self) -> None:
+        super().reset()
+        self._pos = {s: i for i, s in enumerate(self.free_sectors)}
+        if self._held:
+            self.elastic.free(sorted(self._held))
+            self._held.clear()
+
+    @property
+    def num_free_sectors(self) -> int:
+        # What transformers' scheduler sees: the free sectors that memory can back now
+        return min(len(self.free_sectors), self.elastic.available_blocks())
+
+    def allocate_sector(self, index: int) -> None:
+        sector = _alloc_one(self.elastic, self.handle, "sector")
+        i, last = self._pos.pop(sector), self.free_sectors[-1]  # move it last: the base class pops the last one
+        self.free_sectors[i], self.free_sectors[-1] = last, sector
+        if last != sector:
+            self._pos[last] = i
+        super().allocate_sector(index)
+        self._held.add(sector)
+
+    def try_to_free_sectors(self) -> None:
+        before = len(self.free_sectors)
+        super().try_to_free_sectors()
+        freed = self.free_sectors[before:]
+        if freed:
+            self._pos.update((s, before + k) for k, s in enumerate(freed))
+            self._held.difference_update(freed)
+            self.elastic.free(freed)
+
+    def free_blocks(self, index: int, block_ids: list[int]) -> None:
+        self.handle._touch()
+        super().free_blocks(index, block_ids)
+        self.try_to_free_sectors()  # a sector with no block in use goes back now, not at the next schedule
+
+
+class _ElasticCache:
+    """Mixed in over transformers' PagedAttentionCache: on vattn memory when its model was
+    enabled. `make_classes` sets the class attributes: `vattn_kind` (the design),
+    `vattn_cache_mod`, `vattn_api` (transformers' modules), `vattn_pool_cls` (the CachePool
+    on an ElasticPool), `vattn_handle_for` (config -> ElasticCB or None) and `vattn_base`."""
+
+    vattn_kind: str
+    vattn_cache_mod: Any
+    vattn_api: Any
+    vattn_pool_cls: type
+
+    def __init__(self, config: Any, continuous_batching_config: Any, device: Any, distributed_helper: Any,
+                 *args: Any, **kwargs: Any) -> None:
+        handle = self.vattn_handle_for(config)
+        if handle is None:  # not enabled: transformers' own memory
+            super().__init__(config, continuous_batching_config, device, distributed_helper, *args, **kwargs)
+            return
+        if getattr(distributed_helper, "tp_size", 1) > 1:
+            raise InvalidConfigError("vattn.integrations.hf_cb does not support tensor parallelism yet")
+        _check_layer_kinds(config)
+        kind, cache_mod = self.vattn_kind, self.vattn_cache_mod
+        build = {"kind": kind, "cache": self, "handle": handle, "tensors": [], "pool": None, "cache_mod": cache_mod}
+        with _lock:  # one vattn cache is built at a time; other threads see torch itself
+            saved = cache_mod.torch
+            _intercept.build = build
+            cache_mod.torch = _TorchProxy()
+            try:
+                super().__init__(config, continuous_batching_config, device, distributed_helper, *args, **kwargs)
+                pool = build["pool"]
+                if kind == "sectors":
+                    expected = [self.cache_tensor]
+                    self._adopt_sectors(pool, handle)
+                else:
+                    expected = [t for kv in zip(self.key_cache, self.value_cache) for t in kv]
+                    self._adopt_blocks(pool, handle)
+                if pool is None or len(expected) != len(build["tensors"]) or \
+                        any(a is not b for a, b in zip(expected, build["tensors"])):
+                    raise InvalidConfigError("transformers did not build its cache tensors where vattn expected")
+            except BaseException:
+                if build["pool"] is not None:
+                    build["pool"].close()
+                raise
+            finally:
+                cache_mod.torch = saved
+                _intercept.build = None
+        self.vattn_pool = pool
+        handle._track(_calling_manager(getattr(self.vattn_api, "ContinuousBatchingManager", None)))
+
+    def _adopt_sectors(self, pool: ElasticPool | None, handle: ElasticCB) -> None:
+        """Swap the CachePool for one whose sector calls go through `pool`."""
+        old = self.pool
+        if pool is None:
+            return
+        new = self.vattn_pool_cls(old.num_sectors, old.num_allocators, pool, handle, old.num_reserved_sectors)
+        for i, bps in enumerate(old.blocks_per_sector):
+            new.set_blocks_per_sector(i, bps)
+        for allocator in self.cache_allocators.values():
+            if allocator.pool is not old:
+                raise InvalidConfigError("a transformers cache allocator does not use the cache's CachePool")
+            allocator.pool = new
+        self.pool = new
+
+    def _adopt_blocks(self, pool: ElasticPool | None, handle: ElasticCB) -> None:
+        """Swap the BlockManager's free-block deque for the pool's free blocks."""
+        bm = self._block_manager
+        if pool is None:
+            return
+        if len(bm._uninit_block_ids) != bm.num_blocks or bm.num_blocks + TRASH_SECTORS != pool.config.num_blocks:
+            raise InvalidConfigError("transformers' BlockManager does not start with every block free")
+        bm._uninit_block_ids = _FreeBlocks(pool, handle)
+
+
+def make_classes(cache_mod: Any, api: Any, base: type, kind: str,
+                 handle_for: Callable[[Any], ElasticCB | None]) -> type:
+    """transformers' `base` PagedAttentionCache (of `api`, built in `cache_mod`) on vattn memory
+    for design `kind`, for the models `handle_for(config)` returns a handle for."""
+    pool_cls = type("VattnCachePool", (_SectorPool, getattr(cache_mod, "CachePool", object)),
+                    {"__module__": __name__, "__doc__": _SectorPool.__doc__})
+    return type(base.__name__, (_ElasticCache, base), {
+        "__module__": __name__, "__qualname__": base.__qualname__, "__doc__": _ElasticCache.__doc__,
+        "vattn_kind": kind, "vattn_cache_mod": cache_mod, "vattn_api": api, "vattn_pool_cls": pool_cls,
+        "vattn_handle_for": staticmethod(handle_for), "vattn_base": base})

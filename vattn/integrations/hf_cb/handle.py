@@ -1,0 +1,198 @@
+"""The handle `enable` returns (`ElasticCB`): one model's elastic KV memory settings, its pools
+(one per cache transformers builds), the idle policy's thread and its part on a shared budget."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from vattn.budget import Budget
+from vattn.errors import ClosedError
+from vattn.integrations.hf_cb.caches import TRASH_SECTORS, _evict_cached_blocks
+from vattn.pool import ElasticPool, PoolStats
+
+logger = logging.getLogger("vattn.hf_cb")
+
+
+class ElasticCB:
+    """What `enable` returns: the settings of one model's elastic KV memory and its pools
+    (one per `PagedAttentionCache` transformers builds; the last one is `pool`)."""
+
+    def __init__(self, model: Any, memory_limit: int | None, budget: Budget | None, page_size: int | None,
+                 idle_trim_s: float | None = None) -> None:
+        self._model = weakref.ref(model) if model is not None else None
+        self.memory_limit = memory_limit
+        self.budget = budget
+        self.page_size = page_size
+        self.idle_trim_s = idle_trim_s
+        self._pools: list[weakref.ref] = []
+        self._managers: list[weakref.ref] = []  # the ContinuousBatchingManagers that built the caches
+        self.num_caches = 0  # PagedAttentionCaches built on vattn memory so far
+        self.num_idle_trims = 0  # times the idle policy gave memory back
+        self.last_activity = time.monotonic()  # the last block handed out or given back
+        self._idle_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._budget_token: int | None = None  # this handle's part on the budget (see _budget_reclaim)
+
+    @property
+    def pools(self) -> list[ElasticPool]:
+        """The live pools (closed ones and collected ones left out)."""
+        live = [p for r in self._pools if (p := r()) is not None and p._buffers]
+        return live
+
+    @property
+    def pool(self) -> ElasticPool | None:
+        """The pool of the newest live cache, or None."""
+        pools = self.pools
+        return pools[-1] if pools else None
+
+    def stats(self) -> PoolStats | None:
+        return self.pool.stats() if self.pool is not None else None
+
+    def trim(self, manager: Any = None) -> int:
+        """Give back every cached page of every live pool now. Returns bytes given back.
+
+        Blocks transformers keeps for prefix sharing (finished requests' complete blocks,
+        `allow_block_sharing=True`, the default) hold their memory until transformers evicts
+        them under memory pressure; `trim` evicts them first, through `manager` (a
+        `ContinuousBatchingManager`) or else every manager that built a live cache of this
+        handle: inside `manager.pause()` while its loop runs (5.18+), or while the loop is
+        stopped (5.17 cannot pause its loop: there they stay until it stops)."""
+        for m in [manager] if manager is not None else self.managers:
+            cache = getattr(getattr(m, "batch_processor", None), "cache", None)
+            if cache is None or getattr(cache, "vattn_pool", None) is None:
+                continue
+            try:
+                if not m.is_running():
+                    _evict_cached_blocks(cache)
+                elif hasattr(m, "pause"):
+                    with m.pause():
+                        _evict_cached_blocks(cache)
+            except RuntimeError:  # the loop stopped in between: pause() refuses; nothing to evict now
+                if m.is_running():  # anything else (a CUDA error...) is the caller's to see
+                    raise
+        return sum(p.trim() for p in self.pools)
+
+    @property
+    def managers(self) -> list[Any]:
+        """The live ContinuousBatchingManagers whose caches are on this handle's memory."""
+        return [m for r in self._managers if (m := r()) is not None]
+
+    def busy(self) -> bool:
+        """Whether a manager of this handle has requests in flight."""
+        for m in self.managers:
+            scheduler = getattr(getattr(m, "batch_processor", None), "scheduler", None)
+            if scheduler is not None and scheduler.has_pending_requests():
+                return True
+        return False
+
+    def _touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    def _idle_loop(self, stop: threading.Event) -> None:
+        """The idle policy (`idle_trim_s`): once no block was handed out or given back for that
+        long and no request is in flight, trim (prefix-sharing blocks evicted) once per idle period."""
+        done_for = None
+        while True:
+            delay = self.idle_trim_s
+            if delay is None or stop.wait(max(0.02, min(1.0, delay / 4))):
+                return
+            last = self.last_activity
+            if done_for == last or time.monotonic() - last < delay or not self.pools or self.busy():
+                continue
+            try:
+                self.trim()
+                self.num_idle_trims += 1
+            except ClosedError:  # a pool closed in between: the next period looks again
+                pass
+            except Exception:  # a real failure (CUDA...): say so; the next idle period tries again
+                logger.warning("vattn: the idle trim of a continuous-batching cache failed", exc_info=True)
+            done_for = self.last_activity  # the blocks the trim itself gave back are no new activity
+
+    def _start_idle(self) -> None:
+        """Run the idle policy's thread when `idle_trim_s` is set and a pool exists (once)."""
+        if self.idle_trim_s is None or not self._pools:
+            return
+        if self._idle_thread is not None and self._idle_thread.is_alive() and not self._stop.is_set():
+            return
+        self._stop = threading.Event()  # the old thread, if any, keeps its own (set) event and ends
+        self._idle_thread = threading.Thread(target=self._idle_loop, args=(self._stop,), name="vattn-hf-idle-trim",
+                                             daemon=True)
+        self._idle_thread.start()
+
+    def _set_idle_trim_s(self, idle_trim_s: float | None) -> None:
+        """A new idle policy: the thread stops when it is None, starts (or goes on with the
+        new delay) otherwise."""
+        self.idle_trim_s = idle_trim_s
+        if idle_trim_s is None:
+            self._stop.set()
+        else:
+            self._start_idle()
+
+    def close(self) -> None:
+        """Stop the idle policy's thread and leave the budget (live pools stay on it)."""
+        self._stop.set()
+        if self._budget_token is not None:
+            self.budget.unregister(self._budget_token)
+            self._budget_token = None
+
+    def _budget_reclaim(self, nbytes: int) -> int:
+        """The budget's call when another model is short, after the pools gave their free
+        pages: a handle with no request in flight evicts the blocks transformers keeps for
+        prefix sharing and gives back every page, as the idle policy does (a busy one keeps
+        them: its loop would have to pause). Returns bytes given back; never raises."""
+        if self.busy():
+            return 0
+        try:
+            return self.trim()
+        except Exception:
+            return 0
+
+    def _budget_cached(self) -> int:
+        """What `_budget_reclaim` could give now beyond the pools' free pages (an estimate,
+        read without locks: a pool calls it under its own): the blocks in use but the trash
+        ones, while no request is in flight."""
+        if self.busy():
+            return 0
+        total = 0
+        for p in self.pools:
+            c = p.config
+            total += max(0, c.num_blocks - p.num_free_blocks - TRASH_SECTORS) * c.block_bytes * c.num_buffers
+        return total
+
+    def set_limit(self, limit: int | None) -> None:
+        """A new limit on the mapped bytes of this model's caches (this one and later ones)."""
+        self.memory_limit = limit
+        for p in self.pools:
+            p.set_limit(limit)
+
+    def disable(self) -> None:
+        """Later caches of this model use transformers' own memory again (live ones stay)."""
+        from vattn.integrations import hf_cb  # the registry of enabled models (it imports this module)
+
+        if self._model is None:
+            hf_cb.disable_all()
+            return
+        model = self._model()
+        if model is not None:
+            hf_cb.disable(model)
+
+    def _new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
+                  device: torch.device | str) -> ElasticPool:
+        pool = ElasticPool(num_blocks, block_shape, dtype, num_buffers, device=torch.device(device),
+                           page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device",
+                           zero_new=True)
+        self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
+        self.num_caches += 1
+        if self.budget is not None and self._budget_token is None:  # after the pool: asked after its free pages
+            self._budget_token = self.budget.register(self._budget_reclaim, self._budget_cached)
+        self._start_idle()
+        return pool
+
+    def _track(self, manager: Any) -> None:
+        if manager is not None and all(r() is not manager for r in self._managers):
+            self._managers = [r for r in self._managers if r() is not None] + [weakref.ref(manager)]

@@ -1,0 +1,253 @@
+"""`vattn serve`: `transformers serve` (OpenAI-compatible, continuous batching) on vattn
+memory, for a local checkpoint, under a contract no request can break.
+
+transformers builds the app (its routes, tokenization, generation and streaming); vattn
+holds it to this contract (the README's "vattn serve" states it):
+
+- **Refused, 400** (an OpenAI error body that says why and what the limit is), alone: an
+  empty prompt; a prompt longer than one request can ever hold (`Room`: the cache's
+  blocks, or fewer under `--memory-limit`, counted as transformers counts them); a prompt whose
+  `max_tokens` would not fit with it (without `max_tokens`, generation stops where the
+  room ends: finish_reason "length"); `n` not an int in [1, MAX_N]. A request that fits
+  but not now waits in transformers' scheduler.
+- **The batching loop restarts** if it dies anyway: the requests it had fail (transformers'
+  5xx), a warning says so, and the next request (or `/health`) gets a new loop and cache.
+- **`n` choices**: n requests of the batch, merged into one answer (streamed: their chunks
+  interleaved, each with its choice index).
+- **Every event stream ends with `data: [DONE]`** (transformers' end with their last chunk).
+- **SIGTERM (or SIGINT) drains**: new requests get 503 with Retry-After; open ones finish
+  within `shutdown_timeout` (30 s); then those still open end (a stream with an error
+  event and [DONE], a request not yet answered with 503); the process exits 0. A second
+  signal stops at once.
+- **`GET /v1/models`** lists the served model (transformers' listing scans the hub cache:
+  500 on an offline machine, 5.17-5.23).
+
+Hooks, the same on every supported release (5.17-5.24 share this serving code): transformers'
+`Serve` is built with its start held back and with our `GenerationState` (restarts; hands
+out our `CBGenerateManager`, which checks each request before it is queued); our routes
+replace four of its own; `_Gate` (ASGI) wraps the app, and a uvicorn server whose first
+signal drains (`_server_class`) runs it.
+
+Here: `serve` and `main` (the server's start, run and stop) and transformers' serving
+classes; `contract` (what one request may ask, `Refusal`, `Room`, `admit`), `routes` (the
+routes that replace transformers'), `gate` (draining, [DONE]).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any
+
+from vattn.budget import Budget
+from vattn.errors import InvalidConfigError
+from vattn.integrations import hf_cb
+# The parts, re-exported: `vattn.integrations.hf_serve.X` keeps working for every name below
+from vattn.integrations.hf_serve.contract import MAX_N, Refusal, Room, _asked, admit  # noqa: F401
+from vattn.integrations.hf_serve.gate import DONE, _Gate, _server_class  # noqa: F401
+from vattn.integrations.hf_serve.routes import _replace_routes
+
+logger = logging.getLogger("vattn.serve")
+
+SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
+DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.24's own default (see serve)
+SHUTDOWN_TIMEOUT_S = 30.0  # how long SIGTERM lets open requests finish
+CACHE_WAIT_S = 120.0  # how long a new batching loop may take to build its cache before a request goes unchecked
+
+
+# --------------------------------------------------- transformers' classes ----
+@functools.cache
+def _classes() -> Any:
+    """Subclasses of transformers' serving classes (built once transformers is importable)."""
+    from transformers.cli.serve import Serve
+    from transformers.cli.serving import utils
+
+    class Manager(utils.CBGenerateManager):
+        """transformers' continuous-batching manager of the server: every request is checked
+        (`admit`) before it is queued; a new loop's cache is waited for, so that even the
+        first request is checked; `stop` is a hard stop (nothing may keep the process up)."""
+
+        def init_cb(self, model: Any, gen_config: Any) -> None:
+            new = self._cb is None
+            super().init_cb(model, gen_config)
+            deadline = time.monotonic() + CACHE_WAIT_S
+            while new and self._cb.batch_processor is None and self._cb.is_running() and time.monotonic() < deadline:
+                time.sleep(0.002)  # the loop's thread builds the cache (virtual memory: quick)
+
+        def room(self) -> Room | None:
+            cache = getattr(getattr(self._cb, "batch_processor", None), "cache", None)
+            return Room.of(cache) if cache is not None else None
+
+        def generate_streaming(self, model: Any, processor: Any, inputs: Any, gen_config: Any, *args: Any,
+                               **kwargs: Any) -> Any:
+            admit(len(inputs["input_ids"]), gen_config, self.room(), _asked.get())
+            return super().generate_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+
+        async def generate_non_streaming(self, model: Any, processor: Any, inputs: Any, gen_config: Any, *args: Any,
+                                         **kwargs: Any) -> Any:
+            admit(len(inputs["input_ids"]), gen_config, self.room(), _asked.get())
+            return await super().generate_non_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+
+        def stop(self) -> None:
+            if self._cb is not None:
+                self._cb.stop(block=True, timeout=5, hard_stop=True)
+
+    class State(utils.GenerationState):
+        """transformers' generation state of the server: hands out `Manager`s, and replaces
+        one whose loop died (a warning says so) instead of answering 503 for good."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.num_restarts = 0
+            self._vattn_lock = threading.Lock()
+
+        def get_manager(self, model_id: str, use_cb: bool = False) -> Any:
+            if use_cb:
+                with self._vattn_lock:
+                    self._replace_dead()
+                    if self._cb_manager is None:  # ours, which transformers' get_manager then hands out
+                        self._cb_manager, self._cb_model_id = Manager(cb_config=self._cb_config), model_id
+            return super().get_manager(model_id, use_cb=use_cb)
+
+        def is_cb_alive(self) -> bool:
+            with self._vattn_lock:
+                self._replace_dead()
+            return super().is_cb_alive()
+
+        def _replace_dead(self) -> None:
+            manager = self._cb_manager
+            if manager is None or manager.is_alive():
+                return
+            self.num_restarts += 1
+            logger.warning("vattn serve: the continuous-batching loop died (%s); restarting it: the next request gets "
+                           "a new loop and cache (restart %d)", manager._cb.background_thread_status.fatal_error,
+                           self.num_restarts)
+            try:
+                manager.stop()
+            except Exception:  # noqa: BLE001 - a dead loop that will not stop cleanly is still replaced
+                logger.warning("vattn serve: stopping the dead loop failed", exc_info=True)
+            self._cb_manager = None
+
+    class Server(Serve):
+        """transformers' `Serve`, whose start is held back until vattn has wrapped its app."""
+
+        vattn_ready = False
+
+        def start_server(self) -> None:
+            if self.vattn_ready:
+                super().start_server()
+
+    return Server, State, utils
+
+
+def _build(model: str, shutdown_timeout: float, **kw: Any) -> Any:
+    """transformers' `Serve` with our generation state, routes, gate and uvicorn server."""
+    import uvicorn
+
+    Server, State, utils = _classes()
+    with hf_cb._lock:  # one build at a time: transformers' Serve looks GenerationState up in its module
+        saved, utils.GenerationState = utils.GenerationState, State
+        try:
+            srv = Server(force_model=model, continuous_batching=True, non_blocking=True, **kw)
+        finally:
+            utils.GenerationState = saved
+    app = srv.server.config.app
+    _replace_routes(app, srv)
+    srv.gate = _Gate(app, shutdown_timeout)
+    config = uvicorn.Config(srv.gate, host=kw["host"], port=kw["port"], log_level="info", timeout_graceful_shutdown=5)
+    srv.server = _server_class()(config, srv.gate)
+    srv.vattn_ready = True
+    return srv
+
+# ------------------------------------------------------------------- serve ----
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
+          page_size: int | None = None, idle_trim_s: float | None = None, device: str = "auto",
+          num_blocks: int | None = None, block_size: int | None = None, max_batch_tokens: int | None = None,
+          log_level: str = "warning", shutdown_timeout: float = SHUTDOWN_TIMEOUT_S, non_blocking: bool = False,
+          budget: Budget | str | None = None, budget_limit: int | None = None) -> Any:
+    """`transformers serve` with continuous batching on vattn memory, for a local checkpoint
+    (offline), under the contract of the module docstring: the OpenAI-compatible
+    `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`. Blocks until the
+    server stops (SIGTERM drains for `shutdown_timeout` seconds), unless `non_blocking`:
+    then it returns transformers' `Serve` object, with the `ElasticCB` handle as `.vattn`
+    and the gate as `.gate` (`kill_server()` stops it). The memory limit is in bytes of KV
+    pages; `idle_trim_s` is the idle policy (see `hf_cb.enable`); `num_blocks` and
+    `block_size` (tokens) size transformers' (virtual) cache. Requests that fit but not
+    now wait in transformers' scheduler. `budget`: a `vattn.Budget`, or the name of a budget
+    shared with the other servers of this GPU or host (`vattn.Budget.shared(budget,
+    budget_limit)`; `vattn top` shows them)."""
+    missing = [m for m in SERVING_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
+                                 "pip install 'transformers[serving]'")
+    if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
+        raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
+    if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) \
+            or not 0 <= shutdown_timeout < math.inf:
+        raise InvalidConfigError(f"shutdown_timeout must be a finite number of seconds >= 0, got {shutdown_timeout!r}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
+    if max_batch_tokens is None and num_blocks is not None and hf_cb.design() == "blocks":
+        # transformers 5.17, given num_blocks alone, sizes max_batch_tokens (its attention mask and IO
+        # buffers, M x (num_blocks * block_size + M)) to fill the device's free memory: 21 GB of a 23 GB
+        # host in tests/integrations/test_serve.py, memory vattn's cache is there to leave free. 5.18-5.24 take
+        # 8192 when it is not given: so does 5.17 here.
+        max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
+    if isinstance(budget, str):  # one budget for the servers of this GPU (or host), named
+        budget = Budget.shared(budget, budget_limit, device=None if device == "auto" else device,
+                               label=os.path.basename(os.path.abspath(model)))
+    handle = hf_cb.enable_all(memory_limit=memory_limit, budget=budget, page_size=page_size, idle_trim_s=idle_trim_s)
+    try:
+        server = _build(os.path.abspath(model), shutdown_timeout, host=host, port=port, device=device,
+                        cb_num_blocks=num_blocks, cb_block_size=block_size, cb_max_batch_tokens=max_batch_tokens,
+                        log_level=log_level)
+    except BaseException:
+        hf_cb.disable_all()
+        raise
+    server.vattn = handle
+    if non_blocking:
+        server.start_server()
+        return server
+    try:
+        server.server.run()
+    finally:
+        server._generation_state.shutdown()  # a hard stop of the batching loop: nothing keeps the process up
+        hf_cb.disable_all()
+    return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`vattn serve --model DIR [--port N] [--memory-limit BYTES] [--shutdown-timeout S] ...`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="vattn serve", description=serve.__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="local checkpoint directory (config, weights, tokenizer)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--memory-limit", type=int, default=None, help="bytes of KV pages (default: no limit)")
+    ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
+    ap.add_argument("--idle-trim-s", type=float, default=None,
+                    help="give the KV memory back after this many idle seconds (default, or negative: never by itself)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--num-blocks", type=int, default=None, help="transformers' cache size in blocks (virtual)")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per cache block")
+    ap.add_argument("--max-batch-tokens", type=int, default=None)
+    ap.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+                    help="seconds SIGTERM lets open requests finish before it ends them (default: 30)")
+    ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--budget", default=None, metavar="NAME",
+                    help="share KV memory with the other servers of this GPU or host in the budget NAME "
+                    "(vattn top shows it)")
+    ap.add_argument("--budget-limit", type=int, default=None,
+                    help="bytes: the budget's limit when this server creates it (default: none)")
+    a = ap.parse_args(argv)
+    serve(a.model, host=a.host, port=a.port, memory_limit=a.memory_limit, page_size=a.page_size,
+          idle_trim_s=a.idle_trim_s, device=a.device, num_blocks=a.num_blocks, block_size=a.block_size,
+          max_batch_tokens=a.max_batch_tokens, log_level=a.log_level, shutdown_timeout=a.shutdown_timeout,
+          budget=a.budget, budget_limit=a.budget_limit)
+
+
+__all__ = ["MAX_N", "SHUTDOWN_TIMEOUT_S", "Refusal", "Room", "admit", "serve", "main"]

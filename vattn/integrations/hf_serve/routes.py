@@ -1,0 +1,127 @@
+"""`vattn serve`'s routes over transformers' app: the served model's `/v1/models`, and the
+completion routes with `n` choices (n requests of the batch merged into one answer) and the
+request's own limits, around transformers' handlers."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Awaitable, Callable
+
+from vattn.integrations.hf_serve.contract import Refusal, _Asked, _asked, _choices, _error
+
+
+def _replace_routes(app: Any, srv: Any) -> None:
+    """Our `/v1/models` (the served model), `/v1/completions` and `/v1/chat/completions`
+    (`n`, and what the client asked for, around transformers' handlers) and a handler
+    that answers a `Refusal`."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    started = int(time.time())
+    force_model = srv._model_manager.force_model
+
+    def list_models() -> Any:
+        return JSONResponse({"object": "list", "data": [
+            {"id": force_model, "object": "model", "created": started, "owned_by": "vattn"}]})
+
+    def answering(handler: Any, prompt_param: str, limits: tuple[str, ...]) -> Callable:
+        async def endpoint(request: Any, body: Any) -> Any:
+            n = _choices(body)
+            given = (body.get(k) for k in limits)
+            token = _asked.set(_Asked(frozenset(v for v in given if isinstance(v, int) and not isinstance(v, bool)),
+                                      prompt_param))
+            try:
+                return await _answer(handler, body, request.state.request_id, n)
+            finally:
+                _asked.reset(token)
+
+        endpoint.__annotations__ = {"request": Request, "body": dict}  # FastAPI reads them (this module's are strings)
+        return endpoint
+
+    ours = {("/v1/models", "GET"), ("/v1/models", "OPTIONS"), ("/v1/completions", "POST"),
+            ("/v1/chat/completions", "POST")}
+    app.router.routes[:] = [r for r in app.router.routes
+                            if not {(getattr(r, "path", None), m) for m in getattr(r, "methods", None) or ()} & ours]
+    app.add_api_route("/v1/models", list_models, methods=["GET", "OPTIONS"])
+    app.add_api_route("/v1/completions", answering(srv._completion_handler, "prompt", ("max_tokens",)),
+                      methods=["POST"])
+    app.add_api_route("/v1/chat/completions", answering(srv._chat_handler, "messages",
+                                                        ("max_tokens", "max_completion_tokens")), methods=["POST"])
+
+    async def refused(_request: Any, e: Refusal) -> Any:
+        return JSONResponse(_error(str(e), "invalid_request_error", e.param, e.code), status_code=e.status)
+
+    app.add_exception_handler(Refusal, refused)
+
+
+async def _answer(handler: Any, body: dict, request_id: str, n: int) -> Any:
+    """transformers' handler, once, or n times as n requests of the batch merged into one
+    answer whose choice i is request i's (streamed: their chunks interleaved)."""
+    if n == 1:
+        return await handler.handle_request(body, request_id)
+    answers = await _gather([handler.handle_request(dict(body), f"{request_id}-{i}") for i in range(n)])
+    if body.get("stream"):
+        from fastapi.responses import StreamingResponse
+
+        return StreamingResponse(_interleave([a.body_iterator for a in answers], request_id),
+                                 media_type="text/event-stream")
+    from fastapi.responses import JSONResponse
+
+    parts = [json.loads(a.body) for a in answers]
+    merged = dict(parts[0], id=request_id, choices=[dict(p["choices"][0], index=i) for i, p in enumerate(parts)])
+    if "usage" in merged:
+        prompt, new = merged["usage"]["prompt_tokens"], sum(p["usage"]["completion_tokens"] for p in parts)
+        merged["usage"] = dict(merged["usage"], completion_tokens=new, total_tokens=prompt + new)
+    return JSONResponse(merged)
+
+
+async def _gather(calls: list[Awaitable]) -> list:
+    """All of `calls`; if one raises, the others are cancelled and it is raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+
+
+async def _interleave(streams: list, request_id: str) -> Any:
+    """The events of n event streams as they come, choice i's chunks with index i."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: Any) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((i, chunk))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):
+            while (item := await queue.get())[1] is not None:
+                yield _reindexed(item[1], item[0], request_id)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _reindexed(chunk: str | bytes, index: int, request_id: str) -> str:
+    """An SSE chunk (one or more `data:` events) with its choices' index set and the merged id."""
+    text = chunk.decode() if isinstance(chunk, bytes) else chunk
+    events = []
+    for event in text.split("\n\n"):
+        if event.startswith("data: "):
+            try:
+                data = json.loads(event[6:])
+            except json.JSONDecodeError:  # transformers' error event is not always JSON: passed on as it is
+                data = None
+            if isinstance(data, dict) and isinstance(data.get("choices"), list):
+                data["id"] = request_id
+                for choice in data["choices"]:
+                    choice["index"] = index
+                event = "data: " + json.dumps(data, separators=(",", ":"))
+        events.append(event)
+    return "\n\n".join(events)
