@@ -3,8 +3,8 @@
 Hybrids and state-space models (Mamba2 in Bamba and Falcon-H1, gated delta-net in
 Qwen3-Next, Mamba2 alone) keep a per-request state besides attention K/V. vattn's engine
 keeps it in vattn memory (`vattn.engine.states`) and must give `generate`'s greedy tokens
-(continuous batching, chunked prefill, n > 1, preemption by swap or recompute); prefix
-caching is refused for them. Everything else that keeps a state (and every such model
+(continuous batching, chunked prefill, n > 1, preemption by swap or recompute, prefix
+caching with state snapshots at block ends). Everything else that keeps a state (and every such model
 outside the engine: `hf_cb`, `VAttnCache`, tensor parallelism) is refused at load with
 `UnsupportedModelError`, never served with tokens that differ from `generate`. Tiny configs
 built here, random seeded weights, no download; transformers' PyTorch fallbacks run the
@@ -30,8 +30,16 @@ _MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=
               mamba_chunk_size=16)
 
 
-def hybrid_config(family: str) -> Any:
-    """A tiny config of each state-carrying family (no EOS: generation runs to max_tokens)."""
+def hybrid_config(family: str, **kw: Any) -> Any:
+    """A tiny config of each state-carrying family (no EOS: generation runs to max_tokens);
+    `kw` overrides its fields."""
+    config = _hybrid_config(family)
+    for name, value in kw.items():
+        setattr(config, name, value)
+    return config
+
+
+def _hybrid_config(family: str) -> Any:
     if family == "bamba":  # Mamba2 layers 0 and 2, attention at 1
         return tf.BambaConfig(**_COMMON, **_MAMBA, num_hidden_layers=3, attn_layer_indices=[1])
     if family == "falcon_h1":  # attention and Mamba2 side by side in every layer
@@ -83,6 +91,17 @@ def test_state_models_match_generate_with_continuous_batching(family: str) -> No
     assert [o.token_ids for o in outs] == reference(family)
 
 
+def count_calls(obj: Any, *names: str) -> dict[str, int]:
+    """Count the calls of these methods of `obj` (the counts go on as it runs)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(*a: Any, _name: str = name, _f: Any = getattr(obj, name)) -> Any:
+            calls[_name] += 1
+            return _f(*a)
+        setattr(obj, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 @pytest.mark.parametrize("family", list(HYBRIDS))
 def test_state_models_fork_and_preempt(family: str, mode: str) -> None:
@@ -91,13 +110,7 @@ def test_state_models_fork_and_preempt(family: str, mode: str) -> None:
     cap = (4 if family == "mamba2" else 24) * PAGE  # (Mamba2: one small stand-in K/V layer)
     with LLM(hybrid_config(family), seed=0, max_batch_size=6, page_size=PAGE, physical_memory=cap,
              preemption_mode=mode) as llm:
-        kv = llm.scheduler.kv
-        calls = {"fork": 0, "swap_in": 0}
-        for name in calls:
-            def counted(*a: Any, _name: str = name, _f: Any = getattr(kv, name)) -> Any:
-                calls[_name] += 1
-                return _f(*a)
-            setattr(kv, name, counted)
+        calls = count_calls(llm.scheduler.kv, "fork", "swap_in")
         outs = run_online(llm, prompts(), greedy(n=3))
         assert llm.num_preemptions > 0 and calls["fork"] > 0 and (calls["swap_in"] > 0) == (mode == "swap")
         assert not llm.runner.states.tokens
@@ -115,10 +128,105 @@ def test_seeded_samples_of_a_state_model_are_runs_with_seed_plus_index() -> None
     assert len(set(map(tuple, alone))) > 1
 
 
+SHARED_SUFFIXES = (7, 30, 3, 45, 12, 21)  # after a 90-token prefix: 2 whole blocks of 32 tokens and more
+SHARED_MAX_TOKENS = (10, 6, 12, 8, 9, 7)
+SHARED_ARRIVALS = (0, 3, 5, 6, 9, 12)
+# weights 10x the default spread: with the default, these tiny models' tokens hardly depend on
+# the recurrent state (a hit that skipped restoring it gave generate's tokens for Falcon-H1 and Mamba2)
+SHARED_INIT = 0.2
+
+
+def shared_prompts() -> list[list[int]]:
+    """Prompts sharing a 90-token prefix (a request can be computed from its block ends)."""
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 128, (90,), generator=g).tolist()
+    return [prefix + torch.randint(3, 128, (n,), generator=g).tolist() for n in SHARED_SUFFIXES]
+
+
+_SHARED_REFERENCES: dict[str, list[list[int]]] = {}
+
+
+def shared_reference(family: str) -> list[list[int]]:
+    if family not in _SHARED_REFERENCES:
+        model = build_model(hybrid_config(family, initializer_range=SHARED_INIT))
+        _SHARED_REFERENCES[family] = [hf_greedy(model, p, m) for p, m in zip(shared_prompts(), SHARED_MAX_TOKENS)]
+    return _SHARED_REFERENCES[family]
+
+
+def run_shared(family: str, mode: str = "swap") -> tuple[list, Any, dict[str, int]]:
+    """The shared-prefix prompts arriving over time with prefix caching, n=2 greedy samples,
+    prompt chunks of 40 tokens (their ends fall inside blocks) and preemption (`mode`) under a
+    memory cap. Returns outputs, prefix stats and the cache calls counted."""
+    cap = (6 if family == "mamba2" else 24) * PAGE  # (Mamba2: one small stand-in K/V layer)
+    with LLM(hybrid_config(family, initializer_range=SHARED_INIT), seed=0, max_batch_size=6, page_size=PAGE,
+             physical_memory=cap, preemption_mode=mode, enable_prefix_caching=True, max_num_batched_tokens=40) as llm:
+        calls = count_calls(llm.scheduler.kv, "fork", "swap_in")
+        params = [SamplingParams(temperature=0, max_tokens=m, n=2, ignore_eos=True) for m in SHARED_MAX_TOKENS]
+        outs = run_online(llm, shared_prompts(), params, SHARED_ARRIVALS)
+        states = llm.runner.states
+        assert not states.tokens and not states.taken and not states.planned  # every slot's snapshots settled
+        kept = len(llm.prefix_cache.snapshots)
+        assert states.snapshots.stats().num_used_blocks == kept > 0  # only cached blocks keep snapshots
+        calls["preemptions"] = llm.num_preemptions
+        return outs, llm.prefix_cache_stats(), calls
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
 @pytest.mark.parametrize("family", list(HYBRIDS))
-def test_prefix_caching_over_states_is_refused(family: str) -> None:
-    with pytest.raises(UnsupportedModelError, match="enable_prefix_caching=False"):
-        LLM(hybrid_config(family), seed=0, max_batch_size=2, enable_prefix_caching=True)
+def test_prefix_caching_over_states_matches_generate(family: str, mode: str) -> None:
+    """A hit maps the cached K/V and restores the state snapshot of its last block; every
+    sample equals generate's greedy tokens (forks, preemptions and hits together)."""
+    outs, stats, calls = run_shared(family, mode)
+    assert stats.num_hit_tokens > 0 and stats.num_hit_tokens % stats.block_tokens == 0
+    assert calls["fork"] > 0 and calls["preemptions"] > 0 and (calls["swap_in"] > 0) == (mode == "swap")
+    for out, ref in zip(outs, shared_reference(family)):
+        assert [o.token_ids for o in out.outputs] == [ref] * 2
+
+
+def test_state_snapshots_are_evicted_least_recently_used_first() -> None:
+    """Four prefixes, three prompts each, one at a time, then the first prefix again: a
+    request snapshots its last block and where it parts from a cached prompt (4 snapshots a
+    prefix), so the pool of SNAPSHOTS_PER_SLOT x max_batch_size snapshots evicts the oldest; a
+    block whose snapshot is gone is a miss, and every output still equals generate's."""
+    from vattn.engine.llm import SNAPSHOTS_PER_SLOT
+
+    g = torch.Generator().manual_seed(11)
+    rand = lambda n: torch.randint(3, 128, (n,), generator=g).tolist()  # noqa: E731
+    prefixes = [rand(100) for _ in range(4)]
+    work = [p + rand(40) for p in prefixes for _ in range(3)] + [prefixes[0] + rand(40)]
+    config = hybrid_config("bamba", initializer_range=SHARED_INIT)
+    model = build_model(config)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(config, seed=0, max_batch_size=2, page_size=PAGE, enable_prefix_caching=True) as llm:
+        pc = llm.prefix_cache
+        hits, kept = [], []
+        for prompt in work:
+            before = pc.num_hit_tokens
+            assert llm.generate(prompt, params)[0].token_ids == hf_greedy(model, prompt, 6)
+            hits.append(pc.num_hit_tokens - before)
+            kept.append(len(pc.snapshots))
+        snapshots = llm.runner.states.snapshots
+        assert snapshots.stats().num_used_blocks == len(pc.snapshots)
+        llm.runner.cache.trim()  # (what the idle engine does) evicts every cached block, then their snapshots
+        pc.trim()
+        assert not pc.snapshots and snapshots.stats().num_used_blocks == 0
+    assert hits[:12] == [0, 0, 96] * 4  # the third prompt of a prefix restores the state at 96 tokens
+    assert max(kept) == 2 * SNAPSHOTS_PER_SLOT and hits[12] == 0  # the first prefix's snapshots were evicted: a miss
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_prefix_hits_without_their_state_give_other_tokens(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation check: hits that map the K/V but keep the slot's state as it was (no
+    restore) give other tokens, so the test above sees the state."""
+    from vattn.engine.states import RecurrentStates
+
+    def no_restore(self: RecurrentStates, slot: int, block: int, tokens: int) -> None:
+        self.tokens[slot] = tokens
+
+    monkeypatch.setattr(RecurrentStates, "restore", no_restore)
+    outs, stats, _ = run_shared(family)
+    assert stats.num_hit_tokens > 0
+    assert [[o.token_ids for o in out.outputs] for out in outs] != [[r] * 2 for r in shared_reference(family)]
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))

@@ -33,7 +33,8 @@ class EngineConfig:
     per-request seed; an int in [-2**63, 2**64 - 1]), attention (kernel: None = automatic, or one of
     'flash_attn' | 'torch_flash' | 'sdpa' | 'sdpa_padded'), enable_prefix_caching (map the cached blocks
     of a new sequence's prefix instead of computing them; a block is the cache's sharing unit, the
-    fewest whole tokens that fill whole pages, so any page size works: see `vattn.prefix_cache`),
+    fewest whole tokens that fill whole pages, so any page size works: see `vattn.prefix_cache`;
+    with Mamba2 / gated delta-net states, blocks keep state snapshots: `vattn.engine.states`),
     preemption_mode ('recompute' | 'swap': what a sequence preempted for memory does, see
     `vattn.engine.scheduler`), idle_trim_s (None, or seconds without work after which the
     engine gives the cache's unused pages back: `KVCache.trim()`, cached prefixes included;

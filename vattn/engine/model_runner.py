@@ -367,6 +367,8 @@ class ModelRunner:
                     rows.append(len(sample_rows) - 1)
                     sampling.append(seq)
         slots, starts = [s.seq.slot for s in batch], [s.seq.num_computed_tokens for s in batch]
+        if self.states is not None and self.states.wants:  # prefix caching: states to snapshot at block ends
+            self.states.plan([(slot, start, s.num_new_tokens) for slot, start, s in zip(slots, starts, batch)])
         logits = None
         if (self.graphs is not None and len(sample_rows) == len(batch) == len(input_ids)
                 and self.graphs.usable(len(batch))):  # a decode: every sequence 1 token, every one samples
@@ -379,6 +381,7 @@ class ModelRunner:
             logits = self._forward(ids, keep, meta)  # [S, V]
         if self.states is not None:
             self.states.tokens.update({s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in batch})
+            self.states.commit()
         if not sampling:
             return RunOutput({}, {})
         if len(rows) != len(sample_rows):
