@@ -108,7 +108,7 @@ class PrefixCache:
             self.entries[key] = tuple(handles[i * u:(i + 1) * u])
         if len(self.entries) > 2 * len(self.cache.allocator.pins) + 1024:  # forget evicted blocks
             live = self.cache.allocator.pins
-            self.entries = {k: b for k, b in self.entries.items() if all(live.get(g) == gen for g, gen in b)}
+            self.entries = {k: b for k, b in self.entries.items() if all(h[0] is None or live.get(h[0]) == h[1] for h in b)}
 
     @property
     def hit_rate(self) -> float:

@@ -356,3 +356,99 @@ def test_windows_with_prefix_caching_at_a_token_that_does_not_divide_the_page(fa
         assert len(out.outputs) == p.n
         for o in out.outputs:
             assert o.token_ids == r and o.error is None
+
+
+# ---- found by review: layer kinds and holes meeting prefix chains, failed steps, threads ----
+def _kinds_cache(**kw: Any) -> Any:
+    """A full and an 8-token window layer kind; 64-dim heads, fp32: 8 tokens a 4 KiB page."""
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=2, max_context_len=256, dtype="float32",
+                device="cpu", page_size=4096, layer_windows=(None, 8), background=False, prefetch=False)
+    return vattn.KVCache(**{**args, **kw})
+
+
+def test_a_prefix_chain_of_pages_and_holes_maps_its_holes_first() -> None:
+    """A chain can join blocks pinned by different requests: [page, page, hole]. The slot's
+    holes must lead it (the pages before the last hole are not mapped), else the books count
+    no hole and a later step leaves the page its window reads unmapped."""
+    from vattn.prefix_cache import PrefixCache
+
+    with _kinds_cache() as cache:
+        pc, prompt = PrefixCache(cache), list(range(100, 164))
+        y = cache.alloc_reqid()  # 64 tokens in two steps: its window layer gives back pages 0..2
+        assert cache.step({y: 32}) and cache.step({y: 64})
+        pc.insert(y, prompt)
+        cache.free_reqid(y)
+        x = cache.alloc_reqid()  # its first 16 tokens in one step: blocks 0 and 1 are now x's pages
+        assert cache.step({x: 16})
+        pc.insert(x, prompt[:16])
+        cache.free_reqid(x)
+        z = cache.alloc_reqid()
+        n = pc.map_prefix(z, prompt[:25])  # blocks 0, 1 (pages) and 2 (a hole)
+        cache.allocator.check_invariants()
+        assert n <= 24 and cache.step({z: 25})
+        cache.allocator.check_invariants()
+        win = cache.allocator.parts[1].books
+        last = win.max_lens[z] - 1
+        first = max(0, last - 8 + 1)  # the keys the next query reads
+        pages = win.slot_pages[z]
+        assert all(pages[p] is not None for p in range(first // 8, last // 8 + 1)), pages
+
+
+def test_a_step_one_kind_fails_changes_no_kinds_books() -> None:
+    """A slot the full kind cannot back is not stepped in the window kind either: stepping it
+    later to another length must not give back pages its queries read."""
+    with _kinds_cache(max_batch_size=1, physical_memory=163840) as cache:
+        r = cache.alloc_reqid()
+        assert cache.step({r: 40}) and cache.step({r: 80})
+        res = cache.step({r: 120})
+        assert not res and res.failed == (r,)
+        for alloc in cache.allocator.parts:
+            assert alloc.books.max_lens[r] == 80, alloc.books.window
+        assert cache.step({r: 90})  # queries 80..89 read keys from 73 on
+        pages = cache.allocator.parts[1].books.slot_pages[r]
+        assert all(pages[p] is not None for p in range(73 // 8, 90 // 8 + 1)), pages
+        cache.allocator.check_invariants()
+
+
+def test_the_prefix_cache_forgets_evicted_blocks_of_layer_kinds() -> None:
+    """Past 2 x pins + 1024 entries the prefix cache drops blocks whose pins were evicted: its
+    handles carry every kind (and holes), not (group, generation) pairs."""
+    from vattn.prefix_cache import PrefixCache
+
+    with _kinds_cache(max_context_len=512, physical_memory=64 * 2 * 4096 * 2) as cache:
+        pc = PrefixCache(cache)
+        for i in range(400):
+            r = cache.alloc_reqid()
+            ids = [i * 7 + k for k in range(4 * pc.block_tokens)]
+            assert cache.step({r: len(ids)})
+            pc.insert(r, ids)
+            cache.free_reqid(r)
+        assert len(pc.entries) <= 2 * len(cache.allocator.pins) + 1024 + 4
+
+
+def test_layer_kinds_with_background_premapping_keep_every_token() -> None:
+    """The kinds' pre-mapping workers share one backend: with the defaults (background,
+    prefetch) every token written stays what was written."""
+    import random
+
+    rng = random.Random(0)
+    with _kinds_cache(max_batch_size=4, background=True, prefetch=True, layer_windows=(None, 200)) as cache:
+        lens: dict[int, int] = {}
+        for _ in range(300):
+            if len(lens) < 4:
+                lens[cache.alloc_reqid()] = 0
+            s = rng.choice(list(lens))
+            m = lens[s]
+            n = min(256, m + rng.randrange(1, 40))
+            assert cache.step({s: n})
+            for layer in range(2):
+                cache.k_cache(layer)[s, m:n] = (torch.arange(m, n, dtype=torch.float32) + 1000 * s)[:, None, None]
+            lens[s] = n
+            for r, k in lens.items():
+                for layer, window in enumerate((None, 200)):
+                    lo = 0 if window is None else max(0, k - window + 1)
+                    expect = torch.arange(lo, k, dtype=torch.float32) + 1000 * r
+                    assert torch.equal(cache.k_cache(layer)[r, lo:k, 0, 0], expect), (r, layer)
+            if n == 256:
+                cache.free_reqid(s)
+                del lens[s]

@@ -130,7 +130,11 @@ class Sharing:
         books.fence_ran()
         groups = books.pinned(handles)
         groups = groups[:len(groups) - len(groups) % g.share_pages]  # whole units only
-        if not groups or not window_covers(books, groups.count(None) if groups[0] is None else 0, len(groups)):
+        # A chain may join blocks pinned by different requests ([page, page, hole]): the slot's
+        # holes lead it, so a page before the last hole is not mapped (its window never reads it)
+        holes = max((i + 1 for i, grp in enumerate(groups) if grp is None), default=0)
+        groups = [None] * holes + groups[holes:]
+        if not groups or not window_covers(books, holes, len(groups)):
             return 0
         self.mapper.empty(slot)  # a reused slot: drop its pages first
         self.mapper.execute(StepPlan({}, shares=((slot, 0, tuple(groups)),)))

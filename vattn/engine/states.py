@@ -542,7 +542,7 @@ class HybridPrefixCache(PrefixCache):
         live = self.cache.allocator.pins
         for key in list(self.snapshots):
             handles = self.entries.get(key)
-            if handles is None or not all(live.get(g) == gen for g, gen in handles):
+            if handles is None or not all(h[0] is None or live.get(h[0]) == h[1] for h in handles):
                 self.entries.pop(key, None)
                 self._drop(key)
                 return True

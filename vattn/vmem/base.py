@@ -1,6 +1,7 @@
 """The one small interface every virtual-memory backend implements."""
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from array import array
 from typing import Any, Sequence
@@ -26,6 +27,10 @@ class Backend(ABC):
     new_pages_zeroed = False  # memory `create` gives reads zeros (the host's); a GPU's may hold old data
 
     def __init__(self) -> None:
+        # Page calls come from several threads at once where allocators share a backend (a
+        # cache's layer kinds, each with its pre-mapping worker): their books (the host's
+        # memfd offsets, the counters) are the backend's, so one call at a time.
+        self._page_lock = threading.RLock()
         self.num_map_calls = 0
         self.num_pages_mapped = 0  # page groups
         self.num_unmap_calls = 0
@@ -47,30 +52,34 @@ class Backend(ABC):
     # -- physical pages -------------------------------------------------------------
     def create(self, n: int, num_buffers: int, page_size: int) -> list:
         """Create `n` page groups of `num_buffers` pages each (raises OutOfPhysicalMemoryError)."""
-        groups = self._create(n, num_buffers, page_size) if n else []
-        self.num_pages_created += n
+        with self._page_lock:
+            groups = self._create(n, num_buffers, page_size) if n else []
+            self.num_pages_created += n
         return groups
 
     def release(self, groups: list) -> None:
         """Free page groups that are not mapped."""
         if groups:
-            self._release(groups)
+            with self._page_lock:
+                self._release(groups)
 
     def map(self, bases: Sequence[int], offsets: Sequence[int], groups: list, page_size: int) -> None:
         """Map groups[i] at bases[b] + offsets[i] for every buffer b. All or nothing."""
         if not groups:
             return
-        self._map(array("Q", bases), array("Q", offsets), groups, page_size)
-        self.num_map_calls += 1
-        self.num_pages_mapped += len(groups)
+        with self._page_lock:
+            self._map(array("Q", bases), array("Q", offsets), groups, page_size)
+            self.num_map_calls += 1
+            self.num_pages_mapped += len(groups)
 
     def unmap(self, bases: Sequence[int], offsets: Sequence[int], page_size: int) -> None:
         """Unmap the pages at bases[b] + offsets[i]: the range stays reserved, reads fault."""
         if not offsets:
             return
-        self._unmap(array("Q", bases), array("Q", offsets), page_size)
-        self.num_unmap_calls += 1
-        self.num_pages_unmapped += len(offsets)
+        with self._page_lock:
+            self._unmap(array("Q", bases), array("Q", offsets), page_size)
+            self.num_unmap_calls += 1
+            self.num_pages_unmapped += len(offsets)
 
     def zero(self, views: Sequence[torch.Tensor], pages: Sequence[int], page_size: int) -> None:
         """Clear `pages` (page indices) of every buffer, each given as a flat byte view of
