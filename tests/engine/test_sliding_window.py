@@ -394,22 +394,6 @@ def test_a_prefix_chain_of_pages_and_holes_maps_its_holes_first() -> None:
         assert all(pages[p] is not None for p in range(first // 8, last // 8 + 1)), pages
 
 
-def test_a_step_one_kind_fails_changes_no_kinds_books() -> None:
-    """A slot the full kind cannot back is not stepped in the window kind either: stepping it
-    later to another length must not give back pages its queries read."""
-    with _kinds_cache(max_batch_size=1, physical_memory=163840) as cache:
-        r = cache.alloc_reqid()
-        assert cache.step({r: 40}) and cache.step({r: 80})
-        res = cache.step({r: 120})
-        assert not res and res.failed == (r,)
-        for alloc in cache.allocator.parts:
-            assert alloc.books.max_lens[r] == 80, alloc.books.window
-        assert cache.step({r: 90})  # queries 80..89 read keys from 73 on
-        pages = cache.allocator.parts[1].books.slot_pages[r]
-        assert all(pages[p] is not None for p in range(73 // 8, 90 // 8 + 1)), pages
-        cache.allocator.check_invariants()
-
-
 def test_the_prefix_cache_forgets_evicted_blocks_of_layer_kinds() -> None:
     """Past 2 x pins + 1024 entries the prefix cache drops blocks whose pins were evicted: its
     handles carry every kind (and holes), not (group, generation) pairs."""

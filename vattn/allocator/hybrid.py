@@ -100,24 +100,13 @@ class HybridAllocator:
         """Every kind backs the step; a slot that any kind could not back failed. A kind that
         failed for want of budget asks the other kinds for their cached pages and tries once
         more (the budget's protocol)."""
-        results, before = [], []
+        results = []
         for alloc in self.parts:
-            books = alloc.books
-            with books.lock:  # what a kind's books said of every slot before this step
-                before.append((list(books.max_lens), list(books.prev_lens)))
             res = alloc.step(seq_lens)
             if res.failed and alloc.books.physical.budget_short:
                 res = alloc.step(seq_lens)  # take_budget_short: the others give back first
             results.append(res)
         failed = sorted(set().union(*(r.failed for r in results)))
-        for alloc, res, (max_lens, prev_lens) in zip(self.parts, results, before):
-            undo = [s for s in failed if s not in res.failed]
-            if undo:  # backed here but failed by another kind: the iteration does not run it
-                books = alloc.books
-                with books.lock:
-                    for s in undo:
-                        books.max_lens[s], books.prev_lens[s] = max_lens[s], prev_lens[s]
-                    books.ran = {s: n for s, n in books.ran.items() if s not in undo}
         return StepResult(tuple(failed), sum(r.num_mapped for r in results), sum(r.num_unmapped for r in results),
                           out_of_memory=any(r.out_of_memory for r in results))
 

@@ -129,13 +129,18 @@ class Sharing:
             raise InvalidRequestError(f"reqid {slot} has run already; map pinned pages before its first step")
         books.fence_ran()
         groups = books.pinned(handles)
-        groups = groups[:len(groups) - len(groups) % g.share_pages]  # whole units only
-        # A chain may join blocks pinned by different requests ([page, page, hole]): the slot's
-        # holes lead it, so a page before the last hole is not mapped (its window never reads it)
-        holes = max((i + 1 for i, grp in enumerate(groups) if grp is None), default=0)
-        groups = [None] * holes + groups[holes:]
-        if not groups or not window_covers(books, holes, len(groups)):
+        # The longest run of whole units whose window is still mapped. A chain may join blocks
+        # pinned by different requests ([page, hole, page, page]): the slot's holes lead it, so
+        # a page before the last hole is not mapped (no query after the run reads it)
+        num = len(groups) - len(groups) % g.share_pages
+        while num:
+            holes = max((i + 1 for i, grp in enumerate(groups[:num]) if grp is None), default=0)
+            if window_covers(books, holes, num):
+                break
+            num -= g.share_pages
+        if not num:
             return 0
+        groups = [None] * holes + groups[holes:num]
         self.mapper.empty(slot)  # a reused slot: drop its pages first
         self.mapper.execute(StepPlan({}, shares=((slot, 0, tuple(groups)),)))
         for grp in groups:  # (the rest of a broken unit stays least recently used: evicted first)
