@@ -107,8 +107,13 @@ class PrefixCache:
         for i, key in enumerate(keys):
             self.entries[key] = tuple(handles[i * u:(i + 1) * u])
         if len(self.entries) > 2 * len(self.cache.allocator.pins) + 1024:  # forget evicted blocks
-            live = self.cache.allocator.pins
-            self.entries = {k: b for k, b in self.entries.items() if all(h[0] is None or live.get(h[0]) == h[1] for h in b)}
+            self.entries = {k: b for k, b in self.entries.items() if self.pinned(b)}
+
+    def pinned(self, handles: tuple) -> bool:
+        """Whether every page of a block is still pinned (a handle is (group, generation, ...),
+        one more pair per further layer kind; (None, 0): a hole behind a sliding window)."""
+        live = self.cache.allocator.pins
+        return all(h[0] is None or live.get(h[0]) == h[1] for h in handles)
 
     @property
     def hit_rate(self) -> float:

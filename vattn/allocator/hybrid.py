@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from vattn.allocator.books import MemoryStats
 from vattn.allocator.core import PageAllocator
 from vattn.allocator.plan import StepResult
-from vattn.allocator.sharing import fork_refused, truncate_refused, window_covers
+from vattn.allocator.sharing import check_truncate, fork_refused
 from vattn.errors import InvalidRequestError
 
 
@@ -157,12 +157,8 @@ class HybridAllocator:
         """Every kind keeps the first `num_tokens` tokens; refused (nothing changed) where a
         window kind gave back pages its next query would read."""
         for alloc in self.parts:
-            books = alloc.books
-            with books.lock:
-                g = books.geometry
-                pages = num_tokens // g.share_tokens * g.share_pages  # (whole units: checked by each kind)
-                if num_tokens and not window_covers(books, books.holes(reqid), pages):
-                    raise truncate_refused(reqid, num_tokens)
+            with alloc.books.lock:  # (whole units: checked by each kind's truncate_pinned)
+                check_truncate(alloc.books, reqid, num_tokens)
         unmapped = 0
         for alloc in self.parts:
             if alloc.num_tokens(reqid) > num_tokens:

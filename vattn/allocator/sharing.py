@@ -37,6 +37,16 @@ def window_covers(books: SlotBooks, holes: int, num_pages: int) -> bool:
     return holes * g.page_size <= first_read * g.token_bytes  # (a token may straddle two pages)
 
 
+def check_truncate(books: SlotBooks, slot: int, num_tokens: int) -> int:
+    """The pages of `slot`'s first `num_tokens` tokens (whole sharing units); raises where
+    its sliding window gave back pages the query right after them reads."""
+    g = books.geometry
+    keep = num_tokens // g.share_tokens * g.share_pages
+    if num_tokens and not window_covers(books, books.holes(slot), keep):
+        raise truncate_refused(slot, num_tokens)
+    return keep
+
+
 def fork_refused(parent: int, num_tokens: int) -> InvalidRequestError:
     return InvalidRequestError(
         f"reqid {parent}'s sliding-window layers gave back pages the child's first query (at token "
@@ -168,10 +178,7 @@ class Sharing:
             raise InvalidRequestError(
                 f"num_tokens={num_tokens} must be a whole number of sharing units ({g.share_tokens} tokens in "
                 f"{g.share_pages} page(s) each) of at most the {mapped} tokens map_pinned mapped into reqid {slot}")
-        keep = num_tokens // g.share_tokens * g.share_pages  # pages
-        if num_tokens and not window_covers(books, books.holes(slot), keep):
-            raise truncate_refused(slot, num_tokens)
-        drop = len(pages) - keep
+        drop = len(pages) - check_truncate(books, slot, num_tokens)
         unmapped = self.mapper.reclaim([(slot, drop)], drop) if drop else 0
         books.max_lens[slot] = num_tokens
         return unmapped

@@ -539,10 +539,9 @@ class HybridPrefixCache(PrefixCache):
 
     def _evict_dead(self) -> bool:
         """Free one snapshot whose K/V block was evicted; False: none."""
-        live = self.cache.allocator.pins
         for key in list(self.snapshots):
             handles = self.entries.get(key)
-            if handles is None or not all(h[0] is None or live.get(h[0]) == h[1] for h in handles):
+            if handles is None or not self.pinned(handles):
                 self.entries.pop(key, None)
                 self._drop(key)
                 return True
