@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.conftest import FakeClock
 from vattn.integrations import vllm as vv
 
 PAGE = 64 << 10
@@ -525,21 +526,25 @@ def test_idle_trim_after_the_delay_reaches_the_workers(monkeypatch):
     bp, skv, w, _ = engine(kv_config(num_blocks=256))
     sent: list = []
     core = engine_core(bp, sent)
+    clock = skv.idle.clock = FakeClock()
     a = bp.get_new_blocks(40)
     step(skv)
     bp.free_blocks(a)
     vv.on_idle(core)  # the engine just went idle: the clock starts
-    assert not sent and 0 < vv.idle_wakeup(core) <= 0.07
-    import time
-    time.sleep(0.06)
+    assert not sent and vv.idle_wakeup(core) == pytest.approx(0.06)  # the delay, and 10 ms to be past it
+    clock.advance(0.04)
+    vv.on_idle(core)
+    assert not sent and vv.idle_wakeup(core) == pytest.approx(0.02)  # not idle long enough
+    clock.advance(0.01)
     vv.on_idle(core)
     assert len(sent) == 1 and w.mapped_bytes == 2 * PAGE and w.seq == sent[0].seq
     assert vv.idle_wakeup(core) is None  # trimmed: block as vLLM does
+    clock.advance(100)
     vv.on_idle(core)
     assert len(sent) == 1
     bp.get_new_blocks(3)
     step(skv)  # work again: the idle clock restarts
-    assert skv.idle_since is None and not skv.trimmed
+    assert skv.idle.idle_since is None and not skv.idle.trimmed
 
 
 def test_idle_trim_off(monkeypatch):
