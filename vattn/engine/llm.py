@@ -346,7 +346,7 @@ class LLM:
     def _note_idle(self) -> None:
         """After a change (lock held): if the engine has no work left, its idle time starts
         (the idle policy's thread then gives the cache's unused pages back when it is due)."""
-        if not self.scheduler.has_unfinished():
+        if self.idle.delay is not None and not self.scheduler.has_unfinished():
             self.idle.note_idle()
 
     def _on_idle_timer(self) -> None:
