@@ -212,8 +212,9 @@ def test_the_books_are_never_left_locked(member, budget_dir):
         assert holder.stdout.readline().strip() == "holding"
         b.proc.stdin.write(json.dumps({"op": "step", "lens": {rb: 64}}) + "\n")  # waits for the books
         b.proc.stdin.flush()
-        time.sleep(0.3)
-        assert not select.select([b.proc.stdout], [], [], 0)[0]
+        # it must not answer while the books are locked: watched for 0.3 s (a negative wait on another
+        # process, which no event can replace; it fails at once if an answer comes)
+        assert not select.select([b.proc.stdout], [], [], 0.3)[0]
         holder.kill()  # kill -9 while holding the books' lock
         assert b._read(5)["out"]["ok"]
     finally:
