@@ -50,11 +50,13 @@ from any process).
 from __future__ import annotations
 
 from vattn.budget_shared.member import SharedBudget, SharedBudgetStats, join
-from vattn.budget_shared.readers import list_budgets, reading, set_limit
+from vattn.budget_shared.readers import Skipped, Survey, list_budgets, reading, set_limit, survey
 from vattn.budget_shared.table import (  # noqa: F401 - MAX_MEMBERS, PREFIX, check_name: re-exported
-    ANSWER_S, DIR_ENV, MAX_MEMBERS, POLL_S, PREFIX, budget_dir, check_name, device_key, table_path)
+    ANSWER_S, DIR_ENV, MAX_MEMBERS, POLL_S, PREFIX, DamagedTableError, Place, UnsafeTableError, budget_dir,
+    check_name, device_key, place, table_path)
 
 _reading = reading  # the name the tests have used
 
-__all__ = ["ANSWER_S", "DIR_ENV", "POLL_S", "SharedBudget", "SharedBudgetStats", "budget_dir", "device_key", "join",
-           "list_budgets", "reading", "set_limit", "table_path"]
+__all__ = ["ANSWER_S", "DIR_ENV", "POLL_S", "DamagedTableError", "Place", "SharedBudget", "SharedBudgetStats",
+           "Skipped", "Survey", "UnsafeTableError", "budget_dir", "device_key", "join", "list_budgets", "place",
+           "reading", "set_limit", "survey", "table_path"]
