@@ -84,7 +84,10 @@ class Budget:
         may take at most. `label`: the name `vattn top` shows (default: the command).
         Pass it wherever a `Budget` goes (`KVCache(budget=)`, `ElasticPool`, `LLM`);
         `vattn.budget_shared` explains the mechanism. Calling it again in the same process
-        returns the same member."""
+        returns the same member. Only processes of the same user join (the tables are in
+        /dev/shm/vattn-UID), or of a group in a directory shared on purpose
+        (`VATTN_BUDGET_DIR`, mode 2770): docs/budget.md, "Who may join". Byte values are at
+        most 2**63 - 1 (`InvalidConfigError` past it); `device` must exist."""
         # imported here, not at the top: vattn.budget_shared builds on this module
         from vattn.budget_shared import join
 

@@ -354,6 +354,44 @@ def test_leaving_a_damaged_table_gives_the_memory_back(budget_dir, damage):
     assert not path.exists()
 
 
+# ------------------------------------------------------------------- wake-ups ----
+def test_wake_ups_from_a_user_who_may_not_join_are_dropped(second_user):
+    """Any local process can send to a member's abstract socket; the kernel names the
+    sender, and only those of this user (or the shared directory's group) wake it."""
+    import select
+    import socket
+
+    where = budget_shared.place(create=True)
+    nonce = 0x5EED
+    sock = table_mod.listen(nonce)
+    if sock is None:
+        pytest.skip("no abstract sockets here")
+    try:
+        def send(as_nobody: bool) -> None:
+            pid = os.fork()
+            if pid == 0:  # the child: become nobody (or stay), send one wake-up, exit
+                code = 1
+                try:
+                    if as_nobody:
+                        os.setgroups([])
+                        os.setresgid(NOBODY, NOBODY, NOBODY)
+                        os.setresuid(NOBODY, NOBODY, NOBODY)
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                        s.sendto(b"!", table_mod.wake_address(os.getppid(), nonce))
+                    code = 0
+                finally:
+                    os._exit(code)
+            assert os.waitpid(pid, 0)[1] == 0
+            assert select.select([sock], [], [], 5)[0]
+
+        send(as_nobody=True)
+        assert not table_mod.drain(sock, where)  # read, and not counted
+        send(as_nobody=False)
+        assert table_mod.drain(sock, where)
+    finally:
+        sock.close()
+
+
 # ------------------------------------------------------------- the import circle ----
 def test_budget_and_budget_shared_import_no_circle():
     """Issue 30: `vattn.budget_shared` builds on `vattn.budget` through public names;

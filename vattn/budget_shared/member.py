@@ -111,20 +111,28 @@ class SharedBudget(Budget):
         n = byte_count(nbytes)
         if self._closed or self._pid != os.getpid():
             return  # left the budget (exiting), or a forked child's copy: nothing of it is counted
-        with self._table.tlock:
-            if n > self._taken:
-                raise InvalidRequestError(f"give({n}) is more than the {self._taken} bytes this process took from "
-                                          f"budget {self.name!r}")
-            self._taken -= n
+        given = False
         try:
             with self._table.locked(wait_s=LEAVE_WAIT_S) as t:
+                self._give_locally(n)
+                given = True
                 if t.owns(self._row, self._nonce):
                     t.rows["taken"][self._row] = self._taken
                 else:
                     self._warn("row", f"vattn: budget {self.name}: this process's row of {self.path} was cleared or "
                                "taken by another process; what it gives back is not written there")
         except (DamagedTableError, OSError) as e:
+            if not given:
+                with self._table.tlock:
+                    self._give_locally(n)
             self._warn("give", f"vattn: budget {self.name}: could not write a give-back into {self.path} ({e})")
+
+    def _give_locally(self, n: int) -> None:
+        """The table's thread lock held: take `n` off this process's own count."""
+        if n > self._taken:
+            raise InvalidRequestError(f"give({n}) is more than the {self._taken} bytes this process took from "
+                                      f"budget {self.name!r}")
+        self._taken -= n
 
     def _check_row(self, t: Table) -> None:
         if not t.owns(self._row, self._nonce):
@@ -188,7 +196,7 @@ class SharedBudget(Budget):
         with self._table.locked() as t:
             r, i = t.rows, self._row
             live = t.live()
-            used, mine, ml, lim = t.used(), int(r["taken"][i]), int(r["limit"][i]), t.limit
+            used, mine, ml, lim = t.used(), self._taken, int(r["limit"][i]), t.limit
             parts = sum(int(r["participants"][j]) for j in live if j != i)
         with self._lock:
             parts += len(self._participants)
@@ -219,7 +227,7 @@ class SharedBudget(Budget):
         with self._table.locked() as t:
             r, i = t.rows, self._row
             ml, lim = int(r["limit"][i]), t.limit
-            if lim is None or (ml >= 0 and int(r["taken"][i]) + n > ml):
+            if lim is None or (ml >= 0 and self._taken + n > ml):
                 return freed  # the others' bytes cannot help: no budget limit, or this member's own binds
             short = t.used() + n - lim
             asks = t.ask(short, exclude=i) if short > 0 else []
@@ -250,7 +258,7 @@ class SharedBudget(Budget):
         with self._table.locked() as t:
             r, i = t.rows, self._row
             remote = sum(int(r["cached"][j]) for j in t.live() if j != i)
-            used, mine, ml, lim = t.used(), int(r["taken"][i]), int(r["limit"][i]), t.limit
+            used, mine, ml, lim = t.used(), self._taken, int(r["limit"][i]), t.limit
         if ml >= 0:  # beyond the member's room, others giving back does not help
             remote = 0 if lim is None else min(remote, max(0, (ml - mine) - (lim - used)))
         return local + remote
@@ -317,6 +325,8 @@ class SharedBudget(Budget):
             last = time.monotonic()
             try:
                 self._respond()
+            except DamagedTableError as e:  # another process changed the table: said once, no traceback
+                self._warn("respond", f"vattn: budget {self.name}: the responder cannot answer ({e})")
             except Exception:  # never let the responder die: say so (once a minute) and go on
                 if time.monotonic() - self._last_warning > 60:
                     self._last_warning = time.monotonic()
@@ -334,7 +344,7 @@ class SharedBudget(Budget):
             r["ask_bytes"][i] = 0
             ml = int(r["limit"][i])
             if ml >= 0:
-                want = max(want, int(r["taken"][i]) - ml)
+                want = max(want, self._taken - ml)
             t.reap()
         freed = 0
         if want > 0:
@@ -417,7 +427,10 @@ class SharedBudget(Budget):
     def __repr__(self) -> str:
         if self._closed:
             return f"SharedBudget({self.name!r}, {self.device_key}, closed)"
-        s = self.stats()
+        try:
+            s = self.stats()
+        except Exception as e:  # a damaged table, a forked child
+            return f"SharedBudget({self.name!r}, {self.device_key}, unreadable: {e})"
         return (f"SharedBudget({self.name!r}, {self.device_key}, limit={s.budget_limit}, used={s.used}, "
                 f"members={s.num_members}, this process={s.member_used})")
 

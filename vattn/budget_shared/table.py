@@ -140,7 +140,7 @@ class UnsafeTableError(InvalidConfigError):
     or not made for this user (or for the directory's group). `why` says which, short."""
 
     def __init__(self, path: Path, why: str, st: os.stat_result | None, todo: str) -> None:
-        self.path, self.why = path, why
+        self.path, self.why, self.st = path, why, st
         what = "" if st is None else f" ({_stat_text(st)})"
         super().__init__(f"{path}{what} is {why}; {todo}")
 
@@ -509,7 +509,13 @@ def claim(where: Place, path: Path, name: str, key: str, limit: int | None, memb
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, where.mode)
             created = True
         except FileExistsError:
-            fd = _open_checked(path, where)
+            try:
+                fd = _open_checked(path, where)
+            except UnsafeTableError as e:
+                if not _settling(e.st, settle):
+                    raise
+                time.sleep(0.001)  # its creator is setting its mode (after the umask): look again
+                continue
             if fd is None:  # removed meanwhile: create it
                 continue
         except OSError as e:
@@ -524,8 +530,8 @@ def claim(where: Place, path: Path, name: str, key: str, limit: int | None, memb
                 os.close(fd)
                 continue
             problem = _file_problem(st, where)
-            if problem is not None and st.st_size == 0 and time.monotonic() < settle:
-                os.close(fd)  # its creator is setting its mode (after the umask): look again
+            if problem is not None and not created and _settling(st, settle):
+                os.close(fd)
                 time.sleep(0.001)
                 continue
             if problem is not None:
@@ -550,6 +556,12 @@ def claim(where: Place, path: Path, name: str, key: str, limit: int | None, memb
             raise
         fcntl.lockf(fd, fcntl.LOCK_UN, 1, _BOOKS)
         return t, row
+
+
+def _settling(st: os.stat_result | None, until: float) -> bool:
+    """Whether a file that failed the checks may be a table its creator has not given its
+    mode yet (an empty regular file, for a moment)."""
+    return st is not None and stat_mod.S_ISREG(st.st_mode) and st.st_size == 0 and time.monotonic() < until
 
 
 @contextlib.contextmanager
