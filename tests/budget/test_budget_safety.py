@@ -308,8 +308,9 @@ _LEAVE = textwrap.dedent("""
     b = vattn.Budget.shared("dmg", 1 << 20, device="cpu", label="victim")
     c = vattn.KVCache(num_layers=2, num_kv_heads=2, head_dim=16, max_batch_size=2, max_context_len=512,
                       dtype="float32", device="cpu", page_size=4096, prefetch=False, budget=b)
+    pool = vattn.ElasticPool(64, (32, 2, 16), "float32", 4, device="cpu", page_size=4096, budget=b)
     r = c.alloc_reqid()
-    assert c.step({r: 256})
+    assert c.step({r: 256}) and pool.alloc(8) is not None
     held = process_page_bytes(os.getpid())
     with open(b.path, "r+b") as f:
         if damage == "zeroed":
@@ -327,6 +328,7 @@ _LEAVE = textwrap.dedent("""
     except vattn.VattnError as e:
         grew = type(e).__name__
     c.close()
+    pool.close()
     b.close()
     print(json.dumps({"held": held, "after": process_page_bytes(os.getpid()), "closed": b.closed, "grew": grew,
                       "participants": len(b._participants)}))
@@ -335,7 +337,9 @@ _LEAVE = textwrap.dedent("""
 
 @pytest.mark.parametrize("damage", ["zeroed", "garbage", "row taken", "cut short"])
 def test_leaving_a_damaged_table_gives_the_memory_back(budget_dir, damage):
-    """In a child process (a table cut short would kill a process that read past its end)."""
+    """A cache and an elastic pool on the budget, the table damaged under them: closing them
+    and the budget works and their memory goes back to the kernel. In a child process (a
+    table cut short would kill a process that read past its end)."""
     out = subprocess.run([sys.executable, "-c", _LEAVE, damage], capture_output=True, text=True, cwd=REPO,
                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
