@@ -305,7 +305,7 @@ class SharedBudget(Budget):
         every POLL_S, and at once when woken."""
         last = time.monotonic()
         while not self._stop.is_set():
-            woken = False
+            woken = True  # a wake-up of one who may join, or the poll's time
             try:
                 if self._sock is not None:
                     if select.select([self._sock], [], [], POLL_S)[0]:

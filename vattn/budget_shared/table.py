@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from vattn import checks
 from vattn.errors import InvalidConfigError, InvalidRequestError
 
 logger = logging.getLogger("vattn.budget")
@@ -63,8 +64,6 @@ def device_key(device: Any = None) -> str:
     whatever CUDA_VISIBLE_DEVICES numbers it), or "cuda<index>" where no UUID is known.
     A GPU must exist here: "cuda:3" on a host without it is an `InvalidConfigError`."""
     import torch
-
-    from vattn import checks
 
     device = checks.device(device, optional=True)  # 'cpu' or 'cuda[:N]' (a torch.device too), else refused
     if device is None:
@@ -177,7 +176,7 @@ def place(*, create: bool) -> Place | None:
 def _check_dir(d: Path, st: os.stat_result, explicit: bool) -> Place:
     uid, mode = os.geteuid(), stat_mod.S_IMODE(st.st_mode)
     fix = f"set {DIR_ENV} to a directory of yours (mode 0700), or remove {d} if you do not know it" if not explicit \
-        else f"use a directory of yours (mode 0700), or one an operator shares with a group (mode 2770)"
+        else "use a directory of yours (mode 0700), or one an operator shares with a group (mode 2770)"
     why = None
     if stat_mod.S_ISLNK(st.st_mode):
         why = "a symbolic link, not a directory"
