@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from vattn import checks
-from vattn.errors import InvalidConfigError, InvalidRequestError
+from vattn.errors import DamagedTableError, InvalidConfigError, InvalidRequestError, UnsafeTableError
 
 logger = logging.getLogger("vattn.budget")
 
@@ -134,21 +134,6 @@ class Place:
         return f"you ({_user(os.geteuid())})" if self.gid is None else f"group {_group(self.gid)}"
 
 
-class UnsafeTableError(InvalidConfigError):
-    """A file at a budget table's path that vattn will not open as one: not a regular file,
-    or not made for this user (or for the directory's group). `why` says which, short."""
-
-    def __init__(self, path: Path, why: str, st: os.stat_result | None, todo: str) -> None:
-        self.path, self.why, self.st = path, why, st
-        what = "" if st is None else f" ({_stat_text(st)})"
-        super().__init__(f"{path}{what} is {why}; {todo}")
-
-
-class DamagedTableError(InvalidRequestError):
-    """The table of a budget this process is a member of was changed under it by another
-    process (cut short, its row taken or cleared): leave and join again."""
-
-
 def place(*, create: bool) -> Place | None:
     """The directory of the tables (`budget_dir`), checked: this user's and writable by no
     one else, or shared on purpose with a group (mode 2770, the caller in that group). The
@@ -219,8 +204,9 @@ def _file_problem(st: os.stat_result, where: Place) -> str | None:
 
 
 def _unsafe(path: Path, why: str, st: os.stat_result | None, where: Place) -> UnsafeTableError:
-    return UnsafeTableError(path, why, st, f"vattn joins only a table made for {where.who()}: remove it if you do "
-                            "not know it, or use another budget name")
+    what = "" if st is None else f" ({_stat_text(st)})"
+    return UnsafeTableError(f"{path}{what} is {why}; vattn joins only a table made for {where.who()}: remove it if "
+                            "you do not know it, or use another budget name", path=path, why=why, st=st)
 
 
 def _open_checked(path: Path, where: Place) -> int | None:
