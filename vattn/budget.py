@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vattn.checks import as_int, byte_limit
+from vattn.checks import byte_count, byte_limit
 from vattn.errors import InvalidConfigError, InvalidRequestError
 
 Reclaim = Callable[[int], int]
@@ -84,7 +84,11 @@ class Budget:
         may take at most. `label`: the name `vattn top` shows (default: the command).
         Pass it wherever a `Budget` goes (`KVCache(budget=)`, `ElasticPool`, `LLM`);
         `vattn.budget_shared` explains the mechanism. Calling it again in the same process
-        returns the same member."""
+        returns the same member. Only processes of the same user join (the tables are in
+        /dev/shm/vattn-UID), or of a group in a directory shared on purpose
+        (`VATTN_BUDGET_DIR`, mode 2770): docs/budget.md, "Who may join". Byte values are at
+        most 2**63 - 1 (`InvalidConfigError` past it); `device` must exist."""
+        # imported here, not at the top: vattn.budget_shared builds on this module
         from vattn.budget_shared import join
 
         return join(name, limit, device=device, member_limit=member_limit, label=label)
@@ -92,7 +96,7 @@ class Budget:
     # ------------------------------------------------------------------ taking ----
     def try_take(self, nbytes: int) -> bool:
         """Take `nbytes` if the limit allows; True when taken, False (nothing taken) otherwise."""
-        n = _check_nbytes(nbytes)
+        n = byte_count(nbytes)
         with self._lock:
             if self._limit is not None and self._used + n > self._limit:
                 return False
@@ -101,7 +105,7 @@ class Budget:
 
     def give(self, nbytes: int) -> None:
         """Give back `nbytes` taken earlier."""
-        n = _check_nbytes(nbytes)
+        n = byte_count(nbytes)
         with self._lock:
             if n > self._used:
                 raise InvalidRequestError(f"give({n}) is more than the {self._used} bytes taken from this budget")
@@ -153,7 +157,7 @@ class Budget:
         """Ask the other participants to give back cached pages until `nbytes` are free
         under the limit (or everyone was asked). Returns the bytes they gave back. Call it
         without holding any lock of your own."""
-        n = _check_nbytes(nbytes)
+        n = byte_count(nbytes)
         with self._lock:
             others = [cb for t, (cb, _) in self._participants.items() if t != requester]
         freed = 0
@@ -192,13 +196,6 @@ def _nothing(nbytes: int) -> int:
 
 def _none_cached() -> int:
     return 0
-
-
-def _check_nbytes(nbytes: object) -> int:
-    n = as_int(nbytes, "nbytes", InvalidRequestError)
-    if n < 0:
-        raise InvalidRequestError(f"nbytes must be >= 0, got {n}")
-    return n
 
 
 __all__ = ["Budget", "BudgetStats"]
