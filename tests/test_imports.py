@@ -34,9 +34,7 @@ from tests.conftest import REPO
 # (`pool` <-> `block_books` and `engine/cuda_graphs` <-> `engine/model_runner`, the review's two
 # others, are circles of annotations only: one side imports the other under `if TYPE_CHECKING:`,
 # which this graph does not count.)
-KNOWN_CIRCLES: list[tuple[str, str]] = [
-    ("vattn.budget", "vattn.budget_shared"),  # budget_shared.member imports budget's private _check_nbytes
-]
+KNOWN_CIRCLES: list[tuple[str, str]] = []
 
 
 # --------------------------------------------------------------------- the graph ----

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from vattn.budget import Budget, BudgetStats
+from vattn.budget_base import BudgetBase, BudgetStats
 from vattn.budget_shared.table import (
     ANSWER_S, POLL_S, DamagedTableError, Place, Table, check_name, claim, close_sender, device_key, drain,
     forget_sender, listen, place, unlink_if_same, wake_members)
@@ -54,7 +54,7 @@ class SharedBudgetStats(BudgetStats):
 
 
 # ------------------------------------------------------------------ member ----
-class SharedBudget(Budget):
+class SharedBudget(BudgetBase):
     """A `Budget` shared by the processes of a machine; get one with `vattn.Budget.shared`.
 
     ```
