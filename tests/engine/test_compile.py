@@ -217,3 +217,40 @@ def test_compiled_code_is_cached_across_processes(tmp_path) -> None:
     assert runs[0]["hits"] == 0 and runs[0]["compiles"] >= 1
     assert runs[1]["hits"] == runs[1]["compiles"] == runs[0]["compiles"]
     assert runs[0]["tokens"] == runs[1]["tokens"]
+
+
+@pytest.mark.slow
+def test_e2e_bench_compiled_on_the_cpu(tmp_path) -> None:
+    """The end-to-end benchmark's compiled system (tiny model): its tokens equal eager vattn's
+    and generate's, its compile time and the bandwidth bound are recorded."""
+    from vattn import bench
+
+    argv = ["--device", "cpu", "--quick", "--models", "llama-3.2-1b", "--batches", "3", "--compile",
+            "--engine-overhead", "--skip-hf-cb"]
+    mod = bench.module("e2e")
+    r = bench.execute(mod, "e2e", bench.module_args(mod, argv, out=str(tmp_path)))["result"]
+    assert not r["failures"], r["failures"]
+    res = r["results"][0]
+    assert res["vattn_vs_vattn_compiled"]["equal"] and res["vattn_compiled_vs_hf_generate"]["token_match"] == 1.0
+    cc = res["systems"]["vattn_compiled"]["compile"]
+    assert cc["disabled"] is None and cc["compiles"] >= 1 and cc["compile_s"] > 0
+    assert r["copy_GBps"] > 0 and res["bound"]["bound_ms"] > 0
+    assert res["bound"]["vattn_compiled"]["step_over_bound"] > 0
+
+
+def test_gpu_run_compiles_the_e2e_part_on_cuda() -> None:
+    """`vattn bench gpu` asks its e2e part for the compiled system on CUDA (not in the CPU
+    harness check: compiling takes minutes there); the bound's bytes of a decode step."""
+    import argparse
+
+    from vattn import bench
+    from vattn.bench import _e2e, gpu
+
+    mod = bench.module("e2e")
+    for device, compiled in (("cuda", True), ("cpu", False)):
+        argv = gpu._argv(mod, "e2e", argparse.Namespace(device=device, quick=True), None)
+        assert ("--compile" in argv) is compiled and "--engine-overhead" in argv, argv
+    model = build_model(tiny_config())  # untied: the input embedding is left out (a step reads 3 of its rows)
+    nbytes = _e2e.decode_bytes(model, B=3, context=10.5)
+    params = sum(p.numel() for p in model.parameters()) - 128 * 64
+    assert nbytes == dict(weights=4.0 * params, kv=3 * 10.5 * 2 * 2 * 2 * 16 * 4)  # B x ctx x K,V x layers x H_kv x D x 4
