@@ -36,6 +36,8 @@ read (the weights, less an untied input embedding of which it reads B rows, plus
 batch at the mean decode context, prompt + N/2) over the device-to-device copy bandwidth
 measured in the same run (`copy_GBps`, 2 x bytes / time of a large `copy_`); with
 `--engine-overhead` every vattn system's decode step and forward are given against it.
+`--compile --rounds R` (a shared machine): eager and compiled vattn open together, stepping in
+turn through R runs of the batch, the ratio of each pair of decode steps (`interleaved`).
 
 `--device cpu` runs the same code with a tiny model (host backend, float32); `llama-512x8` (the
 `vattn bench throughput` model: hidden 512, 8 layers, GQA 8/4, vocab 32000) keeps its shape
@@ -290,6 +292,56 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
     return out
 
 
+def interleaved(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    """Eager against compiled vattn on a shared machine: both engines open at once (the same
+    model and requests, the default CUDA graphs), warmed up, then `--rounds` rounds in which
+    the two engines take turns step by step, each step timed by `StepTimer`. The ratio compiled
+    / eager of each pair of decode steps taken one after the other, and its median: a load that
+    comes and goes falls on both steps of a pair, not on one engine's whole run."""
+    from vattn import LLM, SamplingParams
+
+    B, P, N = len(prompts), len(prompts[0]), args.max_tokens
+    kw = dict(device=args.device, dtype=dtype, max_batch_size=B, max_context_len=P + N,
+              max_num_batched_tokens=max(B * P, B), layout=args.layout, page_size=args.page_size)
+    engines = {"vattn": LLM(model, **kw)}
+    try:
+        engines["vattn_compiled"] = LLM(model, compile=args.compile_mode, **kw)
+        for llm in engines.values():  # warm-up: kernels, compiles, captures of this batch size
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        timers = {name: StepTimer(llm, args.device) for name, llm in engines.items()}
+        try:
+            decode: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+            params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+            for _ in range(args.rounds):
+                for name, llm in engines.items():
+                    timers[name].steps.clear()
+                    for p in prompts:
+                        llm.add_request(p, params)
+                while any(llm.has_unfinished() for llm in engines.values()):
+                    for llm in engines.values():  # one step each, in turn
+                        llm.step()
+                for name in engines:
+                    decode[name] += timers[name].steps[1:]  # the prefill first
+        finally:
+            for timer in timers.values():
+                timer.uninstall()
+        pairs = list(zip(decode["vattn"], decode["vattn_compiled"]))
+        compiled = engines["vattn_compiled"].runner.compiled
+
+        def med(xs: list[float]) -> float:
+            return percentile(xs, 50, interpolate=False)
+
+        return dict(rounds=args.rounds, steps=len(pairs),
+                    step_ms={n: 1e3 * med([d["step"] for d in ds]) for n, ds in decode.items()},
+                    forward_ms={n: 1e3 * med([d["forward"] for d in ds]) for n, ds in decode.items()},
+                    step_ratio_median=med([c["step"] / e["step"] for e, c in pairs]),
+                    forward_ratio_median=med([c["forward"] / e["forward"] for e, c in pairs]),
+                    compile_s=compiled.compile_s, compiles=compiled.num_compiles, disabled=compiled.disabled_reason)
+    finally:
+        for llm in engines.values():  # in the order they were made: the first puts the model's attention back
+            llm.close()
+
+
 # ------------------------------------------------------------------ transformers ----
 def _gen_config(n_new: int) -> Any:
     from transformers import GenerationConfig
@@ -484,6 +536,12 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
                 res[f"first_token_logits_vattn{suffix}_vs_hf"] = logits_diff(logits[system], logits["hf_generate"])
     if copy_Bps:
         res["bound"] = decode_bound(model, B, args.prompt_len + N / 2, copy_Bps, res["systems"])
+    if args.compile and args.rounds:
+        try:
+            res["interleaved"] = interleaved(model, prompts, args, dtype)
+        except Exception as e:
+            traceback.print_exc()
+            res["errors"]["interleaved"] = f"{type(e).__name__}: {e}"
     res["tokens_sample"] = {s: t[0][:16] for s, t in tokens.items()}
     return res
 
@@ -506,10 +564,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compile", action="store_true",
                     help="also run vattn with compile=True (system vattn_compiled; with CUDA graphs where they apply)")
     ap.add_argument("--compile-mode", default=True, help="what vattn_compiled passes as compile= (default True)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="with --compile: eager and compiled vattn open together, stepping in turn through this many runs")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers' generate (and generate_batch)")
     ap.add_argument("--engine-overhead", action="store_true",
                     help="one more N-token vattn run, timing each iteration's step against its forward")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new (model, batch) after this many seconds")
+    ap.add_argument("--file-name", default="e2e", help="the result's file name before _<device>.json (default e2e)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -574,7 +635,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         off = r["systems"].get("vattn_compiled", {}).get("compile", {}).get("disabled")
         if off:  # its figures are eager ones
             failures.append(f"{r['model']} B={r['batch']} vattn_compiled: compiling was turned off: {off}")
-    return dict(dtype=str(dtype).removeprefix("torch."), prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+    return dict(file_name=args.file_name, dtype=str(dtype).removeprefix("torch."), prompt_len=args.prompt_len,
+                max_tokens=args.max_tokens,
                 copy_GBps=copy_Bps / 1e9, models=models_info, results=results, skipped=skipped, failures=failures)
 
 
@@ -615,6 +677,12 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
             if lg:
                 print(f"{r['model']} B={r['batch']}: first-token logits max |{system} - hf| {lg['max_abs_diff']:.4g} "
                       f"(|logits| <= {lg['logits_abs_max']:.3g}), argmax equal {lg['argmax_equal']:.3f}")
+        il = r.get("interleaved")
+        if il:
+            print(f"{r['model']} B={r['batch']}: interleaved ({il['rounds']} rounds, {il['steps']} pairs of decode "
+                  f"steps): compiled / eager, median of the pairs: step {il['step_ratio_median']:.3f}, forward "
+                  f"{il['forward_ratio_median']:.3f}; median step eager {il['step_ms']['vattn']:.3f} ms, compiled "
+                  f"{il['step_ms']['vattn_compiled']:.3f} ms")
         bound = r.get("bound")
         if bound:
             print(f"{r['model']} B={r['batch']}: bandwidth bound {bound['bound_ms']:.3f} ms a decode step (weights "
