@@ -111,6 +111,10 @@ def _why(e: BaseException) -> str:
     return line(e) if root is e else f"{line(e)} ({line(root)})"
 
 
+# what a call raises when dynamo or inductor could not compile (not the model failing at run time)
+_COMPILE_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in ("TorchDynamoException", "FailOnRecompileLimitHit")
+                        if hasattr(torch._dynamo.exc, name))
+
 _compiled: dict[str, tuple[_Inductor, Any]] = {}  # mode -> (its backend, torch.compile(_logits) with it)
 
 
@@ -151,15 +155,17 @@ class CompiledForward:
             torch._dynamo.maybe_mark_dynamic(keep, 0)
         graphs, t0 = self._backend.num_graphs, time.perf_counter()
         config = torch._dynamo.config
-        fail = config.fail_on_recompile_limit_hit
-        config.fail_on_recompile_limit_hit = True  # past dynamo's limit, raise: never eager while counted compiled
+        fail = getattr(config, "fail_on_recompile_limit_hit", None)
+        if fail is not None:
+            config.fail_on_recompile_limit_hit = True  # past dynamo's limit, raise: never eager while counted compiled
         try:
             out = self._fn(self.model, ids, positions, keep)
-        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+        except _COMPILE_ERRORS as e:
             self.disable(_why(e))  # eagerly from now on
             return _logits(self.model, ids, positions, keep)
         finally:
-            config.fail_on_recompile_limit_hit = fail
+            if fail is not None:
+                config.fail_on_recompile_limit_hit = fail
         new = self._backend.num_graphs - graphs
         if new:
             dt = time.perf_counter() - t0
