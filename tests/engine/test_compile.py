@@ -100,28 +100,33 @@ def test_the_op_declares_what_it_does() -> None:
 
 # ------------------------------------------------------------------- the engine ----
 def test_compiled_engine_equals_eager_and_generate(fresh_dynamo) -> None:
-    """Llama: online arrivals, prompt chunks of 32 tokens beside decodes, decode batches of 1 to
-    6: the same tokens as the eager engine and as generate. Then batches of other sizes (5 and
-    7 prompts, decodes of 1 to 7) compile nothing more; the model never broke its graph."""
+    """Llama. Batches of 2, 3, 5 and 7 prompts (each prefilled in one iteration, then decoded
+    together) run on the one graph their first call compiled: no batch size compiles again, and
+    the model never broke its graph. Then online arrivals, prompt chunks of 32 tokens beside
+    decodes, decode batches of 1 to 6: a few more graphs (sizes 0 and 1 are dynamo's special
+    cases), the same tokens as the eager engine. Every token equals generate's."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with _engine(max_num_batched_tokens=128) as llm:
+        c = llm.runner.compiled
+        assert isinstance(c, CompiledForward) and c.num_compiles == 0
+        batches = {}
+        for n in (2, 3, 5, 7):
+            batches[n] = _tokens(llm.generate(_batch(n), params))
+            assert c.num_compiles == 1, f"the batch of {n} compiled again ({c.num_compiles} compiles)"
+        assert c.num_graphs == 1 and c.compile_s > 0 and c.disabled_reason is None, c.disabled_reason
     with _engine(compile=False) as llm:
         eager = _tokens(run_online(llm, prompts(), greedy_params()))
     with _engine() as llm:
         outs = run_online(llm, prompts(), greedy_params())
         c = llm.runner.compiled
-        assert isinstance(c, CompiledForward) and c.disabled_reason is None, c.disabled_reason
-        assert 1 <= c.num_compiles <= 4 and c.compile_s > 0, (c.num_compiles, c.compile_s)
+        assert c.disabled_reason is None and c.num_compiles <= 3, (c.num_compiles, c.disabled_reason)
         assert c.num_graphs == c.num_compiles  # one graph a compile: no graph break
-        compiles = c.num_compiles
-        more = {n: llm.generate(_batch(n), [SamplingParams(temperature=0, max_tokens=m)
-                                            for m in (3, 5, 2, 4, 6, 3, 4)[:n]]) for n in (5, 7)}
-        assert c.num_compiles == compiles, "a batch of another size compiled again"
         llm.cache.allocator.check_invariants()
     assert _tokens(outs) == eager
     assert_matches(outs, reference())
     model = build_model(tiny_config())
-    for n, batch in more.items():
-        for p, o in zip(_batch(n), batch):
-            assert o.token_ids == hf_greedy(model, p, len(o.token_ids))
+    for n, tokens in batches.items():
+        assert tokens == [hf_greedy(model, p, 4) for p in _batch(n)], n
 
 
 def test_sliding_window_compiled(fresh_dynamo) -> None:
