@@ -145,8 +145,7 @@ class DecodeGraphs:
         return meta
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.runner.model(input_ids=self.input_ids[:, :b], position_ids=self.positions[None, :b],
-                                 use_cache=False, logits_to_keep=0).logits[0]  # [b, V]
+        return self.runner.logits(self.input_ids[:, :b], self.positions[None, :b], 0)  # [b, V]; compiled or eager
 
     def _capture(self, b: int, slots: list[int], starts: list[int]) -> bool:
         """Warm up and capture graph b on the batch now in the static buffers (a warm-up
