@@ -75,7 +75,8 @@ class Budget(BudgetBase):
     def __subclasshook__(cls, sub: type) -> bool:
         """Every budget is a `Budget`: a shared budget's member (`SharedBudget`) is built on
         `BudgetBase` too, without importing this module (no import circle)."""
-        if cls is Budget and issubclass(sub, BudgetBase):
+        # the MRO, not issubclass: BudgetBase's own check asks its subclasses (this hook) again
+        if cls is Budget and BudgetBase in getattr(sub, "__mro__", ()):
             return True
         return NotImplemented
 
