@@ -110,10 +110,9 @@ class PrefixCache:
             self.entries = {k: b for k, b in self.entries.items() if self.pinned(b)}
 
     def pinned(self, handles: tuple) -> bool:
-        """Whether every page of a block is still pinned (a handle is (group, generation, ...),
-        one more pair per further layer kind; (None, 0): a hole behind a sliding window)."""
-        live = self.cache.allocator.pins
-        return all(h[0] is None or live.get(h[0]) == h[1] for h in handles)
+        """Whether every page of a block is still pinned, in every layer kind (holes behind a
+        sliding window are)."""
+        return self.cache.allocator.is_pinned(handles)
 
     @property
     def hit_rate(self) -> float:

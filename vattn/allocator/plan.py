@@ -1,31 +1,36 @@
-"""Deciding what a call does to the page tables, from the books alone (no backend call):
-`StepPlan`, the typed seam between deciding and mapping. Plain Python, no torch.
+"""Deciding what a call does to the page tables of every layer kind, from the books alone
+(no backend call): `StepPlan`, the typed seam between deciding and mapping. Plain Python,
+no torch.
 
-`step` (and `resume`, and `fork`, and `map_pinned`) turn their request into a `StepPlan`;
-`Mapper.carry_out` carries one out, in this order:
+`step` (and `resume`, `fork`, `map_pinned`) turn their request into a `StepPlan`: who is
+served (a slot is served in every kind or in none) and, per kind, a `KindPlan`; the
+coordinator carries it out (`vattn.allocator.mapper.carry_out`) in this order:
 
 ```
-create num_create groups        (at least: a chunk may bring more; refused -> plan again)
-unmap  unmaps                   (slot, tail pages), each after its slot's fence: groups nobody
-                                else maps become spare, shared ones lose one reference
-evict  num_evict pins           no slot maps them: least recently used first, to spare
-map    shares, then maps        in one backend call: given groups (a parent's, pins), then
-                                spare groups; copies after it (fork's partial last page)
+unmap  unmaps, evict num_evict   (slot, tail pages) of free slots and pre-mapped tails, each after
+                                 its slot's fence, and pins no slot maps: groups become spare
+release num_release              spare groups, to make room in the budget for another kind's
+create num_create                groups (at least: a chunk may bring more; refused -> plan again)
+drop   drops                     (slot, first page): a served slot's pages wholly behind its
+                                 sliding window, after its fence (they become holes)
+map    shares, then maps         in one backend call per kind: given groups (a parent's, pins),
+                                 then spare groups; copies after it (fork's partial last page)
 ```
 Who is served is decided here too: oldest requests first, the rest `failed` (the caller
-preempts them), so a plan never asks for more than spare + budget + what is reclaimable.
+preempts them), so a plan never asks for more than spare + budget + what is reclaimable,
+counted in bytes over every kind (a kind's spare or cached groups may be released to make
+room for another's). A failed slot moves in no kind: its lengths and pages stay as they were.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from vattn.allocator.books import as_index
 from vattn.errors import ContextLengthError, InvalidRequestError, UnknownReqIdError
 
 if TYPE_CHECKING:
-    from vattn.allocator.books import SlotBooks
+    from vattn.allocator.books import SlotBooks, Slots
 
 Unmaps = tuple[tuple[int, int], ...]  # (slot, tail pages to unmap)
 
@@ -50,27 +55,20 @@ class StepResult:
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    """The page movements of one call, in terms of the books: who is served, how many groups
-    to create, which slot tails to unmap, how many pins to evict, and what to map where.
+class KindPlan:
+    """The page movements of one layer kind in a plan: groups to make spare (donors' tails,
+    pins), to release for another kind, to create; pages to give back behind a window; what
+    to map where. Pages are (slot, page index) places; groups are the books' group handles."""
 
-    Like vLLM v1's `KVCacheBlocks` between its scheduler and `KVCacheManager`: deciding
-    (`plan_step`, `plan_fork`) and mapping (`Mapper`) meet only here, so a plan can be
-    inspected, tested or agreed on (tensor-parallel ranks, a server's workers) before any
-    backend call. Pages are (slot, page index) places; groups are the books' group handles.
-    """
-
-    lens: Mapping[int, int]  # slot -> length to back, every active slot of the step
-    served: tuple[int, ...] = ()  # slots that get pages now, oldest request first
-    failed: tuple[int, ...] = ()  # slots that cannot be backed: the caller preempts them
-    num_create: int = 0  # groups to create first
+    num_create: int = 0  # groups to create
     unmaps: Unmaps = ()  # (slot, tail pages), in order, each after the slot's fence
     num_unmapped: int = 0  # pages those unmaps take (a shared page frees no group)
     num_evict: int = 0  # pins no slot maps, evicted least recently used first
+    num_release: int = 0  # spare groups released: room in the budget for another kind's groups
+    drops: tuple[tuple[int, int], ...] = ()  # (slot, first page it keeps): given back behind its window
     shares: tuple[tuple[int, int, tuple[Any, ...]], ...] = ()  # (slot, first page, groups mapped there)
     maps: tuple[tuple[int, int, int], ...] = ()  # (slot, first page, pages) mapped with spare groups
     copies: tuple[tuple[int, int], ...] = ()  # (src, dst) page offsets copied once mapped
-    limit: int = 0  # groups this call may have in all (the budget, or what exists after a refusal)
 
     @property
     def num_new(self) -> int:
@@ -78,13 +76,29 @@ class StepPlan:
         return sum(count for _, _, count in self.maps)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What one call does to every layer kind: who is served, and each kind's movements.
+
+    Like vLLM v1's `KVCacheBlocks` between its scheduler and `KVCacheManager`: deciding
+    (`plan_step`, `plan_backing`) and mapping (`vattn.allocator.mapper`) meet only here, so
+    a plan can be inspected, tested or agreed on before any backend call.
+    """
+
+    lens: Mapping[int, int]  # slot -> length to back, every active slot of the step
+    served: tuple[int, ...] = ()  # slots that get pages now, oldest request first
+    failed: tuple[int, ...] = ()  # slots that cannot be backed: the caller preempts them
+    kinds: tuple[KindPlan, ...] = field(default_factory=tuple)  # per layer kind, in the cache's order
+    limit: int = 0  # bytes this call may have created in all (the budget, or what exists after a refusal)
+
+
 # ------------------------------------------------------------- step arguments ----
-def normalize(books: SlotBooks, seq_lens: Sequence[int] | Mapping[int, int],
+def normalize(slots: Slots, kinds: Sequence[SlotBooks], seq_lens: Sequence[int] | Mapping[int, int],
               ahead: int) -> tuple[dict[int, int], list[int], list[int]]:
-    """One pass over `seq_lens`: the active slots' lengths, the slots short of pages now,
-    and those within `ahead` tokens of a page (the edge, for pre-mapping). Raises (changing
-    nothing) on a bad entry."""
-    num_slots = books.num_slots
+    """One pass over `seq_lens`: the active slots' lengths, the slots short of pages now (in
+    any kind), and those within `ahead` tokens of a page (the edge, for pre-mapping). Raises
+    (changing nothing) on a bad entry."""
+    num_slots = slots.num_slots
     if isinstance(seq_lens, Mapping):
         items = seq_lens.items()
     elif isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__len__"):
@@ -97,7 +111,8 @@ def normalize(books: SlotBooks, seq_lens: Sequence[int] | Mapping[int, int],
                 f"seq_lens has {len(seq_lens)} entries; give one per slot (max_batch_size="
                 f"{num_slots}) or a dict reqid -> length")
         items = enumerate(seq_lens)
-    capacity, active, max_len = books.capacity, books.active, books.max_len
+    active, max_len = slots.active, slots.max_len
+    capacity = kinds[0].capacity if len(kinds) == 1 else None  # (several kinds: their least, below)
     lens: dict[int, int] = {}
     short: list[int] = []
     edge: list[int] = []
@@ -109,93 +124,221 @@ def normalize(books: SlotBooks, seq_lens: Sequence[int] | Mapping[int, int],
         if not 0 < n <= max_len or r not in active:
             if n == 0 and 0 <= r < num_slots:
                 continue  # inactive, as in the list form
-            _bad_length(books, r, n)
+            _bad_length(slots, r, n)
         lens[r] = n
-        c = capacity[r]
-        if n > c:
-            short.append(r)
-        elif n + ahead > c:
-            edge.append(r)
+        if capacity is not None:
+            c = capacity[r]
+            if n > c:
+                short.append(r)
+            elif n + ahead > c:
+                edge.append(r)
+    if capacity is None:
+        short, edge = short_and_edge(kinds, lens, ahead)
     return lens, short, edge
 
 
-def _bad_length(books: SlotBooks, slot: int, n: int) -> None:
-    if not 0 <= slot < books.num_slots:
-        raise UnknownReqIdError(f"reqid {slot} is out of range [0, {books.num_slots})")
+def _bad_length(slots: Slots, slot: int, n: int) -> None:
+    if not 0 <= slot < slots.num_slots:
+        raise UnknownReqIdError(f"reqid {slot} is out of range [0, {slots.num_slots})")
     if n < 0:
         raise InvalidRequestError(f"seq_lens[{slot}] = {n} is negative")
-    if n > books.max_len:
+    if n > slots.max_len:
         raise ContextLengthError(
-            f"seq_lens[{slot}] = {n} exceeds max_context_len = {books.max_len}; "
+            f"seq_lens[{slot}] = {n} exceeds max_context_len = {slots.max_len}; "
             "stop the request or init with a larger max_context_len")
     raise UnknownReqIdError(f"reqid {slot} has length {n} but is not allocated; call alloc_reqid() first")
 
 
-def short_and_edge(books: SlotBooks, lens: dict[int, int], ahead: int) -> tuple[list[int], list[int]]:
-    """(slots short of pages now, slots within `ahead` tokens of a page)."""
-    capacity = books.capacity
-    return ([s for s, n in lens.items() if n > capacity[s]],
-            [s for s, n in lens.items() if n <= capacity[s] < n + ahead])
+def short_and_edge(kinds: Sequence[SlotBooks], lens: dict[int, int], ahead: int) -> tuple[list[int], list[int]]:
+    """(slots short of pages now in some kind, slots within `ahead` tokens of a page in some kind)."""
+    if len(kinds) == 1:
+        capacity = kinds[0].capacity
+        short, edge = [], []
+        for s, n in lens.items():
+            c = capacity[s]
+            if n > c:
+                short.append(s)
+            elif n + ahead > c:
+                edge.append(s)
+        return short, edge
+    caps = [b.capacity for b in kinds]
+    short, edge = [], []
+    for s, n in lens.items():
+        c = min(cap[s] for cap in caps)
+        if n > c:
+            short.append(s)
+        elif n + ahead > c:
+            edge.append(s)
+    return short, edge
 
 
 # --------------------------------------------------------------------- plans ----
-def plan_step(books: SlotBooks, lens: dict[int, int], short: list[int], limit: int) -> StepPlan:
-    """Who of `short` is served (oldest first: the caller preempts the newest) from spare
-    groups, new ones within `limit`, and pages reclaimed from free slots, pre-mapped tails
-    and pins; and the movements that back them."""
-    g, pages = books.geometry, books.slot_pages
-    need = {s: g.pages_for(lens[s]) for s in short}
-    order = sorted(short, key=books.active.__getitem__)
-    supply = len(books.physical.spare) + (limit - books.physical.num_created)
-    donors: list[tuple[int, int]] = []
-    if sum(need[s] - len(pages[s]) for s in order) > supply:  # only then look at other slots
-        donors = reclaimable(books, lens)
-        supply += freeable(books, donors)  # pinned pages included: evicted after the donors
-    served, failed, maps = [], [], []
+def check_reads(kinds: Sequence[SlotBooks], lens: Mapping[int, int]) -> None:
+    """InvalidRequestError (nothing moved) when a step would read pages a sliding window
+    gave back: a slot stepped back behind its window."""
+    for b in kinds:
+        if b.window is None:
+            continue
+        g = b.geometry
+        for s, n in lens.items():
+            holes = b.lead[s]
+            if holes and b.slots.max_lens[s] and b.first_needed(s, n) < holes:
+                raise InvalidRequestError(
+                    f"reqid {s}'s sliding-window layers gave back the pages before token "
+                    f"{holes * g.page_size // g.token_bytes} and this step reads from page "
+                    f"{b.first_needed(s, n)}; an iteration's queries must start at the previous step's length "
+                    "(free the request and compute it again)")
+
+
+def plan_step(kinds: Sequence[SlotBooks], lens: dict[int, int], short: Sequence[int], limit: int) -> StepPlan:
+    """Who of the step's slots is served in every kind (oldest first: the caller preempts the
+    newest) and the movements that back them: pages behind each window given back, then
+    spare groups, new ones within `limit` (bytes), and pages reclaimed from free slots,
+    pre-mapped tails and pins, of the kind or (released) of another. `short`: the slots
+    short of pages in some kind (the others only give back pages behind a window)."""
+    slots = kinds[0].slots
+    windows = [b for b in kinds if b.window is not None]
+    cands = set(short)
+    if windows:
+        cands.update(s for s, n in lens.items() if any(b.first_needed(s, n) > b.lead[s] for b in windows))
+    K = len(kinds)
+    # per candidate slot and kind: (first page kept, first page mapped, pages to map, groups freed)
+    wants = {s: [_slot_need(b, s, lens[s]) for b in kinds] for s in cands}
+    # slots that only give pages back first (always served), then the others oldest first
+    active = slots.active
+    order = sorted(cands, key=lambda s: (any(w[2] for w in wants[s]), active[s]))
+    gb = [b.geometry.group_bytes for b in kinds]
+    spare = [len(b.physical.spare) for b in kinds]
+    room = limit - sum(b.physical.num_created * g for b, g in zip(kinds, gb))
+    avail = [0] * K  # groups of each kind its donors and pins could give
+    donors: list[list[tuple[int, int]]] | None = None
+
+    def fits(demand: list[int]) -> bool:
+        return sum((d - s - a) * g for d, s, a, g in zip(demand, spare, avail, gb)) <= room
+
+    total = [sum(w[k][2] - w[k][3] for w in wants.values()) for k in range(K)]
+    if not fits(total):  # only then look at other slots
+        donors = [reclaimable(b, lens) for b in kinds]
+        avail = [freeable(b, d) for b, d in zip(kinds, donors)]  # pinned pages included: evicted after the donors
+    served, failed = [], []
+    demand = [0] * K
     for s in order:
-        missing = need[s] - len(pages[s])
-        if missing <= supply:
+        after = [d + w[2] - w[3] for d, w in zip(demand, wants[s])]
+        if fits(after):
             served.append(s)
-            supply -= missing
-            maps.append((s, len(pages[s]), missing))
+            demand = after
         else:
             failed.append(s)
-    return _supplied(books, StepPlan(lens, tuple(served), tuple(failed), maps=tuple(maps), limit=limit), donors)
+    new = [sum(wants[s][k][2] for s in served) for k in range(K)]
+    freed = [sum(wants[s][k][3] for s in served) for k in range(K)]
+    supplies = plan_supply(kinds, new, freed, lens, limit, donors)
+    assert supplies is not None, "the step's plan served more than the budget holds"
+    plans = []
+    for k, b in enumerate(kinds):
+        drops = tuple((s, wants[s][k][0]) for s in served if wants[s][k][0] > b.lead[s])
+        maps = tuple((s, wants[s][k][1], wants[s][k][2]) for s in served if wants[s][k][2] > 0)
+        plans.append(KindPlan(drops=drops, maps=maps, **supplies[k]))
+    return StepPlan(lens, tuple(served), tuple(failed), tuple(plans), limit)
 
 
-def plan_fork(books: SlotBooks, parent: int, child: int, num_tokens: int, limit: int) -> StepPlan:
-    """`child` (empty) maps the groups of `parent`'s whole pages of `num_tokens` tokens, and a
-    spare group for the partly filled last page, into which that page is copied. `failed`
-    is (child,) when no group can be had for the copy."""
+def _slot_need(b: SlotBooks, s: int, n: int) -> tuple[int, int, int, int]:
+    """(first page `s` keeps in kind `b`, the first page it maps, pages to map, groups its
+    give-back frees) for a step to length `n`."""
+    pages = b.slot_pages[s]
+    holes = b.lead[s]
+    first = b.first_needed(s, n) if b.window is not None else 0
+    start, frees = len(pages), 0
+    if first > holes:  # wholly behind the window: given back, spare unless someone else holds it
+        refs = b.refs
+        frees = sum(1 for grp in pages[holes:first] if grp is not None and refs[grp] == 1)
+        start = max(start, first)
+    else:
+        first = holes
+    return first, start, max(0, b.geometry.pages_for(n) - start), frees
+
+
+def plan_supply(kinds: Sequence[SlotBooks], new: Sequence[int], freed: Sequence[int], lens: Mapping[int, int],
+                limit: int, donors: list[list[tuple[int, int]]] | None = None) -> list[dict[str, Any]] | None:
+    """Where each kind's `new` spare groups come from (its spare ones and `freed`, those its
+    give-back frees): new groups within `limit` (bytes), then its donors' tails and pins,
+    then groups another kind releases (its spare surplus, then its donors' and pins) to make
+    room. Per kind the KindPlan fields (num_create, unmaps, num_unmapped, num_evict,
+    num_release), or None when the budget cannot hold them."""
+    K = len(kinds)
+    gb = [b.geometry.group_bytes for b in kinds]
+    deficit = [n - len(b.physical.spare) - f for n, b, f in zip(new, kinds, freed)]
+    room = limit - sum(b.physical.num_created * g for b, g in zip(kinds, gb))
+    create = [0] * K
+    for k in range(K):
+        if deficit[k] > 0 and room > 0:
+            c = min(deficit[k], room // gb[k])
+            create[k], room, deficit[k] = c, room - c * gb[k], deficit[k] - c
+    out = [dict(num_create=create[k]) for k in range(K)]
+    if all(d <= 0 for d in deficit):
+        return out
+    if donors is None:
+        donors = [reclaimable(b, lens) for b in kinds]
+    avail = [freeable(b, d) for b, d in zip(kinds, donors)]
+    take = [0] * K  # groups each kind makes spare from its donors and pins
+    for k in range(K):
+        if deficit[k] > 0:
+            take[k] = min(deficit[k], avail[k])
+            deficit[k] -= take[k]
+    short = sum(max(0, d) * g for d, g in zip(deficit, gb)) - max(0, room)
+    release = [0] * K
+    if short > 0:  # another kind's groups make room: its spare surplus first, then its cached pages
+        for j in range(K):
+            r = min(max(0, -deficit[j]), -(-short // gb[j]))
+            release[j] += r
+            short -= r * gb[j]
+        for j in range(K):
+            if short <= 0:
+                break
+            r = min(avail[j] - take[j], -(-short // gb[j]))
+            take[j] += r
+            release[j] += r
+            short -= r * gb[j]
+        if short > 0:
+            return None
+    for k in range(K):
+        create[k] += max(0, deficit[k])
+        unmaps, num_unmapped, got = plan_unmaps(kinds[k], donors[k], take[k]) if take[k] else ((), 0, 0)
+        out[k] = dict(num_create=create[k], unmaps=unmaps, num_unmapped=num_unmapped,
+                      num_evict=max(0, take[k] - got), num_release=release[k])
+    return out
+
+
+def plan_backing(kinds: Sequence[SlotBooks], needs: Sequence[Sequence[tuple[int, int, int]]],
+                 lens: Mapping[int, int], limit: int, copies: Sequence[tuple[tuple[int, int], ...]] = (),
+                 shares: Sequence[tuple[tuple[int, int, tuple[Any, ...]], ...]] = ()) -> StepPlan:
+    """The plan that maps `needs[k]` ((slot, first page, pages) of kind k) in every kind, or
+    none: `failed` is the slots of the needs when the budget cannot hold them all (a fork,
+    a resume, a snapshot). `copies`, `shares`: per kind, carried with its maps."""
+    K = len(kinds)
+    new = [sum(c for _, _, c in needs[k]) for k in range(K)]
+    supplies = plan_supply(kinds, new, [0] * K, lens, limit)
+    slots = tuple(sorted({s for need in needs for s, _, _ in need}))
+    if supplies is None:
+        return StepPlan(lens, failed=slots, kinds=tuple(KindPlan() for _ in kinds), limit=limit)
+    return StepPlan(lens, served=slots, limit=limit, kinds=tuple(
+        KindPlan(maps=tuple(needs[k]), copies=tuple(copies[k]) if copies else (),
+                 shares=tuple(shares[k]) if shares else (), **supplies[k]) for k in range(K)))
+
+
+def plan_fork(books: SlotBooks, parent: int, child: int, num_tokens: int) -> tuple[tuple, tuple, tuple]:
+    """`child` (empty) maps the groups of `parent`'s whole pages of `num_tokens` tokens, and
+    spare groups for the rest (the partly filled last page; every page of a kind whose pages
+    are written in place, `geometry.shared_prefix`), into which those pages are copied.
+    Returns (shares, maps, copies) of this kind."""
     g = books.geometry
-    full = num_tokens * g.token_bytes // g.page_size  # whole pages: shared
-    copy = g.pages_for(num_tokens) - full  # 1 if the last page is partly filled
-    shares = ((child, 0, tuple(books.slot_pages[parent][:full])),)
+    full = g.shared_pages(num_tokens)  # whole pages: shared
+    copy = g.pages_for(num_tokens) - full
+    shares = ((child, 0, tuple(books.slot_pages[parent][:full])),) if full else ()
     if not copy:
-        return StepPlan({}, shares=shares, limit=limit)
-    donors: list[tuple[int, int]] = []
-    if len(books.physical.spare) + (limit - books.physical.num_created) < copy:
-        donors = reclaimable(books, {})
-        if freeable(books, donors) < copy:
-            return StepPlan({}, failed=(child,), limit=limit)
-    plan = StepPlan({}, shares=shares, maps=((child, full, copy),),
-                    copies=((g.page_offset(parent, full), g.page_offset(child, full)),), limit=limit)
-    return _supplied(books, plan, donors)
-
-
-def _supplied(books: SlotBooks, plan: StepPlan, donors: list[tuple[int, int]]) -> StepPlan:
-    """`plan` with where its spare groups come from: those there are, then new ones within
-    the limit, then the donors' tails (in order), then pins no slot maps."""
-    spare = len(books.physical.spare)
-    deficit = plan.num_new - spare
-    if deficit <= 0:
-        return plan
-    create = min(deficit, plan.limit - books.physical.num_created)
-    # What `create` brings is exactly that (at the limit) or at least the deficit (below it).
-    missing = deficit - max(0, create)
-    unmaps, num_unmapped, freed = plan_unmaps(books, donors, missing) if missing > 0 else ((), 0, 0)
-    return dataclasses.replace(plan, num_create=max(0, create), unmaps=unmaps, num_unmapped=num_unmapped,
-                               num_evict=max(0, missing - freed))
+        return shares, (), ()
+    maps = ((child, full, copy),)
+    copies = tuple((g.page_offset(parent, p), g.page_offset(child, p)) for p in range(full, full + copy))
+    return shares, maps, copies
 
 
 def plan_unmaps(books: SlotBooks, donors: list[tuple[int, int]], count: int) -> tuple[Unmaps, int, int]:
@@ -224,11 +367,11 @@ def reclaimable(books: SlotBooks, lens: Mapping[int, int]) -> list[tuple[int, in
     """(slot, pages) that may be taken, in the order to take them: free slots with fewest
     pages first (the warm slot last), then pre-mapped tails of active slots (past both the
     step's length and the longest length written)."""
-    g, pages = books.geometry, books.slot_pages
-    free = sorted((s for s in books.free_slots if pages[s]), key=lambda s: (len(pages[s]), s))
+    g, pages, max_lens = books.geometry, books.slot_pages, books.slots.max_lens
+    free = sorted((s for s in books.slots.free_slots if pages[s]), key=lambda s: (len(pages[s]), s))
     donors = [(s, len(pages[s])) for s in free]
-    for s in sorted(books.active):
-        keep = g.pages_for(max(lens.get(s, 0), books.max_lens[s]))
+    for s in sorted(books.slots.active):
+        keep = g.pages_for(max(lens.get(s, 0), max_lens[s]))
         if len(pages[s]) > keep:
             donors.append((s, len(pages[s]) - keep))
     return donors
@@ -247,4 +390,4 @@ def freeable(books: SlotBooks, donors: list[tuple[int, int]]) -> int:
             taken[grp] = taken.get(grp, 0) + 1
     pins, refs = books.pins, books.refs
     return (sum(t + (grp in pins) == refs[grp] for grp, t in taken.items())
-            + sum(refs[grp] == 1 for grp in pins))  # pinned, mapped nowhere
+            + books.num_evictable())  # pinned (or kept), mapped nowhere
