@@ -225,6 +225,12 @@ class KVCache:
         """
         return self.allocator.step(seq_lens)
 
+    def revert_step(self, reqids: Sequence[int]) -> None:
+        """The iteration the last `step` backed will not run for `reqids` (another
+        tensor-parallel rank could not back them): their lengths go back to what they were
+        before it, as if that step had failed them here too."""
+        self.allocator.revert_step(reqids)
+
     def fork(self, reqid: int, num_tokens: int) -> int:
         """A new request whose first `num_tokens` tokens are `reqid`'s, without copying them:
         its slot maps the same physical pages for every whole page of those tokens

@@ -169,7 +169,8 @@ def test_snapshots_are_pages_of_the_budget_kept_least_recently_used() -> None:
         assert cache.snapshot_pinned(h8)
         assert cache.stats().kinds["state"].num_mapped_pages == 3  # r's row, the kept one, the free one (cached)
         new = cache.alloc_reqid()
-        assert cache.restore_snapshot(new, h8) and int(rows[new].sum()) == PAGE
+        assert cache.restore_snapshot(new, h8)  # copied at its first step, when its row is mapped
+        assert cache.step({new: 9}) and int(rows[new].sum()) == PAGE
         cache.free_reqid(new)
         cache.free_reqid(r)
         hog = cache.alloc_reqid()

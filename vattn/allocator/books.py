@@ -479,8 +479,12 @@ class SlotBooks:
             first_writable = g.first_writable(max_lens[s])
             assert all(counts.get(grp) == 1 for grp in self.slot_pages[s][first_writable:]), \
                 f"slot {s} may write a shared page"
-            assert len(self.slot_pages[s]) >= g.pages_for(max_lens[s])
-            assert len(self.slot_pages[s]) <= g.pages_per_slot
+            self.check_slot(s)
+
+    def check_slot(self, slot: int) -> None:
+        """Assert `slot` (active, with tokens) maps the pages its tokens need."""
+        g, pages = self.geometry, self.slot_pages[slot]
+        assert g.pages_for(self.slots.max_lens[slot]) <= len(pages) <= g.pages_per_slot, f"slot {slot}: {len(pages)} pages"
 
     def extra_refs(self) -> Iterable[Any]:
         """Groups referenced outside the slots and the pins (the state kind's snapshots)."""

@@ -126,6 +126,7 @@ class Coordinator:
         self._pinned = sharing.pinned_kinds(self.kinds)
         self.unit_bytes = sum(b.geometry.group_bytes for b in self._books)  # one page of every buffer
         self.max_bytes = max_bytes
+        self._undo: dict[int, tuple[int, int, int]] = {}  # the last step's moved slots: (max_len, prev_len, new)
         self.premapper = Premapper(slots.lock, lambda job: map_ahead(self._mappers, job, self.max_bytes,
                                                                      self.premapper), self._record_worker_error)
 
@@ -239,15 +240,17 @@ class Coordinator:
     def _finish_step(self, lens: dict[int, int], result: StepResult, edge: list[int] | None) -> StepResult:
         """The books of the iteration `lens` runs (lock held), and what to pre-map next."""
         slots = self.slots
-        ml = slots.max_lens
+        ml, prev = slots.max_lens, slots.prev_lens
         started: list[tuple[int, int, int]] | None = [] if self._states else None
+        undo = self._undo = {}
         for s, n in lens.items():
             m = ml[s]
             if n > m:
                 if not m:  # a new request's first length
                     slots.eager_tokens = n if not slots.eager_tokens else 0.8 * slots.eager_tokens + 0.2 * n
+                undo[s] = (m, prev[s], n)
                 ml[s] = n
-                slots.prev_lens[s] = m
+                prev[s] = m
                 if started is not None:
                     started.append((s, m, n))
         slots.ran = lens
@@ -258,6 +261,24 @@ class Coordinator:
         if result and self.prefetch:
             self._premap(edge)
         return result
+
+    def revert_step(self, reqids: Sequence[int]) -> None:
+        """The last step's iteration will not run for these slots (another tensor-parallel
+        rank could not back them): their lengths go back to what they were before it, as if
+        they had failed here too (the pages it mapped stay, as pre-mapped pages; the pages it
+        gave back behind a window are those any iteration from the same start gives back;
+        the snapshot rows it planned are wanted again). Slots the last step did not move are
+        left alone."""
+        slots = self.slots
+        with slots.lock:
+            for s in reqids:
+                undo = self._undo.pop(s, None)
+                if undo is None or slots.max_lens[s] != undo[2] or s not in slots.active:
+                    continue
+                slots.max_lens[s], slots.prev_lens[s] = undo[0], undo[1]
+                slots.ran.pop(s, None)
+                for kind in self._states:
+                    kind.books.unplan(s)
 
     def _premap(self, edge: list[int] | None) -> None:
         """Hand what the next iterations will want to the worker, or map it now without one
@@ -441,24 +462,16 @@ class Coordinator:
             books.free_rows.append(row)
 
     def restore_snapshot(self, reqid: int, handle: tuple[int, int]) -> bool:
-        """`reqid`'s states become the kept snapshot's (mapping its state row first). False
-        when the snapshot was evicted or no memory holds the row (nothing changed)."""
-        kind = self._state()
-        books = kind.books
-        with self._quiet():
+        """`reqid`'s states become the kept snapshot's, copied at its first step (its state
+        row is mapped then); the snapshot is not evicted meanwhile. False when it was
+        evicted already (nothing changed)."""
+        books = self._state().books
+        with self.slots.lock:
             slot = self.slots.check_active(reqid)
             row, gen = handle
             if books.cached.get(row) != gen:
                 return False
-            g = kind.geometry
-            missing = g.pages_per_slot - len(books.slot_pages[slot])
-            if missing > 0:
-                needs = [[] for _ in self.kinds]
-                needs[self.kinds.index(kind)] = [(slot, len(books.slot_pages[slot]), missing)]
-                plan, _, _ = self._carry(lambda limit: plan_backing(self._books, needs, {}, limit))
-                if plan.failed or books.cached.get(row) != gen:  # (making room may evict it)
-                    return False
-            kind.mapper.copy_pages([(g.page_offset(row, p), g.page_offset(slot, p)) for p in range(g.pages_per_slot)])
+            books.hold(slot, row)
             books.cached.move_to_end(row)
             return True
 

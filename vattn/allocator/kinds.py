@@ -146,6 +146,9 @@ class FullAttention:
         """`slot`'s request ended (lock held)."""
         self.books.freed(slot)
 
+    def adopted(self, slot: int) -> None:
+        """`slot` got its data from another slot or the host (fork, swap-in; lock held)."""
+
     def after_step(self, slot: int, start: int, end: int, supply: Callable[..., Any]) -> None:
         """The step that takes `slot` from `start` to `end` tokens was served."""
 
@@ -189,6 +192,11 @@ class StateBooks(SlotBooks):
         self.wants: dict[int, set[int]] = {}  # slot -> token counts to snapshot its states at
         self.planned: dict[int, dict[int, int]] = {}  # slot -> {boundary: row} the coming iteration writes
         self.taken: dict[int, dict[int, int]] = {}  # slot -> {boundary: row} written, not cached yet
+        self.restores: dict[int, int] = {}  # slot -> cached row copied into it at its first step
+        self.held: dict[int, int] = {}  # cached row -> slots about to restore it (not evicted meanwhile)
+        # slots whose row holds their request's states (stepped, forked, swapped in): a new owner's
+        # row holds an earlier request's, and a prefix mapped into a slot brings none
+        self.has_states: set[int] = set()
 
     def row_of(self, index: int) -> int:
         return self.slots.num_slots + index
@@ -196,10 +204,19 @@ class StateBooks(SlotBooks):
     def pages_changed(self, slot: int) -> None:
         self.capacity[slot] = self.geometry.tokens_in(len(self.slot_pages[slot]))
 
+    def new_owner(self, slot: int) -> None:
+        super().new_owner(slot)
+        self.has_states.discard(slot)
+
+    def check_slot(self, slot: int) -> None:
+        assert len(self.slot_pages[slot]) in (0, self.geometry.pages_per_slot), f"slot {slot}'s state row is partial"
+
     def num_evictable(self) -> int:
-        """Pages of free snapshot rows and cached snapshots (least recently used first)."""
+        """Pages of free snapshot rows and cached snapshots (least recently used first) that
+        no slot is about to restore."""
         pages = self.slot_pages
-        return sum(len(pages[r]) for r in self.free_rows) + sum(len(pages[r]) for r in self.cached)
+        return (sum(len(pages[r]) for r in self.free_rows)
+                + sum(len(pages[r]) for r in self.cached if r not in self.held))
 
     def victims(self, count: int) -> list[int]:
         """The snapshot rows whose pages `count` evicted groups come from: free rows with
@@ -208,6 +225,8 @@ class StateBooks(SlotBooks):
         for r in itertools.chain([r for r in self.free_rows if self.slot_pages[r]], self.cached):
             if got >= count:
                 break
+            if r in self.held:
+                continue
             rows.append(r)
             got += len(self.slot_pages[r])
         return rows
@@ -217,18 +236,49 @@ class StateBooks(SlotBooks):
         self.wants.pop(slot, None)
         for rows in (self.planned.pop(slot, {}), self.taken.pop(slot, {})):
             self.free_rows.extend(rows.values())
+        self.unhold(slot)
+
+    def unplan(self, slot: int) -> None:
+        """The iteration `slot` was last stepped for will not run: the rows planned for it
+        are free again and their boundaries wanted again."""
+        rows = self.planned.pop(slot, None)
+        if rows:
+            self.free_rows.extend(rows.values())
+            self.wants.setdefault(slot, set()).update(rows)
+
+    def hold(self, slot: int, row: int) -> None:
+        """`slot` restores cached `row` at its first step: it is not evicted meanwhile."""
+        self.unhold(slot)
+        self.restores[slot] = row
+        self.held[row] = self.held.get(row, 0) + 1
+
+    def unhold(self, slot: int) -> None:
+        row = self.restores.pop(slot, None)
+        if row is not None:
+            left = self.held[row] - 1
+            if left:
+                self.held[row] = left
+            else:
+                del self.held[row]
 
     def cached_groups(self) -> int:
         return super().cached_groups() + self.num_evictable()
 
     def check_invariants(self, max_pages: int | None = None) -> None:
         super().check_invariants(max_pages)
+        assert all(s in self.slots.active and len(self.slot_pages[s]) == self.geometry.pages_per_slot
+                   for s in self.has_states), "a slot with states has no state row"
         held = [r for rows in (*self.planned.values(), *self.taken.values()) for r in rows.values()]
         rows = held + self.free_rows + list(self.cached)
         assert sorted(rows) == list(range(self.num_slots, self.num_slots + self.num_snapshots)), \
             "a snapshot row is lost or in two places"
         for r in held + list(self.cached):
             assert len(self.slot_pages[r]) == self.geometry.pages_per_slot, f"snapshot row {r} is not mapped"
+        holders: dict[int, int] = {}
+        for s, r in self.restores.items():
+            assert s in self.slots.active and r in self.cached, f"slot {s} restores a row that is not kept"
+            holders[r] = holders.get(r, 0) + 1
+        assert holders == self.held
 
 
 class StateMapper(Mapper):
@@ -268,7 +318,9 @@ class RecurrentState(FullAttention):
     mapper: StateMapper
 
     def can_fork(self, slot: int, num_tokens: int) -> bool:
-        return self.books.slots.max_lens[slot] == num_tokens  # a state has seen exactly its slot's tokens
+        # a state has seen exactly its slot's tokens (none before its first step: a mapped prefix, a restore)
+        books = self.books
+        return books.slots.max_lens[slot] == num_tokens and slot in books.has_states and slot not in books.restores
 
     def fork_refused(self, parent: int, num_tokens: int) -> InvalidRequestError:
         return InvalidRequestError(
@@ -276,20 +328,37 @@ class RecurrentState(FullAttention):
             f"{num_tokens}: they cannot be forked there (compute the child's prompt)")
 
     def check_swap_out(self, slot: int, num_tokens: int) -> None:
-        seen = self.books.slots.max_lens[slot]
-        if seen != num_tokens:
-            raise InvalidRequestError(f"slot {slot}'s recurrent states have seen {seen} tokens, not {num_tokens}: "
-                                      "they can be parked only at their slot's length")
+        """The states are parked as they are: at the slot's length, or at its length before
+        its last step when that iteration did not run (a scheduler preempting a request it
+        had just stepped); any other count is refused."""
+        slots = self.books.slots
+        if slot in self.books.restores or slot not in self.books.has_states:
+            raise InvalidRequestError(f"slot {slot} has no recurrent states yet (they come at its first step): step "
+                                      "it first")
+        if num_tokens not in (slots.max_lens[slot], slots.prev_lens[slot]):
+            raise InvalidRequestError(
+                f"slot {slot}'s recurrent states have seen {slots.max_lens[slot]} tokens (or "
+                f"{slots.prev_lens[slot]}, before its last step), not {num_tokens}: they are parked as they are")
 
     def freed(self, slot: int) -> None:
         super().freed(slot)
         self.books.release_rows(slot)
+        self.books.has_states.discard(slot)
+
+    def adopted(self, slot: int) -> None:
+        self.books.has_states.add(slot)
 
     def after_step(self, slot: int, start: int, end: int, supply: Callable[..., Any]) -> None:
         """The iteration from `start` to `end` runs: the rows the one before it wrote are
         taken, and the boundaries it passes that the prefix cache wants get rows
         (`supply()`: a row with pages, or None; best effort)."""
         books = self.books
+        books.has_states.add(slot)  # (the iteration writes them)
+        row = books.restores.get(slot)
+        if row is not None:  # a prefix hit: its states are the snapshot's before the iteration runs
+            g = books.geometry
+            self.mapper.copy_pages([(g.page_offset(row, p), g.page_offset(slot, p)) for p in range(g.pages_per_slot)])
+            books.unhold(slot)
         planned = books.planned.pop(slot, None)
         if planned:
             books.taken.setdefault(slot, {}).update(planned)

@@ -23,33 +23,61 @@ GROW_CHUNK = 16  # groups created per growth at least (fewer memfds / cuMemCreat
 def carry_out(mappers: Sequence[Mapper], make_plan: Callable[[int], StepPlan], max_bytes: int,
               ) -> tuple[StepPlan, int, int]:
     """Plan within the budget (`max_bytes`), make the groups the plan needs and carry it out
-    in every kind. A device (or budget) that refuses new groups is a shortage now, not a
-    smaller budget: plan again with what exists. Returns (the plan carried out, groups
-    mapped, pages unmapped)."""
+    in every kind (see `vattn.allocator.plan` for the order). A device (or budget) that
+    refuses new groups is a shortage now, not a smaller budget: plan again with what exists.
+    Returns (the plan carried out, groups mapped, pages unmapped).
+
+    Groups that fit the budget are created before anything moves; those a kind's release
+    makes room for, after it. Only a refusal of the latter (the device short of what was just
+    given back) finds pages moved: no one's data (free slots, pins, spare groups) but the
+    pages behind the windows of the plan's slots, which any iteration from their lengths
+    gives back (nothing they read); their lengths stay as they are if they fail then."""
     limit = max_bytes
     layer = mappers[0].books.physical.layer
     while True:
         plan = make_plan(limit)
-        num_unmapped = 0
+        pending = [kp.num_create for kp in plan.kinds]
+        extra = not any(kp.num_release for kp in plan.kinds)  # (a chunk more only where no kind makes room)
         try:
-            for mapper, kp in zip(mappers, plan.kinds):
-                num_unmapped += mapper.make_spare(kp)
-            reserve = sum(m.books.geometry.group_bytes * kp.num_create for m, kp in zip(mappers, plan.kinds))
-            for mapper, kp in zip(mappers, plan.kinds):
-                reserve -= mapper.books.geometry.group_bytes * kp.num_create
-                if kp.num_create:
-                    mapper.grow(kp.num_create, limit=limit, reserve=reserve)
+            _create(mappers, pending, limit, extra)  # what fits now: nothing has moved yet
         except OutOfPhysicalMemoryError:
-            if layer is None:
-                raise
             limit = layer.created_bytes
             continue
+        num_unmapped = 0
+        for mapper, kp in zip(mappers, plan.kinds):
+            num_unmapped += mapper.unmap_tails(kp.unmaps)
+        for mapper, kp in zip(mappers, plan.kinds):
+            num_unmapped += mapper.give_back(kp)
+        for mapper, kp in zip(mappers, plan.kinds):  # (after the give-back: a pin its slots gave back)
+            if kp.num_evict:
+                mapper.evict(kp.num_evict)
+            if kp.num_release:
+                mapper.release_spare(kp.num_release)
+        if any(pending):
+            try:
+                _create(mappers, pending, limit, False)  # in the room the releases made
+            except OutOfPhysicalMemoryError:
+                limit = layer.created_bytes
+                continue
         num_mapped = 0
         for mapper, kp in zip(mappers, plan.kinds):
             mapped, unmapped = mapper.execute(kp, plan.lens)
             num_mapped += mapped
             num_unmapped += unmapped
         return plan, num_mapped, num_unmapped
+
+
+def _create(mappers: Sequence[Mapper], pending: list[int], limit: int, extra: bool) -> None:
+    """Create what fits within `limit` of each kind's `pending` groups (counted down), a
+    chunk more where `extra` and room is left after every kind's."""
+    layer = mappers[0].books.physical.layer
+    for k, mapper in enumerate(mappers):
+        gb = mapper.books.geometry.group_bytes
+        reserve = sum(m.books.geometry.group_bytes * p for m, p in zip(mappers[k + 1:], pending[k + 1:]))
+        count = min(pending[k], max(0, limit - layer.created_bytes - reserve) // gb)
+        if count:
+            mapper.grow(count, limit=limit, reserve=reserve, extra=extra)
+            pending[k] -= count
 
 
 class Mapper:
@@ -65,22 +93,14 @@ class Mapper:
         self.copy_pages = copy_pages
 
     # ----------------------------------------------------------------- plans ----
-    def make_spare(self, plan: KindPlan) -> int:
-        """The plan's unmaps and evictions (groups become spare) and its releases (room in the
-        budget for another kind). Returns the pages unmapped."""
-        num_unmapped = self.unmap_tails(plan.unmaps)
-        if plan.num_evict:
-            self.evict(plan.num_evict)
-        if plan.num_release:
-            self.release_spare(plan.num_release)
-        return num_unmapped
+    def give_back(self, plan: KindPlan) -> int:
+        """The plan's pages behind windows (they become holes). Returns the pages unmapped."""
+        return sum(self.drop_behind(slot, first) for slot, first in plan.drops)
 
     def execute(self, plan: KindPlan, lens: dict[int, int] | None = None) -> tuple[int, int]:
-        """Give back the plan's pages behind windows and map its pages (the groups it makes
-        spare or creates exist already). Returns (groups mapped, pages unmapped)."""
+        """Map the plan's pages (the groups it needs are spare already). Returns (groups
+        mapped, pages unmapped)."""
         num_unmapped = 0
-        for slot, first in plan.drops:
-            num_unmapped += self.drop_behind(slot, first)
         if not (plan.shares or plan.maps):
             return 0, num_unmapped
         try:
@@ -96,15 +116,16 @@ class Mapper:
         return num_mapped, num_unmapped
 
     # ------------------------------------------------------------- movements ----
-    def grow(self, count: int, background: bool = False, limit: int = 0, reserve: int = 0) -> None:
-        """Create at least `count` more spare groups (a chunk at a time) within `limit` bytes
-        of every kind's groups, leaving `reserve` bytes of it to other kinds. In the
-        background the lock is released around the driver call (only calls that stop the
+    def grow(self, count: int, background: bool = False, limit: int = 0, reserve: int = 0,
+             extra: bool = True) -> None:
+        """Create at least `count` more spare groups (a chunk at a time where `extra`) within
+        `limit` bytes of every kind's groups, leaving `reserve` bytes of it to other kinds. In
+        the background the lock is released around the driver call (only calls that stop the
         worker first grow otherwise)."""
         books = self.books
         physical, gb = books.physical, books.geometry.group_bytes
         room = (limit - physical.layer.created_bytes - reserve) // gb
-        n = min(room, max(count, GROW_CHUNK))
+        n = min(room, max(count, GROW_CHUNK if extra else count))
         if n <= 0:
             return
         need = min(count, room)

@@ -7,12 +7,15 @@ served (a slot is served in every kind or in none) and, per kind, a `KindPlan`; 
 coordinator carries it out (`vattn.allocator.mapper.carry_out`) in this order:
 
 ```
-unmap  unmaps, evict num_evict   (slot, tail pages) of free slots and pre-mapped tails, each after
-                                 its slot's fence, and pins no slot maps: groups become spare
-release num_release              spare groups, to make room in the budget for another kind's
-create num_create                groups (at least: a chunk may bring more; refused -> plan again)
+create num_create                groups, those the budget has room for (at least: a chunk may
+                                 bring more; refused -> plan again, nothing moved)
+unmap  unmaps                    (slot, tail pages) of free slots and pre-mapped tails, each after
+                                 its slot's fence: groups nobody else holds become spare
 drop   drops                     (slot, first page): a served slot's pages wholly behind its
                                  sliding window, after its fence (they become holes)
+evict  num_evict                 pins no slot maps (now), least recently used first: spare
+release num_release              spare groups, to make room in the budget for another kind's
+create num_create                the rest, in that room
 map    shares, then maps         in one backend call per kind: given groups (a parent's, pins),
                                  then spare groups; copies after it (fork's partial last page)
 ```
@@ -24,7 +27,7 @@ room for another's). A failed slot moves in no kind: its lengths and pages stay 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from vattn.allocator.books import as_index
 from vattn.errors import ContextLengthError, InvalidRequestError, UnknownReqIdError
@@ -202,7 +205,7 @@ def plan_step(kinds: Sequence[SlotBooks], lens: dict[int, int], short: Sequence[
     if windows:
         cands.update(s for s, n in lens.items() if any(b.first_needed(s, n) > b.lead[s] for b in windows))
     K = len(kinds)
-    # per candidate slot and kind: (first page kept, first page mapped, pages to map, groups freed)
+    # per candidate slot and kind: (first page kept, first page mapped, pages to map, groups given back)
     wants = {s: [_slot_need(b, s, lens[s]) for b in kinds] for s in cands}
     # slots that only give pages back first (always served), then the others oldest first
     active = slots.active
@@ -212,26 +215,38 @@ def plan_step(kinds: Sequence[SlotBooks], lens: dict[int, int], short: Sequence[
     room = limit - sum(b.physical.num_created * g for b, g in zip(kinds, gb))
     avail = [0] * K  # groups of each kind its donors and pins could give
     donors: list[list[tuple[int, int]]] | None = None
+    # A group given back frees memory once every slot that maps it gives it back (forks share
+    # the pages of a prompt): counted for a set of served slots at once.
+    frees = _GiveBack(kinds, wants)
 
-    def fits(demand: list[int]) -> bool:
+    def fits_demand(demand: list[int]) -> bool:
         return sum((d - s - a) * g for d, s, a, g in zip(demand, spare, avail, gb)) <= room
 
-    total = [sum(w[k][2] - w[k][3] for w in wants.values()) for k in range(K)]
-    if not fits(total):  # only then look at other slots
+    def fits(served: list[int]) -> bool:
+        released = frees.released(served)
+        if donors is not None and frees.shared:  # a group the slots give back and a free slot holds
+            avail[:] = [freeable(b, d, r) for b, d, r in zip(kinds, donors, released)]
+        return fits_demand([sum(wants[s][k][2] for s in served) - freed
+                            for k, freed in enumerate(frees.freed(released))])
+
+    if fits(order):
+        served = order
+    else:  # only then look at other slots
         donors = [reclaimable(b, lens) for b in kinds]
         avail = [freeable(b, d) for b, d in zip(kinds, donors)]  # pinned pages included: evicted after the donors
-    served, failed = [], []
-    demand = [0] * K
-    for s in order:
-        after = [d + w[2] - w[3] for d, w in zip(demand, wants[s])]
-        if fits(after):
-            served.append(s)
-            demand = after
-        else:
-            failed.append(s)
+        if frees.shared:
+            served = frees.serve(order, fits, lambda s: not any(w[2] for w in wants[s]))
+        else:  # every group given back is the slot's own: one by one, oldest first
+            served, demand = [], [0] * K
+            for s in order:
+                after = [d + w[2] - len(w[3]) for d, w in zip(demand, wants[s])]
+                if fits_demand(after):
+                    served.append(s)
+                    demand = after
+    failed = [s for s in order if s not in served]
     new = [sum(wants[s][k][2] for s in served) for k in range(K)]
-    freed = [sum(wants[s][k][3] for s in served) for k in range(K)]
-    supplies = plan_supply(kinds, new, freed, lens, limit, donors)
+    released = frees.released(served)
+    supplies = plan_supply(kinds, new, frees.freed(released), lens, limit, donors, released)
     assert supplies is not None, "the step's plan served more than the budget holds"
     plans = []
     for k, b in enumerate(kinds):
@@ -241,30 +256,73 @@ def plan_step(kinds: Sequence[SlotBooks], lens: dict[int, int], short: Sequence[
     return StepPlan(lens, tuple(served), tuple(failed), tuple(plans), limit)
 
 
-def _slot_need(b: SlotBooks, s: int, n: int) -> tuple[int, int, int, int]:
-    """(first page `s` keeps in kind `b`, the first page it maps, pages to map, groups its
-    give-back frees) for a step to length `n`."""
+def _slot_need(b: SlotBooks, s: int, n: int) -> tuple[int, int, int, list[Any]]:
+    """(first page `s` keeps in kind `b`, the first page it maps, pages to map, the groups its
+    give-back unmaps) for a step to length `n`."""
     pages = b.slot_pages[s]
     holes = b.lead[s]
     first = b.first_needed(s, n) if b.window is not None else 0
-    start, frees = len(pages), 0
+    start, back = len(pages), []
     if first > holes:  # wholly behind the window: given back, spare unless someone else holds it
-        refs = b.refs
-        frees = sum(1 for grp in pages[holes:first] if grp is not None and refs[grp] == 1)
+        back = [grp for grp in pages[holes:first] if grp is not None]
         start = max(start, first)
     else:
         first = holes
-    return first, start, max(0, b.geometry.pages_for(n) - start), frees
+    return first, start, max(0, b.geometry.pages_for(n) - start), back
+
+
+class _GiveBack:
+    """The groups a set of served slots frees by giving back pages behind their windows:
+    those no slot outside the set, and no pin, still holds."""
+
+    def __init__(self, kinds: Sequence[SlotBooks], wants: Mapping[int, list[tuple[int, int, int, list[Any]]]]) -> None:
+        self.kinds, self.wants = kinds, wants
+        # shared: some group given back is held by more than the slot giving it back
+        self.shared = any(b.refs[grp] > 1 for k, b in enumerate(kinds) for w in wants.values() for grp in w[k][3])
+
+    def released(self, served: Sequence[int]) -> list[dict[Any, int]]:
+        """Per kind, group -> references `served` gives back."""
+        out = []
+        for k in range(len(self.kinds)):
+            held: dict[Any, int] = {}
+            for s in served:
+                for grp in self.wants[s][k][3]:
+                    held[grp] = held.get(grp, 0) + 1
+            out.append(held)
+        return out
+
+    def freed(self, released: list[dict[Any, int]]) -> list[int]:
+        """Per kind, the groups those references free (no other slot nor pin holds them)."""
+        return [sum(n == b.refs[grp] for grp, n in r.items()) for b, r in zip(self.kinds, released)]
+
+    def serve(self, order: list[int], fits: Callable[[list[int]], bool], always: Callable[[int], bool]) -> list[int]:
+        """The slots of `order` (oldest first after those that only give back) served where a
+        group given back is shared: the newest dropped until the rest fits (their shared pages
+        free memory together), then the dropped ones, oldest first, that fit."""
+        served = list(order)
+        dropped: list[int] = []
+        while served and not fits(served) and not always(served[-1]):
+            dropped.append(served.pop())
+        if not fits(served):  # (only slots that give back: they fit, more free with them than without)
+            served = [s for s in served if always(s)]
+        for s in reversed(dropped):
+            if fits(served + [s]):
+                served.append(s)
+        return served
 
 
 def plan_supply(kinds: Sequence[SlotBooks], new: Sequence[int], freed: Sequence[int], lens: Mapping[int, int],
-                limit: int, donors: list[list[tuple[int, int]]] | None = None) -> list[dict[str, Any]] | None:
+                limit: int, donors: list[list[tuple[int, int]]] | None = None,
+                released: Sequence[Mapping[Any, int]] | None = None) -> list[dict[str, Any]] | None:
     """Where each kind's `new` spare groups come from (its spare ones and `freed`, those its
     give-back frees): new groups within `limit` (bytes), then its donors' tails and pins,
     then groups another kind releases (its spare surplus, then its donors' and pins) to make
-    room. Per kind the KindPlan fields (num_create, unmaps, num_unmapped, num_evict,
-    num_release), or None when the budget cannot hold them."""
+    room. `released`: per kind, the references to groups the plan's give-back drops (a group
+    it shares with a free slot or a pin is freed by unmapping or evicting those). Per kind
+    the KindPlan fields (num_create, unmaps, num_unmapped, num_evict, num_release), or None
+    when the budget cannot hold them."""
     K = len(kinds)
+    released = released if released is not None else [{}] * K
     gb = [b.geometry.group_bytes for b in kinds]
     deficit = [n - len(b.physical.spare) - f for n, b, f in zip(new, kinds, freed)]
     room = limit - sum(b.physical.num_created * g for b, g in zip(kinds, gb))
@@ -278,7 +336,7 @@ def plan_supply(kinds: Sequence[SlotBooks], new: Sequence[int], freed: Sequence[
         return out
     if donors is None:
         donors = [reclaimable(b, lens) for b in kinds]
-    avail = [freeable(b, d) for b, d in zip(kinds, donors)]
+    avail = [freeable(b, d, r) for b, d, r in zip(kinds, donors, released)]
     take = [0] * K  # groups each kind makes spare from its donors and pins
     for k in range(K):
         if deficit[k] > 0:
@@ -302,7 +360,7 @@ def plan_supply(kinds: Sequence[SlotBooks], new: Sequence[int], freed: Sequence[
             return None
     for k in range(K):
         create[k] += max(0, deficit[k])
-        unmaps, num_unmapped, got = plan_unmaps(kinds[k], donors[k], take[k]) if take[k] else ((), 0, 0)
+        unmaps, num_unmapped, got = plan_unmaps(kinds[k], donors[k], take[k], released[k]) if take[k] else ((), 0, 0)
         out[k] = dict(num_create=create[k], unmaps=unmaps, num_unmapped=num_unmapped,
                       num_evict=max(0, take[k] - got), num_release=release[k])
     return out
@@ -341,10 +399,13 @@ def plan_fork(books: SlotBooks, parent: int, child: int, num_tokens: int) -> tup
     return shares, maps, copies
 
 
-def plan_unmaps(books: SlotBooks, donors: list[tuple[int, int]], count: int) -> tuple[Unmaps, int, int]:
+def plan_unmaps(books: SlotBooks, donors: list[tuple[int, int]], count: int,
+                released: Mapping[Any, int] | None = None) -> tuple[Unmaps, int, int]:
     """The donors' tail pages to unmap, in order, until `count` groups become spare (a group
-    another slot or a pin still holds frees nothing). Returns (unmaps, pages, groups freed)."""
+    another slot or a pin still holds frees nothing; `released`: references the plan gives
+    back otherwise). Returns (unmaps, pages, groups freed)."""
     refs, unmaps, freed, num_pages = books.refs, [], 0, 0
+    released = released or {}
     left: dict[Any, int] = {}  # references a group keeps after the unmaps planned so far
     for s, k in donors:
         if freed >= count:
@@ -356,7 +417,7 @@ def plan_unmaps(books: SlotBooks, donors: list[tuple[int, int]], count: int) -> 
             grp = pages[n - take]
             if grp is None:  # a hole behind a sliding window: nothing to free
                 continue
-            left[grp] = left.get(grp, refs[grp]) - 1
+            left[grp] = left.get(grp, refs[grp] - released.get(grp, 0)) - 1
             freed += left[grp] == 0
         unmaps.append((s, take))
         num_pages += take
@@ -377,10 +438,11 @@ def reclaimable(books: SlotBooks, lens: Mapping[int, int]) -> list[tuple[int, in
     return donors
 
 
-def freeable(books: SlotBooks, donors: list[tuple[int, int]]) -> int:
+def freeable(books: SlotBooks, donors: list[tuple[int, int]], released: Mapping[Any, int] | None = None) -> int:
     """Groups that unmapping all the donors' (slot, last k pages) and evicting pins would
     free: those whose every reference is among them (a group a live slot maps beyond the
-    donors' tails frees nothing)."""
+    donors' tails frees nothing), counting the references `released` gives back otherwise
+    (a group those free alone is not counted here)."""
     taken: dict[Any, int] = {}
     for s, k in donors:
         pages = books.slot_pages[s]
@@ -389,5 +451,9 @@ def freeable(books: SlotBooks, donors: list[tuple[int, int]]) -> int:
                 continue
             taken[grp] = taken.get(grp, 0) + 1
     pins, refs = books.pins, books.refs
-    return (sum(t + (grp in pins) == refs[grp] for grp, t in taken.items())
-            + books.num_evictable())  # pinned (or kept), mapped nowhere
+    released = released or {}
+    evictable = books.num_evictable()
+    if released:  # a pinned group whose slots all give it back: evictable now
+        evictable += sum(refs[grp] - n == 1 for grp, n in released.items() if grp in pins)
+    return (sum(t + released.get(grp, 0) + (grp in pins) == refs[grp] for grp, t in taken.items())
+            + evictable)  # pinned (or kept), mapped nowhere

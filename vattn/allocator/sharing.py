@@ -99,10 +99,11 @@ def fork(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, reqid: int,
     slots.take(child)
     for kind, (shares, _, _) in zip(kinds, parts):
         kind.books.new_owner(child)
+        kind.adopted(child)
         if shares and shares[0][2]:  # whole pages shared
             kind.books.shared_slots.update((parent, child))
         kind.books.pages_changed(child)
-    slots.max_lens[child] = num_tokens
+    slots.max_lens[child] = slots.prev_lens[child] = num_tokens  # (a step to it plans no iteration)
     return child
 
 
@@ -190,7 +191,7 @@ def map_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, handles
             if grp is not None:  # (None: a hole behind a sliding window)
                 books.pins.move_to_end(grp)
         books.shared_slots.add(slot)
-    slots.max_lens[slot] = num // g.share_pages * g.share_tokens
+    slots.max_lens[slot] = slots.prev_lens[slot] = num // g.share_pages * g.share_tokens
     return slots.max_lens[slot]
 
 
@@ -220,7 +221,7 @@ def truncate_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, nu
     for kind, keep in zip(kinds, keeps):
         drop = len(kind.books.slot_pages[slot]) - keep
         unmapped += kind.mapper.reclaim([(slot, drop)], drop) if drop else 0
-    slots.max_lens[slot] = num_tokens
+    slots.max_lens[slot] = slots.prev_lens[slot] = num_tokens
     return unmapped
 
 

@@ -48,7 +48,9 @@ def resume(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, slot: int
         take(slots, kinds, slot)
         for kind in kinds:
             kind.books.dirty.difference_update(kind.books.slot_pages[slot][:kind.geometry.pages_for(num_tokens)])
-        slots.max_lens[slot] = num_tokens
+        slots.max_lens[slot] = slots.prev_lens[slot] = num_tokens  # (a step to it plans no iteration)
+        for kind in kinds:
+            kind.adopted(slot)
         return slot, (False,) * len(kinds)
     slots.fence_ran(fence)
     new = slot if any(untouched) else slots.warm_slot()
@@ -83,7 +85,9 @@ def resume(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, slot: int
             kind.books.dirty.difference_update(kind.books.slot_pages[new][:kind.geometry.pages_for(num_tokens)])
         elif kind.books.dirty_slots:  # clear an earlier owner's data first: the copy fills only the tokens
             kind.mapper.zero_dirty([new])
-    slots.max_lens[new] = num_tokens
+    slots.max_lens[new] = slots.prev_lens[new] = num_tokens
+    for kind in kinds:
+        kind.adopted(new)
     return new, tuple(not kept for kept in untouched)
 
 
