@@ -98,8 +98,8 @@ class PrefixSlots(Protocol):
 
 
 class KVSlots(Protocol):
-    """What the scheduler needs of the cache (`vattn.KVCache` fits). `fork` is called only
-    for requests with n > 1."""
+    """What the scheduler needs of the cache (`vattn.KVCache` fits). `can_fork` and `fork`
+    are called only for requests with n > 1."""
 
     @property
     def num_free_reqids(self) -> int: ...
@@ -109,6 +109,8 @@ class KVSlots(Protocol):
     def free_reqid(self, reqid: int) -> None: ...
 
     def step(self, seq_lens: Mapping[int, int]) -> StepOutcome: ...
+
+    def can_fork(self, reqid: int, num_tokens: int) -> bool: ...
 
     def fork(self, reqid: int, num_tokens: int) -> int: ...
 
@@ -267,9 +269,6 @@ class Scheduler:
                 self.num_swapped_in += 1
                 return True
         source = self._fork_source(seq)
-        can_fork = getattr(self.kv, "can_fork", None)  # a sliding window may have moved past the prompt
-        if source is not None and can_fork is not None and not can_fork(source.slot, seq.num_prompt_tokens):
-            source = None
         if source is not None:
             try:
                 seq.slot = self.kv.fork(source.slot, seq.num_prompt_tokens)
@@ -295,15 +294,14 @@ class Scheduler:
         return True
 
     def _fork_source(self, seq: Sequence) -> Sequence | None:
-        """A running sibling of `seq` whose slot holds the whole prompt, if any (one that has
-        computed the prompt and nothing after it, for a cache with `fork_exact`: a recurrent
-        state is right at one length only)."""
+        """A running sibling of `seq` whose slot holds the whole prompt and can be forked
+        there (`kv.can_fork`: a sliding window may have moved past the prompt, recurrent
+        states are right at one length only), if any."""
         if len(seq.samples) == 1:
             return None
         n = seq.num_prompt_tokens
-        exact = getattr(self.kv, "fork_exact", False)
         return next((s for s in seq.samples if s is not seq and s.status is SequenceStatus.RUNNING
-                     and (s.num_computed_tokens == n if exact else s.num_computed_tokens >= n)), None)
+                     and s.num_computed_tokens >= n and self.kv.can_fork(s.slot, n)), None)
 
     @staticmethod
     def _with_fan_out(item: ScheduledSequence) -> ScheduledSequence:
