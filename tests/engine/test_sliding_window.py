@@ -435,3 +435,31 @@ def test_layer_kinds_with_background_premapping_keep_every_token() -> None:
             if n == 256:
                 cache.free_reqid(s)
                 del lens[s]
+
+
+# ---- issue 30: the engine sizes each step to what memory holds, for every layer kind ----
+@pytest.mark.parametrize("family,memory", [("gemma3", 262144), ("mistral", 65536)])
+def test_a_tight_memory_prompt_runs_in_shorter_chunks(family: str, memory: int) -> None:
+    """The issue's reproducers: a 40-token prompt whose window layers cannot hold it in one
+    64-token chunk (a chunk's queries read every key of the chunk) but can in shorter ones:
+    the chunk is shortened, not the request refused as "can never fit"; with n=3 every sample
+    runs and equals generate's greedy tokens (none is a silent "length" beside an error)."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 128, (40,), generator=g).tolist()
+    ref = hf_greedy(build_model(family_config(family)), prompt, 13)
+    with LLM(family_config(family), seed=0, max_batch_size=4, page_size=PAGE, physical_memory=memory,
+             max_num_batched_tokens=64, prefetch=False) as llm:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=13, n=3))[0]
+        llm.cache.allocator.check_invariants()
+    assert out.finish_reason == "length" and out.error is None
+    assert [(o.token_ids, o.finish_reason, o.error) for o in out.outputs] == [(ref, "length", None)] * 3
+
+
+def test_a_request_that_cannot_run_alone_is_still_refused() -> None:
+    """Shorter chunks cannot make a prompt fit whose first token does not: "can never fit"
+    (with the sample named), and the engine serves on."""
+    with LLM(family_config("gemma3"), seed=0, max_batch_size=2, page_size=PAGE, physical_memory=48 << 10,
+             max_num_batched_tokens=64, prefetch=False) as llm:
+        big, small = llm.generate([list(range(3, 123)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))
+    assert big.finish_reason == "error" and "even when it runs alone" in big.error
+    assert small.finish_reason == "length" and len(small.token_ids) == 4

@@ -19,8 +19,10 @@ Every iteration:
    budget are left: each gets a slot and a first chunk;
 3. `kv.step({slot: num_computed_tokens + num_new_tokens})` backs the batch with pages.
    When it cannot, the newest running sequence is preempted and step is tried again. A
-   sequence that cannot be backed even when it runs alone is finished with finish_reason
-   "error".
+   sequence left alone whose prompt chunk still cannot be backed runs a shorter chunk
+   (halved until it fits: what a chunk needs grows with its length, a sliding window's
+   pages too, not only the prompt's); one that cannot be backed even alone, one token at a
+   time, is finished with finish_reason "error".
 
 Preemption (`SchedulerConfig.preemption_mode`, vLLM's names):
 - "recompute" (the default): the slot is freed; the sequence goes back to the waiting
@@ -161,6 +163,16 @@ class SchedulerOutput(NamedTuple):
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+def _shorter_chunks(plan: list[ScheduledSequence], failed: Collection[int]) -> list[ScheduledSequence] | None:
+    """`plan` with the prompt chunks of the `failed` slots halved, or None when every failed
+    slot computes one token already."""
+    failed = set(failed)
+    if not any(item.seq.slot in failed and item.num_new_tokens > 1 for item in plan):
+        return None
+    return [item._replace(num_new_tokens=item.num_new_tokens // 2)
+            if item.seq.slot in failed and item.num_new_tokens > 1 else item for item in plan]
+
+
 class Scheduler:
     """FCFS continuous batching with a token budget, chunked prefill, preemption and
     parallel sampling by forking."""
@@ -234,11 +246,16 @@ class Scheduler:
                 break
             if backed:
                 break
+            if len(self.running) == 1:  # then it is the whole plan: a shorter prompt chunk may fit (what a
+                shorter = _shorter_chunks(plan, backed.failed)  # chunk needs grows with its length: a sliding
+                if shorter is not None:                          # window's pages, not only the prompt's)
+                    plan = shorter
+                    continue
             victim = max(self.running, key=lambda s: s.seq_id)  # the newest sequence
-            if len(self.running) == 1:  # then it is the whole plan
+            if len(self.running) == 1:  # it alone, one token at a time
                 need = victim.num_computed_tokens + plan[0].num_new_tokens
                 self.finish(victim, "error", error=(
-                    f"request {victim.request_id} needs {need} "
+                    f"request {victim.request_id} (sample {victim.index}) needs {need} "
                     "tokens of KV cache, more than the physical memory can hold even when it runs "
                     "alone; raise physical_memory or lower max_tokens / the prompt length"))
                 finished.append(victim)
