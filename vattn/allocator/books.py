@@ -31,14 +31,39 @@ import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
 from vattn.checks import as_int
 from vattn.errors import ClosedError, InvalidRequestError, UnknownReqIdError
 
 if TYPE_CHECKING:  # the books import no torch: sizes are ints by the time they get here
-    from vattn.allocator.kinds import KindGeometry
     from vattn.pages import PageGroups
+
+
+class KindGeometry(Protocol):
+    """What the books, plans and mappers read of a kind's byte layout (`vattn.config.Geometry`
+    for K/V kinds, `StateGeometry` for states)."""
+
+    page_size: int
+
+    @property
+    def num_buffers(self) -> int: ...
+    @property
+    def group_bytes(self) -> int: ...
+    @property
+    def token_bytes(self) -> int: ...
+    @property
+    def share_tokens(self) -> int: ...
+    @property
+    def share_pages(self) -> int: ...
+    @property
+    def pages_per_slot(self) -> int: ...
+    def pages_for(self, num_tokens: int) -> int: ...
+    def page_offset(self, slot: int, page: int) -> int: ...
+    def tokens_in(self, num_pages: int) -> int: ...
+    def held_bytes(self, num_tokens: int) -> int: ...
+    def first_writable(self, num_tokens: int) -> int: ...
+    def shared_pages(self, num_tokens: int) -> int: ...
 
 
 @dataclass(frozen=True)

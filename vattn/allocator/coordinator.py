@@ -51,7 +51,7 @@ from vattn.errors import InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemo
 from vattn.pages import PageLayer
 
 if TYPE_CHECKING:  # the books import no torch: sizes are ints by the time they get here
-    from vattn.allocator.kinds import KindGeometry
+    from vattn.allocator.books import KindGeometry
     from vattn.vmem.base import Backend
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 from vattn.allocator.books import SlotBooks
 from vattn.allocator.mapper import Mapper
@@ -29,32 +29,6 @@ from vattn.errors import InvalidRequestError
 if TYPE_CHECKING:
     from vattn.allocator.books import Slots
     from vattn.pages import PageGroups
-
-
-class KindGeometry(Protocol):
-    """What the books, plans and mappers read of a kind's byte layout (`vattn.config.Geometry`
-    for K/V kinds, `StateGeometry` for states)."""
-
-    page_size: int
-
-    @property
-    def num_buffers(self) -> int: ...
-    @property
-    def group_bytes(self) -> int: ...
-    @property
-    def token_bytes(self) -> int: ...
-    @property
-    def share_tokens(self) -> int: ...
-    @property
-    def share_pages(self) -> int: ...
-    @property
-    def pages_per_slot(self) -> int: ...
-    def pages_for(self, num_tokens: int) -> int: ...
-    def page_offset(self, slot: int, page: int) -> int: ...
-    def tokens_in(self, num_pages: int) -> int: ...
-    def held_bytes(self, num_tokens: int) -> int: ...
-    def first_writable(self, num_tokens: int) -> int: ...
-    def shared_pages(self, num_tokens: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -380,5 +354,5 @@ class RecurrentState(FullAttention):
         return bool(want) and min(want) <= end
 
 
-__all__ = ["FullAttention", "KindGeometry", "RecurrentState", "SlidingWindow", "StateBooks", "StateGeometry",
+__all__ = ["FullAttention", "RecurrentState", "SlidingWindow", "StateBooks", "StateGeometry",
            "StateMapper"]

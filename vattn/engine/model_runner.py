@@ -26,7 +26,7 @@ from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, 
 from vattn.cache import KVCache
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
 from vattn.engine import states
-from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs
+from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import ScheduledSequence, SeqId
 from vattn.errors import InvalidConfigError
@@ -297,10 +297,15 @@ class ModelRunner:
         elif self.kernel.name not in GRAPH_KERNELS:
             why_not = f"they need attention={GRAPH_KERNELS[0]!r}, not {self.kernel.name!r}"
         if why_not is None:
-            return DecodeGraphs(self, config.max_num_seqs or config.max_batch_size)
+            return DecodeGraphs(self.graph_target(), config.max_num_seqs or config.max_batch_size)
         if want:
             raise InvalidConfigError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=None (where they apply) or False")
         return None
+
+    def graph_target(self) -> GraphTarget:
+        """What a captured decode of this runner runs (`vattn.engine.cuda_graphs`)."""
+        return GraphTarget(self.model, self.kernel, self.k_caches, self.v_caches, self.device, self.slot_tokens,
+                           self.max_context_len, self.cache.synchronize)
 
     def run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
         """One forward over the batch, then sampling. Returns the sampled token of every
