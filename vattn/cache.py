@@ -219,9 +219,11 @@ class KVCache:
 
         `seq_lens`: a list with one length per slot (0 = inactive) or a dict reqid -> length.
         Returns a StepResult, truthy when every request is backed. When pages run short it
-        lists the reqids it could not back in `failed` (oldest requests are served first)
-        and changes nothing else: preempt (free_reqid) and call again. With `background`,
-        the pages the next iteration will need are mapped on a worker thread afterwards.
+        lists the reqids it could not back in `failed` (oldest requests are served first);
+        those keep exactly the lengths and pages they had, in every layer kind (the step is
+        planned for every kind before any maps): preempt (free_reqid) and call again, or
+        step them again to any length. With `background`, the pages the next iteration will
+        need are mapped on a worker thread afterwards.
         """
         return self.allocator.step(seq_lens)
 

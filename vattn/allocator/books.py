@@ -161,11 +161,6 @@ class Slots:
         self.max_lens[slot] = 0
         self.warm_changed(slot)
 
-    def start(self, slot: int) -> int:
-        """Where the queries of the iteration a step of `slot` plans next start: its latest
-        length, or the one before it when that step is planned again (the same iteration)."""
-        return self.max_lens[slot]
-
     def warm_slot(self) -> int:
         """The free slot alloc_reqid hands out next: most pages mapped, then lowest index."""
         heap, pages, free = self._warm_heap, self.warm_pages, self.free_slots
