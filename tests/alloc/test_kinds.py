@@ -183,3 +183,24 @@ def test_snapshots_are_pages_of_the_budget_kept_least_recently_used() -> None:
         assert not cache.snapshot_pinned(h8) and not state.slot_pages[free_row]
         cache.allocator.check_invariants()
         assert cache.allocator.layer.created_bytes <= 7 * unit
+
+
+def test_revert_step_takes_the_last_step_back() -> None:
+    """What a tensor-parallel rank does with a slot another rank could not back: its length
+    goes back to before the step (as if the step had failed it here too), so that the next
+    step from the same start, a shorter one, reads what is there; a slot the last step did
+    not move is left alone."""
+    with kinds_cache() as cache:
+        r, other = cache.alloc_reqid(), cache.alloc_reqid()
+        assert cache.step({r: 64, other: 8})
+        cache.k_cache(0)[r, :64] = 1.0
+        assert cache.step({r: 100, other: 8})  # r moves, other does not
+        cache.revert_step([r, other])
+        assert (cache.allocator.num_tokens(r), cache.allocator.num_tokens(other)) == (64, 8)
+        assert cache.step({r: 80, other: 9})  # the iteration from 64 again, shorter: its window is there
+        assert float(cache.k_cache(0)[r, 57:64].sum()) == 7 * 2 * 64
+        cache.revert_step([r])  # (taken back twice: the second step's own)
+        assert cache.allocator.num_tokens(r) == 64
+        cache.revert_step([r])  # nothing more to take back
+        assert cache.allocator.num_tokens(r) == 64
+        cache.allocator.check_invariants()

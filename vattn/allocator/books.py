@@ -138,6 +138,12 @@ class Slots:
         # queries of the iteration being planned start; a step re-planned at the same length
         # is the same iteration).
         self.prev_lens = [0] * n
+        # A tensor-parallel rank takes a step back that another rank could not back
+        # (`Coordinator.revert_step`): each slot's previous length before prev_lens, and the
+        # step that last moved it (steps counted in num_steps).
+        self.older_lens = [0] * n
+        self.moved_at = [0] * n
+        self.num_steps = 0
         self.last_fence: list[Any] = [None] * n  # the slot's pages may be unmapped once this passed
         self.eager_tokens = 0.0  # running mean of new requests' first lengths
 

@@ -126,7 +126,6 @@ class Coordinator:
         self._pinned = sharing.pinned_kinds(self.kinds)
         self.unit_bytes = sum(b.geometry.group_bytes for b in self._books)  # one page of every buffer
         self.max_bytes = max_bytes
-        self._undo: dict[int, tuple[int, int, int]] = {}  # the last step's moved slots: (max_len, prev_len, new)
         self.premapper = Premapper(slots.lock, lambda job: map_ahead(self._mappers, job, self.max_bytes,
                                                                      self.premapper), self._record_worker_error)
 
@@ -240,17 +239,19 @@ class Coordinator:
     def _finish_step(self, lens: dict[int, int], result: StepResult, edge: list[int] | None) -> StepResult:
         """The books of the iteration `lens` runs (lock held), and what to pre-map next."""
         slots = self.slots
-        ml, prev = slots.max_lens, slots.prev_lens
+        ml, prev, older, moved = slots.max_lens, slots.prev_lens, slots.older_lens, slots.moved_at
         started: list[tuple[int, int, int]] | None = [] if self._states else None
-        undo = self._undo = {}
+        slots.num_steps += 1
+        step = slots.num_steps
         for s, n in lens.items():
             m = ml[s]
             if n > m:
                 if not m:  # a new request's first length
                     slots.eager_tokens = n if not slots.eager_tokens else 0.8 * slots.eager_tokens + 0.2 * n
-                undo[s] = (m, prev[s], n)
                 ml[s] = n
+                older[s] = prev[s]  # (what revert_step restores)
                 prev[s] = m
+                moved[s] = step
                 if started is not None:
                     started.append((s, m, n))
         slots.ran = lens
@@ -272,10 +273,10 @@ class Coordinator:
         slots = self.slots
         with slots.lock:
             for s in reqids:
-                undo = self._undo.pop(s, None)
-                if undo is None or slots.max_lens[s] != undo[2] or s not in slots.active:
+                if s not in slots.active or slots.moved_at[s] != slots.num_steps:
                     continue
-                slots.max_lens[s], slots.prev_lens[s] = undo[0], undo[1]
+                slots.max_lens[s], slots.prev_lens[s] = slots.prev_lens[s], slots.older_lens[s]
+                slots.moved_at[s] = 0
                 slots.ran.pop(s, None)
                 for kind in self._states:
                     kind.books.unplan(s)

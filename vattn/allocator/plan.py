@@ -27,7 +27,7 @@ room for another's). A failed slot moves in no kind: its lengths and pages stay 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from vattn.allocator.books import as_index
 from vattn.errors import ContextLengthError, InvalidRequestError, UnknownReqIdError
@@ -115,8 +115,12 @@ def normalize(slots: Slots, kinds: Sequence[SlotBooks], seq_lens: Sequence[int] 
                 f"{num_slots}) or a dict reqid -> length")
         items = enumerate(seq_lens)
     active, max_len = slots.active, slots.max_len
-    capacity = kinds[0].capacity if len(kinds) == 1 else None  # (several kinds: their least, below)
     lens: dict[int, int] = {}
+    if len(kinds) > 1:  # short or near a page in some kind: their least capacity, after the checks
+        lens.update(_entries(slots, items))
+        short, edge = short_and_edge(kinds, lens, ahead)
+        return lens, short, edge
+    capacity = kinds[0].capacity  # (one kind: checked and sorted in one pass, the step's hot loop)
     short: list[int] = []
     edge: list[int] = []
     for r, n in items:
@@ -129,15 +133,25 @@ def normalize(slots: Slots, kinds: Sequence[SlotBooks], seq_lens: Sequence[int] 
                 continue  # inactive, as in the list form
             _bad_length(slots, r, n)
         lens[r] = n
-        if capacity is not None:
-            c = capacity[r]
-            if n > c:
-                short.append(r)
-            elif n + ahead > c:
-                edge.append(r)
-    if capacity is None:
-        short, edge = short_and_edge(kinds, lens, ahead)
+        c = capacity[r]
+        if n > c:
+            short.append(r)
+        elif n + ahead > c:
+            edge.append(r)
     return lens, short, edge
+
+
+def _entries(slots: Slots, items: Iterable[tuple[Any, Any]]) -> Iterator[tuple[int, int]]:
+    """(slot, length) of every active slot of `items` (a zero for a free slot skipped);
+    raises on a bad entry."""
+    active, max_len, num_slots = slots.active, slots.max_len, slots.num_slots
+    for r, n in items:
+        r, n = as_index(r, "reqid"), as_index(n, f"seq_lens[{r}]")
+        if not 0 < n <= max_len or r not in active:
+            if n == 0 and 0 <= r < num_slots:
+                continue  # inactive, as in the list form
+            _bad_length(slots, r, n)
+        yield r, n
 
 
 def _bad_length(slots: Slots, slot: int, n: int) -> None:
