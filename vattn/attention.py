@@ -229,6 +229,45 @@ def get_forward_context() -> ForwardContext:
     return _context
 
 
+def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+           sliding_window: int | None = None) -> torch.Tensor:
+    """One attention layer of the current forward: writes its new K/V into the layer's cache and
+    runs the context's kernel. query `[T, H_q, D]`, key/value `[T, H_kv, D]`; returns `[T, H_q, D]`.
+
+    Eagerly this calls the kernel; under `torch.compile` it calls `torch.ops.vattn.attention`, one
+    opaque op, so the compiler traces the model around it and never into the per-iteration
+    metadata (host lists that change every step)."""
+    ctx = get_forward_context()
+    k_cache, v_cache = ctx.k_caches[layer], ctx.v_caches[layer]
+    if torch.compiler.is_compiling():
+        return torch.ops.vattn.attention(query, key, value, k_cache, v_cache, scale, sliding_window)
+    return ctx.kernel.forward(query, key, value, k_cache, v_cache, ctx.metadata, scale, sliding_window)
+
+
+# The op `torch.compile` sees. The cache tensors are arguments, declared mutated (the op writes the
+# new K/V into them), so the compiler orders the op honestly and keeps no stale copy of them; they
+# are the same tensor objects every step (views over memory reserved once), so dynamo's guards on
+# them (dtype, shape, strides: never their data) hold from step to step. The metadata (slots,
+# starts, query lengths: host lists, and plans shared by the layers) is read from the forward
+# context inside the op, as the eager path reads it: as tensor arguments it would have to become
+# host lists again in every layer of every step, and as Python values traced by dynamo each step
+# would recompile.
+@torch.library.custom_op("vattn::attention", mutates_args=("k_cache", "v_cache"))
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """query `[T, H_q, D]`, key/value `[T, H_kv, D]`, the layer's `[B, T_max, H_kv, D]` caches;
+    returns the attention output `[T, H_q, D]`, contiguous."""
+    ctx = get_forward_context()
+    out = ctx.kernel.forward(query, key, value, k_cache, v_cache, ctx.metadata, scale, sliding_window)
+    return out.contiguous()  # the fake's strides: a kernel may return query's layout
+
+
+@attention_op.register_fake
+def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H_q, D]
+
+
 # --------------------------------------------------------------------------- kernels ----
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
@@ -404,7 +443,8 @@ def flash_attn_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 
 __all__ = [
-    "AttentionMetadata", "AttentionKernel", "ForwardContext", "forward_context", "get_forward_context",
+    "AttentionMetadata", "AttentionKernel", "ForwardContext", "forward_context", "get_forward_context", "attend",
+    "attention_op",
     "select_kernel", "sdpa_attention", "sdpa_padded_attention", "SdpaGroup", "torch_flash_attention",
     "flash_attn_attention", "KERNELS",
 ]

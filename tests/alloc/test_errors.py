@@ -198,5 +198,5 @@ def test_every_error_class_is_listed_in_the_allocator_doc() -> None:
     doc = (pathlib.Path(__file__).parents[2] / "docs" / "allocator.md").read_text()
     classes = [name for name, c in inspect.getmembers(vattn.errors, inspect.isclass)
                if issubclass(c, vattn.errors.VattnError)]
-    assert len(classes) == 20
+    assert len(classes) >= 20
     assert [name for name in classes if f"`{name}`" not in doc] == []

@@ -27,7 +27,21 @@ peak mapped bytes, and that vattn's pages come back: after the requests finish t
 stay mapped to their free slots (deferred reclamation, used bytes 0), and `close()` returns
 them to the GPU (free memory rises by the bytes of the pages created).
 
-`--device cpu` runs the same code with a tiny model (host backend, float32).
+`--compile`: one more vattn system, `vattn_compiled` (`compile=True`: the model's forward
+under `torch.compile` with attention one opaque op, captured by vattn's CUDA graphs where they
+apply), with its compile time (`compile`: seconds of the calls that compiled, compiles, graphs),
+its tokens against eager vattn's and generate's, and its first-token logits against
+transformers'. The bandwidth bound of a decode step (`bound`): the bytes a decode step must
+read (the weights, less an untied input embedding of which it reads B rows, plus the K/V of the
+batch at the mean decode context, prompt + N/2) over the device-to-device copy bandwidth
+measured in the same run (`copy_GBps`, 2 x bytes / time of a large `copy_`); with
+`--engine-overhead` every vattn system's decode step and forward are given against it.
+`--compile --rounds R` (a shared machine): eager and compiled vattn open together, stepping in
+turn through R runs of the batch, the ratio of each pair of decode steps (`interleaved`).
+
+`--device cpu` runs the same code with a tiny model (host backend, float32); `llama-512x8` (the
+`vattn bench throughput` model: hidden 512, 8 layers, GQA 8/4, vocab 32000) keeps its shape
+on the CPU too.
 
     vattn bench gpu   (runs this with the other GPU benchmarks)
 """
@@ -60,16 +74,52 @@ MODELS = {
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
+# keeps its shape on the CPU (the others are TINY there): vattn bench throughput's model
+HOST_MODELS = {"llama-512x8": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                                   num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, tie_word_embeddings=False)
 
 
 def model_config(name: str, args: argparse.Namespace) -> Any:
     cuda = args.device.startswith("cuda")
+    if name in HOST_MODELS:
+        return llama_config(vocab_size=32000, max_position_embeddings=4096, **HOST_MODELS[name])
     shape = dict(MODELS[name]) if cuda else dict(TINY)
     if cuda and name == "llama-3-8b" and args.layers_8b:
         shape["num_hidden_layers"] = args.layers_8b
     return llama_config(vocab_size=128256 if cuda else 512, max_position_embeddings=8192 if cuda else 1024, **shape)
+
+
+def copy_bandwidth(device: str, mib: int | None = None, repeats: int = 10) -> float:
+    """The device's memory bandwidth as a copy measures it, bytes/s: 2 x bytes (read and written)
+    over the best time of `repeats` copies of a `mib` MiB buffer (default 1 GiB on CUDA, 256 MiB
+    on the host: past the caches)."""
+    mib = mib or (1024 if device.startswith("cuda") else 256)
+    src = torch.empty(mib * MB, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy touches dst's pages: a warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
+def decode_bytes(model: Any, B: int, context: float) -> dict[str, float]:
+    """The bytes one decode step of B sequences at `context` tokens each must read: the weights
+    (not an untied input embedding, of which a step reads B rows) and the K/V of the batch."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    if not c.tie_word_embeddings:
+        weights -= embed.numel() * embed.element_size()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * embed.element_size()  # K and V
+    return dict(weights=float(weights), kv=float(B * context * per_token))
 
 
 def _reset_peak(device: str) -> None:
@@ -150,7 +200,7 @@ class StepTimer:
 
         out = [d["step"] - d["forward"] for d in its]
         res = dict(iterations=len(its), step_ms_median=median_ms([d["step"] for d in its]),
-                   outside_ms_median=median_ms(out),
+                   forward_ms_median=median_ms([d["forward"] for d in its]), outside_ms_median=median_ms(out),
                    outside_share=sum(out) / sum(d["step"] for d in its))  # all iterations together
         for part in ("schedule", "cache_step", "sample", "outputs"):
             res[f"{part}_ms_median"] = median_ms([d.get(part, 0.0) for d in its])
@@ -158,14 +208,14 @@ class StepTimer:
 
 
 def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype,
-              cuda_graphs: bool | None = None, system: str = "vattn") -> dict:
+              cuda_graphs: bool | None = None, system: str = "vattn", compile: bool | str = False) -> dict:
     from vattn import LLM, SamplingParams
 
     B, P, N = len(prompts), len(prompts[0]), args.max_tokens
     out: dict[str, Any] = {"system": system}
     llm = LLM(model, device=args.device, dtype=dtype, max_batch_size=B, max_context_len=P + N,
               max_num_batched_tokens=max(B * P, B), layout=args.layout, page_size=args.page_size,
-              cuda_graphs=cuda_graphs)
+              cuda_graphs=cuda_graphs, compile=compile)
     try:
         first_logits: dict[int, torch.Tensor] = {}
         sampler = llm.runner.sampler
@@ -199,8 +249,8 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
             return dt, [done[i].token_ids for i in ids], ids, peak, window
 
         run(2, prompts[:2])  # warm-up: kernels, the first-call check of the attention kernel
-        graphs = llm.runner.graphs
-        if graphs is not None:  # the decode graph of this batch size is captured here, not in the timed runs
+        graphs, compiled = llm.runner.graphs, llm.runner.compiled
+        if graphs is not None or compiled is not None:  # captures and compiles of this batch size, not timed
             run(3, prompts)
         first_logits.clear()
         t1 = run(1, prompts)[0]
@@ -210,6 +260,9 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
         out.update(t1_s=t1, tN_s=tn, tokens=tokens, decode_window_s=window, peak_reserved_GiB=_peak_reserved(args.device),
                    peak_mapped_GiB=peak_mapped / GB, kernel=llm.runner.kernel.name, page_KiB=llm.cache.page_size // 1024,
                    first_logits=[first_logits[i] for i in ids])
+        if compiled is not None:
+            out["compile"] = dict(mode=compiled.mode, compile_s=compiled.compile_s, compiles=compiled.num_compiles,
+                                  graphs=compiled.num_graphs, disabled=compiled.disabled_reason)
         if graphs is not None:
             out["cuda_graphs"] = dict(replays=graphs.num_replays, captured_sizes=graphs.captured_sizes,
                                       capture_s=graphs.capture_s, disabled=graphs.disabled_reason)
@@ -237,6 +290,56 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
         _sync(args.device)
         llm.close()
     return out
+
+
+def interleaved(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    """Eager against compiled vattn on a shared machine: both engines open at once (the same
+    model and requests, the default CUDA graphs), warmed up, then `--rounds` rounds in which
+    the two engines take turns step by step, each step timed by `StepTimer`. The ratio compiled
+    / eager of each pair of decode steps taken one after the other, and its median: a load that
+    comes and goes falls on both steps of a pair, not on one engine's whole run."""
+    from vattn import LLM, SamplingParams
+
+    B, P, N = len(prompts), len(prompts[0]), args.max_tokens
+    kw = dict(device=args.device, dtype=dtype, max_batch_size=B, max_context_len=P + N,
+              max_num_batched_tokens=max(B * P, B), layout=args.layout, page_size=args.page_size)
+    engines = {"vattn": LLM(model, **kw)}
+    try:
+        engines["vattn_compiled"] = LLM(model, compile=args.compile_mode, **kw)
+        for llm in engines.values():  # warm-up: kernels, compiles, captures of this batch size
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        timers = {name: StepTimer(llm, args.device) for name, llm in engines.items()}
+        try:
+            decode: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+            params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+            for _ in range(args.rounds):
+                for name, llm in engines.items():
+                    timers[name].steps.clear()
+                    for p in prompts:
+                        llm.add_request(p, params)
+                while any(llm.has_unfinished() for llm in engines.values()):
+                    for llm in engines.values():  # one step each, in turn
+                        llm.step()
+                for name in engines:
+                    decode[name] += timers[name].steps[1:]  # the prefill first
+        finally:
+            for timer in timers.values():
+                timer.uninstall()
+        pairs = list(zip(decode["vattn"], decode["vattn_compiled"]))
+        compiled = engines["vattn_compiled"].runner.compiled
+
+        def med(xs: list[float]) -> float:
+            return percentile(xs, 50, interpolate=False)
+
+        return dict(rounds=args.rounds, steps=len(pairs),
+                    step_ms={n: 1e3 * med([d["step"] for d in ds]) for n, ds in decode.items()},
+                    forward_ms={n: 1e3 * med([d["forward"] for d in ds]) for n, ds in decode.items()},
+                    step_ratio_median=med([c["step"] / e["step"] for e, c in pairs]),
+                    forward_ratio_median=med([c["forward"] / e["forward"] for e, c in pairs]),
+                    compile_s=compiled.compile_s, compiles=compiled.num_compiles, disabled=compiled.disabled_reason)
+    finally:
+        for llm in engines.values():  # in the order they were made: the first puts the model's attention back
+            llm.close()
 
 
 # ------------------------------------------------------------------ transformers ----
@@ -362,8 +465,23 @@ def logits_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
                 argmax_equal=float((x.argmax(-1) == y.argmax(-1)).float().mean()))
 
 
+def decode_bound(model: Any, B: int, context: float, copy_Bps: float, systems: dict[str, Any]) -> dict[str, Any]:
+    """The decode step's bandwidth bound (`decode_bytes` over the copy bandwidth) and each vattn
+    system's median decode step and forward (`--engine-overhead`) against it."""
+    nbytes = decode_bytes(model, B, context)
+    bound_ms = 1e3 * (nbytes["weights"] + nbytes["kv"]) / copy_Bps
+    out: dict[str, Any] = dict(bound_ms=bound_ms, weights_GiB=nbytes["weights"] / GB, kv_GiB=nbytes["kv"] / GB,
+                               context=context)
+    for system, s in systems.items():
+        eo = s.get("engine_overhead")
+        if eo:
+            out[system] = dict(step_over_bound=eo["step_ms_median"] / bound_ms,
+                               forward_over_bound=eo["forward_ms_median"] / bound_ms)
+    return out
+
+
 def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: torch.dtype,
-              hf_cb: bool = True) -> dict:
+              hf_cb: bool = True, copy_Bps: float | None = None) -> dict:
     gen = torch.Generator().manual_seed(B)
     prompts = torch.randint(1, model.config.vocab_size, (B, args.prompt_len), generator=gen).tolist()
     N = args.max_tokens
@@ -371,8 +489,12 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
     runners = [("vattn", lambda: run_vattn(model, prompts, args, dtype))]
     if args.compare_eager:
         runners.append(("vattn_eager", lambda: run_vattn(model, prompts, args, dtype, False, "vattn_eager")))
-    runners.append(("hf_generate", lambda: run_hf_generate(model, prompts, args)))
-    if hf_cb and not args.skip_hf_cb:
+    if args.compile:
+        runners.append(("vattn_compiled", lambda: run_vattn(model, prompts, args, dtype, None, "vattn_compiled",
+                                                            args.compile_mode)))
+    if not args.skip_hf:
+        runners.append(("hf_generate", lambda: run_hf_generate(model, prompts, args)))
+    if hf_cb and not args.skip_hf_cb and not args.skip_hf:
         runners.append(("hf_continuous_batching", lambda: run_hf_cb(model, prompts, args)))
     tokens, logits = {}, {}
     for system, fn in runners:
@@ -401,14 +523,25 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
         print(f"  {name} B={B} {system:24s} decode {r['decode_tok_s']:9.1f} tok/s"
               + (f" ({in_run:.1f} in-run)" if in_run else "") + f"  (t1 {r['t1_s']:.2f} s, tN {r['tN_s']:.2f} s)",
               flush=True)
-    if "vattn" in tokens and "vattn_eager" in tokens:
-        res["vattn_vs_vattn_eager"] = agreement(tokens["vattn"], tokens["vattn_eager"])
+    for other in ("vattn_eager", "vattn_compiled"):
+        if "vattn" in tokens and other in tokens:
+            res[f"vattn_vs_{other}"] = agreement(tokens["vattn"], tokens[other])
     if "hf_generate" in tokens:
-        for system in ("vattn", "vattn_eager", "hf_continuous_batching"):
+        for system in ("vattn", "vattn_eager", "vattn_compiled", "hf_continuous_batching"):
             if system in tokens:
                 res[f"{system}_vs_hf_generate"] = agreement(tokens[system], tokens["hf_generate"])
-        if "vattn" in logits and "hf_generate" in logits:
-            res["first_token_logits_vattn_vs_hf"] = logits_diff(logits["vattn"], logits["hf_generate"])
+        for system in ("vattn", "vattn_compiled"):
+            if system in logits and "hf_generate" in logits:
+                suffix = "" if system == "vattn" else "_compiled"
+                res[f"first_token_logits_vattn{suffix}_vs_hf"] = logits_diff(logits[system], logits["hf_generate"])
+    if copy_Bps:
+        res["bound"] = decode_bound(model, B, args.prompt_len + N / 2, copy_Bps, res["systems"])
+    if args.compile and args.rounds:
+        try:
+            res["interleaved"] = interleaved(model, prompts, args, dtype)
+        except Exception as e:
+            traceback.print_exc()
+            res["errors"]["interleaved"] = f"{type(e).__name__}: {e}"
     res["tokens_sample"] = {s: t[0][:16] for s, t in tokens.items()}
     return res
 
@@ -417,7 +550,7 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a tiny run of the same code)")
     ap.add_argument("--quick", action="store_true", help="fewer new tokens (the GPU suite)")
-    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=[*MODELS, *HOST_MODELS])
     ap.add_argument("--batches", type=int, nargs="*", default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (N)")
@@ -428,9 +561,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hf-cb-cuda-graphs", action="store_true", help="let generate_batch use CUDA graphs (+ warm-up)")
     ap.add_argument("--compare-eager", action="store_true",
                     help="also run vattn with cuda_graphs=False (system vattn_eager) beside its default")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run vattn with compile=True (system vattn_compiled; with CUDA graphs where they apply)")
+    ap.add_argument("--compile-mode", default=True, help="what vattn_compiled passes as compile= (default True)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="with --compile: eager and compiled vattn open together, stepping in turn through this many runs")
+    ap.add_argument("--skip-hf", action="store_true", help="leave out transformers' generate (and generate_batch)")
     ap.add_argument("--engine-overhead", action="store_true",
                     help="one more N-token vattn run, timing each iteration's step against its forward")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new (model, batch) after this many seconds")
+    ap.add_argument("--file-name", default="e2e", help="the result's file name before _<device>.json (default e2e)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -449,15 +589,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     results: list[dict] = []
     skipped: list[str] = []
-    cb_problem = None if args.skip_hf_cb else memory_problem()
+    cb_problem = None if args.skip_hf_cb or args.skip_hf else memory_problem()
     if cb_problem:  # transformers' own limit on this machine, not a failure of the benchmark
         skipped.append(f"hf_continuous_batching: {cb_problem}")
     models_info: dict[str, Any] = {}
+    copy_Bps = copy_bandwidth(args.device)  # the bound's denominator, measured in this run
+    print(f"device-to-device copy: {copy_Bps / 1e9:.1f} GB/s", flush=True)
     for name in args.models:
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
             skipped.append(f"{name}: time budget spent")
             continue
         config = model_config(name, args)
+        if args.compile:  # dynamo's recompile limit counts the graphs of every model of the process
+            torch._dynamo.reset()
         t0 = time.perf_counter()
         try:
             model = build_model(config, args.device, dtype)
@@ -472,7 +616,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
                 skipped.append(f"{name} batch {B}: time budget spent")
                 continue
-            results.append(run_batch(name, model, B, args, dtype, hf_cb=not cb_problem))
+            results.append(run_batch(name, model, B, args, dtype, hf_cb=not cb_problem, copy_Bps=copy_Bps))
         del model
         if cuda:
             torch.cuda.empty_cache()
@@ -483,12 +627,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             failures.append(f"{r['model']} B={r['batch']}: pages not returned on close")
         for system, e in r["errors"].items():
             failures.append(f"{r['model']} B={r.get('batch')} {system}: {e}")
-        kern = r["systems"].get("vattn", {}).get("kernel")
-        if cuda and kern is not None and kern not in GPU_KERNELS:  # its figures are SDPA's, not the varlen kernel's
-            failures.append(f"{r['model']} B={r['batch']} vattn: the attention kernel fell back to {kern!r} "
-                            "(see the RuntimeWarning in the log)")
-    return dict(dtype=str(dtype).removeprefix("torch."), prompt_len=args.prompt_len, max_tokens=args.max_tokens,
-                models=models_info, results=results, skipped=skipped, failures=failures)
+        for system in ("vattn", "vattn_compiled"):
+            kern = r["systems"].get(system, {}).get("kernel")
+            if cuda and kern is not None and kern not in GPU_KERNELS:  # its figures are SDPA's, not the varlen kernel's
+                failures.append(f"{r['model']} B={r['batch']} {system}: the attention kernel fell back to {kern!r} "
+                                "(see the RuntimeWarning in the log)")
+        off = r["systems"].get("vattn_compiled", {}).get("compile", {}).get("disabled")
+        if off:  # its figures are eager ones
+            failures.append(f"{r['model']} B={r['batch']} vattn_compiled: compiling was turned off: {off}")
+    return dict(file_name=args.file_name, dtype=str(dtype).removeprefix("torch."), prompt_len=args.prompt_len,
+                max_tokens=args.max_tokens,
+                copy_GBps=copy_Bps / 1e9, models=models_info, results=results, skipped=skipped, failures=failures)
 
 
 def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
@@ -502,7 +651,11 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
                          s.get("peak_reserved_GiB") if s.get("peak_reserved_GiB") is not None else "-",
                          s.get("peak_mapped_GiB", "-"), agree.get("token_match", "-")])
         for system, s in r["systems"].items():
-            eo, cg = s.get("engine_overhead"), s.get("cuda_graphs")
+            eo, cg, cc = s.get("engine_overhead"), s.get("cuda_graphs"), s.get("compile")
+            if cc:
+                print(f"{r['model']} B={r['batch']} {system}: compile ({cc['mode']}) {cc['compile_s']:.2f} s, "
+                      f"{cc['compiles']} compile(s), {cc['graphs']} graph(s)" + (f", OFF: {cc['disabled']}"
+                                                                              if cc["disabled"] else ""))
             if eo:
                 print(f"{r['model']} B={r['batch']} {system}: decode step {eo['step_ms_median']:.3f} ms (median), "
                       f"outside the forward {eo['outside_ms_median']:.3f} ms = {100 * eo['outside_share']:.2f} % "
@@ -514,14 +667,28 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
                 print(f"{r['model']} B={r['batch']} {system}: CUDA graphs: {cg['replays']} replays, sizes "
                       f"{cg['captured_sizes']}, capture s {cg['capture_s']}" + (f", OFF: {cg['disabled']}"
                                                                                if cg["disabled"] else ""))
-        if "vattn_vs_vattn_eager" in r:
-            a = r["vattn_vs_vattn_eager"]
-            print(f"{r['model']} B={r['batch']}: vattn tokens vs vattn_eager: match {a['token_match']:.3f}, "
-                  f"{a['sequences_equal']}/{a['sequences']} sequences equal")
-        lg = r.get("first_token_logits_vattn_vs_hf")
-        if lg:
-            print(f"{r['model']} B={r['batch']}: first-token logits max |vattn - hf| {lg['max_abs_diff']:.4g} "
-                  f"(|logits| <= {lg['logits_abs_max']:.3g}), argmax equal {lg['argmax_equal']:.3f}")
+        for other in ("vattn_eager", "vattn_compiled"):
+            a = r.get(f"vattn_vs_{other}")
+            if a:
+                print(f"{r['model']} B={r['batch']}: vattn tokens vs {other}: match {a['token_match']:.3f}, "
+                      f"{a['sequences_equal']}/{a['sequences']} sequences equal")
+        for system in ("vattn", "vattn_compiled"):
+            lg = r.get("first_token_logits_vattn_vs_hf" if system == "vattn" else "first_token_logits_vattn_compiled_vs_hf")
+            if lg:
+                print(f"{r['model']} B={r['batch']}: first-token logits max |{system} - hf| {lg['max_abs_diff']:.4g} "
+                      f"(|logits| <= {lg['logits_abs_max']:.3g}), argmax equal {lg['argmax_equal']:.3f}")
+        il = r.get("interleaved")
+        if il:
+            print(f"{r['model']} B={r['batch']}: interleaved ({il['rounds']} rounds, {il['steps']} pairs of decode "
+                  f"steps): compiled / eager, median of the pairs: step {il['step_ratio_median']:.3f}, forward "
+                  f"{il['forward_ratio_median']:.3f}; median step eager {il['step_ms']['vattn']:.3f} ms, compiled "
+                  f"{il['step_ms']['vattn_compiled']:.3f} ms")
+        bound = r.get("bound")
+        if bound:
+            print(f"{r['model']} B={r['batch']}: bandwidth bound {bound['bound_ms']:.3f} ms a decode step (weights "
+                  f"{bound['weights_GiB']:.3f} GiB + K/V {bound['kv_GiB']:.3f} GiB at copy bandwidth)" + "".join(
+                      f"; {system} step {b['step_over_bound']:.2f}x, forward {b['forward_over_bound']:.2f}x"
+                      for system, b in bound.items() if isinstance(b, dict)))
     for s in result["skipped"]:
         print("skipped", s)
     for f in result["failures"]:
@@ -553,7 +720,7 @@ def _plot(results: list[dict]) -> Any:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
     for ax, name in zip(axes[0], models):
         rs = [r for r in results if r["model"] == name]
-        for system, marker in (("vattn", "o"), ("vattn_eager", "x"), ("hf_generate", "s"),
+        for system, marker in (("vattn", "o"), ("vattn_eager", "x"), ("vattn_compiled", "D"), ("hf_generate", "s"),
                                ("hf_continuous_batching", "^")):
             pts = [(r["batch"], decode_tok_s(r["systems"][system])) for r in rs if system in r["systems"]]
             if pts:
@@ -562,3 +729,15 @@ def _plot(results: list[dict]) -> Any:
                ylabel="decode tokens/s (in the N-token run; else from t_N - t_1)", title=name)
         ax.legend()
     return fig
+
+
+if __name__ == "__main__":  # this part alone: python -m vattn.bench._e2e [options] [--out DIR]
+    import sys
+
+    from vattn.bench import execute, module_args
+
+    _out = argparse.ArgumentParser(add_help=False)
+    _out.add_argument("--out", default=None)
+    _known, _rest = _out.parse_known_args()
+    _payload = execute(sys.modules[__name__], NAME, module_args(sys.modules[__name__], _rest, out=_known.out))
+    sys.exit(1 if _payload["result"].get("failures") else 0)

@@ -1,7 +1,6 @@
 """`EngineConfig`: what `LLM(model, **config)` was asked for."""
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -12,8 +11,10 @@ from vattn.attention import KERNELS
 from vattn.budget import Budget
 from vattn.checks import SEED_MAX, SEED_MIN, as_float, as_int
 from vattn.config import LAYOUTS, PREFETCH_TOKENS, parse_dtype
+from vattn.engine.compile import parse_compile
 from vattn.engine.scheduler import SchedulerConfig
 from vattn.errors import InvalidConfigError
+from vattn.idle import delay_seconds
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -44,7 +45,10 @@ class EngineConfig:
     another that is short; see `KVCache(budget=)`), cuda_graphs (decode iterations replay
     CUDA graphs captured per padded batch size, see `vattn.engine.cuda_graphs`: None = where
     they apply (CUDA, the torch_flash kernel, one rank), True = required (InvalidConfigError
-    where they cannot), False = never).
+    where they cannot), False = never), compile (the model's forward under `torch.compile`, attention
+    one opaque op, see `vattn.engine.compile`: False = eager, True = inductor's default mode, or a
+    mode name of `vattn.engine.compile.COMPILE_MODES`; with cuda_graphs the graphs capture the
+    compiled forward; not with recurrent states or tensor parallelism).
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
     heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`; prefix
     caching and both preemption modes work, their per-rank outcomes agreed between the
@@ -75,6 +79,7 @@ class EngineConfig:
     distributed_timeout_s: float = 300.0
     budget: Any = None  # a vattn.Budget (compared by identity)
     cuda_graphs: bool | None = None
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         if self.budget is not None and not isinstance(self.budget, Budget):
@@ -88,6 +93,7 @@ class EngineConfig:
             checks.flag(getattr(self, name), name)
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise InvalidConfigError(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        parse_compile(self.compile)
         object.__setattr__(self, "device", checks.device(self.device, optional=True))
         if self.dtype is not None:
             dtype = parse_dtype(self.dtype)
@@ -97,13 +103,9 @@ class EngineConfig:
         object.__setattr__(self, "seed", as_int(self.seed, "seed", InvalidConfigError, low=SEED_MIN, high=SEED_MAX,
                                                 what="an int in [-2**63, 2**64 - 1] (what torch.manual_seed takes)"))
         if self.idle_trim_s is not None:
-            object.__setattr__(self, "idle_trim_s", as_float(self.idle_trim_s, "idle_trim_s", InvalidConfigError,
-                                                             what="None or a finite number of seconds >= 0"))
-            if self.idle_trim_s < 0:
-                raise InvalidConfigError(f"idle_trim_s must be None or a finite number of seconds >= 0, "
-                                         f"got {self.idle_trim_s!r}")
-            if self.idle_trim_s > threading.TIMEOUT_MAX:  # more than a timer can wait (its thread raised): never
-                object.__setattr__(self, "idle_trim_s", None)
+            seconds = as_float(self.idle_trim_s, "idle_trim_s", InvalidConfigError,
+                               what="None or a finite number of seconds >= 0")
+            object.__setattr__(self, "idle_trim_s", delay_seconds(seconds, "idle_trim_s", negative_means_never=False))
         if self.attention is not None and self.attention not in KERNELS:
             raise InvalidConfigError(f"attention must be None or one of {KERNELS}, got {self.attention!r}")
         if self.max_num_seqs is not None and self.max_num_seqs > self.max_batch_size:

@@ -64,11 +64,11 @@ def padded_size(n: int, sizes: Sequence[int]) -> int | None:
 
 @dataclass(frozen=True)
 class GraphTarget:
-    """What a captured decode runs (the model runner's, given explicitly): the model, the
-    attention kernel and the per-layer caches it reads, the device, and the cache's slot
-    geometry."""
+    """What a captured decode runs (the model runner's, given explicitly): the model's
+    logits (compiled or eager), the attention kernel and the per-layer caches it reads, the
+    device, and the cache's slot geometry."""
 
-    model: Any
+    logits: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]  # (ids, positions [1, T], keep) -> [S, V]
     kernel: AttentionKernel
     k_caches: list[Any]  # by the model's layer index: [B, T, H_kv, D] each, None for a layer without attention
     v_caches: list[Any]
@@ -162,8 +162,7 @@ class DecodeGraphs:
         return meta
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.target.model(input_ids=self.input_ids[:, :b], position_ids=self.positions[None, :b],
-                                 use_cache=False, logits_to_keep=0).logits[0]  # [b, V]
+        return self.target.logits(self.input_ids[:, :b], self.positions[None, :b], 0)  # [b, V]; compiled or eager
 
     def _capture(self, b: int, slots: list[int], starts: list[int]) -> bool:
         """Warm up and capture graph b on the batch now in the static buffers (a warm-up

@@ -24,6 +24,7 @@ import torch
 
 from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, forward_context, select_kernel
 from vattn.cache import KVCache
+from vattn.engine.compile import CompiledForward, compile_mode
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
 from vattn.engine import states
 from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
@@ -226,6 +227,7 @@ class ModelRunner:
         self.model = model.to(device=device, dtype=dtype).eval()
         # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states only on one rank
         has_states = check_model(self.model, states=config.tensor_parallel_size == 1)
+        compiled = compile_mode(config, has_states)  # inductor's mode or None; refusals before the cache exists
         hf = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         num_layers = hf.num_hidden_layers
@@ -275,12 +277,21 @@ class ModelRunner:
             self.k_caches[layer], self.v_caches[layer] = self.cache.k_cache(i), self.cache.v_cache(i)
         self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
         self.sampler = Sampler(self.device, config.seed)
+        self.compiled = (CompiledForward(self.model, compiled, [c for c in self.k_caches + self.v_caches if c is not None])
+                         if compiled else None)  # vattn.engine.compile
         self.graphs = self._decode_graphs(config)
         self.previous_attention = use_vattn_attention(self.model)
 
     def prefix_cache(self, salt: bytes) -> PrefixCache:
         """The prefix cache over this runner's cache (every layer kind's part of a block)."""
         return PrefixCache(self.cache, salt=salt)
+
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | int) -> torch.Tensor:
+        """The model on ids, positions `[1, T]` inside a forward context: logits `[S, V]` of
+        the rows `keep` (`[S]`, or 0: every row), compiled or eager."""
+        if self.compiled is not None:
+            return self.compiled(ids, positions, keep)
+        return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
 
     def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
         """Decode under CUDA graphs (`EngineConfig.cuda_graphs`; see vattn.engine.cuda_graphs)."""
@@ -304,7 +315,7 @@ class ModelRunner:
 
     def graph_target(self) -> GraphTarget:
         """What a captured decode of this runner runs (`vattn.engine.cuda_graphs`)."""
-        return GraphTarget(self.model, self.kernel, self.k_caches, self.v_caches, self.device, self.slot_tokens,
+        return GraphTarget(self.logits, self.kernel, self.k_caches, self.v_caches, self.device, self.slot_tokens,
                            self.max_context_len, self.cache.synchronize)
 
     def run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
@@ -387,11 +398,10 @@ class ModelRunner:
         return self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
 
     def _forward(self, ids: torch.Tensor, keep: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The model's eager forward: ids `[1, T]` packed tokens, keep `[S]` rows whose
-        logits are computed. Returns logits `[S, V]`."""
+        """The model's forward outside CUDA graphs (compiled or eager): ids `[1, T]` packed
+        tokens, keep `[S]` rows whose logits are computed. Returns logits `[S, V]`."""
         with forward_context(ForwardContext(self.k_caches, self.v_caches, meta, self.kernel)):
-            return self.model(input_ids=ids, position_ids=meta.positions[None], use_cache=False,
-                              logits_to_keep=keep).logits[0]  # [S, V]
+            return self.logits(ids, meta.positions[None], keep)  # [S, V]
 
     def release(self, seq_id: SeqId) -> None:
         """Forget a finished sequence's sampling state."""

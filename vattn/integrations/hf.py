@@ -16,7 +16,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from vattn.attention import ForwardContext, forward_context, get_forward_context
+from vattn.attention import ForwardContext, attend, forward_context
 from vattn.cache import KVCache
 from vattn.checks import as_int
 from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
@@ -45,18 +45,15 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """transformers attention function: query `[1, H_q, T, D]`, key/value `[1, H_kv, T, D]`
     for the T packed tokens of this iteration. Returns `([1, T, H_q, D], None)` like
     transformers' own `sdpa_attention_forward`."""
-    ctx = get_forward_context()
     layer = module.layer_idx
     if kwargs.get("softcap") is not None:
         raise UnsupportedModelError("vattn attention does not support attention logit softcapping (Gemma 2 style)")
     if kwargs.get("s_aux") is not None:  # gpt-oss: a learned sink logit per head
         raise UnsupportedModelError("vattn attention does not support attention sinks (gpt-oss's s_aux)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ctx.kernel.forward(
-        query[0].transpose(0, 1),  # [T, H_q, D]
-        key[0].transpose(0, 1),  # [T, H_kv, D]
-        value[0].transpose(0, 1),
-        ctx.k_caches[layer], ctx.v_caches[layer], ctx.metadata, scale, sliding_window)
+    out = attend(layer, query[0].transpose(0, 1),  # [T, H_q, D]
+                 key[0].transpose(0, 1),  # [T, H_kv, D]
+                 value[0].transpose(0, 1), scale, sliding_window)
     return out.unsqueeze(0), None  # [1, T, H_q, D]
 
 
