@@ -116,6 +116,9 @@ class FakeKV:
         assert reqid not in self.free
         self.free.append(reqid)
 
+    def can_fork(self, reqid: int, num_tokens: int) -> bool:
+        return reqid not in self.free
+
     def fork(self, reqid: int, num_tokens: int) -> int:
         assert reqid not in self.free
         slot = self.alloc_reqid()

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from vattn.allocator import HybridAllocator, MemoryStats, PageAllocator, StepResult
+from vattn.allocator import Coordinator, KindSpec, MemoryStats, StateGeometry, StepResult
 from vattn.checks import as_int
 from vattn.config import CacheConfig, Geometry
 from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
@@ -28,13 +28,13 @@ class SwapHandle:
     """A swapped-out request: its tokens in host memory, and where it was."""
 
     slot: int
-    epoch: int
+    epoch: tuple[int, ...]  # per layer kind: its pages of the slot are untouched while this holds
     num_tokens: int
     host: list[list[torch.Tensor]]  # per buffer, chunks of its first num_tokens tokens (uint8)
     copied_in: bool | None = None  # after swap_in: whether the data had to be copied back
     live: tuple[int, int] | None = None  # after swap_in: (reqid, its allocation) the request came back as
-    # sliding-window layer kinds: per kind, the first page the slot still mapped (the host
-    # copy of its buffers starts there: the pages before it were given back)
+    # per layer kind, the first page the slot still mapped (the host copy of its buffers
+    # starts there: a sliding window gave back the pages before it)
     first_pages: tuple[int, ...] | None = None
 
     @property
@@ -85,34 +85,37 @@ class KVCache:
         g.check_page_size()
         self.page_size = page_size
 
-        max_pages = g.pages_per_slot * config.max_batch_size
-        if config.physical_memory is not None:
-            if config.physical_memory < g.group_bytes:
-                raise InvalidConfigError(
-                    f"physical_memory={config.physical_memory} is less than one page group "
-                    f"({g.num_buffers} buffers x {page_size} bytes = {g.group_bytes} bytes)")
-            max_pages = min(max_pages, config.physical_memory // g.group_bytes)
-        elif (free := self.backend.free_memory()) is not None:  # leave room for the model's own tensors
-            max_pages = min(max_pages, max(1, int(self.backend.default_memory_fraction * free) // g.group_bytes))
-
-        # One reservation holds every buffer, one after another.
-        self._range = self.backend.reserve(g.buffer_bytes * g.num_buffers, page_size)
+        # One reservation holds every buffer, one after another: K and V of every layer, then
+        # the recurrent states' rows (a slot's, then the snapshots').
+        self.states = StateGeometry(page_size, config.state_bytes, config.max_context_len) if config.state_bytes \
+            else None
+        num_rows = config.max_batch_size + config.num_snapshots
+        state_bytes = num_rows * self.states.row_bytes if self.states is not None else 0
+        max_bytes, unit = self._budget_bytes(g, state_bytes)
+        self._range = self.backend.reserve(g.buffer_bytes * g.num_buffers + state_bytes, page_size)
         bases = [self._range.addr + b * g.buffer_bytes for b in range(g.num_buffers)]
         self._k, self._v = self._make_views()
-        # uint8 views of each whole buffer: pages are copied (fork) and cleared through them
-        self._bytes = self._byte_views()
+        # uint8 views of each whole buffer (and of the states'): pages are copied (fork) and cleared through them
+        self._bytes = self._byte_views(state_bytes)
         kinds = config.layer_kinds()
         # per kind: its buffers (K of its layers, then V), in the order its page groups hold them
-        self.kind_buffers = [[*layers, *(config.num_layers + i for i in layers)] for _, layers in kinds]
+        self.kind_buffers = [[*layers, *(config.num_layers + i for i in layers)] if config.layout == "per-layer"
+                             else [0, 1] for _, layers in kinds]
         self.kind_names = ["full" if w is None else f"window={w}" for w, _ in kinds]
+        if self.states is not None:
+            self.kind_buffers.append([g.num_buffers])
+            self.kind_names.append("state")
         self._kind_of = {b: k for k, buffers in enumerate(self.kind_buffers) for b in buffers}  # buffer -> kind
-        if len(kinds) == 1:  # every layer alike (full attention, or one window: Mistral)
-            window = kinds[0][0]
-            self.allocator: PageAllocator | HybridAllocator = self._kind_allocator(
-                g, bases, list(range(g.num_buffers)), max_pages,
-                None if window is None else window + self._window_margin(), budget)
-        else:
-            self.allocator = self._hybrid(kinds, bases, max_pages, budget)
+        specs = [self._kind_spec(name, window, layers, bases, buffers)
+                 for name, (window, layers), buffers in zip(self.kind_names, kinds, self.kind_buffers)]
+        if self.states is not None:
+            specs.append(KindSpec("state", self.states, [self._range.addr + g.num_buffers * g.buffer_bytes],
+                                  num_snapshots=config.num_snapshots,
+                                  copy_pages=functools.partial(_copy_pages, weakref.ref(self), [g.num_buffers])))
+        self.allocator = Coordinator(self.backend, specs, num_slots=config.max_batch_size,
+                                     max_len=config.max_context_len, max_bytes=max_bytes,
+                                     background=config.background, prefetch=config.prefetch,
+                                     prefetch_tokens=config.prefetch_tokens, budget=budget)
         # The memory goes when this cache and its last tensor view are gone (or at close()):
         # every view keeps the range alive, the range keeps `owner`, and the owner's finalizer
         # unmaps and releases the pages before the range frees its address space. Neither
@@ -121,35 +124,36 @@ class KVCache:
         self._range.keepalive = owner
         self._finalizer = weakref.finalize(owner, _close, self.allocator, self.backend)
 
-    def _kind_allocator(self, g: Geometry, bases: list[int], buffers: list[int], max_pages: int,
-                        window: int | None, budget: Any) -> PageAllocator:
-        """The page allocator of the layer kind whose K/V buffers are `buffers`."""
-        c, ref = self.config, weakref.ref(self)
-        return PageAllocator(g, self.backend, [bases[b] for b in buffers], max_pages=max_pages,
-                             background=c.background, prefetch=c.prefetch, prefetch_tokens=c.prefetch_tokens,
-                             zero_pages=functools.partial(_zero_pages, ref, buffers) if c.zero_reused_pages else None,
-                             copy_pages=functools.partial(_copy_pages, ref, buffers), budget=budget, window=window)
+    def _budget_bytes(self, g: Geometry, state_bytes: int) -> tuple[int, int]:
+        """(the bytes of page groups this cache may create, the bytes of one page of every
+        buffer): all its slots can hold, capped by physical_memory (or, without it, by what
+        the device has free)."""
+        config = self.config
+        unit = g.group_bytes + (self.page_size if state_bytes else 0)
+        cap = g.pages_per_slot * config.max_batch_size * g.group_bytes + state_bytes
+        if config.physical_memory is not None:
+            if config.physical_memory < unit:
+                raise InvalidConfigError(
+                    f"physical_memory={config.physical_memory} is less than one page group "
+                    f"({unit // self.page_size} buffers x {self.page_size} bytes = {unit} bytes)")
+            return min(cap, config.physical_memory // unit * unit), unit
+        free = self.backend.free_memory()
+        if free is not None:  # leave room for the model's own tensors
+            return min(cap, max(1, int(self.backend.default_memory_fraction * free) // unit) * unit), unit
+        return cap, unit
 
-    def _hybrid(self, kinds: list[tuple[int | None, tuple[int, ...]]], bases: list[int], max_pages: int,
-                budget: Any) -> HybridAllocator:
-        """One allocator per layer kind (full attention, each window size), on one budget: the
-        cache's own (its physical memory) unless the caller gave one."""
-        from vattn.budget import Budget
-
-        c, g = self.config, self.geometry
-        own = None
-        if budget is None:
-            budget = own = Budget(max_pages * g.group_bytes)
-        margin = self._window_margin()
-        parts = []
-        for (window, layers), buffers, name in zip(kinds, self.kind_buffers, self.kind_names):
-            gk = Geometry(dataclasses.replace(c, num_layers=len(layers), layer_windows=None), self.page_size)
-            cap = gk.pages_per_slot * c.max_batch_size
-            if own is None and c.physical_memory is not None:
-                cap = max(1, min(cap, c.physical_memory // gk.group_bytes))
-            parts.append((name, self._kind_allocator(gk, bases, buffers, cap,
-                                                     None if window is None else window + margin, budget)))
-        return HybridAllocator(parts, budget=own, whole_group_bytes=g.group_bytes)
+    def _kind_spec(self, name: str, window: int | None, layers: tuple[int, ...], bases: list[int],
+                   buffers: list[int]) -> KindSpec:
+        """The layer kind whose K/V buffers are `buffers` (the cache's whole geometry when it
+        is the only one)."""
+        c, g, ref = self.config, self.geometry, weakref.ref(self)
+        if len(self.config.layer_kinds()) > 1:
+            g = Geometry(dataclasses.replace(c, num_layers=len(layers), layer_windows=None, state_bytes=0,
+                                             num_snapshots=0), self.page_size)
+        return KindSpec(name, g, [bases[b] for b in buffers],
+                        window=None if window is None else window + self._window_margin(),
+                        zero_pages=functools.partial(_zero_pages, ref, buffers) if c.zero_reused_pages else None,
+                        copy_pages=functools.partial(_copy_pages, ref, buffers))
 
     def _window_margin(self) -> int:
         """Tokens kept mapped before a sliding window: the kernels read from a block boundary
@@ -157,11 +161,16 @@ class KVCache:
         the window's first key); the CPU kernels read exactly the window."""
         return WINDOW_MARGIN_TOKENS if self.backend.device.type == "cuda" else 0
 
-    def _byte_views(self) -> list[torch.Tensor]:
-        """One `[buffer_bytes]` uint8 view of each buffer (page copies and clears)."""
+    def _byte_views(self, state_bytes: int) -> list[torch.Tensor]:
+        """One `[buffer_bytes]` uint8 view of each buffer, and `[state_bytes]` of the states'
+        rows when there are any (page copies and clears)."""
         g = self.geometry
-        return [self.backend.tensor(self._range, b * g.buffer_bytes, (g.buffer_bytes,), (1,), torch.uint8)
-                for b in range(g.num_buffers)]
+        views = [self.backend.tensor(self._range, b * g.buffer_bytes, (g.buffer_bytes,), (1,), torch.uint8)
+                 for b in range(g.num_buffers)]
+        if state_bytes:
+            views.append(self.backend.tensor(self._range, g.num_buffers * g.buffer_bytes, (state_bytes,), (1,),
+                                             torch.uint8))
+        return views
 
     def _make_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         g, c = self.geometry, self.config
@@ -210,11 +219,19 @@ class KVCache:
 
         `seq_lens`: a list with one length per slot (0 = inactive) or a dict reqid -> length.
         Returns a StepResult, truthy when every request is backed. When pages run short it
-        lists the reqids it could not back in `failed` (oldest requests are served first)
-        and changes nothing else: preempt (free_reqid) and call again. With `background`,
-        the pages the next iteration will need are mapped on a worker thread afterwards.
+        lists the reqids it could not back in `failed` (oldest requests are served first);
+        those keep exactly the lengths and pages they had, in every layer kind (the step is
+        planned for every kind before any maps): preempt (free_reqid) and call again, or
+        step them again to any length. With `background`, the pages the next iteration will
+        need are mapped on a worker thread afterwards.
         """
         return self.allocator.step(seq_lens)
+
+    def revert_step(self, reqids: Sequence[int]) -> None:
+        """The iteration the last `step` backed will not run for `reqids` (another
+        tensor-parallel rank could not back them): their lengths go back to what they were
+        before it, as if that step had failed them here too."""
+        self.allocator.revert_step(reqids)
 
     def fork(self, reqid: int, num_tokens: int) -> int:
         """A new request whose first `num_tokens` tokens are `reqid`'s, without copying them:
@@ -227,9 +244,10 @@ class KVCache:
         return self.allocator.fork(reqid, num_tokens)
 
     def can_fork(self, reqid: int, num_tokens: int) -> bool:
-        """Whether `fork(reqid, num_tokens)` would find every page the child reads: False once
+        """Whether `fork(reqid, num_tokens)` would find everything the child reads: False once
         a sliding-window layer of `reqid` gave back pages within the window before
-        `num_tokens` (the parent moved on); the child then computes its prompt instead."""
+        `num_tokens` (the parent moved on), or when its recurrent states have seen another
+        number of tokens; the child then computes its prompt instead."""
         return self.allocator.can_fork(reqid, num_tokens)
 
     def pin(self, reqid: int, num_pages: int) -> list:
@@ -257,43 +275,47 @@ class KVCache:
 
     def swap_out(self, reqid: int, num_tokens: int) -> SwapHandle:
         """Preempt `reqid` by swapping: copy its first `num_tokens` tokens (K and V of every
-        layer) to host memory (pinned on CUDA, in chunks of at most 256 MiB), then free its
-        slot. The slot keeps its pages (deferred reclamation): `swap_in` takes it back with
-        no copy at all while nobody else took the slot or its pages."""
-        g = self.geometry
+        layer, and its recurrent states) to host memory (pinned on CUDA, in chunks of at
+        most 256 MiB), then free its slot. The slot keeps its pages (deferred reclamation):
+        `swap_in` takes it back with no copy at all while nobody else took the slot or its
+        pages. Recurrent states are right at the slot's length only: InvalidRequestError for
+        fewer tokens."""
         num_tokens = as_int(num_tokens, "num_tokens", InvalidRequestError)
         held = self.allocator.num_tokens(reqid)
         slot = as_int(reqid, "reqid", InvalidRequestError)  # valid: num_tokens checked it
         if not 0 < num_tokens <= held:
             raise InvalidRequestError(f"num_tokens={num_tokens} must be in [1, {held}]: the tokens reqid {slot} has")
-        nbytes, start = num_tokens * g.token_bytes, g.page_offset(slot, 0)
+        self.allocator.check_swap_out(slot, num_tokens)
         pin = self.backend.device.type == "cuda"
-        firsts = self._first_pages(slot)
+        firsts = self.allocator.first_pages(slot)
         host = []
         for b, buf in enumerate(self._bytes):  # the slot's row is contiguous in every buffer
             chunks = []
             # a sliding-window kind: only its live pages (those behind the window are unmapped)
-            for off in range(firsts[self._kind_of[b]] * g.page_size, nbytes, SWAP_CHUNK):
-                n = min(SWAP_CHUNK, nbytes - off)
+            lo, hi = self._row(b, slot, num_tokens, firsts[self._kind_of[b]])
+            for off in range(lo, hi, SWAP_CHUNK):
+                n = min(SWAP_CHUNK, hi - off)
                 dst = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-                dst.copy_(buf[start + off:start + off + n], non_blocking=pin)
+                dst.copy_(buf[off:off + n], non_blocking=pin)
                 chunks.append(dst)
             host.append(chunks)
-        slot, epoch = self.allocator.park(slot)
-        return SwapHandle(slot, epoch, num_tokens, host, first_pages=tuple(firsts))
+        slot, epochs = self.allocator.park(slot)
+        return SwapHandle(slot, epochs, num_tokens, host, first_pages=tuple(firsts))
 
-    def _first_pages(self, slot: int) -> list[int]:
-        """Per layer kind, the first page `slot` maps (0 but behind a sliding window)."""
-        if isinstance(self.allocator, HybridAllocator):
-            return self.allocator.first_pages(slot)
-        books = self.allocator.books
-        with books.lock:
-            return [books.holes(slot)]
+    def _row(self, buffer: int, slot: int, num_tokens: int, first_page: int) -> tuple[int, int]:
+        """[start, end) bytes of `buffer`'s byte view that hold `slot`'s first `num_tokens`
+        tokens from page `first_page` on (a state row: the whole row)."""
+        if self.states is not None and buffer == self.geometry.num_buffers:
+            return slot * self.states.row_bytes, (slot + 1) * self.states.row_bytes
+        g = self.geometry
+        start = g.page_offset(slot, 0)
+        return start + first_page * g.page_size, start + num_tokens * g.token_bytes
 
     def swap_in(self, handle: SwapHandle) -> int:
         """Bring a swapped-out request back; returns its (new) reqid. No copy when its old
-        slot is untouched; otherwise pages are mapped and its tokens copied back. Raises
-        NoFreeSlotError or OutOfPhysicalMemoryError (nothing changed: try again later).
+        slot is untouched; otherwise pages are mapped and its tokens copied back (only in
+        the layer kinds whose pages were taken). Raises NoFreeSlotError or
+        OutOfPhysicalMemoryError (nothing changed: try again later).
         A handle comes back once while its request lives: InvalidRequestError if the reqid
         an earlier swap_in gave it is still that request (free it first: then the handle may
         be swapped in again, as the scheduler does for a request preempted before it ran)."""
@@ -304,24 +326,70 @@ class KVCache:
                 f"this SwapHandle was swapped in already and its request is live as reqid {handle.live[0]}: a second "
                 f"swap_in would run it twice; free_reqid({handle.live[0]}) first, or swap_out that reqid again")
         firsts = handle.first_pages or (0,) * len(self.kind_buffers)
-        if isinstance(self.allocator, HybridAllocator):
-            slot, copies = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens, firsts)
-        else:
-            slot, copy = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens, first_page=firsts[0])
-            copies = (copy,)
+        slot, copies = self.allocator.resume(handle.slot, handle.epoch, handle.num_tokens, firsts)
         copy = any(copies)
         if copy:
-            start, pin = self.geometry.page_offset(slot, 0), self.backend.device.type == "cuda"
+            pin = self.backend.device.type == "cuda"
             for b, (buf, chunks) in enumerate(zip(self._bytes, handle.host)):
                 kind = self._kind_of[b]
                 if not copies[kind]:  # this kind's pages were untouched
                     continue
-                off = start + firsts[kind] * self.geometry.page_size
+                off, _ = self._row(b, slot, handle.num_tokens, firsts[kind])
                 for src in chunks:
                     buf[off:off + src.numel()].copy_(src, non_blocking=pin)
                     off += src.numel()
         handle.copied_in, handle.live = copy, (slot, self.allocator.allocation(slot))
         return slot
+
+    # --------------------------------------------------- recurrent states, snapshots ----
+    def state_rows(self) -> torch.Tensor:
+        """`[max_batch_size + num_snapshots, row_bytes]` uint8: every slot's recurrent states
+        (row s: slot s, mapped once it was stepped), then the snapshots' rows. The model's
+        state layers carve their views out of a row (`vattn.engine.states`)."""
+        if self.states is None:
+            raise InvalidRequestError("this cache keeps no recurrent states; give state_bytes")
+        if not self._bytes:
+            raise ClosedError("this cache was closed; create a new one with vattn.init()")
+        return self._bytes[-1].view(-1, self.states.row_bytes)
+
+    def want_snapshots(self, reqid: int, boundaries: Sequence[int]) -> None:
+        """Snapshot `reqid`'s states when an iteration passes each of these token counts:
+        the step that plans that iteration gives it a snapshot row (when memory allows),
+        listed by `planned_snapshots` for the state layers to write."""
+        self.allocator.want_snapshots(reqid, boundaries)
+
+    def planned_snapshots(self) -> dict[int, dict[int, int]]:
+        """Per slot of the last step, {token count: snapshot row} its iteration writes ({}
+        without recurrent states)."""
+        return self.allocator.planned_snapshots()
+
+    def take_snapshots(self, reqid: int, upto: int) -> dict[int, int]:
+        """The snapshot rows `reqid`'s computed iterations wrote, at token counts up to
+        `upto`: {count: row}; keep each with `pin_snapshot` or give it back with `free_snapshot`."""
+        return self.allocator.take_snapshots(reqid, upto)
+
+    def snapshot(self, reqid: int) -> int | None:
+        """A snapshot row with a copy of `reqid`'s states as they are (after its last
+        iteration), or None when no row or memory is left."""
+        return self.allocator.snapshot(reqid)
+
+    def pin_snapshot(self, row: int) -> tuple[int, int]:
+        """Keep snapshot `row` (a prefix block's states) until memory runs short (least
+        recently used first) or `trim()`; returns its handle."""
+        return self.allocator.pin_snapshot(row)
+
+    def snapshot_pinned(self, handle: tuple[int, int]) -> bool:
+        """Whether the kept snapshot `handle` names was not evicted since."""
+        return self.allocator.snapshot_pinned(handle)
+
+    def free_snapshot(self, handle: int | tuple[int, int]) -> None:
+        """Give back a snapshot row, or a kept snapshot (by its handle)."""
+        self.allocator.free_snapshot(handle)
+
+    def restore_snapshot(self, reqid: int, handle: tuple[int, int]) -> bool:
+        """`reqid`'s states become those of the kept snapshot `handle` (before its first
+        step: a prefix cache hit). False when it was evicted or no memory holds the row."""
+        return self.allocator.restore_snapshot(reqid, handle)
 
     def trim(self) -> int:
         """Unmap and release now every physical page no live token needs (pages of free
@@ -388,7 +456,7 @@ def _zero_pages(ref: weakref.ref, buffers: list[int], offsets: list[int]) -> Non
     cache.backend.zero(views, [off // page for off in offsets], page)
 
 
-def _close(allocator: PageAllocator, backend: Any) -> None:
+def _close(allocator: Coordinator, backend: Any) -> None:
     try:
         allocator.close()
     finally:

@@ -70,6 +70,10 @@ class CacheConfig:
     the per-layer layout each window size is a layer kind of its own whose pages wholly
     behind the window are given back as a request grows (see `layer_kinds`). The fused
     layout keeps every page (a page holds every layer of its tokens).
+    `state_bytes`: bytes of a slot's recurrent states (Mamba2, gated delta-net layers), one
+    more layer kind: a row of whole pages per slot, mapped at its first step, in the same
+    budget (`KVCache.state_rows`); `num_snapshots`: rows after the slots' that keep copies of
+    states at prefix blocks' ends (`KVCache.snapshot`, the prefix cache).
     """
 
     num_layers: int
@@ -88,6 +92,8 @@ class CacheConfig:
     cuda_driver: str = "auto"
     zero_reused_pages: bool = False
     layer_windows: tuple[int | None, ...] | None = None
+    state_bytes: int = 0
+    num_snapshots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_context_len"):
@@ -102,6 +108,10 @@ class CacheConfig:
         for name in ("background", "prefetch", "zero_reused_pages"):
             checks.flag(getattr(self, name), name)
         checks.one_of(self.cuda_driver, "cuda_driver", CUDA_DRIVERS)
+        for name in ("state_bytes", "num_snapshots"):
+            object.__setattr__(self, name, checks.as_int(getattr(self, name), name, InvalidConfigError, low=0))
+        if self.num_snapshots and not self.state_bytes:
+            raise InvalidConfigError(f"num_snapshots={self.num_snapshots} needs recurrent states: give state_bytes")
         if self.layer_windows is not None:
             windows = tuple(self.layer_windows)
             if len(windows) != self.num_layers:
@@ -220,6 +230,20 @@ class Geometry:
     def pages_for(self, num_tokens: int) -> int:
         """Page groups a slot needs to hold `num_tokens` tokens."""
         return -(-num_tokens * self.token_bytes // self.page_size)
+
+    def tokens_in(self, num_pages: int) -> int:
+        """Whole tokens `num_pages` pages of a slot hold."""
+        return num_pages * self.page_size // self.token_bytes
+
+    def held_bytes(self, num_tokens: int) -> int:
+        """Bytes `num_tokens` tokens occupy in the whole cache (K and V of every layer)."""
+        return num_tokens * self.token_bytes_all
+
+    def shared_pages(self, num_tokens: int) -> int:
+        """Whole pages of a slot's first `num_tokens` tokens (what a fork shares)."""
+        return num_tokens * self.token_bytes // self.page_size
+
+    first_writable = shared_pages  # the page a slot of that length writes its next token into
 
     def page_offset(self, slot: int, page: int) -> int:
         """Byte offset of (slot, page) inside every buffer."""

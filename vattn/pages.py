@@ -5,7 +5,10 @@ closed. Plain Python, no torch.
 A *page group* is one page of each of the `num_buffers` buffers (K and V of every layer),
 created, mapped, unmapped and released together: the unit both allocators count. The slot
 allocator (`vattn.allocator`) and the elastic pool (`vattn.pool`) keep their own books of
-where groups are mapped; every group is born and dies here:
+where groups are mapped; every group is born and dies here. The slot allocator's layer
+kinds (full attention, a sliding window, recurrent states) have groups of their own buffers
+(`PageGroups` each) in one `PageLayer`: one participant of the budget, one backend, one
+set of fences:
 
 ```
 num_created = spare (created, not mapped) + mapped (the owner's books) + in flight (a worker's map)
@@ -35,9 +38,11 @@ class PageGroups:
 
     def __init__(self, backend: Backend, bases: Sequence[int], page_size: int, num_buffers: int, *,
                  budget: Budget | None = None, reclaim: Callable[[int], int] | None = None,
-                 cached: Callable[[], int] | None = None, device_sync: Callable[[], None] | None = None) -> None:
+                 cached: Callable[[], int] | None = None, device_sync: Callable[[], None] | None = None,
+                 layer: PageLayer | None = None) -> None:
         """`reclaim(nbytes)` and `cached()` are the owner's budget callbacks (see `vattn.budget`);
-        `device_sync` is called before every unmap (wait for every stream of the device)."""
+        `device_sync` is called before every unmap (wait for every stream of the device).
+        `layer`: the `PageLayer` these groups are one layer kind of (it holds the budget)."""
         self.backend = backend
         self.bases = list(bases)
         self.page_size = page_size
@@ -47,6 +52,7 @@ class PageGroups:
         self.spare: list[Any] = []  # created, not mapped; pop() hands out the first created of a batch first
         self.num_created = 0
         self.unreleased: list[Any] = []  # released but refused by the backend: retried at close
+        self.layer = layer
         self.budget = budget
         self.budget_short = 0  # most bytes the budget refused since take_budget_short()
         self.budget_token = budget.register(reclaim, cached) if budget is not None else None
@@ -88,13 +94,17 @@ class PageGroups:
 
     def _take_budget(self, num_groups: int) -> bool:
         nbytes = num_groups * self.group_bytes
+        if self.layer is not None:
+            return self.layer.take_budget(nbytes)
         if self.budget is None or self.budget.try_take(nbytes):
             return True
         self.budget_short = max(self.budget_short, nbytes)
         return False
 
     def _give_budget(self, num_groups: int) -> None:
-        if self.budget is not None and num_groups:
+        if self.layer is not None:
+            self.layer.give_budget(num_groups * self.group_bytes)
+        elif self.budget is not None and num_groups:
             self.budget.give(num_groups * self.group_bytes)
 
     def take_budget_short(self) -> int:
@@ -187,5 +197,75 @@ class PageGroups:
             errors.append(e)
         if self.budget is not None:  # the participant leaves: whatever failed, its bytes go back
             self.budget.give(len(groups) * self.group_bytes)
+            self.budget.unregister(self.budget_token)
+        return errors
+
+
+class PageLayer:
+    """The slot allocator's page layer: the page groups of every layer kind of one cache
+    (`kinds`, a `PageGroups` each: a kind's group is one page of each of its buffers), one
+    participant of the budget and one backend (its fences, its device sync).
+
+    ```
+    created bytes = sum over kinds of num_created x group_bytes    (what the budget counts)
+    ```
+    The cache's own limit (its physical memory) is the allocator's to keep (it plans within
+    it); the layer takes every created group's bytes from a shared `Budget`, when there is one.
+    """
+
+    def __init__(self, backend: Backend, page_size: int, *, budget: Budget | None = None,
+                 reclaim: Callable[[int], int] | None = None, cached: Callable[[], int] | None = None,
+                 device_sync: Callable[[], None] | None = None) -> None:
+        self.backend = backend
+        self.page_size = page_size
+        self.device_sync = device_sync
+        self.budget = budget
+        self.budget_short = 0  # most bytes the budget refused since take_budget_short()
+        self.budget_token = budget.register(reclaim, cached) if budget is not None else None
+        self.kinds: list[PageGroups] = []
+
+    def add_kind(self, bases: Sequence[int]) -> PageGroups:
+        """The page groups of a layer kind whose buffers start at `bases` (one page each)."""
+        groups = PageGroups(self.backend, bases, self.page_size, len(bases), device_sync=self.device_sync, layer=self)
+        self.kinds.append(groups)
+        return groups
+
+    @property
+    def created_bytes(self) -> int:
+        """Bytes of the groups that exist, every kind's (what this cache holds of the budget,
+        less the unreleased ones)."""
+        return sum(k.num_created * k.group_bytes for k in self.kinds)
+
+    def take_budget(self, nbytes: int) -> bool:
+        if self.budget is None or not nbytes or self.budget.try_take(nbytes):
+            return True
+        self.budget_short = max(self.budget_short, nbytes)
+        return False
+
+    def give_budget(self, nbytes: int) -> None:
+        if self.budget is not None and nbytes:
+            self.budget.give(nbytes)
+
+    def take_budget_short(self) -> int:
+        """The most bytes the budget refused since the last call (0: none), to ask the other
+        participants for (`Budget.reclaim`) outside the owner's lock."""
+        short, self.budget_short = self.budget_short, 0
+        return short
+
+    def fence(self) -> Any:
+        """A marker of the device work enqueued so far (None where work is synchronous)."""
+        return self.backend.fence()
+
+    def close(self, kinds: Sequence[tuple[list[int], list[Any]]]) -> list[Exception]:
+        """Give everything back: per kind, unmap its `offsets` and release its `mapped` groups
+        (see `PageGroups.close`), then give the budget back in full and leave it. Goes on past
+        a failed call; returns the errors in order."""
+        errors: list[Exception] = []
+        nbytes = 0
+        for groups, (offsets, mapped) in zip(self.kinds, kinds):
+            nbytes += (len(mapped) + len(groups.spare) + len(groups.unreleased)) * groups.group_bytes
+            errors += groups.close(offsets, mapped)
+        if self.budget is not None:  # the participant leaves: whatever failed, its bytes go back
+            self.budget.give(nbytes)
             self.budget.unregister(self.budget_token)
         return errors

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from array import array
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Sequence
 
 from vattn.errors import InvalidConfigError, InvalidRequestError
@@ -37,7 +38,20 @@ if TYPE_CHECKING:
 
 
 class PrefixCache:
-    """Hash -> pinned page handle, over one `vattn.KVCache`. Plain Python."""
+    """Hash -> pinned page handles (and, for recurrent states, a kept snapshot), over one
+    `vattn.KVCache`: every layer kind's part of a block. Plain Python.
+
+    A cache with recurrent states (`KVCache(state_bytes=...)`, Mamba2 / gated delta-net
+    hybrids, as vLLM's hybrid prefix caching) needs the states at a hit's end too: a block
+    may keep a snapshot of every state layer's states at its end (`snapshots`, a row of the
+    cache's state kind, in its budget), and a hit is the longest cached chain whose last
+    block keeps one (its K/V pages are mapped, the snapshot is copied into the request's
+    states). A snapshot costs the whole state however short the block, so not every block
+    keeps one: a request snapshots (1) the end of its prompt's last whole block and (2) the
+    end of the cached K/V chain its lookup found past its longest snapshot (where it parts
+    from an earlier prompt: the boundary later prompts with that prefix share). Snapshots are
+    evicted with the cache's other pages, least recently used first.
+    """
 
     def __init__(self, cache: Any, salt: bytes | str = b"") -> None:
         g = cache.geometry
@@ -47,6 +61,9 @@ class PrefixCache:
         self.block_pages = g.share_pages  # pages a block is pinned in (a handle each)
         self.salt = salt.encode() if isinstance(salt, str) else bytes(salt)
         self.entries: dict[bytes, tuple] = {}  # chained block hash -> its pages' pin handles
+        # recurrent states: block hash -> its kept snapshot's handle, least recently used first
+        self.with_states = cache.states is not None
+        self.snapshots: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self.num_query_tokens = 0  # prompt tokens looked up
         self.num_hit_tokens = 0  # of those, found in the cache
 
@@ -64,17 +81,51 @@ class PrefixCache:
 
     def map_prefix(self, reqid: int, token_ids: Sequence[int]) -> int:
         """Map the longest cached prefix of `token_ids` into `reqid` (a request that has not
-        run yet). At least one token is left to compute, so the request still gets logits.
+        run yet); with recurrent states, the longest whose last block keeps a snapshot, which
+        is restored into `reqid`'s states, and the snapshots this request should take are
+        asked for. At least one token is left to compute, so the request still gets logits.
         Returns the number of tokens mapped (0: a miss)."""
         ids = token_array(token_ids)
         keys, handles = self.lookup(ids)
         self.num_query_tokens += len(ids)
-        if not handles:
-            return 0
-        n = self.cache.map_pinned(reqid, handles)
-        self.forget_evicted(keys[:len(handles)], n)
+        if not self.with_states:
+            n = 0
+            if handles:
+                n = self.cache.map_pinned(reqid, handles)
+                self.forget_evicted(keys[:len(handles)], n)
+        else:
+            n = self._map_with_states(reqid, ids, keys, handles)
         self.num_hit_tokens += n
         return n
+
+    def _map_with_states(self, reqid: int, ids: array, keys: list[bytes], handles: list[Any]) -> int:
+        u, t = self.block_pages, self.block_tokens
+        chain = len(handles) // u  # leading blocks with cached K/V
+        n = 0
+        hit = self._longest_snapshot(keys, chain)
+        if hit:
+            n = self.cache.map_pinned(reqid, handles[:hit * u])
+            self.forget_evicted(keys[:hit], n)
+            if n < hit * t:  # K/V pages were evicted meanwhile: the longest snapshot within what is mapped
+                hit = self._longest_snapshot(keys, n // t)
+                if hit * t < n:
+                    self.cache.truncate_pinned(reqid, hit * t)
+                n = hit * t
+            if hit:
+                key = keys[hit - 1]
+                if self.cache.restore_snapshot(reqid, self.snapshots[key]):
+                    self.snapshots.move_to_end(key)
+                else:  # evicted, or no memory for the request's states: a miss
+                    self.cache.truncate_pinned(reqid, 0)
+                    n = 0
+        want = {len(ids) // t * t, chain * t} if chain > hit else {len(ids) // t * t}
+        self.cache.want_snapshots(reqid, sorted(b for b in want if b > n))
+        return n
+
+    def _longest_snapshot(self, keys: Sequence[bytes], blocks: int) -> int:
+        """The most leading blocks of `keys[:blocks]` whose last keeps a snapshot (0: none)."""
+        snaps, kept = self.snapshots, self.cache.snapshot_pinned
+        return next((i for i in range(blocks, 0, -1) if keys[i - 1] in snaps and kept(snaps[keys[i - 1]])), 0)
 
     def lookup(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[Any]]:
         """The keys of the whole blocks of `token_ids` but its last token, and the page
@@ -95,25 +146,57 @@ class PrefixCache:
         those lost pages to eviction meanwhile."""
         for key in keys[num_mapped // self.block_tokens:]:
             self.entries.pop(key, None)
+            self._drop_snapshot(key)
 
     def insert(self, reqid: int, token_ids: Sequence[int]) -> None:
         """Pin the pages of the whole blocks of `token_ids`, which `reqid` has written
-        (computed) from its first token on, and remember them under their keys."""
+        (computed) from its first token on, and remember them under their keys; with
+        recurrent states, keep the snapshots `reqid` took at their boundaries (and one of its
+        states now, when they end on a boundary)."""
         keys = self.block_hashes(token_ids)
-        if not keys:
-            return
-        u = self.block_pages
-        handles = self.cache.pin(reqid, len(keys) * u)
-        for i, key in enumerate(keys):
-            self.entries[key] = tuple(handles[i * u:(i + 1) * u])
-        if len(self.entries) > 2 * len(self.cache.allocator.pins) + 1024:  # forget evicted blocks
-            self.entries = {k: b for k, b in self.entries.items() if self.pinned(b)}
+        if keys:
+            u = self.block_pages
+            handles = self.cache.pin(reqid, len(keys) * u)
+            for i, key in enumerate(keys):
+                self.entries[key] = tuple(handles[i * u:(i + 1) * u])
+            if len(self.entries) > 2 * len(self.cache.allocator.pins) + 1024:  # forget evicted blocks
+                self.entries = {k: b for k, b in self.entries.items() if self.pinned(b)}
+        if self.with_states:
+            self._keep_snapshots(reqid, len(token_ids), keys)
+
+    def _keep_snapshots(self, reqid: int, num_tokens: int, keys: list[bytes]) -> None:
+        cache, t = self.cache, self.block_tokens
+        whole = num_tokens // t * t
+        taken = cache.take_snapshots(reqid, whole)
+        if whole and whole == num_tokens and whole not in taken and cache.allocator.num_tokens(reqid) == whole:
+            row = cache.snapshot(reqid)  # its states are at the boundary now
+            if row is not None:
+                taken[whole] = row
+        for b, row in sorted(taken.items()):
+            key = keys[b // t - 1]
+            if key not in self.entries or self._has_snapshot(key):  # its K/V was not pinned, or kept already
+                cache.free_snapshot(row)
+            else:
+                self.snapshots[key] = cache.pin_snapshot(row)
+            if key in self.snapshots:
+                self.snapshots.move_to_end(key)
+        for key in [k for k, h in self.snapshots.items()  # evicted, or their K/V block was
+                    if not cache.snapshot_pinned(h) or k not in self.entries or not self.pinned(self.entries[k])]:
+            self._drop_snapshot(key)
+
+    def _has_snapshot(self, key: bytes) -> bool:
+        handle = self.snapshots.get(key)
+        return handle is not None and self.cache.snapshot_pinned(handle)
+
+    def _drop_snapshot(self, key: bytes) -> None:
+        handle = self.snapshots.pop(key, None)
+        if handle is not None:
+            self.cache.free_snapshot(handle)
 
     def pinned(self, handles: tuple) -> bool:
-        """Whether every page of a block is still pinned (a handle is (group, generation, ...),
-        one more pair per further layer kind; (None, 0): a hole behind a sliding window)."""
-        live = self.cache.allocator.pins
-        return all(h[0] is None or live.get(h[0]) == h[1] for h in handles)
+        """Whether every page of a block is still pinned, in every layer kind (holes behind a
+        sliding window are)."""
+        return self.cache.allocator.is_pinned(handles)
 
     @property
     def hit_rate(self) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests import fake_cuda
-from vattn.allocator import PageAllocator
+from vattn.allocator import Coordinator, KindSpec
 from vattn.config import CacheConfig, Geometry
 from vattn.vmem.cuda import CudaBackend
 from vattn.vmem.host import HostBackend
@@ -43,10 +43,10 @@ class LoggingCuda(Logging, CudaBackend):
 
 @pytest.fixture
 def allocator(device):
-    """make(max_pages) -> (PageAllocator, its logging backend): 64 tokens a page on every device."""
+    """make(max_pages) -> (Coordinator, its logging backend): 64 tokens a page on every device."""
     made = []
 
-    def make(max_pages: int) -> tuple[PageAllocator, Logging]:
+    def make(max_pages: int) -> tuple[Coordinator, Logging]:
         if device == "cpu":
             be = LoggingHost()
         elif device == "fakecuda":
@@ -59,7 +59,8 @@ def allocator(device):
         g = Geometry(cfg, page)  # 64 B a token per head: 64 tokens a page
         rng = be.reserve(g.buffer_bytes * g.num_buffers, page)
         bases = [rng.addr + b * g.buffer_bytes for b in range(g.num_buffers)]
-        a = PageAllocator(g, be, bases, max_pages=max_pages, background=False, prefetch=False)
+        a = Coordinator(be, [KindSpec("full", g, bases)], num_slots=cfg.max_batch_size, max_len=cfg.max_context_len,
+                        max_bytes=max_pages * g.group_bytes, background=False, prefetch=False)
         made.append((a, rng))
         return a, be
 

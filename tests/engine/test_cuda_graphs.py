@@ -143,16 +143,16 @@ class EagerGraphs(DecodeGraphs):
         return True
 
     def _replay(self, b: int) -> torch.Tensor:
-        from vattn.attention import ForwardContext, forward_context
+        from vattn.attention import forward_context
 
-        r, meta = self.runner, self._graphs[b]
+        r, meta = self.target, self._graphs[b]
         cu_k, used, pos = self.cu_seqlens_k[:b + 1].tolist(), self.seqused_k[:b].tolist(), self.positions[:b].tolist()
         assert cu_k == sorted(cu_k) and used == [p + 1 for p in pos]  # what the varlen kernel reads
         assert cu_k[-1] == cu_k[-2] + used[-1] and self.cu_seqlens_q[:b + 1].tolist() == list(range(b + 1))
         meta.slot_ids, meta.positions = self.slot_ids[:b], self.positions[:b]  # what the buffers hold now
         meta.slots, meta.starts = self.slot_ids[:b].tolist(), (self.positions[:b]).tolist()
         meta._plans.clear()
-        with forward_context(ForwardContext(r.k_caches, r.v_caches, meta, r.kernel)):
+        with forward_context(r.context(meta)):
             return self._forward(b)
 
 
@@ -160,7 +160,7 @@ def test_graph_buffers_and_padding_match_transformers_on_the_host() -> None:
     from tests.helpers import assert_matches, reference
 
     with LLM(tiny_config(), seed=0, device="cpu", max_batch_size=8, page_size=4096, cuda_graphs=False) as llm:
-        g = llm.runner.graphs = EagerGraphs(llm.runner, 8)
+        g = llm.runner.graphs = EagerGraphs(llm.runner.graph_target(), 8)
         outs = run_online(llm, prompts(), greedy_params())
         assert g.num_replays > 0 and len(g.captured_sizes) >= 3  # batches of 1 to 6 padded to 1, 2, 4 and 8
         llm.cache.allocator.check_invariants()

@@ -2,7 +2,8 @@
 
 Hybrids and state-space models (Mamba2 in Bamba and Falcon-H1, gated delta-net in
 Qwen3-Next, Mamba2 alone) keep a per-request state besides attention K/V. vattn's engine
-keeps it in vattn memory (`vattn.engine.states`) and must give `generate`'s greedy tokens
+keeps it in vattn memory (a layer kind of the cache's allocator, run by `vattn.engine.states`)
+and must give `generate`'s greedy tokens
 (continuous batching, chunked prefill, n > 1, preemption by swap or recompute, prefix
 caching with state snapshots at block ends). Everything else that keeps a state (and every such model
 outside the engine: `hf_cb`, `VAttnCache`, tensor parallelism) is refused at load with
@@ -63,6 +64,14 @@ HYBRIDS = {"bamba": ("linear_attention", "BambaMixer"), "falcon_h1": ("hybrid", 
 
 
 KV_LAYERS = {"bamba": 1, "falcon_h1": 2, "qwen3_next": 1, "mamba2": 1}  # (Mamba2: a stand-in for the slots)
+# bytes of a slot's state row (its states in whole 4 KiB pages): physical_memory holds them too
+STATE_ROW = {"bamba": 24 << 10, "falcon_h1": 24 << 10, "qwen3_next": 8 << 10, "mamba2": 24 << 10}
+
+
+def memory_cap(family: str, kv_pages: int, rows: int) -> int:
+    """physical_memory for `kv_pages` pages of `PAGE` bytes (K/V) and `rows` state rows (a
+    slot's states, or a snapshot)."""
+    return kv_pages * PAGE + rows * STATE_ROW[family]
 _REFERENCES: dict[str, list[list[int]]] = {}
 
 
@@ -72,6 +81,18 @@ def reference(family: str) -> list[list[int]]:
         model = build_model(hybrid_config(family))
         _REFERENCES[family] = [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS)]
     return _REFERENCES[family]
+
+
+def state_books(llm: LLM) -> Any:
+    """The books of the cache's recurrent-state kind (slots' rows and snapshot rows)."""
+    return next(kind.books for kind in llm.cache.allocator.kinds if kind.name == "state")
+
+
+def states_given_back(llm: LLM) -> bool:
+    """Every slot is free, and no snapshot row is held by a slot (only cached ones remain)."""
+    books = state_books(llm)
+    return (llm.cache.num_free_reqids == llm.cache.config.max_batch_size and llm.cache.stats().kinds["state"].used_bytes == 0
+            and not books.taken and not books.planned and not books.wants)
 
 
 def greedy(n: int = 1) -> list[SamplingParams]:
@@ -84,10 +105,8 @@ def test_state_models_match_generate_with_continuous_batching(family: str) -> No
     with LLM(hybrid_config(family), seed=0, max_batch_size=4, max_num_seqs=3, max_num_batched_tokens=16,
              page_size=PAGE) as llm:
         outs = run_online(llm, prompts(), greedy())
-        states = llm.runner.states
-        assert states is not None and not states.tokens  # every slot's states given back
+        assert states_given_back(llm)  # every slot's states given back
         assert llm.runner.cache.geometry.config.num_layers == KV_LAYERS[family]  # no K/V for state layers
-        assert states.pool.stats().num_used_blocks == 0
     assert [o.token_ids for o in outs] == reference(family)
 
 
@@ -107,13 +126,14 @@ def count_calls(obj: Any, *names: str) -> dict[str, int]:
 def test_state_models_fork_and_preempt(family: str, mode: str) -> None:
     """n=3 greedy samples fork the state at the prompt's end; a memory cap preempts: by
     swapping (the states go to the host with the K/V and come back) or by recomputing."""
-    cap = (4 if family == "mamba2" else 24) * PAGE  # (Mamba2: one small stand-in K/V layer)
+    cap = memory_cap(family, 4 if family == "mamba2" else 24, rows=4)  # (Mamba2: one small stand-in K/V layer)
     with LLM(hybrid_config(family), seed=0, max_batch_size=6, page_size=PAGE, physical_memory=cap,
              preemption_mode=mode) as llm:
+        assert llm.cache.states.row_bytes == STATE_ROW[family]
         calls = count_calls(llm.scheduler.kv, "fork", "swap_in")
         outs = run_online(llm, prompts(), greedy(n=3))
         assert llm.num_preemptions > 0 and calls["fork"] > 0 and (calls["swap_in"] > 0) == (mode == "swap")
-        assert not llm.runner.states.tokens
+        assert states_given_back(llm)
     for out, ref in zip(outs, reference(family)):
         assert [o.token_ids for o in out.outputs] == [ref] * 3
 
@@ -144,6 +164,9 @@ def shared_prompts() -> list[list[int]]:
 
 
 _SHARED_REFERENCES: dict[str, list[list[int]]] = {}
+# (K/V pages, state rows) of physical_memory that make these prompts preempt and still keep
+# snapshots (they count against it like any page); Mamba2: one small stand-in K/V layer
+SHARED_CAP = {"bamba": (16, 8), "falcon_h1": (28, 9), "qwen3_next": (16, 10), "mamba2": (6, 7)}
 
 
 def shared_reference(family: str) -> list[list[int]]:
@@ -157,16 +180,15 @@ def run_shared(family: str, mode: str = "swap") -> tuple[list, Any, dict[str, in
     """The shared-prefix prompts arriving over time with prefix caching, n=2 greedy samples,
     prompt chunks of 40 tokens (their ends fall inside blocks) and preemption (`mode`) under a
     memory cap. Returns outputs, prefix stats and the cache calls counted."""
-    cap = (6 if family == "mamba2" else 24) * PAGE  # (Mamba2: one small stand-in K/V layer)
+    cap = memory_cap(family, *SHARED_CAP[family])
     with LLM(hybrid_config(family, initializer_range=SHARED_INIT), seed=0, max_batch_size=6, page_size=PAGE,
              physical_memory=cap, preemption_mode=mode, enable_prefix_caching=True, max_num_batched_tokens=40) as llm:
         calls = count_calls(llm.scheduler.kv, "fork", "swap_in")
         params = [SamplingParams(temperature=0, max_tokens=m, n=2, ignore_eos=True) for m in SHARED_MAX_TOKENS]
         outs = run_online(llm, shared_prompts(), params, SHARED_ARRIVALS)
-        states = llm.runner.states
-        assert not states.tokens and not states.taken and not states.planned  # every slot's snapshots settled
-        kept = len(llm.prefix_cache.snapshots)
-        assert states.snapshots.stats().num_used_blocks == kept > 0  # only cached blocks keep snapshots
+        assert states_given_back(llm)  # every slot's snapshots settled
+        kept = sum(map(llm.cache.snapshot_pinned, llm.prefix_cache.snapshots.values()))
+        assert len(state_books(llm).cached) == kept  # only cached blocks keep snapshots (pressure may evict them all)
         calls["preemptions"] = llm.num_preemptions
         return outs, llm.prefix_cache_stats(), calls
 
@@ -188,7 +210,7 @@ def test_state_snapshots_are_evicted_least_recently_used_first() -> None:
     request snapshots its last block and where it parts from a cached prompt (4 snapshots a
     prefix), so the pool of SNAPSHOTS_PER_SLOT x max_batch_size snapshots evicts the oldest; a
     block whose snapshot is gone is a miss, and every output still equals generate's."""
-    from vattn.engine.llm import SNAPSHOTS_PER_SLOT
+    from vattn.engine.states import SNAPSHOTS_PER_SLOT
 
     g = torch.Generator().manual_seed(11)
     rand = lambda n: torch.randint(3, 128, (n,), generator=g).tolist()  # noqa: E731
@@ -205,11 +227,11 @@ def test_state_snapshots_are_evicted_least_recently_used_first() -> None:
             assert llm.generate(prompt, params)[0].token_ids == hf_greedy(model, prompt, 6)
             hits.append(pc.num_hit_tokens - before)
             kept.append(len(pc.snapshots))
-        snapshots = llm.runner.states.snapshots
-        assert snapshots.stats().num_used_blocks == len(pc.snapshots)
-        llm.runner.cache.trim()  # (what the idle engine does) evicts every cached block, then their snapshots
-        pc.trim()
-        assert not pc.snapshots and snapshots.stats().num_used_blocks == 0
+        books = state_books(llm)
+        assert len(books.cached) == len(pc.snapshots)
+        llm.runner.cache.trim()  # (what the idle engine does) evicts every cached block and snapshot
+        assert not books.cached and not any(llm.cache.snapshot_pinned(h) for h in pc.snapshots.values())
+        assert llm.cache.stats().kinds["state"].num_created_pages == 0
     assert hits[:12] == [0, 0, 96] * 4  # the third prompt of a prefix restores the state at 96 tokens
     assert max(kept) == 2 * SNAPSHOTS_PER_SLOT and hits[12] == 0  # the first prefix's snapshots were evicted: a miss
 
@@ -218,12 +240,12 @@ def test_state_snapshots_are_evicted_least_recently_used_first() -> None:
 def test_prefix_hits_without_their_state_give_other_tokens(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The mutation check: hits that map the K/V but keep the slot's state as it was (no
     restore) give other tokens, so the test above sees the state."""
-    from vattn.engine.states import RecurrentStates
+    from vattn.cache import KVCache
 
-    def no_restore(self: RecurrentStates, slot: int, block: int, tokens: int) -> None:
-        self.tokens[slot] = tokens
+    def no_restore(self: KVCache, reqid: int, handle: tuple[int, int]) -> bool:
+        return self.snapshot_pinned(handle)
 
-    monkeypatch.setattr(RecurrentStates, "restore", no_restore)
+    monkeypatch.setattr(KVCache, "restore_snapshot", no_restore)
     outs, stats, _ = run_shared(family)
     assert stats.num_hit_tokens > 0
     assert [[o.token_ids for o in out.outputs] for out in outs] != [[r] * 2 for r in shared_reference(family)]
@@ -327,7 +349,7 @@ def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on() -> None:
         failed = llm.generate(prompts()[:2], greedy()[:2])
         assert [o.finish_reason for o in failed] == ["error", "error"]
         assert all("not run again" in o.error for o in failed)
-        assert not llm.runner.states.tokens
+        assert states_given_back(llm)
         mixer.forward = installed
         outs = llm.generate(prompts(), greedy())
     assert [o.token_ids for o in outs] == reference("bamba")

@@ -4,8 +4,9 @@ A layer with a window of W tokens keeps mapped only the pages its queries can st
 pages wholly behind the window are unmapped as a request grows (the slot's virtual range
 stays reserved). On the host an unmapped page faults when read, so every greedy run here
 also shows that no kernel path reads behind the window. Interleaved models (Gemma-2,
-Gemma-3's 5 local to 1 global, Qwen2 with use_sliding_window, Ministral) get one page
-allocator per layer kind; Mistral (every layer windowed) one with a window.
+Gemma-3's 5 local to 1 global, Qwen2 with use_sliding_window, Ministral) get one layer kind
+each (full attention, the window) under the cache's coordinator; Mistral (every layer
+windowed) one kind, with a window.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from tests.helpers import (  # noqa: E402
 )
 
 import vattn  # noqa: E402
-from vattn.allocator import HybridAllocator  # noqa: E402
 from vattn.engine import LLM, SamplingParams  # noqa: E402
 from vattn.errors import InvalidConfigError, InvalidRequestError  # noqa: E402
 from vattn.integrations.hf import layer_windows  # noqa: E402
@@ -74,9 +74,8 @@ def window_cache(layer_windows: tuple, max_batch_size: int = 2, max_context_len:
 
 
 def window_kinds(cache: Any) -> list[Any]:
-    """The page allocators of the cache's sliding-window layer kinds."""
-    parts = cache.allocator.parts if isinstance(cache.allocator, HybridAllocator) else [cache.allocator]
-    return [a for a in parts if a.books.window is not None]
+    """The managers of the cache's sliding-window layer kinds."""
+    return [kind for kind in cache.allocator.kinds if kind.books.window is not None]
 
 
 def check_window_bound(cache: Any, batched: int = BATCHED) -> None:
@@ -122,7 +121,7 @@ def test_greedy_matches_transformers_with_pages_given_back(family: str) -> None:
     with LLM(family_config(family), seed=0, max_batch_size=4, page_size=PAGE, max_num_batched_tokens=BATCHED,
              prefetch=False) as llm:
         assert window_kinds(llm.cache), "no sliding-window kind"
-        assert isinstance(llm.cache.allocator, HybridAllocator) == (family != "mistral")
+        assert (len(llm.cache.allocator.kinds) > 1) == (family != "mistral")
         outs = run_checked(llm, prompts(), greedy_params())
         st = llm.cache.stats()
     assert [o.token_ids for o in outs] == reference(family)
@@ -214,7 +213,7 @@ def test_swap_with_every_layer_windowed() -> None:
 def test_fork_shares_only_pages_within_the_window_and_pins_compose() -> None:
     with window_cache((WINDOW, None), max_batch_size=4, max_context_len=1024) as cache:
         tpp = cache.geometry.share_tokens
-        win = cache.allocator.parts[1]
+        win = cache.allocator.kinds[1]
         r = cache.alloc_reqid()
         for n in (20, 40, 64):
             assert cache.step({r: n})
@@ -267,7 +266,7 @@ def test_an_iteration_reading_given_back_pages_is_refused() -> None:
         r = cache.alloc_reqid()
         assert cache.step({r: 40}) and cache.step({r: 41})
         assert cache.step({r: 41})  # the same iteration planned again: its queries still start at 40
-        assert cache.allocator.parts[1].books.holes(r) == (40 - WINDOW + 1) // cache.geometry.share_tokens
+        assert cache.allocator.kinds[1].books.holes(r) == (40 - WINDOW + 1) // cache.geometry.share_tokens
         with pytest.raises(InvalidRequestError, match="gave back"):
             cache.step({r: 20})  # back behind the window: those pages are gone
         assert cache.step({r: 60})
@@ -313,7 +312,7 @@ def test_window_pages_on_the_fake_cuda_driver(fake_cuda) -> None:
     r = cache.alloc_reqid()
     for n in range(1, 3 * tpp + 2):
         assert cache.step({r: n})
-    win = cache.allocator.parts[1]
+    win = cache.allocator.kinds[1]
     assert win.books.holes(r) == (3 * tpp - WINDOW + 1) // tpp
     child = cache.fork(r, 3 * tpp + 1)
     handle = cache.swap_out(child, 3 * tpp + 1)
@@ -324,7 +323,7 @@ def test_window_pages_on_the_fake_cuda_driver(fake_cuda) -> None:
     cache.allocator.check_invariants()
     cache.synchronize()
     booked = sum(a.geometry.num_buffers * sum(grp is not None for pages in a.books.slot_pages for grp in pages)
-                 for a in cache.allocator.parts)
+                 for a in cache.allocator.kinds)
     assert fake_cuda.num_mappings - mappings == booked  # holes are unmapped for the driver too
     assert cache.trim() >= 0
     cache.close()
@@ -387,7 +386,7 @@ def test_a_prefix_chain_of_pages_and_holes_maps_its_holes_first() -> None:
         cache.allocator.check_invariants()
         assert n <= 24 and cache.step({z: 25})
         cache.allocator.check_invariants()
-        win = cache.allocator.parts[1].books
+        win = cache.allocator.kinds[1].books
         last = win.max_lens[z] - 1
         first = max(0, last - 8 + 1)  # the keys the next query reads
         pages = win.slot_pages[z]
@@ -436,3 +435,31 @@ def test_layer_kinds_with_background_premapping_keep_every_token() -> None:
             if n == 256:
                 cache.free_reqid(s)
                 del lens[s]
+
+
+# ---- issue 30: the engine sizes each step to what memory holds, for every layer kind ----
+@pytest.mark.parametrize("family,memory", [("gemma3", 262144), ("mistral", 65536)])
+def test_a_tight_memory_prompt_runs_in_shorter_chunks(family: str, memory: int) -> None:
+    """The issue's reproducers: a 40-token prompt whose window layers cannot hold it in one
+    64-token chunk (a chunk's queries read every key of the chunk) but can in shorter ones:
+    the chunk is shortened, not the request refused as "can never fit"; with n=3 every sample
+    runs and equals generate's greedy tokens (none is a silent "length" beside an error)."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 128, (40,), generator=g).tolist()
+    ref = hf_greedy(build_model(family_config(family)), prompt, 13)
+    with LLM(family_config(family), seed=0, max_batch_size=4, page_size=PAGE, physical_memory=memory,
+             max_num_batched_tokens=64, prefetch=False) as llm:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=13, n=3))[0]
+        llm.cache.allocator.check_invariants()
+    assert out.finish_reason == "length" and out.error is None
+    assert [(o.token_ids, o.finish_reason, o.error) for o in out.outputs] == [(ref, "length", None)] * 3
+
+
+def test_a_request_that_cannot_run_alone_is_still_refused() -> None:
+    """Shorter chunks cannot make a prompt fit whose first token does not: "can never fit"
+    (with the sample named), and the engine serves on."""
+    with LLM(family_config("gemma3"), seed=0, max_batch_size=2, page_size=PAGE, physical_memory=48 << 10,
+             max_num_batched_tokens=64, prefetch=False) as llm:
+        big, small = llm.generate([list(range(3, 123)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))
+    assert big.finish_reason == "error" and "even when it runs alone" in big.error
+    assert small.finish_reason == "length" and len(small.token_ids) == 4

@@ -1,11 +1,13 @@
 """The slot allocator: slots (reqids) over contiguous virtual memory, page groups mapped on
-demand, deferred reclamation and background pre-mapping. Plain Python, no torch; see
-`vattn.allocator.core` for how its parts fit."""
+demand, deferred reclamation and background pre-mapping, for every layer kind of a cache
+(full attention, sliding windows, recurrent states) under one coordinator. Plain Python, no
+torch; see `vattn.allocator.coordinator` for how its parts fit."""
 from __future__ import annotations
 
-from vattn.allocator.books import MemoryStats, SlotBooks
-from vattn.allocator.core import PageAllocator
-from vattn.allocator.hybrid import HybridAllocator
-from vattn.allocator.plan import StepPlan, StepResult
+from vattn.allocator.books import MemoryStats, Slots, SlotBooks
+from vattn.allocator.coordinator import Coordinator, KindSpec
+from vattn.allocator.kinds import StateGeometry
+from vattn.allocator.plan import KindPlan, StepPlan, StepResult
 
-__all__ = ["HybridAllocator", "MemoryStats", "PageAllocator", "SlotBooks", "StepPlan", "StepResult"]
+__all__ = ["Coordinator", "KindPlan", "KindSpec", "MemoryStats", "SlotBooks", "Slots", "StateGeometry", "StepPlan",
+           "StepResult"]

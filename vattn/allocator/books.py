@@ -1,24 +1,27 @@
-"""The slot allocator's books: which page groups each slot maps, which slots are active,
-and the references, pins and dirty marks of every group. Plain Python, no torch.
+"""The slot allocator's books: the slots every layer kind shares (`Slots`: which are
+active, their lengths, fences, the lock), and each kind's pages (`SlotBooks`: which page
+groups each slot maps, and the references, pins and dirty marks of every group). Plain
+Python, no torch.
 
-A slot's pages are a prefix `slot_pages[s]` of references to page groups; in a
-sliding-window layer kind its leading entries may be holes (None): pages wholly behind the
-window, unmapped while the slot's virtual range stays reserved. A group may be
+A slot's pages in a kind are a prefix `slot_pages[s]` of references to that kind's page
+groups; in a sliding-window kind its leading entries may be holes (None): pages wholly
+behind the window, unmapped while the slot's virtual range stays reserved. A group may be
 mapped into several slots at once (a fork shares the whole pages of a prefix); `refs`
 counts the slots that map each group, plus one while it is pinned:
 
 ```
 created groups = spare (free, unmapped) + distinct mapped or pinned groups + in flight (worker)
-sum of refs    = sum over slots of len(slot_pages[s]) + len(pins)
+sum of refs    = sum over slots of len(slot_pages[s]) + len(pins)            (per kind)
 ```
 A shared group holds whole pages of tokens that every slot mapping it has already
 written: no slot ever writes into it. A slot's writable tail (from its length on) is in
 groups of its own.
 
 A slot (reqid) is *active* between alloc_reqid and free_reqid and *free* otherwise. A free
-slot keeps its pages (deferred reclamation). `epoch[s]` changes whenever a slot's data may
-change hands (a new owner, pages taken), so a parked request can tell whether its slot is
-untouched.
+slot keeps its pages (deferred reclamation). A slot has one length for every kind
+(`Slots.max_lens`): a step moves it in every kind or in none. `epoch[s]` (a kind's) changes
+whenever the slot's data in that kind may change hands (a new owner, pages taken), so a
+parked request can tell which kinds of its slot are untouched.
 """
 from __future__ import annotations
 
@@ -28,14 +31,39 @@ import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
 from vattn.checks import as_int
 from vattn.errors import ClosedError, InvalidRequestError, UnknownReqIdError
 
 if TYPE_CHECKING:  # the books import no torch: sizes are ints by the time they get here
-    from vattn.config import Geometry
     from vattn.pages import PageGroups
+
+
+class KindGeometry(Protocol):
+    """What the books, plans and mappers read of a kind's byte layout (`vattn.config.Geometry`
+    for K/V kinds, `StateGeometry` for states)."""
+
+    page_size: int
+
+    @property
+    def num_buffers(self) -> int: ...
+    @property
+    def group_bytes(self) -> int: ...
+    @property
+    def token_bytes(self) -> int: ...
+    @property
+    def share_tokens(self) -> int: ...
+    @property
+    def share_pages(self) -> int: ...
+    @property
+    def pages_per_slot(self) -> int: ...
+    def pages_for(self, num_tokens: int) -> int: ...
+    def page_offset(self, slot: int, page: int) -> int: ...
+    def tokens_in(self, num_pages: int) -> int: ...
+    def held_bytes(self, num_tokens: int) -> int: ...
+    def first_writable(self, num_tokens: int) -> int: ...
+    def shared_pages(self, num_tokens: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -58,9 +86,9 @@ class MemoryStats:
     free_tokens: int  # tokens that still fit (spare, budget and cached pages)
     num_active: int
     num_pinned_pages: int = 0  # kept for the prefix cache (mapped in a slot or not)
-    # A cache with sliding-window layers: each layer kind's own figures ("full",
-    # "window=W"), whose sums these are (page groups of different sizes added; bytes exact;
-    # free_tokens and the pins are the first kind's). None: one kind.
+    # A cache of several layer kinds: each kind's own figures ("full", "window=W",
+    # "state"), whose sums these are (page groups of different sizes added; bytes exact;
+    # the pins are the first kind's). None: one kind.
     kinds: dict[str, MemoryStats] | None = None
 
     @property
@@ -86,37 +114,21 @@ class MemoryStats:
         return self.fragmentation_bytes / self.active_bytes if self.active_bytes else 0.0
 
 
-class SlotBooks:
-    """The books of one cache, shared by the allocator's parts (planning, mapping, the
-    pre-mapping worker, sharing, swap) and guarded by `lock`.
+class Slots:
+    """The books every layer kind shares, guarded by `lock`: which slots are active (and
+    their allocation order), their lengths, the fences of the iterations that read them.
 
     Cost grows with the work, not the capacity: the slot `alloc_reqid` hands out next comes
-    from a heap, and the derived figures of a slot are kept in step with its pages.
+    from a heap over the first kind's pages (`warm_pages`, kept by that kind's books).
     """
 
-    def __init__(self, geometry: Geometry, physical: PageGroups, max_pages: int, *, track_dirty: bool,
-                 window: int | None = None) -> None:
-        """`window`: the tokens a query of these layers sees (their sliding window, plus the
-        kernels' margin), None for full attention: pages behind it are given back."""
-        self.geometry = geometry
-        self.window = window
-        self.physical = physical  # the page layer: spare groups, budget, fences
-        self.num_slots = n = geometry.config.max_batch_size
-        self.max_len = geometry.config.max_context_len
-        self.max_pages = max_pages  # budget of groups
+    def __init__(self, num_slots: int, max_len: int) -> None:
+        self.num_slots = n = num_slots
+        self.max_len = max_len
         self.lock = threading.Lock()
         self.closed = False
-
-        self.slot_pages: list[list[Any]] = [[] for _ in range(n)]
-        self.capacity = [0] * n  # tokens the slot's mapped pages hold (kept with slot_pages)
-        self.refs: dict[Any, int] = {}  # group -> slots mapping it + 1 if pinned
-        # Pinned groups (the prefix cache's pages), least recently used first: a pin is one
-        # more reference, so a pinned group outlives the slots that mapped it (its data stays
-        # in physical memory, unmapped) until it is evicted under memory pressure or trim().
-        self.pins: OrderedDict[Any, int] = OrderedDict()  # group -> generation of its pin
-        self._generation = itertools.count(1)
-        self.shared_slots: set[int] = set()  # slots that may map a group shared with another slot
         self.free_slots: set[int] = set(range(n))
+        self.warm_pages = [0] * n  # the first kind's pages of each slot (what warm_slot prefers)
         self._warm_heap = [(0, s) for s in range(n)]  # (-pages, slot) of free slots; stale entries skipped
         self.active: dict[int, int] = {}  # active slot -> allocation order (age)
         self._counter = itertools.count()
@@ -126,89 +138,52 @@ class SlotBooks:
         # queries of the iteration being planned start; a step re-planned at the same length
         # is the same iteration).
         self.prev_lens = [0] * n
-        self.lead = [0] * n  # holes (None) leading slot_pages[s]: pages given back behind a window
+        # A tensor-parallel rank takes a step back that another rank could not back
+        # (`Coordinator.revert_step`): each slot's previous length before prev_lens, and the
+        # step that last moved it (steps counted in num_steps).
+        self.older_lens = [0] * n
+        self.moved_at = [0] * n
+        self.num_steps = 0
         self.last_fence: list[Any] = [None] * n  # the slot's pages may be unmapped once this passed
-        self.epoch = [0] * n
         self.eager_tokens = 0.0  # running mean of new requests' first lengths
-        # zero_reused_pages: groups holding data of a request that no longer owns them, and the
-        # slots that hold such groups; `step` clears them before the slot's request runs.
-        self.track_dirty = track_dirty
-        self.dirty: set[Any] = set()
-        self.dirty_slots: set[int] = set()
-        self.in_flight: list[Any] = []  # groups the worker is mapping right now (lock released)
 
-    # ----------------------------------------------------------------- slots ----
     def take(self, slot: int) -> None:
         """Hand free `slot` to a new request."""
         self.free_slots.remove(slot)
         self.active[slot] = next(self._counter)
-        self.epoch[slot] += 1
         self.prev_lens[slot] = 0
 
     def untake(self, slot: int) -> None:
         """Give back a slot `take` handed out for a call that failed."""
         del self.active[slot]
         self.free_slots.add(slot)
-        self.pages_changed(slot)
+        self.max_lens[slot] = 0
+        self.warm_changed(slot)
 
     def free(self, slot: int) -> None:
         """The request in active `slot` ended; the slot keeps its pages."""
         del self.active[slot]
         self.free_slots.add(slot)
         self.max_lens[slot] = 0
-        self.pages_changed(slot)
-        if self.track_dirty and self.slot_pages[slot]:  # the next owner must not read them
-            # (pages shared with a live slot or pinned are someone's data still: a new owner
-            # drops them unread at its first step)
-            self.dirty.update(grp for grp in self.slot_pages[slot] if grp is not None and self.refs[grp] == 1)
-            self.dirty_slots.add(slot)
-
-    def holes(self, slot: int) -> int:
-        """Leading pages of `slot` given back behind its sliding window (None entries)."""
-        return self.lead[slot]
-
-    def num_mapped(self, slot: int) -> int:
-        """Pages of `slot` that are mapped (its holes are not)."""
-        return len(self.slot_pages[slot]) - self.holes(slot)
-
-    def first_needed(self, slot: int, new_len: int) -> int:
-        """The first page an iteration taking `slot` to `new_len` tokens reads (0 without a
-        window): its queries start at the previous step length, and a query at position q
-        sees keys from q - window + 1 on."""
-        if self.window is None:
-            return 0
-        start = self.prev_lens[slot] if new_len == self.max_lens[slot] else self.max_lens[slot]
-        first_key = max(0, min(start, new_len - 1) - self.window + 1)
-        return first_key * self.geometry.token_bytes // self.geometry.page_size
-
-    def reads_held(self, slot: int, start: int) -> bool:
-        """Whether `slot` still maps every key a query at position `start` sees (its holes
-        lie wholly behind that query's window)."""
-        holes = self.holes(slot)
-        if not holes or self.window is None:
-            return not holes
-        g = self.geometry
-        return holes <= max(0, start - self.window + 1) * g.token_bytes // g.page_size
+        self.warm_changed(slot)
 
     def warm_slot(self) -> int:
         """The free slot alloc_reqid hands out next: most pages mapped, then lowest index."""
-        heap, pages, free = self._warm_heap, self.slot_pages, self.free_slots
+        heap, pages, free = self._warm_heap, self.warm_pages, self.free_slots
         while True:
             neg, s = heap[0]
-            if s in free and -neg == len(pages[s]):
+            if s in free and -neg == pages[s]:
                 return s
             heapq.heappop(heap)
 
-    def pages_changed(self, slot: int) -> None:
-        """Keep the derived figures of `slot` in step with `slot_pages[slot]`."""
-        g = self.geometry
-        self.capacity[slot] = len(self.slot_pages[slot]) * g.page_size // g.token_bytes
+    def warm_changed(self, slot: int) -> None:
+        """`slot`'s first-kind pages changed, or it became free: keep the heap in step."""
         if slot in self.free_slots:
             heap = self._warm_heap
             if len(heap) > 4 * self.num_slots + 64:  # drop the stale entries now and then
-                heap[:] = [(-len(self.slot_pages[s]), s) for s in self.free_slots]
+                heap[:] = [(-self.warm_pages[s], s) for s in self.free_slots]
                 heapq.heapify(heap)
-            heapq.heappush(heap, (-len(self.slot_pages[slot]), slot))
+            heapq.heappush(heap, (-self.warm_pages[slot], slot))
 
     def check_active(self, reqid: Any) -> int:
         """`reqid` as the int of an active slot, or UnknownReqIdError."""
@@ -234,14 +209,158 @@ class SlotBooks:
         finally:
             self.lock.acquire()
 
-    def fence_ran(self) -> None:
+    def fence_ran(self, fence: Any) -> None:
         """The kernels of the last iteration read its slots: their pages may be unmapped
-        only after a fence taken now (at a step's start, and before any call between
+        only after `fence`, taken now (at a step's start, and before any call between
         iterations that may unmap pages: fork, map_pinned, trim, resume)."""
-        fence = self.physical.fence()
         if fence is not None:
             for s in self.ran:
                 self.last_fence[s] = fence
+
+    def check_invariants(self) -> None:
+        assert self.free_slots.isdisjoint(self.active)
+        assert len(self.free_slots) + len(self.active) == self.num_slots
+        assert all(not self.max_lens[s] for s in self.free_slots), "a free slot keeps a length"
+
+
+class SlotBooks:
+    """The books of one layer kind: which of its page groups each slot maps, and their
+    references, pins and dirty marks. The slot-level books (`slots`: active slots, lengths,
+    fences, the lock) are every kind's; the names below read them for the code that plans
+    and maps one kind.
+    """
+
+    def __init__(self, geometry: KindGeometry, physical: PageGroups, slots: Slots, *, track_dirty: bool,
+                 window: int | None = None, primary: bool = True, name: str = "full") -> None:
+        """`window`: the tokens a query of these layers sees (their sliding window, plus the
+        kernels' margin), None for full attention: pages behind it are given back.
+        `primary`: the first kind, whose pages `alloc_reqid` prefers (the warm slot)."""
+        self.geometry = geometry
+        self.window = window
+        self.physical = physical  # the page layer's groups of this kind: spare, fences
+        self.slots = slots
+        self.name = name
+        self.primary = primary
+        n = slots.num_slots
+        self.slot_pages: list[list[Any]] = [[] for _ in range(n)]
+        self.capacity = [0] * n  # tokens the slot's mapped pages hold (kept with slot_pages)
+        self.refs: dict[Any, int] = {}  # group -> slots mapping it + 1 if pinned
+        # Pinned groups (the prefix cache's pages), least recently used first: a pin is one
+        # more reference, so a pinned group outlives the slots that mapped it (its data stays
+        # in physical memory, unmapped) until it is evicted under memory pressure or trim().
+        self.pins: OrderedDict[Any, int] = OrderedDict()  # group -> generation of its pin
+        self._generation = itertools.count(1)
+        self.shared_slots: set[int] = set()  # slots that may map a group shared with another slot
+        self.lead = [0] * n  # holes (None) leading slot_pages[s]: pages given back behind a window
+        self.epoch = [0] * n
+        # zero_reused_pages: groups holding data of a request that no longer owns them, and the
+        # slots that hold such groups; `step` clears them before the slot's request runs.
+        self.track_dirty = track_dirty
+        self.dirty: set[Any] = set()
+        self.dirty_slots: set[int] = set()
+        self.in_flight: list[Any] = []  # groups the worker is mapping right now (lock released)
+
+    # ----------------------------------------------------- the slots' books, read here ----
+    @property
+    def lock(self) -> threading.Lock:
+        return self.slots.lock
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.num_slots
+
+    @property
+    def max_len(self) -> int:
+        return self.slots.max_len
+
+    @property
+    def active(self) -> dict[int, int]:
+        return self.slots.active
+
+    @property
+    def free_slots(self) -> set[int]:
+        return self.slots.free_slots
+
+    @property
+    def max_lens(self) -> list[int]:
+        return self.slots.max_lens
+
+    @property
+    def prev_lens(self) -> list[int]:
+        return self.slots.prev_lens
+
+    @property
+    def ran(self) -> dict[int, int]:
+        return self.slots.ran
+
+    @property
+    def last_fence(self) -> list[Any]:
+        return self.slots.last_fence
+
+    @property
+    def eager_tokens(self) -> float:
+        return self.slots.eager_tokens
+
+    def check_active(self, reqid: Any) -> int:
+        return self.slots.check_active(reqid)
+
+    def check_open(self) -> None:
+        self.slots.check_open()
+
+    def warm_slot(self) -> int:
+        return self.slots.warm_slot()
+
+    def unlocked(self, release: bool) -> contextlib.AbstractContextManager[None]:
+        return self.slots.unlocked(release)
+
+    # ----------------------------------------------------------------- slots ----
+    def new_owner(self, slot: int) -> None:
+        """`slot` got a new owner: its data in this kind changed hands."""
+        self.epoch[slot] += 1
+
+    def freed(self, slot: int) -> None:
+        """The request in `slot` ended (the slot keeps its pages)."""
+        if self.track_dirty and self.slot_pages[slot]:  # the next owner must not read them
+            # (pages shared with a live slot or pinned are someone's data still: a new owner
+            # drops them unread at its first step)
+            self.dirty.update(grp for grp in self.slot_pages[slot] if grp is not None and self.refs[grp] == 1)
+            self.dirty_slots.add(slot)
+
+    def holes(self, slot: int) -> int:
+        """Leading pages of `slot` given back behind its sliding window (None entries)."""
+        return self.lead[slot]
+
+    def num_mapped(self, slot: int) -> int:
+        """Pages of `slot` that are mapped (its holes are not)."""
+        return len(self.slot_pages[slot]) - self.holes(slot)
+
+    def first_needed(self, slot: int, new_len: int) -> int:
+        """The first page an iteration taking `slot` to `new_len` tokens reads (0 without a
+        window): its queries start at the previous step length, and a query at position q
+        sees keys from q - window + 1 on."""
+        if self.window is None:
+            return 0
+        slots = self.slots
+        start = slots.prev_lens[slot] if new_len == slots.max_lens[slot] else slots.max_lens[slot]
+        first_key = max(0, min(start, new_len - 1) - self.window + 1)
+        return first_key * self.geometry.token_bytes // self.geometry.page_size
+
+    def reads_held(self, slot: int, start: int) -> bool:
+        """Whether `slot` still maps every key a query at position `start` sees (its holes
+        lie wholly behind that query's window)."""
+        holes = self.holes(slot)
+        if not holes or self.window is None:
+            return not holes
+        g = self.geometry
+        return holes <= max(0, start - self.window + 1) * g.token_bytes // g.page_size
+
+    def pages_changed(self, slot: int) -> None:
+        """Keep the derived figures of `slot` in step with `slot_pages[slot]`."""
+        n = len(self.slot_pages[slot])
+        self.capacity[slot] = self.geometry.tokens_in(n)
+        if self.primary:
+            self.slots.warm_pages[slot] = n
+            self.slots.warm_changed(slot)
 
     # ---------------------------------------------------------------- groups ----
     def unref(self, groups: Iterable[Any]) -> None:
@@ -290,6 +409,11 @@ class SlotBooks:
             groups.append(grp)
         return groups
 
+    def num_evictable(self) -> int:
+        """Pinned groups no slot maps: what `evict` can make spare."""
+        refs = self.refs
+        return sum(refs[grp] == 1 for grp in self.pins)
+
     def evict(self, count: int) -> int:
         """Unpin up to `count` pinned groups that no slot maps, least recently used first;
         they become spare. Returns how many."""
@@ -310,14 +434,15 @@ class SlotBooks:
             self.dirty_slots.update(s for s, grp in zip(slots, groups) if grp in self.dirty)
 
     # --------------------------------------------------------------- figures ----
-    def stats(self) -> MemoryStats:
+    def stats(self, max_pages: int) -> MemoryStats:
+        """This kind's figures; `max_pages`: the groups of this kind the budget could hold."""
         g, refs, pins, physical = self.geometry, self.refs, self.pins, self.physical
         pin_only = sum(refs[grp] == 1 for grp in pins)
         mapped = len(refs) - pin_only  # distinct groups mapped in a slot: a shared one is memory once
-        holding = {grp for s in self.active for grp in self.slot_pages[s][:g.pages_for(self.max_lens[s])]
-                   if grp is not None}
+        active, max_lens = self.slots.active, self.slots.max_lens
+        holding = {grp for s in active for grp in self.slot_pages[s][:g.pages_for(max_lens[s])] if grp is not None}
         cached = len(refs) - len(holding)  # pages under no live token (pinned ones too)
-        spare = len(physical.spare) + (self.max_pages - physical.num_created) + cached
+        spare = len(physical.spare) + max(0, max_pages - physical.num_created) + cached
         return MemoryStats(
             page_size=g.page_size,
             group_bytes=g.group_bytes,
@@ -325,38 +450,43 @@ class SlotBooks:
             num_free_pages=len(physical.spare),
             num_mapped_pages=mapped,
             num_cached_pages=cached,
-            max_pages=self.max_pages,
+            max_pages=max_pages,
             mapped_bytes=mapped * g.group_bytes,
-            used_bytes=sum(self.live_tokens(s) for s in self.active) * g.token_bytes_all,
-            free_tokens=spare * g.page_size // g.token_bytes,
-            num_active=len(self.active),
+            used_bytes=sum(g.held_bytes(self.live_tokens(s)) for s in active),
+            free_tokens=g.tokens_in(spare),
+            num_active=len(active),
             num_pinned_pages=len(pins),
         )
 
     def live_tokens(self, slot: int) -> int:
         """Tokens of `slot` in mapped pages (those behind its window were given back)."""
-        g, n = self.geometry, self.max_lens[slot]
-        return max(0, n - self.holes(slot) * g.page_size // g.token_bytes) if self.window is not None else n
+        n = self.slots.max_lens[slot]
+        if self.window is None:
+            return n
+        g = self.geometry
+        return max(0, n - self.holes(slot) * g.page_size // g.token_bytes)
 
-    def cached_bytes(self) -> int:
+    def cached_groups(self) -> int:
         """An estimate, without the lock, of what could be given back now: spare groups, free
         slots' pages and pins."""
-        pages = self.slot_pages
-        lead = self.lead
-        cached = len(self.physical.spare) + len(self.pins) + sum(len(pages[s]) - lead[s] for s in list(self.free_slots))
-        return cached * self.geometry.group_bytes
+        pages, lead = self.slot_pages, self.lead
+        return (len(self.physical.spare) + len(self.pins)
+                + sum(len(pages[s]) - lead[s] for s in list(self.slots.free_slots)))
 
-    def check_invariants(self) -> None:
-        """Assert the books are consistent (for tests and debugging). Lock held."""
+    def check_invariants(self, max_pages: int | None = None) -> None:
+        """Assert this kind's books are consistent (for tests and debugging). Lock held."""
         mapped = [grp for pages in self.slot_pages for grp in pages if grp is not None]
         counts: dict[Any, int] = {}
         for grp in mapped:
+            counts[grp] = counts.get(grp, 0) + 1
+        for grp in self.extra_refs():
             counts[grp] = counts.get(grp, 0) + 1
         for grp in self.pins:
             counts[grp] = counts.get(grp, 0) + 1
         assert counts == self.refs, "reference counts differ from the slots' pages and the pins"
         everywhere = list(counts) + self.physical.spare + self.in_flight
-        assert len(everywhere) == self.physical.num_created <= self.max_pages
+        assert len(everywhere) == self.physical.num_created
+        assert max_pages is None or self.physical.num_created <= max_pages
         assert len(set(everywhere)) == self.physical.num_created, "a group is in two places"
         assert not set(everywhere) & set(self.physical.unreleased), "an unreleased group is in use"
         for s, pages in enumerate(self.slot_pages):
@@ -368,18 +498,23 @@ class SlotBooks:
             assert self.window is not None or len(held) == len(pages), f"slot {s} has holes without a window"
             if any(counts[grp] > 1 for grp in held):
                 assert s in self.shared_slots
-        g = self.geometry
-        for s in self.active:  # the writable tail (from the length on) is the slot's own
-            if not self.max_lens[s]:  # not stepped yet: its first step unshares it
+        g, max_lens = self.geometry, self.slots.max_lens
+        for s in self.slots.active:  # the writable tail (from the length on) is the slot's own
+            if not max_lens[s]:  # not stepped yet: its first step unshares it
                 continue
-            first_writable = self.max_lens[s] * g.token_bytes // g.page_size
+            first_writable = g.first_writable(max_lens[s])
             assert all(counts.get(grp) == 1 for grp in self.slot_pages[s][first_writable:]), \
                 f"slot {s} may write a shared page"
-        assert self.free_slots.isdisjoint(self.active)
-        assert len(self.free_slots) + len(self.active) == self.num_slots
-        for s in self.active:
-            assert len(self.slot_pages[s]) >= g.pages_for(self.max_lens[s])
-            assert len(self.slot_pages[s]) <= g.pages_per_slot
+            self.check_slot(s)
+
+    def check_slot(self, slot: int) -> None:
+        """Assert `slot` (active, with tokens) maps the pages its tokens need."""
+        g, pages = self.geometry, self.slot_pages[slot]
+        assert g.pages_for(self.slots.max_lens[slot]) <= len(pages) <= g.pages_per_slot, f"slot {slot}: {len(pages)} pages"
+
+    def extra_refs(self) -> Iterable[Any]:
+        """Groups referenced outside the slots and the pins (the state kind's snapshots)."""
+        return ()
 
 
 def as_index(value: Any, what: str) -> int:

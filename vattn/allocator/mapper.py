@@ -1,6 +1,7 @@
-"""Carrying out `StepPlan`s on the slot books: creating groups, unmapping slot tails after
-their fences, evicting pins, mapping, clearing reused pages. With the page layer
-(`vattn.pages`), the only place the slot allocator's driver calls are made. Plain Python.
+"""Carrying out `StepPlan`s on the books of every layer kind: creating groups, unmapping slot
+tails after their fences, evicting pins, releasing groups for another kind, giving back
+pages behind a window, mapping, clearing reused pages. With the page layer (`vattn.pages`),
+the only place the slot allocator's driver calls are made. Plain Python.
 
 The books change only after a backend call worked: a failed map leaves its groups spare, a
 failed unmap leaves the pages booked to their slots (perhaps unreadable now, but never
@@ -8,9 +9,9 @@ handed to another slot while still mapped).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-from vattn.allocator.plan import StepPlan, StepResult, Unmaps, plan_step, plan_unmaps, reclaimable
+from vattn.allocator.plan import KindPlan, StepPlan, Unmaps, plan_unmaps, reclaimable
 from vattn.errors import MapCountLimitError, OutOfPhysicalMemoryError
 
 if TYPE_CHECKING:
@@ -19,50 +20,95 @@ if TYPE_CHECKING:
 GROW_CHUNK = 16  # groups created per growth at least (fewer memfds / cuMemCreate batches)
 
 
+def carry_out(mappers: Sequence[Mapper], make_plan: Callable[[int], StepPlan], max_bytes: int,
+              ) -> tuple[StepPlan, int, int]:
+    """Plan within the budget (`max_bytes`), make the groups the plan needs and carry it out
+    in every kind (see `vattn.allocator.plan` for the order). A device (or budget) that
+    refuses new groups is a shortage now, not a smaller budget: plan again with what exists.
+    Returns (the plan carried out, groups mapped, pages unmapped).
+
+    Groups that fit the budget are created before anything moves; those a kind's release
+    makes room for, after it. Only a refusal of the latter (the device short of what was just
+    given back) finds pages moved: no one's data (free slots, pins, spare groups) but the
+    pages behind the windows of the plan's slots, which any iteration from their lengths
+    gives back (nothing they read); their lengths stay as they are if they fail then."""
+    limit = max_bytes
+    layer = mappers[0].books.physical.layer
+    while True:
+        plan = make_plan(limit)
+        pending = [kp.num_create for kp in plan.kinds]
+        extra = not any(kp.num_release for kp in plan.kinds)  # (a chunk more only where no kind makes room)
+        try:
+            _create(mappers, pending, limit, extra)  # what fits now: nothing has moved yet
+        except OutOfPhysicalMemoryError:
+            limit = layer.created_bytes
+            continue
+        num_unmapped = 0
+        for mapper, kp in zip(mappers, plan.kinds):
+            num_unmapped += mapper.unmap_tails(kp.unmaps)
+        for mapper, kp in zip(mappers, plan.kinds):
+            num_unmapped += mapper.give_back(kp)
+        for mapper, kp in zip(mappers, plan.kinds):  # (after the give-back: a pin its slots gave back)
+            if kp.num_evict:
+                mapper.evict(kp.num_evict)
+            if kp.num_release:
+                mapper.release_spare(kp.num_release)
+        if any(pending):
+            try:
+                _create(mappers, pending, limit, False)  # in the room the releases made
+            except OutOfPhysicalMemoryError:
+                limit = layer.created_bytes
+                continue
+        num_mapped = 0
+        for mapper, kp in zip(mappers, plan.kinds):
+            mapped, unmapped = mapper.execute(kp, plan.lens)
+            num_mapped += mapped
+            num_unmapped += unmapped
+        return plan, num_mapped, num_unmapped
+
+
+def _create(mappers: Sequence[Mapper], pending: list[int], limit: int, extra: bool) -> None:
+    """Create what fits within `limit` of each kind's `pending` groups (counted down), a
+    chunk more where `extra` and room is left after every kind's."""
+    layer = mappers[0].books.physical.layer
+    for k, mapper in enumerate(mappers):
+        gb = mapper.books.geometry.group_bytes
+        reserve = sum(m.books.geometry.group_bytes * p for m, p in zip(mappers[k + 1:], pending[k + 1:]))
+        count = min(pending[k], max(0, limit - layer.created_bytes - reserve) // gb)
+        if count:
+            mapper.grow(count, limit=limit, reserve=reserve, extra=extra)
+            pending[k] -= count
+
+
 class Mapper:
-    """Moves page groups between the spare list and slots, as plans say. Lock held."""
+    """Moves one layer kind's page groups between the spare list and slots, as plans say.
+    Lock held."""
 
     def __init__(self, books: SlotBooks, *, zero_pages: Callable[[list[int]], None] | None = None,
                  copy_pages: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
         """`zero_pages(offsets)` clears pages (zero_reused_pages); `copy_pages(pairs)` copies the
-        page at each (src, dst) offset pair in every buffer (fork)."""
+        page at each (src, dst) offset pair in every buffer of the kind (fork)."""
         self.books = books
         self.zero_pages = zero_pages
         self.copy_pages = copy_pages
 
     # ----------------------------------------------------------------- plans ----
-    def back(self, lens: dict[int, int], short: list[int]) -> StepResult:
-        """Back the `short` slots of a step (or a resume) with pages for `lens`."""
-        plan, num_mapped, num_unmapped = self.carry_out(lambda limit: plan_step(self.books, lens, short, limit))
-        return StepResult(plan.failed, num_mapped, num_unmapped, out_of_memory=plan.limit < self.books.max_pages)
+    def give_back(self, plan: KindPlan) -> int:
+        """The plan's pages behind windows (they become holes). Returns the pages unmapped."""
+        return sum(self.drop_behind(slot, first) for slot, first in plan.drops)
 
-    def carry_out(self, make_plan: Callable[[int], StepPlan]) -> tuple[StepPlan, int, int]:
-        """Plan within the budget, create what the plan needs and carry it out. A device (or
-        budget) that refuses new groups is a shortage now, not a smaller budget: plan again
-        with what exists. Returns (the plan carried out, groups mapped, pages unmapped)."""
-        limit = self.books.max_pages
-        while True:
-            plan = make_plan(limit)
-            if plan.num_create:
-                try:
-                    self.grow(plan.num_create, limit=limit)
-                except OutOfPhysicalMemoryError:
-                    limit = self.books.physical.num_created
-                    continue
-            return (plan, *self.execute(plan))
-
-    def execute(self, plan: StepPlan) -> tuple[int, int]:
-        """Unmap, evict and map as `plan` says (the groups it creates exist already). Returns
-        (groups mapped, pages unmapped)."""
-        num_unmapped = self.unmap_tails(plan.unmaps)
-        if plan.num_evict:
-            self.books.evict(plan.num_evict)
+    def execute(self, plan: KindPlan, lens: dict[int, int] | None = None) -> tuple[int, int]:
+        """Map the plan's pages (the groups it needs are spare already). Returns (groups
+        mapped, pages unmapped)."""
+        num_unmapped = 0
+        if not (plan.shares or plan.maps):
+            return 0, num_unmapped
         try:
             num_mapped = self.map_slots(plan)
         except MapCountLimitError:
             # Every mapped page is a VMA on the host: give back the cached ones (free slots,
             # pre-mapped tails) and try once more before failing.
-            freed = self.reclaim(reclaimable(self.books, plan.lens), self.books.physical.num_created)
+            freed = self.reclaim(reclaimable(self.books, lens or {}), self.books.physical.num_created)
             if not freed:
                 raise
             num_unmapped += freed
@@ -70,22 +116,25 @@ class Mapper:
         return num_mapped, num_unmapped
 
     # ------------------------------------------------------------- movements ----
-    def grow(self, count: int, background: bool = False, limit: int | None = None) -> None:
-        """Create at least `count` more spare groups (a chunk at a time) within `limit`
-        (default: the budget). In the background the lock is released around the driver
-        call (only step and reserve_physical grow otherwise, and both stop the worker first)."""
+    def grow(self, count: int, background: bool = False, limit: int = 0, reserve: int = 0,
+             extra: bool = True) -> None:
+        """Create at least `count` more spare groups (a chunk at a time where `extra`) within
+        `limit` bytes of every kind's groups, leaving `reserve` bytes of it to other kinds. In
+        the background the lock is released around the driver call (only calls that stop the
+        worker first grow otherwise)."""
         books = self.books
-        room = (books.max_pages if limit is None else limit) - books.physical.num_created
-        n = min(room, max(count, GROW_CHUNK))
+        physical, gb = books.physical, books.geometry.group_bytes
+        room = (limit - physical.layer.created_bytes - reserve) // gb
+        n = min(room, max(count, GROW_CHUNK if extra else count))
         if n <= 0:
             return
         need = min(count, room)
-        groups = books.physical.create(need, n - need, unlocked=books.unlocked(background))
+        groups = physical.create(need, n - need, unlocked=books.unlocked(background))
         if groups is None:
-            raise budget_refused(need, books.geometry.group_bytes)
-        books.physical.put_spare(groups)
+            raise budget_refused(need, gb)
+        physical.put_spare(groups)
 
-    def map_slots(self, plan: StepPlan) -> int:
+    def map_slots(self, plan: KindPlan) -> int:
         """Map the plan's given groups, then spare ones, in one backend call (atomic), copy
         what it copies, and book them. Returns the spare groups mapped."""
         books, g = self.books, self.books.geometry
@@ -177,6 +226,7 @@ class Mapper:
         drop = [p for p in range(books.holes(slot), first) if pages[p] is not None]
         if not drop:
             books.lead[slot] = max(books.lead[slot], first)
+            books.pages_changed(slot)
             return 0
         books.physical.wait([books.last_fence[slot]])
         books.physical.unmap([g.page_offset(slot, p) for p in drop])
@@ -186,6 +236,11 @@ class Mapper:
         books.lead[slot] = first
         books.pages_changed(slot)
         return len(drop)
+
+    def evict(self, count: int) -> int:
+        """Make up to `count` kept groups no slot maps spare (pins, least recently used
+        first). Returns how many."""
+        return self.books.evict(count)
 
     def reclaim(self, donors: list[tuple[int, int]], count: int) -> int:
         """Unmap the donors' tail pages until `count` groups became spare. Returns pages unmapped."""
@@ -230,4 +285,4 @@ def budget_refused(num_groups: int, group_bytes: int) -> OutOfPhysicalMemoryErro
         "or in the caches sharing it, or raise its limit")
 
 
-__all__ = ["GROW_CHUNK", "Mapper", "budget_refused"]
+__all__ = ["GROW_CHUNK", "Mapper", "budget_refused", "carry_out"]

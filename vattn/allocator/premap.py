@@ -10,7 +10,7 @@ batch in flight (`Premapper.quiesce`).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from vattn.errors import OutOfPhysicalMemoryError
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from vattn.allocator.books import SlotBooks
     from vattn.allocator.mapper import Mapper
 
-Job = list[tuple[int, int]]  # (slot, pages it should have)
+Job = list[tuple[int, int, int]]  # (kind, slot, pages it should have there)
 
 _WORKER_BATCH = 16  # groups the worker maps per lock hold, at most
 _WORKER_CALLS = 64  # buffers x groups the worker maps per lock hold, about (at least one group)
@@ -31,27 +31,35 @@ def worker_batch(num_buffers: int) -> int:
     return max(1, min(_WORKER_BATCH, _WORKER_CALLS // num_buffers))
 
 
-def plan_premap(books: SlotBooks, edge: list[int], ahead: int) -> Job:
-    """What the next iterations will want: `ahead` more tokens for every running request
-    that is that close to a page (`edge`), then pages for the request that gets the warm
-    slot (a running mean of new requests' first lengths). Only what is not mapped yet."""
-    g, max_len, lens, pages = books.geometry, books.max_len, books.ran, books.slot_pages
-    job = [(s, g.pages_for(min(lens[s] + ahead, max_len))) for s in edge]
-    if books.free_slots and books.eager_tokens:
-        warm = books.warm_slot()
-        if not books.holes(warm):  # (holes: its next request empties it first)
-            job.append((warm, g.pages_for(min(int(books.eager_tokens), max_len))))
-    return [(s, t) for s, t in job if t > len(pages[s])]
+def plan_premap(kinds: Sequence[SlotBooks], edge: list[int], ahead: int) -> Job:
+    """What the next iterations will want, in every kind: `ahead` more tokens for every
+    running request that is that close to a page (`edge`), then pages for the request that
+    gets the warm slot (a running mean of new requests' first lengths). Only what is not
+    mapped yet."""
+    slots = kinds[0].slots
+    max_len, lens = slots.max_len, slots.ran
+    warm = slots.warm_slot() if slots.free_slots and slots.eager_tokens else None
+    job: Job = []
+    for k, books in enumerate(kinds):
+        g, pages = books.geometry, books.slot_pages
+        want = [(s, g.pages_for(min(lens[s] + ahead, max_len))) for s in edge]
+        if warm is not None and not books.holes(warm):  # (holes: its next request empties it first)
+            want.append((warm, g.pages_for(min(int(slots.eager_tokens), max_len))))
+        job += [(k, s, t) for s, t in want if t > len(pages[s])]
+    return job
 
 
-def map_ahead(mapper: Mapper, job: Job, batch: int, worker: Premapper | None = None) -> None:
-    """Map spare (or newly created) groups into the job's slots, `batch` at a time; never
-    reclaims. Lock held on entry. On the `worker` it is released around each driver call:
-    nothing else changes `slot_pages` meanwhile (only calls that stop the worker first do),
-    and the batch's groups sit in `in_flight` until committed."""
-    books = mapper.books
-    g, physical, background = books.geometry, books.physical, worker is not None
-    for s, target in job:
+def map_ahead(mappers: Sequence[Mapper], job: Job, limit: int, worker: Premapper | None = None) -> None:
+    """Map spare (or newly created, within `limit` bytes) groups into the job's slots, a
+    kind's `worker_batch` at a time; never reclaims. Lock held on entry. On the `worker` it is released
+    around each driver call: nothing else changes `slot_pages` meanwhile (only calls that
+    stop the worker first do), and the batch's groups sit in `in_flight` until committed."""
+    background = worker is not None
+    for k, s, target in job:
+        mapper = mappers[k]
+        books = mapper.books
+        g, physical = books.geometry, books.physical
+        batch = worker_batch(g.num_buffers)
         while not (background and worker.stopped):
             have = len(books.slot_pages[s])
             n = min(target - have, batch)
@@ -59,7 +67,7 @@ def map_ahead(mapper: Mapper, job: Job, batch: int, worker: Premapper | None = N
                 break
             if len(physical.spare) < n:
                 try:
-                    mapper.grow(n - len(physical.spare), background)
+                    mapper.grow(n - len(physical.spare), background, limit=limit)
                 except OutOfPhysicalMemoryError:
                     pass  # a shortage now: pre-map what is spare; step tries again later
                 n = min(n, len(physical.spare))

@@ -1,27 +1,34 @@
-"""Shared pages on the slot books: fork (copy-on-write by construction), pins for the
-prefix cache (least recently used first when memory runs short) and their mapping into a
-new request's slot. Plain Python.
+"""Shared pages across the layer kinds of a slot cache: fork (copy-on-write by
+construction), pins for the prefix cache (least recently used first when memory runs
+short) and their mapping into a new request's slot. Plain Python.
 
 A shared group holds whole pages of tokens every slot mapping it has written; a slot's
 writable tail is always its own. Where a page does not hold a whole number of tokens, a
 token may straddle two pages: `map_pinned` shares whole units of lcm(page, token) bytes
 (`Geometry.share_pages`), and fork copies the page the first token of its own begins
 in. A pin is one more reference, so a pinned group outlives the slots that mapped it
-until it is evicted (`SlotBooks.evict`) or trimmed.
+until it is evicted (`SlotBooks.evict`) or trimmed. Every function here works on every
+kind at once (the coordinator holds the lock and has stopped the pre-mapping worker where
+pages move): a fork or a prefix happens in every kind or in none.
+
+Pin handles: one per page, `(group, generation)` of the first kind whose pages are a
+prefix block's (K/V), followed by a tuple of the other such kinds' handles when there are
+several; a page behind a sliding window is `(None, 0)`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from vattn.allocator.books import as_index
-from vattn.allocator.plan import StepPlan, plan_fork
+from vattn.allocator.plan import KindPlan, StepPlan, plan_backing
 from vattn.errors import InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError
 
 if TYPE_CHECKING:
-    from vattn.allocator.books import SlotBooks
-    from vattn.allocator.mapper import Mapper
+    from vattn.allocator.books import SlotBooks, Slots
+    from vattn.allocator.kinds import FullAttention
 
-Handle = tuple[Any, int]  # (group, generation of its pin); (None, 0): a page behind a sliding window
+Handle = tuple[Any, ...]  # (group, generation of its pin[, the other kinds' handles]); (None, 0): behind a window
+Carry = Callable[[Callable[[int], StepPlan]], tuple[StepPlan, int, int]]  # mapper.carry_out over the kinds
 
 
 def window_covers(books: SlotBooks, holes: int, num_pages: int) -> bool:
@@ -47,128 +54,159 @@ def check_truncate(books: SlotBooks, slot: int, num_tokens: int) -> int:
     return keep
 
 
-def fork_refused(parent: int, num_tokens: int) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"reqid {parent}'s sliding-window layers gave back pages the child's first query (at token "
-        f"{num_tokens}) reads: fork before the parent moves a window past it, or compute the prompt")
-
-
 def truncate_refused(slot: int, num_tokens: int) -> InvalidRequestError:
     return InvalidRequestError(
         f"num_tokens={num_tokens}: reqid {slot}'s sliding-window layers have no pages for the window "
         "before it (given back); map fewer or no cached tokens")
 
 
-class Sharing:
-    """fork, pin and map_pinned over the books. The caller holds the lock (and has stopped
-    the pre-mapping worker where pages move)."""
-
-    def __init__(self, books: SlotBooks, mapper: Mapper) -> None:
-        self.books = books
-        self.mapper = mapper
-
-    def fork(self, reqid: int, num_tokens: int, child: int | None = None) -> int:
-        """A new request whose first `num_tokens` tokens are `reqid`'s: its slot maps the
-        groups of the whole pages, and a fresh group for the partly filled last page, into
-        which that page is copied (see `KVCache.fork`). `child`: the free slot to use (the
-        other layer kinds of a hybrid cache follow the first kind's choice). Behind a
-        sliding window the parent's holes stay holes: only pages within it are shared."""
-        books = self.books
-        parent = books.check_active(reqid)
-        num_tokens = as_index(num_tokens, "num_tokens")
-        if not 0 < num_tokens <= books.max_lens[parent]:
-            raise InvalidRequestError(
-                f"num_tokens={num_tokens} must be in [1, {books.max_lens[parent]}]: the tokens reqid "
-                f"{parent} has (its longest step length)")
-        if not books.reads_held(parent, num_tokens):
-            raise fork_refused(parent, num_tokens)
-        books.fence_ran()
-        if not books.free_slots:
-            raise NoFreeSlotError(f"all {books.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
-        g = books.geometry
-        if num_tokens * g.token_bytes % g.page_size and self.mapper.copy_pages is None:
+# ---------------------------------------------------------------------- fork ----
+def fork(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, reqid: int, num_tokens: int,
+         fence: Any) -> int:
+    """A new request whose first `num_tokens` tokens are `reqid`'s, in every kind: its slot
+    maps the groups of the parent's whole pages and fresh groups for the rest, into which
+    those pages are copied (see `KVCache.fork`). Behind a sliding window the parent's holes
+    stay holes: only pages within it are shared; a recurrent state is copied whole.
+    Returns the child's slot."""
+    parent = slots.check_active(reqid)
+    num_tokens = as_index(num_tokens, "num_tokens")
+    if not 0 < num_tokens <= slots.max_lens[parent]:
+        raise InvalidRequestError(
+            f"num_tokens={num_tokens} must be in [1, {slots.max_lens[parent]}]: the tokens reqid "
+            f"{parent} has (its longest step length)")
+    for kind in kinds:
+        if not kind.can_fork(parent, num_tokens):
+            raise kind.fork_refused(parent, num_tokens)
+    slots.fence_ran(fence)
+    if not slots.free_slots:
+        raise NoFreeSlotError(f"all {slots.num_slots} slots are in use; free_reqid() one or raise max_batch_size")
+    # The emptiest free slot, leaving the warm one (the worker pre-maps it) to alloc_reqid.
+    warm = slots.warm_slot()
+    child = min(slots.free_slots, key=lambda s: (s == warm, slots.warm_pages[s], s))
+    parts = [kind.fork_parts(parent, child, num_tokens) for kind in kinds]
+    for kind, (_, _, copies) in zip(kinds, parts):
+        if copies and kind.mapper.copy_pages is None:
             raise InvalidRequestError("this cache cannot copy pages; fork at a page boundary")
-        # The emptiest free slot, leaving the warm one (the worker pre-maps it) to alloc_reqid.
-        if child is None:
-            warm = books.warm_slot()
-            child = min(books.free_slots, key=lambda s: (s == warm, len(books.slot_pages[s]), s))
-        elif child not in books.free_slots:
-            raise InvalidRequestError(f"slot {child} is not free")
-        self.mapper.empty(child)  # it keeps nothing of its earlier requests
-        plan, _, _ = self.mapper.carry_out(lambda limit: plan_fork(books, parent, child, num_tokens, limit))
-        if plan.failed:
-            raise OutOfPhysicalMemoryError(
-                f"no page left for the copy of reqid {parent}'s last partial page; free a request or "
-                "raise physical_memory")
-        if num_tokens * g.token_bytes >= g.page_size:  # whole pages shared
-            books.shared_slots.update((parent, child))
-        books.take(child)
-        books.pages_changed(child)
-        books.max_lens[child] = num_tokens
-        return child
+    for kind in kinds:
+        kind.mapper.empty(child)  # it keeps nothing of its earlier requests
+    books = [kind.books for kind in kinds]
+    plan, _, _ = carry(lambda limit: plan_backing(books, [maps for _, maps, _ in parts], {}, limit,
+                                                  copies=[c for _, _, c in parts], shares=[s for s, _, _ in parts]))
+    if plan.failed:
+        raise OutOfPhysicalMemoryError(
+            f"no pages left for the copy of reqid {parent}'s last partial page (or its states); free a request or "
+            "raise physical_memory")
+    slots.take(child)
+    for kind, (shares, _, _) in zip(kinds, parts):
+        kind.books.new_owner(child)
+        kind.adopted(child)
+        if shares and shares[0][2]:  # whole pages shared
+            kind.books.shared_slots.update((parent, child))
+        kind.books.pages_changed(child)
+    slots.max_lens[child] = slots.prev_lens[child] = num_tokens  # (a step to it plans no iteration)
+    return child
 
-    def pin(self, reqid: int, num_pages: int) -> list[Handle]:
-        """Pin the first `num_pages` pages of `reqid` (whole pages of tokens it wrote); one
-        handle each (see `KVCache.pin`)."""
-        books = self.books
-        slot = books.check_active(reqid)
-        num_pages = as_index(num_pages, "num_pages")
-        full = books.max_lens[slot] * books.geometry.token_bytes // books.geometry.page_size
-        if not 0 <= num_pages <= full:
-            raise InvalidRequestError(f"num_pages={num_pages}: reqid {slot} has {full} whole pages of tokens to pin")
-        return books.pin(slot, num_pages)
 
-    def num_pinned(self, handles: Sequence[Handle]) -> int:
-        """How many of `handles`, from the first, are still pinned; marks them most recently used."""
-        groups = self.books.pinned(handles)
+# ---------------------------------------------------------------------- pins ----
+def pinned_kinds(kinds: Sequence[FullAttention]) -> list[FullAttention]:
+    """The kinds whose pages are a prefix block's pages (K/V kinds)."""
+    return [kind for kind in kinds if kind.pinned_pages]
+
+
+def pin(slots: Slots, kinds: Sequence[FullAttention], reqid: int, num_pages: int) -> list[Handle]:
+    """Pin the first `num_pages` pages of `reqid` (whole pages of tokens it wrote) in every
+    K/V kind; one handle each (see `KVCache.pin`)."""
+    slot = slots.check_active(reqid)
+    num_pages = as_index(num_pages, "num_pages")
+    g = kinds[0].geometry
+    full = slots.max_lens[slot] * g.token_bytes // g.page_size
+    if not 0 <= num_pages <= full:
+        raise InvalidRequestError(f"num_pages={num_pages}: reqid {slot} has {full} whole pages of tokens to pin")
+    per_kind = [kind.books.pin(slot, num_pages) for kind in kinds]
+    if len(per_kind) == 1:
+        return per_kind[0]
+    return [(*first, tuple(rest)) for first, *rest in zip(*per_kind)]
+
+
+def split(kinds: Sequence[FullAttention], handles: Sequence[Handle]) -> list[list[tuple[Any, int]]]:
+    """Handles -> per kind, its (group, generation) handles."""
+    if len(kinds) == 1:
+        return [list(handles)]
+    out: list[list[tuple[Any, int]]] = [[(h[0], h[1]) for h in handles]]
+    for k in range(1, len(kinds)):
+        out.append([h[2][k - 1] for h in handles])
+    return out
+
+
+def num_pinned(kinds: Sequence[FullAttention], handles: Sequence[Handle]) -> int:
+    """How many of `handles`, from the first, are still pinned in every kind; marks them most
+    recently used."""
+    n = len(handles)
+    for kind, hs in zip(kinds, split(kinds, handles)):
+        groups = kind.books.pinned(hs)
         for grp in groups:
             if grp is not None:
-                self.books.pins.move_to_end(grp)
-        return len(groups)
+                kind.books.pins.move_to_end(grp)
+        n = min(n, len(groups))
+    return n
 
-    def map_pinned(self, reqid: int, handles: Sequence[Handle]) -> int:
-        """Map the leading still-pinned `handles` as the first pages of a request that has not
-        run yet (its slot keeps nothing of earlier requests), in whole sharing units
-        (`Geometry.share_pages` pages, `share_tokens` tokens: the request's first token of
-        its own then starts on a page boundary, so it never writes into a shared page; a
-        unit that lost a page to eviction ends the prefix). Returns the tokens mapped."""
-        books = self.books
-        slot = books.check_active(reqid)
-        g = books.geometry
-        if books.max_lens[slot]:
-            raise InvalidRequestError(f"reqid {slot} has run already; map pinned pages before its first step")
-        books.fence_ran()
-        groups = books.pinned(handles)
-        # The longest run of whole units whose window is still mapped. A chain may join blocks
-        # pinned by different requests ([page, hole, page, page]): the slot's holes lead it, so
-        # a page before the last hole is not mapped (no query after the run reads it)
-        num = len(groups) - len(groups) % g.share_pages
-        while num:
-            holes = max((i + 1 for i, grp in enumerate(groups[:num]) if grp is None), default=0)
-            if window_covers(books, holes, num):
-                break
-            num -= g.share_pages
-        if not num:
-            return 0
-        groups = [None] * holes + groups[holes:num]
-        self.mapper.empty(slot)  # a reused slot: drop its pages first
-        self.mapper.execute(StepPlan({}, shares=((slot, 0, tuple(groups)),)))
+
+def is_pinned(kinds: Sequence[FullAttention], handles: Sequence[Handle]) -> bool:
+    """Whether every one of `handles` is still pinned in every kind (holes are)."""
+    return all(len(kind.books.pinned(hs)) == len(hs) for kind, hs in zip(kinds, split(kinds, handles)))
+
+
+def map_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, handles: Sequence[Handle],
+               fence: Any) -> int:
+    """Map the leading still-pinned `handles` as the first pages of a request that has not
+    run yet (its slot keeps nothing of earlier requests), in every K/V kind alike, in whole
+    sharing units (`Geometry.share_pages` pages, `share_tokens` tokens: the request's first
+    token of its own then starts on a page boundary, so it never writes into a shared page;
+    a unit that lost a page to eviction ends the prefix). Returns the tokens mapped."""
+    slot = slots.check_active(reqid)
+    if slots.max_lens[slot]:
+        raise InvalidRequestError(f"reqid {slot} has run already; map pinned pages before its first step")
+    slots.fence_ran(fence)
+    g = kinds[0].geometry
+    per_kind = [kind.books.pinned(hs) for kind, hs in zip(kinds, split(kinds, handles))]
+    # The longest run of whole units, pinned in every kind, whose window is still mapped. A
+    # chain may join blocks pinned by different requests ([page, hole, page, page]): the
+    # slot's holes lead it, so a page before the last hole is not mapped (no query after the
+    # run reads it)
+    num = min(len(groups) for groups in per_kind)
+    num -= num % g.share_pages
+    while num:
+        holes = [max((i + 1 for i, grp in enumerate(groups[:num]) if grp is None), default=0) for groups in per_kind]
+        if all(window_covers(kind.books, h, num) for kind, h in zip(kinds, holes)):
+            break
+        num -= g.share_pages
+    if not num:
+        return 0
+    for kind, groups, h in zip(kinds, per_kind, holes):
+        books = kind.books
+        groups = [None] * h + groups[h:num]
+        kind.mapper.empty(slot)  # a reused slot: drop its pages first
+        kind.mapper.execute(KindPlan(shares=((slot, 0, tuple(groups)),)))
         for grp in groups:  # (the rest of a broken unit stays least recently used: evicted first)
             if grp is not None:  # (None: a hole behind a sliding window)
                 books.pins.move_to_end(grp)
         books.shared_slots.add(slot)
-        books.max_lens[slot] = len(groups) // g.share_pages * g.share_tokens
-        return books.max_lens[slot]
+    slots.max_lens[slot] = slots.prev_lens[slot] = num // g.share_pages * g.share_tokens
+    return slots.max_lens[slot]
 
-    def truncate_pinned(self, reqid: int, num_tokens: int) -> int:
-        """Keep only the first `num_tokens` tokens (whole sharing units) of what `map_pinned`
-        mapped into a request that has not run yet; the later pages stay pinned. Returns the
-        pages unmapped."""
-        books = self.books
-        slot = books.check_active(reqid)
-        num_tokens = as_index(num_tokens, "num_tokens")
-        g = books.geometry
-        mapped, pages = books.max_lens[slot], books.slot_pages[slot]
+
+def truncate_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, num_tokens: int) -> int:
+    """Keep only the first `num_tokens` tokens (whole sharing units) of what `map_pinned`
+    mapped into a request that has not run yet, in every K/V kind; the later pages stay
+    pinned. Refused (nothing changed) where a window kind gave back pages its next query
+    would read. Returns the pages unmapped."""
+    slot = slots.check_active(reqid)
+    num_tokens = as_index(num_tokens, "num_tokens")
+    mapped = slots.max_lens[slot]
+    keeps = []
+    for kind in kinds:
+        books, g = kind.books, kind.geometry
+        pages = books.slot_pages[slot]
         if (not mapped or mapped * g.share_pages != len(pages) * g.share_tokens
                 or any(grp not in books.pins for grp in pages if grp is not None)):
             raise InvalidRequestError(  # it ran (or holds other pages): its own tokens would be lost
@@ -178,21 +216,38 @@ class Sharing:
             raise InvalidRequestError(
                 f"num_tokens={num_tokens} must be a whole number of sharing units ({g.share_tokens} tokens in "
                 f"{g.share_pages} page(s) each) of at most the {mapped} tokens map_pinned mapped into reqid {slot}")
-        drop = len(pages) - check_truncate(books, slot, num_tokens)
-        unmapped = self.mapper.reclaim([(slot, drop)], drop) if drop else 0
-        books.max_lens[slot] = num_tokens
-        return unmapped
+        keeps.append(check_truncate(books, slot, num_tokens))
+    unmapped = 0
+    for kind, keep in zip(kinds, keeps):
+        drop = len(kind.books.slot_pages[slot]) - keep
+        unmapped += kind.mapper.reclaim([(slot, drop)], drop) if drop else 0
+    slots.max_lens[slot] = slots.prev_lens[slot] = num_tokens
+    return unmapped
 
-    def unshare_new_owners(self, lens: dict[int, int]) -> bool:
-        """A new request must not write into pages another slot shares: unmap every page of
-        a freshly allocated slot that still maps a shared group (it keeps nothing of them).
-        Returns whether any page was unmapped."""
-        books, changed = self.books, False
+
+def unshare_new_owners(kinds: Sequence[FullAttention], lens: dict[int, int]) -> bool:
+    """A new request must not write into pages another slot shares, nor find holes where it
+    reads: unmap every page of a freshly allocated slot of the step that still maps a
+    shared group (it keeps nothing of them) or holes behind a window. Returns whether any
+    page was unmapped."""
+    changed = False
+    for kind in kinds:
+        books = kind.books
+        max_lens = books.slots.max_lens
         for s in list(books.shared_slots):
             if not any(grp is not None and books.refs[grp] > 1 for grp in books.slot_pages[s]):
                 books.shared_slots.discard(s)
-            elif s in lens and not books.max_lens[s]:
-                self.mapper.empty(s)
+            elif s in lens and not max_lens[s]:
+                kind.mapper.empty(s)
                 books.shared_slots.discard(s)
                 changed = True
-        return changed
+        if books.window is not None:
+            for s in lens:
+                if books.lead[s] and not max_lens[s]:  # an earlier request's pages are nothing to it
+                    kind.mapper.empty(s)
+                    changed = True
+    return changed
+
+
+__all__ = ["Handle", "check_truncate", "fork", "is_pinned", "map_pinned", "num_pinned", "pin",
+           "pinned_kinds", "split", "truncate_pinned", "truncate_refused", "unshare_new_owners", "window_covers"]

@@ -31,15 +31,13 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
-from vattn.attention import AttentionMetadata, ForwardContext, forward_context
+from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, forward_context
 from vattn.errors import InvalidConfigError
-
-if TYPE_CHECKING:
-    from vattn.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +62,32 @@ def padded_size(n: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-class DecodeGraphs:
-    """The captured decode forwards of one `ModelRunner` (see the module docstring)."""
+@dataclass(frozen=True)
+class GraphTarget:
+    """What a captured decode runs (the model runner's, given explicitly): the model's
+    logits (compiled or eager), the attention kernel and the per-layer caches it reads, the
+    device, and the cache's slot geometry."""
 
-    def __init__(self, runner: ModelRunner, max_size: int) -> None:
-        self.runner = runner
+    logits: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]  # (ids, positions [1, T], keep) -> [S, V]
+    kernel: AttentionKernel
+    k_caches: list[Any]  # by the model's layer index: [B, T, H_kv, D] each, None for a layer without attention
+    v_caches: list[Any]
+    device: torch.device
+    slot_tokens: int
+    max_context_len: int
+    synchronize: Callable[[], None]  # waits for the cache's page mapping (none while a graph is captured)
+
+    def context(self, meta: AttentionMetadata) -> ForwardContext:
+        return ForwardContext(self.k_caches, self.v_caches, meta, self.kernel)
+
+
+class DecodeGraphs:
+    """The captured decode forwards of one model runner (see the module docstring)."""
+
+    def __init__(self, target: GraphTarget, max_size: int) -> None:
+        self.target = target
         self.sizes = capture_sizes(max_size)
-        B, dev = self.sizes[-1], runner.device
+        B, dev = self.sizes[-1], target.device
         long, i32 = dict(dtype=torch.long, device=dev), dict(dtype=torch.int32, device=dev)
         self.input_ids = torch.zeros(1, B, **long)  # [1, B]
         self.positions = torch.zeros(B, **long)  # [B]
@@ -91,7 +108,7 @@ class DecodeGraphs:
 
     def usable(self, num_seqs: int) -> bool:
         """Whether a decode of num_seqs sequences can run as a graph now."""
-        kernel = self.runner.kernel
+        kernel = self.target.kernel
         return (self.disabled_reason is None and kernel.name in GRAPH_KERNELS and "decode" in kernel.verified
                 and num_seqs <= self.sizes[-1])
 
@@ -121,7 +138,7 @@ class DecodeGraphs:
         copy, then device copies into the buffers of each dtype."""
         pad = b - len(slots)
         slots, starts, tokens = slots + slots[-1:] * pad, starts + starts[-1:] * pad, tokens + tokens[-1:] * pad
-        st = self.runner.slot_tokens
+        st = self.target.slot_tokens
         ends = [s * st for s in slots] + [slots[-1] * st + starts[-1] + 1]
         rows = torch.tensor([tokens + [0], starts + [0], slots + [0], ends, [n + 1 for n in starts] + [0]])  # [5, b + 1]
         x = rows.to(self.positions.device)  # from pageable memory: the host copy is free again on return
@@ -138,24 +155,24 @@ class DecodeGraphs:
         the kernel's launch fit every later replay."""
         pad = b - len(slots)
         meta = AttentionMetadata(slots + slots[-1:] * pad, starts + starts[-1:] * pad, [1] * b, self.slot_ids[:b],
-                                 self.positions[:b], self.runner.slot_tokens, self.runner.device,
-                                 max_context=self.runner.max_context_len)
+                                 self.positions[:b], self.target.slot_tokens, self.target.device,
+                                 max_context=self.target.max_context_len)
         meta._cuda = {"cu_seqlens_q": self.cu_seqlens_q[:b + 1], "cu_seqlens_k": self.cu_seqlens_k[:b + 1],
                       "seqused_k": self.seqused_k[:b], "slots": self.slots[:b]}
         return meta
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.runner.logits(self.input_ids[:, :b], self.positions[None, :b], 0)  # [b, V]; compiled or eager
+        return self.target.logits(self.input_ids[:, :b], self.positions[None, :b], 0)  # [b, V]; compiled or eager
 
     def _capture(self, b: int, slots: list[int], starts: list[int]) -> bool:
         """Warm up and capture graph b on the batch now in the static buffers (a warm-up
         forward really runs: it writes the batch's own K/V, which the replay writes again).
         False when it failed (graphs are off from then on)."""
-        r = self.runner
+        r = self.target
         t0 = time.perf_counter()
-        ctx = ForwardContext(r.k_caches, r.v_caches, self._metadata(b, slots, starts), r.kernel)
+        ctx = r.context(self._metadata(b, slots, starts))
         try:
-            r.cache.synchronize()  # no page mapping of the worker while the graph is captured
+            r.synchronize()  # no page mapping of the worker while the graph is captured
             with forward_context(ctx):
                 side = torch.cuda.Stream(r.device)
                 side.wait_stream(torch.cuda.current_stream(r.device))
@@ -206,4 +223,4 @@ def _reset_rng_capture_state(device: torch.device) -> None:
         logger.warning("vattn: could not reset the CUDA generator after a failed capture", exc_info=True)
 
 
-__all__ = ["DecodeGraphs", "capture_sizes", "padded_size", "GRAPH_KERNELS"]
+__all__ = ["DecodeGraphs", "GraphTarget", "capture_sizes", "padded_size", "GRAPH_KERNELS"]

@@ -29,20 +29,14 @@ import torch
 from vattn.checks import is_int
 from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, prefix_salt
-from vattn.engine.parallel import AgreedPrefixCache, AgreedSlots, TensorParallel, TPModelRunner
+from vattn.engine.parallel import AgreedSlots, TensorParallel, TPModelRunner
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
 from vattn.idle import IdleTrim
-from vattn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
-
-
-# snapshot blocks of recurrent states a prefix cache may keep, per slot (virtual: memory only
-# under the snapshots kept; see vattn.engine.states.HybridPrefixCache)
-SNAPSHOTS_PER_SLOT = 2
 
 
 @dataclass(frozen=True)
@@ -119,7 +113,7 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
         self.runner = ModelRunner(loaded.model, loaded.dtype, device, self.config)
         try:
-            self._start(loaded, self.runner.slots)
+            self._start(loaded, self.runner.cache)
         except BaseException:
             self.runner.close()
             raise
@@ -145,18 +139,8 @@ class LLM:
 
     def _start(self, loaded: LoadedModel, kv: Any) -> None:
         self.prefix_cache = None
-        states = getattr(self.runner, "states", None)
-        if self.config.enable_prefix_caching:
-            salt = prefix_salt(loaded.model, loaded.dtype)  # the rank's shard config: the same on every rank
-            if states is not None:  # (states run on one rank only) blocks keep snapshots of the states
-                from vattn.engine.states import HybridPrefixCache
-
-                self.prefix_cache = HybridPrefixCache(
-                    self.runner.cache, states, SNAPSHOTS_PER_SLOT * self.config.max_batch_size,
-                    self.config.page_size, salt=salt, budget=self.config.budget)
-            else:
-                self.prefix_cache = (PrefixCache(self.runner.cache, salt=salt) if self.tp is None
-                                     else AgreedPrefixCache(self.runner.cache, self.tp, salt=salt))
+        if self.config.enable_prefix_caching:  # (the salt: the rank's shard config, the same on every rank)
+            self.prefix_cache = self.runner.prefix_cache(prefix_salt(loaded.model, loaded.dtype))
         self.scheduler = Scheduler(self.config.scheduler_config(), kv,
                                    eos_token_ids=_eos_token_ids(loaded.model), prefix_cache=self.prefix_cache)
         self.max_context_len = self.runner.max_context_len
@@ -364,9 +348,6 @@ class LLM:
             self.idle.note_trimmed()
             try:
                 released = self.runner.cache.trim()
-                trim_states = getattr(self.prefix_cache, "trim", None)  # snapshots of evicted blocks
-                if trim_states is not None:
-                    trim_states()
             except Exception:  # noqa: BLE001 - memory stays mapped; serving goes on
                 logger.warning("vattn: giving idle KV memory back failed", exc_info=True)
                 return

@@ -26,10 +26,12 @@ from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, 
 from vattn.cache import KVCache
 from vattn.engine.compile import CompiledForward, compile_mode
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
-from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs
+from vattn.engine import states
+from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import ScheduledSequence, SeqId
 from vattn.errors import InvalidConfigError
+from vattn.prefix_cache import PrefixCache
 
 MAX_DEFAULT_CONTEXT = 4096
 
@@ -239,10 +241,12 @@ class ModelRunner:
                 f"max_context_len={self.max_context_len} exceeds the model's max_position_embeddings={max_pos}")
 
         # K/V only for the layers that have attention: not a state model's Mamba2 / gated delta-net
-        # layers (a model with none still gets one small layer: the cache also hands out the slots)
+        # layers (a model with none still gets one small layer: the cache also hands out the slots);
+        # their recurrent states are a layer kind of the same cache (vattn.engine.states)
         kv_layers = _kv_layers(self.model.config) if has_states else list(range(num_layers))
         windows = layer_windows(hf)  # by the model's layer index; the cache's by its K/V layer
         kv_windows = tuple(windows[layer] for layer in kv_layers) or (None,)
+        specs = states.state_specs(self.model) if has_states else []
         try:
             self.cache = KVCache(num_layers=max(1, len(kv_layers)), num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  max_batch_size=config.max_batch_size, max_context_len=self.max_context_len,
@@ -251,13 +255,20 @@ class ModelRunner:
                                  background=config.background, prefetch=config.prefetch,
                                  prefetch_tokens=config.prefetch_tokens, budget=config.budget,
                                  # sliding-window layers give their pages behind the window back
-                                 layer_windows=kv_windows if config.layout == "per-layer" else None)
+                                 layer_windows=kv_windows if config.layout == "per-layer" else None,
+                                 state_bytes=states.state_bytes(specs),
+                                 num_snapshots=states.SNAPSHOTS_PER_SLOT * config.max_batch_size
+                                 if specs and config.enable_prefix_caching else 0)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
-        self.states, self._uninstall_states = None, None
-        self.slots: Any = self.cache  # what the scheduler allocates slots from
-        if has_states:
-            self._open_states(config)
+        try:
+            self._unbind_states = states.bind(self.model, self.cache, specs)
+        except BaseException:
+            self.cache.close()
+            raise
+        # A batch whose forward raised is run again request by request, unless a layer keeps a
+        # state: the layers that ran moved it on
+        self.rerun_alone = not specs
         self.slot_tokens = self.cache.geometry.slot_tokens
         # by the model's layer index: [B, T, H_kv, D] each, None for a layer without attention
         self.k_caches: list[Any] = [None] * num_layers
@@ -271,22 +282,9 @@ class ModelRunner:
         self.graphs = self._decode_graphs(config)
         self.previous_attention = use_vattn_attention(self.model)
 
-    def _open_states(self, config: EngineConfig) -> None:
-        """Recurrent states (Mamba2, gated delta-net) in vattn memory, one block per slot
-        (`vattn.engine.states`); the scheduler gets slots that carry them."""
-        from vattn.engine.states import RecurrentStates, StateSlots, install, state_specs
-        from vattn.integrations.hf import state_mixers
-
-        try:
-            self.states = RecurrentStates(state_specs(self.model), config.max_batch_size, self.device,
-                                          config.page_size, budget=config.budget)
-            self._uninstall_states = install(state_mixers(self.model), self.states)
-        except BaseException:
-            if self.states is not None:
-                self.states.close()
-            self.cache.close()
-            raise
-        self.slots = StateSlots(self.cache, self.states)
+    def prefix_cache(self, salt: bytes) -> PrefixCache:
+        """The prefix cache over this runner's cache (every layer kind's part of a block)."""
+        return PrefixCache(self.cache, salt=salt)
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | int) -> torch.Tensor:
         """The model on ids, positions `[1, T]` inside a forward context: logits `[S, V]` of
@@ -303,17 +301,22 @@ class ModelRunner:
         why_not = None
         if self.device.type != "cuda":
             why_not = f"they need a CUDA device, not {self.device}"
-        elif self.states is not None:
+        elif not self.rerun_alone:
             why_not = "they do not cover the recurrent-state layers (the batch is split by request in Python)"
         elif config.tensor_parallel_size > 1:
             why_not = "they are not supported under tensor parallelism"
         elif self.kernel.name not in GRAPH_KERNELS:
             why_not = f"they need attention={GRAPH_KERNELS[0]!r}, not {self.kernel.name!r}"
         if why_not is None:
-            return DecodeGraphs(self, config.max_num_seqs or config.max_batch_size)
+            return DecodeGraphs(self.graph_target(), config.max_num_seqs or config.max_batch_size)
         if want:
             raise InvalidConfigError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=None (where they apply) or False")
         return None
+
+    def graph_target(self) -> GraphTarget:
+        """What a captured decode of this runner runs (`vattn.engine.cuda_graphs`)."""
+        return GraphTarget(self.logits, self.kernel, self.k_caches, self.v_caches, self.device, self.slot_tokens,
+                           self.max_context_len, self.cache.synchronize)
 
     def run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
         """One forward over the batch, then sampling. Returns the sampled token of every
@@ -334,7 +337,7 @@ class ModelRunner:
         try:
             return self._run(scheduled)
         except Exception as e:  # noqa: BLE001 - see the docstring
-            if self.states is not None:  # states were updated in place by the layers that ran: no retry
+            if not self.rerun_alone:  # states were updated in place by the layers that ran: no retry
                 return self._fail_all(scheduled, e)
             logger.warning("vattn: the forward of a batch of %d sequences failed (%s: %s); "
                            "running each alone", len(scheduled), type(e).__name__, e)
@@ -378,8 +381,6 @@ class ModelRunner:
                     rows.append(len(sample_rows) - 1)
                     sampling.append(seq)
         slots, starts = [s.seq.slot for s in batch], [s.seq.num_computed_tokens for s in batch]
-        if self.states is not None and self.states.wants:  # prefix caching: states to snapshot at block ends
-            self.states.plan([(slot, start, s.num_new_tokens) for slot, start, s in zip(slots, starts, batch)])
         logits = None
         if (self.graphs is not None and len(sample_rows) == len(batch) == len(input_ids)
                 and self.graphs.usable(len(batch))):  # a decode: every sequence 1 token, every one samples
@@ -390,9 +391,6 @@ class ModelRunner:
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
             keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
             logits = self._forward(ids, keep, meta)  # [S, V]
-        if self.states is not None:
-            self.states.tokens.update({s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in batch})
-            self.states.commit()
         if not sampling:
             return RunOutput({}, {})
         if len(rows) != len(sample_rows):
@@ -415,9 +413,6 @@ class ModelRunner:
         restore_attention(self.model, self.previous_attention)
         if self.graphs is not None:
             self.graphs.close()
-        if self._uninstall_states is not None:
-            self._uninstall_states()
-        if self.states is not None:
-            self.states.close()
+        self._unbind_states()
         self.k_caches, self.v_caches = [], []
         self.cache.close()

@@ -19,8 +19,10 @@ Every iteration:
    budget are left: each gets a slot and a first chunk;
 3. `kv.step({slot: num_computed_tokens + num_new_tokens})` backs the batch with pages.
    When it cannot, the newest running sequence is preempted and step is tried again. A
-   sequence that cannot be backed even when it runs alone is finished with finish_reason
-   "error".
+   sequence left alone whose prompt chunk still cannot be backed runs a shorter chunk
+   (halved until it fits: what a chunk needs grows with its length, a sliding window's
+   pages too, not only the prompt's); one that cannot be backed even alone, one token at a
+   time, is finished with finish_reason "error".
 
 Preemption (`SchedulerConfig.preemption_mode`, vLLM's names):
 - "recompute" (the default): the slot is freed; the sequence goes back to the waiting
@@ -98,8 +100,8 @@ class PrefixSlots(Protocol):
 
 
 class KVSlots(Protocol):
-    """What the scheduler needs of the cache (`vattn.KVCache` fits). `fork` is called only
-    for requests with n > 1."""
+    """What the scheduler needs of the cache (`vattn.KVCache` fits). `can_fork` and `fork`
+    are called only for requests with n > 1."""
 
     @property
     def num_free_reqids(self) -> int: ...
@@ -109,6 +111,8 @@ class KVSlots(Protocol):
     def free_reqid(self, reqid: int) -> None: ...
 
     def step(self, seq_lens: Mapping[int, int]) -> StepOutcome: ...
+
+    def can_fork(self, reqid: int, num_tokens: int) -> bool: ...
 
     def fork(self, reqid: int, num_tokens: int) -> int: ...
 
@@ -157,6 +161,16 @@ class SchedulerOutput(NamedTuple):
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _shorter_chunks(plan: list[ScheduledSequence], failed: Collection[int]) -> list[ScheduledSequence] | None:
+    """`plan` with the prompt chunks of the `failed` slots halved, or None when every failed
+    slot computes one token already."""
+    failed = set(failed)
+    if not any(item.seq.slot in failed and item.num_new_tokens > 1 for item in plan):
+        return None
+    return [item._replace(num_new_tokens=item.num_new_tokens // 2)
+            if item.seq.slot in failed and item.num_new_tokens > 1 else item for item in plan]
 
 
 class Scheduler:
@@ -232,11 +246,16 @@ class Scheduler:
                 break
             if backed:
                 break
+            if len(self.running) == 1:  # then it is the whole plan: a shorter prompt chunk may fit (what a
+                shorter = _shorter_chunks(plan, backed.failed)  # chunk needs grows with its length: a sliding
+                if shorter is not None:                          # window's pages, not only the prompt's)
+                    plan = shorter
+                    continue
             victim = max(self.running, key=lambda s: s.seq_id)  # the newest sequence
-            if len(self.running) == 1:  # then it is the whole plan
+            if len(self.running) == 1:  # it alone, one token at a time
                 need = victim.num_computed_tokens + plan[0].num_new_tokens
                 self.finish(victim, "error", error=(
-                    f"request {victim.request_id} needs {need} "
+                    f"request {victim.request_id} (sample {victim.index}) needs {need} "
                     "tokens of KV cache, more than the physical memory can hold even when it runs "
                     "alone; raise physical_memory or lower max_tokens / the prompt length"))
                 finished.append(victim)
@@ -267,9 +286,6 @@ class Scheduler:
                 self.num_swapped_in += 1
                 return True
         source = self._fork_source(seq)
-        can_fork = getattr(self.kv, "can_fork", None)  # a sliding window may have moved past the prompt
-        if source is not None and can_fork is not None and not can_fork(source.slot, seq.num_prompt_tokens):
-            source = None
         if source is not None:
             try:
                 seq.slot = self.kv.fork(source.slot, seq.num_prompt_tokens)
@@ -295,15 +311,14 @@ class Scheduler:
         return True
 
     def _fork_source(self, seq: Sequence) -> Sequence | None:
-        """A running sibling of `seq` whose slot holds the whole prompt, if any (one that has
-        computed the prompt and nothing after it, for a cache with `fork_exact`: a recurrent
-        state is right at one length only)."""
+        """A running sibling of `seq` whose slot holds the whole prompt and can be forked
+        there (`kv.can_fork`: a sliding window may have moved past the prompt, recurrent
+        states are right at one length only), if any."""
         if len(seq.samples) == 1:
             return None
         n = seq.num_prompt_tokens
-        exact = getattr(self.kv, "fork_exact", False)
         return next((s for s in seq.samples if s is not seq and s.status is SequenceStatus.RUNNING
-                     and (s.num_computed_tokens == n if exact else s.num_computed_tokens >= n)), None)
+                     and s.num_computed_tokens >= n and self.kv.can_fork(s.slot, n)), None)
 
     @staticmethod
     def _with_fan_out(item: ScheduledSequence) -> ScheduledSequence:

@@ -158,8 +158,10 @@ class RequestOutput:
     """A request's state after a step: its samples' generated tokens so far, or final ones.
 
     `outputs`: one `CompletionOutput` per sample (`SamplingParams.n`), in index order.
-    `token_ids`, `text`, `finish_reason` and `error` are those of `outputs[0]` (the whole
-    story when n = 1). `finished`: every sample finished.
+    `token_ids` and `text` are those of `outputs[0]` (the whole story when n = 1);
+    `finish_reason` and `error` too, unless another sample failed: then "error", and that
+    sample's error naming it (a failed sample is never hidden behind sample 0's "length").
+    `finished`: every sample finished.
     `num_preemptions`: how often the request's samples lost their KV cache to make room
     for older requests (a sample only admitted and sent back before it ran does not count).
     `metrics` count the tokens of every sample.
@@ -184,11 +186,19 @@ class RequestOutput:
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return self.outputs[0].finish_reason
+        return "error" if self._failed is not None else self.outputs[0].finish_reason
 
     @property
     def error(self) -> str | None:
-        return self.outputs[0].error
+        failed = self._failed
+        if failed is None or failed.index == 0:
+            return self.outputs[0].error
+        return f"sample {failed.index} of request {self.request_id}: {failed.error}"
+
+    @property
+    def _failed(self) -> CompletionOutput | None:
+        """The first sample that finished with "error", if any."""
+        return next((o for o in self.outputs if o.finish_reason == "error"), None)
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -29,9 +29,10 @@ class AgreedSlots:
     """The scheduler's cache (`KVSlots`) under tensor parallelism: this rank's `KVCache`,
     with every result that could differ between ranks agreed before the scheduler sees it.
 
-    - `step`: failed on any rank = failed on every rank, with the union of the failed slots;
-      raised on any rank = raises on every rank (`RankCacheError`, the same message). The
-      scheduler then preempts the same sequences everywhere.
+    - `step`: failed on any rank = failed on every rank, with the union of the failed slots
+      (a rank that backed one takes its step back: `KVCache.revert_step`); raised on any
+      rank = raises on every rank (`RankCacheError`, the same message). The scheduler then
+      shortens or preempts the same sequences everywhere.
     - `alloc_reqid`: every rank gets the same slot. Free slots can hold different pages on
       different ranks (a step that failed on some ranks only); when the slots differ, every
       rank gives its cached pages back (`trim`: the free slots are then empty everywhere) and
@@ -107,6 +108,9 @@ class AgreedSlots:
         agreed = self.tp.agree(STEP, error=error is not None, value=int(oom), slots=failed)
         if agreed.errors:
             self._raise_agreed("step", error)
+        others = [s for s in seq_lens if s in agreed.slots and s not in failed]
+        if others:  # backed here, not on another rank: they move nowhere (the scheduler may step them shorter)
+            self.cache.revert_step(others)
         return AgreedStep(tuple(s for s in seq_lens if s in agreed.slots), any(agreed.values))
 
     def fork(self, reqid: int, num_tokens: int) -> int:
@@ -252,6 +256,10 @@ class TPModelRunner(ModelRunner):
         except BaseException:
             self.close()
             raise
+
+    def prefix_cache(self, salt: bytes) -> AgreedPrefixCache:
+        """The rank's prefix cache, its hits agreed with the other ranks'."""
+        return AgreedPrefixCache(self.cache, self.tp, salt=salt)
 
     def run(self, scheduled: list) -> RunOutput:
         if not scheduled:

@@ -1,0 +1,206 @@
+"""One coordinator over every layer kind (full attention, sliding window, recurrent state):
+a step is planned for every kind before any maps, a slot is stepped in every kind or in
+none, and the kinds share one page layer and one budget (issue 30)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import vattn
+
+PAGE = 4096  # 2 KV heads x 64 dims x fp32: 512 B a token, 8 tokens a page
+
+
+def kinds_cache(layer_windows: tuple = (8, None), **kw) -> vattn.KVCache:
+    args = dict(num_layers=len(layer_windows), num_kv_heads=2, head_dim=64, max_batch_size=3, max_context_len=1024,
+                dtype="float32", page_size=PAGE, layer_windows=layer_windows, background=False, prefetch=False)
+    return vattn.KVCache(**{**args, **kw})
+
+
+def books_of(cache: vattn.KVCache) -> list:
+    """Per kind: every slot's pages and holes (what a failed step must leave as it was)."""
+    return [([list(p) for p in k.books.slot_pages], list(k.books.lead)) for k in cache.allocator.kinds]
+
+
+def test_a_failed_step_leaves_what_the_window_reads_mapped() -> None:
+    """The issue's reproducer: a step that the full kind cannot back must not give back the
+    window kind's pages (it used to, and reading them was a SIGSEGV). In a child process, so
+    that the crash (with the fix reverted) fails this test and nothing else."""
+    code = textwrap.dedent("""
+        import vattn
+        c = vattn.init(num_layers=2, num_kv_heads=2, head_dim=64, max_batch_size=3, max_context_len=1024,
+                       dtype="float32", page_size=4096, layer_windows=(8, None), background=False, prefetch=False,
+                       physical_memory=52 * 4096)
+        r = c.alloc_reqid(); assert c.step({r: 64}); c.k_cache(0)[r, :64] = 1.0
+        assert r in c.step({r: 200}).failed; assert r in c.step({r: 300}).failed
+        print(float(c.k_cache(0)[r, 57:64].sum()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) == 7 * 2 * 64  # the window's keys are there, as written
+
+
+def test_a_failed_slot_keeps_its_lengths_and_pages_in_every_kind() -> None:
+    with kinds_cache(physical_memory=52 * PAGE) as cache:
+        r = cache.alloc_reqid()
+        assert cache.step({r: 64})
+        cache.k_cache(0)[r, :64] = 1.0
+        cache.k_cache(1)[r, :64] = 2.0
+        before = books_of(cache)
+        for n in (200, 300):
+            res = cache.step({r: n})
+            assert res.failed == (r,) and res.num_mapped == 0
+            assert books_of(cache) == before and cache.allocator.num_tokens(r) == 64
+            cache.allocator.check_invariants()
+        assert float(cache.k_cache(0)[r, 57:64].sum()) == 7 * 2 * 64
+        assert cache.step({r: 65})  # the next iteration, from 64 on, as if nothing had happened
+        assert float(cache.k_cache(0)[r, 57:64].sum()) == 7 * 2 * 64
+        assert float(cache.k_cache(1)[r, :64].sum()) == 2 * 64 * 2 * 64
+
+
+def test_a_kind_short_of_pages_takes_room_from_another_kinds_spare_pages() -> None:
+    """The window kind's pages given back are spare groups of its own size; when the budget
+    is full, the full kind's next pages are made by releasing them (one budget, planned in
+    bytes), and a step never holds more than the budget."""
+    with kinds_cache(physical_memory=24 * 2 * PAGE, max_batch_size=1) as cache:
+        r = cache.alloc_reqid()
+        n = 0
+        while True:
+            res = cache.step({r: n + 8})
+            if not res:
+                break
+            n += 8
+            cache.allocator.check_invariants()
+        st = cache.stats()
+        full, win = st.kinds["full"], st.kinds["window=8"]
+        assert full.num_mapped_pages == n // 8  # every page the budget holds went to the full kind
+        assert win.num_mapped_pages <= 2 and win.num_free_pages == 0
+        assert cache.allocator.layer.created_bytes <= cache.allocator.max_bytes == 24 * 2 * PAGE
+        assert n // 8 >= 24 - 3
+
+
+def test_one_worker_premaps_every_kind() -> None:
+    """Background pre-mapping maps ahead in every kind from one worker; a kind's pages and
+    lengths stay in step with the others'."""
+    with kinds_cache(layer_windows=(8, None, 32), background=True, prefetch=True, prefetch_tokens=8) as cache:
+        r = cache.alloc_reqid()
+        for n in range(1, 200):
+            assert cache.step({r: n})
+            for layer in range(3):
+                cache.k_cache(layer)[r, n - 1] = n
+            cache.synchronize()
+            cache.allocator.check_invariants()
+        threads = [t for t in __import__("threading").enumerate() if t.name == "vattn-premap"]
+        assert len(threads) >= 1 and cache.allocator.premapper.thread in threads
+        for layer, window in enumerate((8, None, 32)):
+            lo = 0 if window is None else 199 - window
+            assert cache.k_cache(layer)[r, lo:199, 0, 0].tolist() == list(range(lo + 1, 200))
+
+
+# ------------------------------------------------------------------ recurrent states ----
+def state_cache(**kw) -> vattn.KVCache:
+    """One full K/V layer and 3000 bytes of states a slot (a row of one 4 KiB page)."""
+    args = dict(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=3, max_context_len=256, dtype="float32",
+                page_size=PAGE, background=False, prefetch=False, state_bytes=3000, num_snapshots=2)
+    return vattn.KVCache(**{**args, **kw})
+
+
+def test_states_are_a_layer_kind_mapped_at_the_first_step() -> None:
+    with state_cache() as cache:
+        rows = cache.state_rows()
+        assert rows.shape == (3 + 2, PAGE) and rows.dtype == torch.uint8
+        r = cache.alloc_reqid()
+        assert cache.stats().kinds["state"].num_mapped_pages == 0
+        assert cache.step({r: 10})
+        st = cache.stats()
+        assert st.kinds["state"].num_mapped_pages == 1 and st.kinds["state"].used_bytes == 3000
+        rows[r, :3000] = 7
+        assert cache.step({r: 40}) and int(rows[r, :3000].sum()) == 7 * 3000  # a step keeps the row
+        cache.allocator.check_invariants()
+
+
+def test_states_fork_as_a_copy_and_swap_with_the_slot() -> None:
+    with state_cache() as cache:
+        rows = cache.state_rows()
+        r = cache.alloc_reqid()
+        assert cache.step({r: 20})
+        rows[r] = 3
+        assert not cache.can_fork(r, 10)  # a state is right at its slot's length only
+        with pytest.raises(vattn.InvalidRequestError, match="recurrent states"):
+            cache.fork(r, 10)
+        child = cache.fork(r, 20)
+        assert int(rows[child].sum()) == 3 * PAGE
+        rows[child] = 5  # written in place: the parent's row is its own
+        assert int(rows[r].sum()) == 3 * PAGE
+        with pytest.raises(vattn.InvalidRequestError, match="recurrent states"):
+            cache.swap_out(child, 10)
+        handle = cache.swap_out(child, 20)
+        other = cache.alloc_reqid()
+        assert cache.step({other: 30})  # takes the parked slot, its pages and its state row
+        rows[other] = 9
+        back = cache.swap_in(handle)
+        assert handle.copied_in and int(rows[back].sum()) == 5 * PAGE
+        cache.allocator.check_invariants()
+
+
+def test_snapshots_are_pages_of_the_budget_kept_least_recently_used() -> None:
+    """A wanted boundary gets a snapshot row when the step that passes it is planned; rows
+    count against physical_memory, and cached ones are evicted first when memory is short."""
+    unit = 2 * PAGE + PAGE  # one page of every buffer: K, V, states
+    with state_cache(physical_memory=7 * unit) as cache:
+        rows = cache.state_rows()
+        r = cache.alloc_reqid()
+        cache.want_snapshots(r, [8, 16])
+        assert cache.step({r: 12})
+        planned = cache.planned_snapshots()
+        assert list(planned) == [r] and list(planned[r]) == [8]
+        row = planned[r][8]
+        assert row >= 3  # a snapshot row, after the slots'
+        rows[row] = 1  # what the state layers write at token 8
+        assert cache.step({r: 20}) and list(cache.planned_snapshots()[r]) == [16]
+        taken = cache.take_snapshots(r, 16)
+        assert sorted(taken) == [8, 16]
+        h8 = cache.pin_snapshot(taken[8])
+        cache.free_snapshot(taken[16])
+        assert cache.snapshot_pinned(h8)
+        assert cache.stats().kinds["state"].num_mapped_pages == 3  # r's row, the kept one, the free one (cached)
+        new = cache.alloc_reqid()
+        assert cache.restore_snapshot(new, h8)  # copied at its first step, when its row is mapped
+        assert cache.step({new: 9}) and int(rows[new].sum()) == PAGE
+        cache.free_reqid(new)
+        cache.free_reqid(r)
+        hog = cache.alloc_reqid()
+        state = next(k for k in cache.allocator.kinds if k.name == "state").books
+        free_row = taken[16]
+        for n in range(8, 257, 8):  # the hog's pages come from the free snapshot row, then the kept one
+            assert cache.step({hog: n})
+            if not cache.snapshot_pinned(h8):
+                break
+        assert not cache.snapshot_pinned(h8) and not state.slot_pages[free_row]
+        cache.allocator.check_invariants()
+        assert cache.allocator.layer.created_bytes <= 7 * unit
+
+
+def test_revert_step_takes_the_last_step_back() -> None:
+    """What a tensor-parallel rank does with a slot another rank could not back: its length
+    goes back to before the step (as if the step had failed it here too), so that the next
+    step from the same start, a shorter one, reads what is there; a slot the last step did
+    not move is left alone."""
+    with kinds_cache() as cache:
+        r, other = cache.alloc_reqid(), cache.alloc_reqid()
+        assert cache.step({r: 64, other: 8})
+        cache.k_cache(0)[r, :64] = 1.0
+        assert cache.step({r: 100, other: 8})  # r moves, other does not
+        cache.revert_step([r, other])
+        assert (cache.allocator.num_tokens(r), cache.allocator.num_tokens(other)) == (64, 8)
+        assert cache.step({r: 80, other: 9})  # the iteration from 64 again, shorter: its window is there
+        assert float(cache.k_cache(0)[r, 57:64].sum()) == 7 * 2 * 64
+        cache.revert_step([r])  # (taken back twice: the second step's own)
+        assert cache.allocator.num_tokens(r) == 64
+        cache.revert_step([r])  # nothing more to take back
+        assert cache.allocator.num_tokens(r) == 64
+        cache.allocator.check_invariants()
