@@ -60,7 +60,7 @@ download() {  # DIR NAME==VERSION...
     shift
     mkdir -p "$dir"
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        "${PLATFORMS[@]}" -d "$dir" "$@"
+        "${PLATFORMS[@]}" -d "$dir" "$@" 2> >(grep -v "is ignored: it is neither" >&2)
 }
 
 if [ $CHECK_ONLY = 0 ]; then
@@ -120,8 +120,6 @@ torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
 typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".split()))
 # Named without an extra but not wanted: the cu12 libraries of the CuTe DSL (the cu13 ones are carried).
 NOT_NEEDED = {"nvidia-cutlass-dsl-libs-cu12"}
-if any(Path(d, "cutlass-dsl-libs-cu13.tar.xz.part2").exists() for d in sys.argv[1:]):
-    carried["nvidia-cutlass-dsl-libs-cu13"] = (Version("4.8.1"), Path(sys.argv[2], "cutlass-dsl-libs-cu13.tar.xz.part1"))
 env = dict(default_environment(), python_version="3.12", python_full_version="3.12.3", sys_platform="linux",
            platform_system="Linux", platform_machine="x86_64", implementation_name="cpython", extra="")
 
@@ -135,6 +133,8 @@ for d in map(Path, sys.argv[1:]):
             with zipfile.ZipFile(w) as z:
                 meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
                 metas.append((w, z.read(meta).decode()))
+if Path(sys.argv[3], "cutlass-dsl-libs-cu13.tar.xz.part2").exists():  # the big wheel, as a split tar.xz
+    carried["nvidia-cutlass-dsl-libs-cu13"] = (Version("4.8.1"), Path(sys.argv[2], "cutlass-dsl-libs-cu13.tar.xz.part1"))
 problems, image_needs = [], set()
 for w, text in metas:
     for line in re.findall(r"^Requires-Dist: (.+)$", text, re.M):
