@@ -36,12 +36,14 @@ done
 # and openai (its routes import openai.types); vattn.integrations.hf_serve.SERVING_PACKAGES also
 # typer (in the image). Versions chosen so that nothing else is needed: fastapi 0.140 (0.150 on
 # wants opentelemetry-api), openai 2.x (3.x wants httpx2/httpcore2/truststore; 2.x the image's
-# httpx), pydantic 2.12 (2.14 wants typing-extensions >= 4.16). typing-extensions is carried
-# too (openai and pydantic want >= 4.14.1; the image's version is not listed).
+# httpx), pydantic 2.12 (2.14 wants typing-extensions >= 4.16). typing-extensions is NOT
+# carried: openai and pydantic want >= 4.14.1, and a carried one would shadow the image's (the
+# rehearsal found anyio 4.16 importing typing_extensions.sentinel, new in 4.16: a carried 4.15
+# broke it); the suite's install step checks the image's version against every Requires-Dist.
 SERVE_WHEELS=(
     fastapi==0.140.0 starlette==0.50.0 uvicorn==0.40.0
     pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2
-    openai==2.54.0 jiter==0.12.0 distro==1.9.0 sniffio==1.3.1 typing-extensions==4.15.0
+    openai==2.54.0 jiter==0.12.0 distro==1.9.0 sniffio==1.3.1
 )
 # FlashAttention 4 (flash_attn.cute): the CuTe-DSL kernels and their compiler. The
 # nvidia-cutlass-dsl meta wheel names -libs-cu12 without an extra; the cu13 libraries are the

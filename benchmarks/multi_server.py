@@ -81,7 +81,8 @@ def memory_reader(device: str) -> Any:
     return process_page_bytes if device == "cpu" else GpuMemory()
 
 
-def start_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str, log: Path) -> tuple[Any, int]:
+def launch_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str, log: Path) -> tuple[Any, int]:
+    """Start one `vattn serve` process (not waited for: `wait_ready`)."""
     port = free_port()
     memory = ["--budget", "bench", "--budget-limit", str(args.total_bytes)] if mode == "shared" else \
         ["--memory-limit", str(args.total_bytes // 2)]
@@ -91,17 +92,48 @@ def start_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str
     env = dict(os.environ, OMP_NUM_THREADS="1", VATTN_BUDGET_DIR=budget_dir,
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
+    return proc, port
+
+
+def wait_ready(proc: Any, port: int, log: Path, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited: see {log}")
+            raise SystemExit(f"the server exited: see {log}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
-                    return proc, port
+                    return
         except OSError:
             time.sleep(0.2)
-    raise SystemExit(f"the server was not ready in 180 s: see {log}")
+    raise SystemExit(f"the server was not ready in {timeout_s:.0f} s: see {log}")
+
+
+def start_servers(ckpts: dict[str, str], mode: str, args: argparse.Namespace, budget_dir: str,
+                  tmp: Path) -> dict[str, tuple[Any, int]]:
+    """Both servers started together (each imports torch and transformers: seconds), then waited for."""
+    servers: dict[str, tuple[Any, int]] = {}
+    try:
+        for n, c in ckpts.items():
+            servers[n] = launch_server(c, mode, args, budget_dir, tmp / f"{mode}-{n}.log")
+        for n, (proc, port) in servers.items():
+            wait_ready(proc, port, tmp / f"{mode}-{n}.log")
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: dict[str, tuple[Any, int]]) -> None:
+    for proc, _ in servers.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc, _ in servers.values():
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def ask(client: Any, ckpt: str, prompt: str, max_tokens: int, t0: float) -> dict[str, Any]:
@@ -128,7 +160,7 @@ def run_mode(mode: str, ckpts: dict[str, str], prompts: dict[str, list[list[str]
     import openai
 
     budget_dir = str(tmp / f"budgets-{mode}")
-    servers = {n: start_server(c, mode, args, budget_dir, tmp / f"{mode}-{n}.log") for n, c in ckpts.items()}
+    servers = start_servers(ckpts, mode, args, budget_dir, tmp)
     try:
         clients = {n: openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=300,
                                     max_retries=0) for n, (_, port) in servers.items()}
@@ -169,14 +201,7 @@ def run_mode(mode: str, ckpts: dict[str, str], prompts: dict[str, list[list[str]
         stop.set()
         sampler.join()
     finally:
-        for proc, _ in servers.values():
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc, _ in servers.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_servers(servers)
     out: dict[str, Any] = {"bursts": bursts, "samples": samples}
     for i, n in enumerate(ckpts):
         ok = [r for r in results[n] if r["ok"]]
