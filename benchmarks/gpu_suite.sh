@@ -198,8 +198,10 @@ else
         want=$(cat .fa4/b/*.sha256)
         got=$(cat "$part1" "$part2" | sha256sum | cut -c1-64)
         [ "$want" = "$got" ] || { echo "the joined archive is damaged: sha256 $got, want $want"; exit 1; }
-        cat "$part1" "$part2" | tar -xJ -C "$site" || exit 1
+        # the wheels first: pip --target --upgrade replaces a package folder whole, and the cu13
+        # files go into nvidia_cutlass_dsl/ beside -libs-base and -libs-core
         "$0" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .fa4/b/*.whl || exit 1
+        cat "$part1" "$part2" | tar -xJ -C "$site" || exit 1
         "$0" benchmarks/gpu_summary.py --check-requirements "$site"
         "$0" -c "import time; t = time.time(); import flash_attn.cute as f; print(\"flash_attn.cute imported in %.1f s from\" % (time.time() - t), f.__file__)"' \
         "$PY" "$SITE" "$FA4_KEEP"
