@@ -4,6 +4,10 @@ memory, for a local checkpoint, under a contract no request can break.
 transformers builds the app (its routes, tokenization, generation and streaming); vattn
 holds it to this contract (the README's "vattn serve" states it):
 
+- **Malformed, 400** (an OpenAI error body naming the field): a body that is not a strict
+  JSON object, a field of the wrong type or range (`contract.read_body`); **413** for a body
+  over `max_body_bytes`; a long prompt is tokenized off the event loop (`offload`).
+- **Extensions**: `ignore_eos` and `min_tokens` (vLLM's and SGLang's) honoured (`extensions`).
 - **Refused, 400** (an OpenAI error body that says why and what the limit is), alone: an
   empty prompt; a prompt longer than one request can ever hold (`Room`: the cache's
   blocks, or fewer under `--memory-limit`, counted as transformers counts them); a prompt whose
@@ -20,7 +24,9 @@ holds it to this contract (the README's "vattn serve" states it):
   event and [DONE], a request not yet answered with 503); the process exits 0. A second
   signal stops at once.
 - **`GET /v1/models`** lists the served model (transformers' listing scans the hub cache:
-  500 on an offline machine, 5.17-5.23).
+  500 on an offline machine, 5.17-5.23). **`GET /metrics`**: Prometheus text (`metrics`).
+- **A memory limit that cannot serve one request** is refused at start, with the smallest
+  one that can (`_check_room`).
 
 Hooks, the same on every supported release (5.17-5.24 share this serving code): transformers'
 `Serve` is built with its start held back and with our `GenerationState` (restarts; hands
@@ -30,7 +36,8 @@ signal drains (`_server_class`) runs it.
 
 Here: `serve` and `main` (the server's start, run and stop) and transformers' serving
 classes; `contract` (what one request may ask, `Refusal`, `Room`, `admit`), `routes` (the
-routes that replace transformers'), `gate` (draining, [DONE]).
+routes that replace transformers'), `gate` (the body cap, draining, [DONE]), `extensions`
+(`ignore_eos`, `min_tokens`), `offload` (long prompts tokenized off the loop), `metrics`.
 """
 from __future__ import annotations
 
@@ -274,6 +281,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     if missing:
         raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
                                  "pip install 'transformers[serving]'")
+    if importlib.util.find_spec("prometheus_client") is None:  # not in transformers[serving]: /metrics needs it
+        raise InvalidConfigError("vattn serve's /metrics needs prometheus_client: pip install prometheus_client "
+                                 "(vattn's serve extra has it)")
     if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
         raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
     if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) \

@@ -11,6 +11,7 @@ transformers' continuous batching, which has neither:
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -64,12 +65,49 @@ def eos_ids(gen_config: Any) -> list[int]:
 
 def install_min_tokens(cb: Any, gen_config: Any) -> None:
     """Add `MinTokens` to the logits processors of `cb` (a ContinuousBatchingManager not yet
-    started: its loop sizes the processors' argument tensors when it starts)."""
+    started: its loop sizes the processors' argument tensors when it starts). It costs a step
+    nothing while no request of the batch is held back: the processor list (`_gated`) then
+    leaves it out, and skips logits processing altogether when transformers had none (each
+    torch call of the loop's thread lets the event loop take the GIL: time to first token).
+    With CUDA graphs, whose captured steps cannot change, it is always in."""
     processors = cb.logit_processor
-    processors.logits_processor.append(min_tokens_processor(eos_ids(gen_config)))
-    processors.tensors_required += 1
+    base = processors.logits_processor
+    mine = min_tokens_processor(eos_ids(gen_config))
+    processors.tensors_required += 1  # its argument row comes last: the others' rows stay where they are
     processors.supported_keys[MIN_TOKENS] = int
-    processors.do_processing = True
+    graphs = getattr(getattr(cb, "continuous_batching_config", None), "use_cuda_graph", False)
+    processors.__class__ = _gated(type(processors))
+    processors.vattn_lists = (base, type(base)([*base, mine]))  # (without, with) MinTokens
+    processors.vattn_processing = processors.do_processing  # transformers' own: any processor of its own
+    processors.vattn_static = any(graphs) if isinstance(graphs, (tuple, list)) else bool(graphs)
+    processors.logits_processor, processors.do_processing = processors.vattn_lists[1], True
+
+
+def _held(requests: list) -> bool:
+    """Whether a request of the batch is still short of its `min_tokens` (plain Python)."""
+    for r in requests:
+        least = r.state.logit_processor_kwargs.get(MIN_TOKENS, 0)
+        if least and r.state.generated_len() < least:
+            return True
+    return False
+
+
+@functools.cache
+def _gated(cls: type) -> type:
+    """transformers' ContinuousBatchingLogitsProcessorList whose `MinTokens` takes part in a
+    batch only when a request of it is held back (set as the batch is prepared: before the
+    step that processes its logits, also with asynchronous batching)."""
+
+    class Gated(cls):  # type: ignore[misc, valid-type]
+        def prepare_tensor_args(self, requests_in_batch: list, arg_storage: Any) -> Any:
+            if not self.vattn_static:
+                held = _held(requests_in_batch)
+                self.logits_processor = self.vattn_lists[held]
+                self.do_processing = held or self.vattn_processing
+            return super().prepare_tensor_args(requests_in_batch, arg_storage)
+
+    Gated.__name__, Gated.__qualname__ = cls.__name__, cls.__qualname__
+    return Gated
 
 
 def request_config(gen_config: Any, asked: Any) -> Any:
