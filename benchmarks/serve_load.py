@@ -8,13 +8,17 @@ each) at a fixed concurrency. For each request the time to first token (the firs
 chunk) and its latency; for the run the output tokens per second (tokens of the final usage
 chunks over the time from the first request sent to the last answer). Each server runs in
 a process of its own (OMP_NUM_THREADS=1), is warmed up by a few requests, then measured;
-the two alternate for `--rounds` rounds (the order flips each round), so that a shared
-machine's drift hits both. Greedy answers of the two must be equal.
+the servers alternate for `--rounds` rounds (the order flips each round), so that a shared
+machine's drift hits both; with `--together` they run at once, each with the same load (the
+drift of a shared machine then hits all alike; each gets part of the CPUs). The server's
+CPU time a token (all its threads, from /proc) is the figure least moved by other jobs.
+`--before DIR` runs an earlier vattn checkout's `vattn serve` too. Greedy answers must be equal.
 
-Writes benchmarks/results/serve_load_cpu.json and .png (each round's TTFT p50 and output
-tok/s, vattn over stock). The target (issue 32): TTFT p50 and throughput within 1.05x.
+Writes benchmarks/results/serve_load_cpu.json (`--together`: serve_load_together_cpu) and
+.png (each round's ratios over stock). The target (issue 32): TTFT p50 and throughput within 1.05x.
 
-    OMP_NUM_THREADS=1 python benchmarks/serve_load.py [--requests 200] [--concurrency 32] [--rounds 3] [--quick]
+    OMP_NUM_THREADS=1 python benchmarks/serve_load.py [--requests 200] [--concurrency 32] [--rounds 3]
+        [--together] [--before DIR] [--quick]
 """
 from __future__ import annotations
 
@@ -158,15 +162,36 @@ async def load(port: int, bodies: list[dict], concurrency: int) -> list[dict]:
     return await asyncio.gather(*(one(b) for b in bodies))
 
 
-def measure(kind: str, ckpt: str, bodies: list[dict], args: argparse.Namespace, log: Path) -> dict[str, Any]:
-    proc, port = start(kind, ckpt, args, log)
+def measure(kinds: list[str], ckpt: str, bodies: list[dict], args: argparse.Namespace, tmp: Path,
+            r: int) -> list[dict[str, Any]]:
+    """Each server of `kinds` started, warmed up and loaded: one after the other (alternating
+    rounds), or all at once with the same load (`--together`: the machine's drift hits all)."""
+    if not args.together:
+        return [_measure([kind], ckpt, bodies, args, tmp, r)[0] for kind in kinds]
+    return _measure(kinds, ckpt, bodies, args, tmp, r)
+
+
+def _measure(kinds: list[str], ckpt: str, bodies: list[dict], args: argparse.Namespace, tmp: Path,
+             r: int) -> list[dict[str, Any]]:
+    servers = []
     try:
-        asyncio.run(load(port, bodies[:args.concurrency], args.concurrency))  # warm-up: cache, threads, first batch
-        cpu = cpu_seconds(proc.pid)
-        results = asyncio.run(load(port, bodies, args.concurrency))
-        cpu = cpu_seconds(proc.pid) - cpu
+        for kind in kinds:
+            servers.append(start(kind, ckpt, args, tmp / f"{kind}-{r}.log"))
+
+        async def all_of(some: list[dict]) -> list:
+            return await asyncio.gather(*(load(port, some, args.concurrency) for _, port in servers))
+
+        asyncio.run(all_of(bodies[:args.concurrency]))  # warm-up: cache, threads, first batch
+        cpu = [cpu_seconds(proc.pid) for proc, _ in servers]
+        results = asyncio.run(all_of(bodies))
+        cpu = [cpu_seconds(proc.pid) - c for (proc, _), c in zip(servers, cpu)]
     finally:
-        stop(proc)
+        for proc, _ in servers:
+            stop(proc)
+    return [_summary(kind, res, c) for kind, res, c in zip(kinds, results, cpu)]
+
+
+def _summary(kind: str, results: list[dict], cpu: float) -> dict[str, Any]:
     ok = [r for r in results if r["ok"]]
     span = max(r["end"] for r in ok) - min(r["start"] for r in ok) if ok else float("nan")
     tokens = sum(r["tokens"] for r in ok)
@@ -194,6 +219,8 @@ def main() -> None:
                     help="more arguments for vattn serve (last on the line)")
     ap.add_argument("--before", default=None, metavar="DIR",
                     help="another vattn checkout (an earlier commit): its vattn serve runs too, as vattn-before")
+    ap.add_argument("--together", action="store_true",
+                    help="run the servers at once, each with the same load, instead of one after the other")
     ap.add_argument("--quick", action="store_true", help="64 requests, one round")
     ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     args = ap.parse_args()
@@ -214,10 +241,10 @@ def main() -> None:
             b["model"] = ckpt
         servers = (*SERVERS, "vattn-before") if args.before else SERVERS
         for r in range(args.rounds):
-            for kind in servers if r % 2 == 0 else servers[::-1]:
-                run = measure(kind, ckpt, bodies, args, Path(tmp) / f"{kind}-{r}.log")
+            for run in measure(list(servers if r % 2 == 0 else servers[::-1]), ckpt, bodies, args, Path(tmp), r):
                 run["round"] = r
                 runs.append(run)
+                kind = run["server"]
                 print(f"  round {r} {kind:12}: {run['served']}/{run['sent']} served, TTFT p50 "
                       f"{run['ttft_s']['p50'] * 1e3:.0f} ms, {run['output_tok_s']:.0f} output tok/s, "
                       f"{run['cpu_ms_per_token']:.2f} CPU ms a token", flush=True)
@@ -271,11 +298,13 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
             ax.axhline(bound, color="grey", lw=0.8, ls="--")
         ax.set_xticks(rounds, [f"round {i}" for i in rounds])
         ax.set_ylabel("over transformers serve")
-        ax.set_title(f"{args.requests} streamed completions at concurrency {args.concurrency} (host, shared)")
+        mode = "servers at once" if args.together else "alternating"
+        ax.set_title(f"{args.requests} streamed completions at concurrency {args.concurrency}, {mode} (host, shared)",
+                     fontsize=9)
         ax.legend(loc="lower right", fontsize=7)
     except ImportError:
         pass
-    save("serve_load_cpu", {"env": environment("cpu"), "args": vars(args), "omp_num_threads": 1,
+    save("serve_load_together_cpu" if args.together else "serve_load_cpu", {"env": environment("cpu"), "args": vars(args), "omp_num_threads": 1,
                             "machine": "2 CPUs shared with other jobs", "ratios": ratios, "median_ratios": median,
                             "answers_equal": same, "runs": runs}, fig, out=args.out)
 

@@ -68,6 +68,11 @@ SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
 DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.24's own default (see serve)
 SHUTDOWN_TIMEOUT_S = 30.0  # how long SIGTERM lets open requests finish
 CACHE_WAIT_S = 120.0  # how long a new batching loop may take to build its cache before a request goes unchecked
+# vattn serve's page, on every device (the CUDA backend's own; the host backend's default is 64 KiB): each page mapped
+# is a call that lets go of the GIL on the batching loop's thread while it schedules a prefill, and the loop then
+# waits for the event loop to give it back (up to the 5 ms switch interval); 32x fewer of them closed most of the
+# time-to-first-token gap to stock transformers serve (docs/benchmarks.md, "vattn serve against transformers serve")
+SERVE_PAGE_SIZE = 2 << 20
 
 
 # --------------------------------------------------- transformers' classes ----
@@ -271,7 +276,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     then it returns transformers' `Serve` object, with the `ElasticCB` handle as `.vattn`
     and the gate as `.gate` (`kill_server()` stops it). The memory limit is in bytes of KV
     pages; `idle_trim_s` is the idle policy (see `hf_cb.enable`); `num_blocks` and
-    `block_size` (tokens) size transformers' (virtual) cache. Requests that fit but not
+    `block_size` (tokens) size transformers' (virtual) cache; `page_size` defaults to
+    `SERVE_PAGE_SIZE` (2 MiB) on every device. Requests that fit but not
     now wait in transformers' scheduler. `budget`: a `vattn.Budget`, or the name of a budget
     shared with the other servers of this GPU or host (`vattn.Budget.shared(budget,
     budget_limit)`; `vattn top` shows them). A request body larger than `max_body_bytes` is
@@ -301,6 +307,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     if isinstance(budget, str):  # one budget for the servers of this GPU (or host), named
         budget = Budget.shared(budget, budget_limit, device=None if device == "auto" else device,
                                label=os.path.basename(os.path.abspath(model)))
+    page_size = SERVE_PAGE_SIZE if page_size is None else page_size
     handle = hf_cb.enable_all(memory_limit=memory_limit, budget=budget, page_size=page_size, idle_trim_s=idle_trim_s)
     server = None
     try:
@@ -335,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--memory-limit", type=int, default=None, help="bytes of KV pages (default: no limit)")
-    ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help=f"vattn page bytes (default: {SERVE_PAGE_SIZE}, on every device)")
     ap.add_argument("--idle-trim-s", type=float, default=None,
                     help="give the KV memory back after this many idle seconds (default, or negative: never by itself)")
     ap.add_argument("--device", default="auto")
