@@ -28,31 +28,23 @@ import json
 import os
 import random
 import signal
-import socket
 import string
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from _common import environment, latency_stats, print_table, save  # noqa: E402
+from _common import environment, free_port, latency_stats, print_table, save, wait_healthy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SERVERS = ("stock", "vattn")
 
 
 # ------------------------------------------------------------------ servers ----
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_command(kind: str, ckpt: str, port: int, args: argparse.Namespace) -> list[str]:
     """The command of one server: the same checkpoint, device and cache size for all."""
     if kind.startswith("vattn"):
@@ -74,17 +66,8 @@ def start(kind: str, ckpt: str, args: argparse.Namespace, log: Path) -> tuple[su
                PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(server_command(kind, ckpt, port, args), env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=src)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the {kind} server exited: see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, port
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"the {kind} server was not ready in 180 s: see {log}")
+    wait_healthy(proc, port, log, f"{kind} server")
+    return proc, port
 
 
 def cpu_seconds(pid: int) -> float:
