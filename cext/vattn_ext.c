@@ -572,6 +572,62 @@ out:
   return ret;
 }
 
+/* host_scratch(bases, offsets, page_size, fd, run_pages)
+ * Back the pages at bases[b] + offsets[i] with the scratch memfd `fd` (run_pages pages):
+ * the page at address a maps the file at ((a / page) % run_pages) * page, so a run of pages
+ * needs one mmap per run_pages-aligned window and scratch mappings side by side merge into
+ * one VMA (the kernel merges mappings of one file at consecutive offsets). MAP_FIXED replaces
+ * whatever is there (a real page, a reservation) at once: the address is never unbacked.
+ * Not atomic: on failure (ENOMEM at vm.max_map_count) some pages may be scratch already. */
+static PyObject *host_scratch(PyObject *m, PyObject *args) {
+  Py_buffer bb, ob;
+  unsigned long long page, run;
+  int fd;
+  if (!PyArg_ParseTuple(args, "y*y*O&iO&", &bb, &ob, to_u64, &page, &fd, to_u64, &run)) return NULL;
+  PyObject *ret = NULL;
+  Py_ssize_t nb, n;
+  if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets")) goto out;
+  if (page == 0 || run == 0) {
+    PyErr_SetString(PyExc_ValueError, "host_scratch: page_size and run_pages must be > 0");
+    goto out;
+  }
+  const uint64_t *bases = bb.buf, *offs = ob.buf;
+  int err = 0;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t b = 0; b < nb && !err; b++) {
+    Py_ssize_t i = 0;
+    while (i < n && !err) {
+      Py_ssize_t j = run_end(offs, i, n, page);
+      uint64_t addr = bases[b] + offs[i], end = bases[b] + offs[j - 1] + page;
+      while (addr < end) {
+        uint64_t at = (addr / page) % run, k = run - at;
+        if (k > (end - addr) / page) k = (end - addr) / page;
+        void *p = mmap((void *)(uintptr_t)addr, k * page, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+                       (off_t)(at * page));
+        if (p == MAP_FAILED) {
+          err = errno;
+          break;
+        }
+        if ((err = dontfork(p, k * page))) break;
+        addr += k * page;
+      }
+      i = j;
+    }
+  }
+  Py_END_ALLOW_THREADS
+  if (err) {
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    goto out;
+  }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
+  PyBuffer_Release(&bb);
+  PyBuffer_Release(&ob);
+  return ret;
+}
+
 /* ------------------------------------------------------------------------- */
 /* CUDA backend: the driver API through dlopen, one CudaDriver per load        */
 /* ------------------------------------------------------------------------- */
@@ -899,6 +955,8 @@ static PyMethodDef methods[] = {
     {"host_reserve", host_reserve, METH_VARARGS, "host_reserve(size) -> Range (PROT_NONE, MAP_NORESERVE)"},
     {"host_map", host_map, METH_VARARGS, "host_map(bases, offsets, fds, file_offsets, file_strides, page_size)"},
     {"host_unmap", host_unmap, METH_VARARGS, "host_unmap(bases, offsets, page_size)"},
+    {"host_scratch", host_scratch, METH_VARARGS,
+     "host_scratch(bases, offsets, page_size, fd, run_pages): back the pages with a scratch memfd of run_pages pages"},
     {"cuda_load", (PyCFunction)(void (*)(void))cuda_load, METH_VARARGS | METH_KEYWORDS,
      "cuda_load(path=None) -> CudaDriver: dlopen the driver (default libcuda.so.1) and cuInit"},
     {"dlpack", dlpack_export, METH_VARARGS,

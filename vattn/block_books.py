@@ -23,7 +23,6 @@ from vattn.pages import PageGroups
 
 if TYPE_CHECKING:
     from vattn.budget import Budget
-    from vattn.pool import PoolConfig
     from vattn.vmem.base import Backend
 
 _PLANNED = object()  # a page booked as mapped while an alloc is being planned
@@ -67,27 +66,37 @@ class BlockBooks:
     """The pool's books and page movement. Holds no reference to the `ElasticPool` (its
     finalizer) and none to torch tensors. `lock` guards them; backend calls are made under it."""
 
-    def __init__(self, config: PoolConfig, backend: Backend, bases: list[int], page_size: int,
-                 budget: Budget | None, grow: int, device_sync: Callable[[], None] | None = None,
+    def __init__(self, num_blocks: int, block_bytes: int, num_buffers: int, backend: Backend, bases: list[int],
+                 page_size: int, budget: Budget | None, grow: int, *, limit: int | None = None,
+                 scratch: bool = False, device_sync: Callable[[], None] | None = None,
                  zero_pages: Callable[[list[int]], None] | None = None) -> None:
-        """`grow`: groups created at least per creation (the rest kept spare). `device_sync`
+        """`num_blocks` blocks of `block_bytes` in each of `num_buffers` buffers at `bases`.
+        `grow`: groups created at least per creation (the rest kept spare). `limit`: bytes the
+        pool may hold (None: none). `scratch`: back every page with no group by the backend's
+        scratch memory (reads and writes of a free block never fault). `device_sync`
         (sync="device") waits for every stream before an unmap; `zero_pages(pages)` clears
         the pages mapped with new memory (zero_new)."""
-        self.config = config
         self.zero_pages = zero_pages
         self.grow = grow
         self.page_size = page_size
-        self.block_bytes = config.block_bytes  # one block in one buffer
-        self.num_blocks = config.num_blocks
+        self.block_bytes = block_bytes  # one block in one buffer
+        self.num_blocks = num_blocks
+        self.num_buffers = num_buffers
         self.num_pages = -(-self.num_blocks * self.block_bytes // page_size)  # pages per buffer
-        self.group_bytes = page_size * config.num_buffers
+        self.group_bytes = page_size * num_buffers
         # Most pages one block can span (a bound when blocks straddle page boundaries)
         bb = self.block_bytes
         self.max_block_pages = bb // page_size if bb % page_size == 0 else (page_size + bb - 2) // page_size + 1
-        self.limit: int | None = config.limit
-        self.physical = PageGroups(backend, bases, page_size, config.num_buffers, budget=budget,
+        self.limit: int | None = limit
+        self.physical = PageGroups(backend, bases, page_size, num_buffers, budget=budget,
                                    reclaim=self.reclaim_for_budget, cached=self.cached_bytes,
                                    device_sync=device_sync)
+        if scratch:
+            try:
+                self.physical.back_with_scratch(self.num_pages)
+            except BaseException:
+                self.physical.close([], [])  # leave the budget
+                raise
 
         self.used = bytearray(self.num_blocks)
         self.num_used = 0
@@ -409,7 +418,7 @@ class BlockBooks:
         return pages // self.max_block_pages
 
     def stats(self) -> PoolStats:
-        nb = self.config.num_buffers
+        nb = self.num_buffers
         return PoolStats(
             num_blocks=self.num_blocks, block_bytes=self.block_bytes * nb, page_size=self.page_size,
             group_bytes=self.group_bytes, num_used_blocks=self.num_used, num_warm_blocks=self.num_warm,

@@ -334,7 +334,7 @@ def test_close_gives_every_page_and_mapping_back():
 
 PRELUDE = """
 import vattn
-p = vattn.ElasticPool(16, (1024,), "float32", 2, page_size=4096)   # one page per block
+p = vattn.ElasticPool(16, (1024,), "float32", 2, page_size=4096, scratch={scratch})   # one page per block
 ids = p.alloc(3)
 for b in ids:
     p.buffer(0)[b] = 1.0
@@ -344,11 +344,27 @@ print("trimmed", float(p.buffer(0)[ids[0]].sum()), float(p.buffer(0)[ids[2]].sum
 """
 
 
-def test_trimmed_block_faults_and_blocks_in_use_do_not():
-    r = _run(PRELUDE + "print(float(p.buffer(0)[ids[1]].sum()))\n")
+def test_without_scratch_a_trimmed_block_faults_and_blocks_in_use_do_not():
+    r = _run(PRELUDE.format(scratch=False) + "print(float(p.buffer(0)[ids[1]].sum()))\n")
     assert "trimmed 1024.0 1024.0" in r.stdout and _faulted(r), (r.returncode, r.stdout, r.stderr)
-    r = _run(PRELUDE + "print(float(p.buffer(1)[10].sum()))\n")  # never allocated
+    r = _run(PRELUDE.format(scratch=False) + "print(float(p.buffer(1)[10].sum()))\n")  # never allocated
     assert "trimmed" in r.stdout and _faulted(r), (r.returncode, r.stdout, r.stderr)
+
+
+def test_with_scratch_every_byte_reads_and_writes_and_blocks_in_use_keep_their_data():
+    touch = """
+for buf in p.buffers:                  # every block, free, trimmed or never allocated
+    buf.fill_(7.0)
+for b in (ids[0], ids[2]):             # blocks in use: written last, read back
+    p.buffer(0)[b] = float(b)
+print("all", float(p.buffer(1)[10].sum()), float(p.buffer(0)[ids[1]].sum()) >= 0,
+      [float(p.buffer(0)[b].sum()) for b in (ids[0], ids[2])], p.stats().mapped_bytes)
+"""
+    r = _run(PRELUDE.format(scratch=True) + touch)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert "trimmed 1024.0 1024.0" in r.stdout
+    # the scratch is shared (what a free block reads is garbage) and never counted as memory
+    assert f"all 7168.0 True [{1024.0 * 0}, {1024.0 * 2}] {2 * 2 * 4096}" in r.stdout, r.stdout
 
 
 # ------------------------------------------------------------------ fences ----
@@ -369,23 +385,31 @@ class Recording(FaultyBackend):
     def wait(self, fence):
         self.log.append(("wait", fence[1]))
 
-    def unmap(self, bases, offsets, page):
+    def unmap(self, bases, offsets, page, scratch=None):
         self.log.append(("unmap", tuple(offsets)))
-        return self.inner.unmap(bases, offsets, page)
+        return self.inner.unmap(bases, offsets, page, scratch)
 
 
 def test_unmap_waits_for_the_fence_of_the_last_free_on_the_page():
     be = Recording(HostBackend())
     with vattn.ElasticPool(16, (256,), "float32", 1, page_size=PAGE, backend=be, grow=1) as p:
-        a = p.alloc(8)  # pages 0 and 1
-        p.free(a[:4])  # fence 1 on page 0
-        p.free(a[4:6])  # fence 2 on page 1 (still in use)
-        p.free(a[6:])  # fence 3 on page 1
+        a = p.alloc(8)  # pages 0 and 1, mapped over the scratch after fence 1 (work that may read it)
+        assert be.log[:2] == [("fence", 1), ("wait", 1)]
+        p.free(a[:4])  # fence 2 on page 0
+        p.free(a[4:6])  # fence 3 on page 1 (still in use)
+        p.free(a[6:])  # fence 4 on page 1
         p.trim()
         unmap = next(i for i, e in enumerate(be.log) if e[0] == "unmap")
         assert sorted(be.log[unmap][1]) == [0, PAGE]
-        assert ("wait", 1) in be.log[:unmap] and ("wait", 3) in be.log[:unmap]
-        assert ("wait", 2) not in be.log  # superseded by fence 3 on the same page
+        assert ("wait", 2) in be.log[:unmap] and ("wait", 4) in be.log[:unmap]
+        assert ("wait", 3) not in be.log  # superseded by fence 4 on the same page
+
+
+def test_without_scratch_a_map_waits_for_nothing():
+    be = Recording(HostBackend())
+    with vattn.ElasticPool(16, (256,), "float32", 1, page_size=PAGE, backend=be, grow=1, scratch=False) as p:
+        p.alloc(8)
+        assert be.log == []
 
 
 # ------------------------------------------------------------------ budget ----
