@@ -718,6 +718,50 @@ def test_worker_on_the_cuda_backend_with_the_strict_fake_driver(fake_cuda, monke
     assert fake_cuda.num_violations == 0, fake_cuda.violations()
 
 
+@pytest.mark.parametrize("device", ["host", "fakecuda"])
+def test_every_byte_of_the_kv_tensor_reads_and_writes_whatever_the_scheduler_handed_out(device, request,
+                                                                                        monkeypatch):
+    """vLLM owns the tensor and may touch any byte of it (blocks never handed out, padding
+    rows, its own tests): on vattn memory that never faults (it segfaulted, and on a GPU it
+    is an illegal address), and the blocks in use keep their data whatever is written
+    elsewhere. The whole reservation, the tail past vLLM's size included."""
+    import gc
+
+    backend = None if device == "host" else request.getfixturevalue("fake_cuda").backend()
+    P = PAGE if backend is None else backend.granularity
+    monkeypatch.setenv("VATTN_VLLM_PAGE_SIZE", str(P))
+    cfg = kv_config(num_blocks=4 * P // 8192 + 3, layers=2, layout="block-outer")  # 16 KiB blocks over pages
+    bp = BlockPool(cfg.num_blocks)
+    skv = vv.attach(bp, cfg)
+    w = vv.WorkerKV(cfg, cfg.kv_cache_tensors[0].size, "cpu", backend=backend)
+    assert w.whole.numel() > w.tensor.numel()  # a tail past the size vLLM asked for
+    w.whole.fill_(1)  # only the null block's page is real
+    a = bp.get_new_blocks(5)
+    w.apply(skv.drain())
+    for x in a:
+        write(w, x.block_id)
+    used = {0, *(x.block_id for x in a)}
+    g = w.layout
+    for b in set(range(cfg.num_blocks)) - used:  # every other block: junk
+        w.tensor[b * g.block_bytes:(b + 1) * g.block_bytes] = 99
+    w.whole[cfg.num_blocks * g.block_bytes:] = 98
+    for x in a:
+        check(w, x.block_id)
+    bp.free_blocks(a)
+    skv.trim()
+    w.apply(skv.drain())  # their pages give way to the scratch again
+    assert w.mapped_bytes == w.layout.page_size
+    w.whole.fill_(2)
+    assert int(w.whole[-1]) == 2
+    w.close()
+    if backend is not None:
+        backend.close()
+        del w
+        gc.collect()
+        fake = request.getfixturevalue("fake_cuda")
+        assert fake.num_violations == 0, fake.violations()
+
+
 # ------------------------------------------------------------- shared budget ----
 def test_a_budget_shared_with_another_process(monkeypatch, tmp_path):
     """VATTN_BUDGET=NAME: the scheduler's books join a budget another process (a vattn
