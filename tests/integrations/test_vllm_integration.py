@@ -5,11 +5,14 @@ patches/vllm-*.patch), driven by the block-allocation call sequence of a server.
 `tests/integrations/test_vllm_patch.py` (slow) runs the real, patched vLLM block pool."""
 from __future__ import annotations
 
+import math
 import random
 from types import SimpleNamespace
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from vattn.integrations import vllm as vv
 
@@ -249,6 +252,27 @@ def test_align_num_blocks_makes_layers_start_on_pages():
     assert vv.align_num_blocks(1003, groups, block_outermost=True) == 1003
     assert vv.align_num_blocks(1003, groups, False, block_stride=lambda s: 12 << 10) == 992  # 64 KiB / gcd(64 KiB, 12 KiB) = 16
     vv.block_layout(kv_config(num_blocks=vv.align_num_blocks(1003, groups, False)))
+    # an MLA block (73,728 bytes) on 64 KiB pages: a multiple of 8 blocks; 7 lost, 7.9 pages a layer
+    assert vv.align_num_blocks(1007, groups, False, block_stride=lambda s: 73728) == 1000
+
+
+@given(stride=st.integers(1, 3 * PAGE // 16).map(lambda x: 16 * x), num_blocks=st.integers(2, 5000))
+@settings(max_examples=200, deadline=None)
+def test_align_num_blocks_loses_fewer_than_lcm_of_page_and_stride_bytes_a_layer(stride, num_blocks):
+    """The true bound of what the rounding loses (not "at most one page a layer": an MLA-sized
+    stride on 64 KiB pages loses up to 7 blocks, 7.9 pages): fewer than lcm(P, stride) bytes a
+    layer, and the count kept is the largest with every layer starting on a page."""
+    groups = kv_config().kv_cache_groups
+    got = vv.align_num_blocks(num_blocks, groups, False, block_stride=lambda s: stride)
+    m = math.lcm(PAGE, stride) // stride  # blocks per whole number of pages
+    assert got * stride % PAGE == 0
+    if num_blocks >= m:
+        assert got <= num_blocks and (num_blocks - got) * stride < math.lcm(PAGE, stride)
+        assert (got + m) > num_blocks  # no larger count starts every layer on a page
+    else:
+        assert got == m  # one whole-page run is kept
+    if stride == 73728 and num_blocks % m == m - 1:
+        assert (num_blocks - got) * stride > 7 * PAGE  # more than one page, as documented
 
 
 def test_off_means_stock_vllm(monkeypatch):
