@@ -380,8 +380,9 @@ def _close(books: BlockBooks, backend: Backend) -> None:
 
 
 # Host bytes of the books (`BlockBooks`: plain Python lists, on the host whatever the device): measured about 50 a
-# block (a bytearray entry, the per-block miss list, the cold heap's int) and 16 a page (users, groups), rounded up
-BOOKS_BYTES_PER_BLOCK, BOOKS_BYTES_PER_PAGE = 64, 16
+# block (a bytearray entry, the per-block miss list, the cold heap's int) and 32 a page (users, groups, the two
+# Fenwick counts of available_blocks), rounded up
+BOOKS_BYTES_PER_BLOCK, BOOKS_BYTES_PER_PAGE = 64, 32
 
 
 def _check_books_fit(num_blocks: int, num_pages: int) -> None:

@@ -292,10 +292,10 @@ def test_books_the_host_cannot_hold_are_refused_before_they_are_built(monkeypatc
     from vattn.vmem import host
 
     monkeypatch.setattr(host, "available_memory", lambda: 8 << 30)  # a host with 8 GiB available
-    with pytest.raises(vattn.InvalidConfigError, match=r"num_blocks=3221225472 .* needs about 198\.0 GiB .*books"
+    with pytest.raises(vattn.InvalidConfigError, match=r"num_blocks=3221225472 .* needs about 204\.0 GiB .*books"
                        r".* 8\.0 GiB is available .*lower num_blocks"):
         vattn.ElasticPool(3 << 30, (16, 2, 64), "float32")
-    # the boundary: 64 bytes a block and 16 a page (one block a page here), MIN_HEADROOM kept free
+    # the boundary: 64 bytes a block and 32 a page (one block a page here), MIN_HEADROOM kept free
     room = (8 << 30) - host.MIN_HEADROOM
     per_block = pool_mod.BOOKS_BYTES_PER_BLOCK + pool_mod.BOOKS_BYTES_PER_PAGE
     with pytest.raises(vattn.InvalidConfigError, match="books"):
