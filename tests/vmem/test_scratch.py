@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+import vattn
 from vattn import MapCountLimitError
 from vattn.errors import BackendError
 from vattn.vmem import host
@@ -166,3 +167,40 @@ def test_host_scratch_at_the_map_count_limit_leaves_the_page_unbacked_with_a_war
     be.release(groups)
     be.release_scratch(scratch)
     be.close()
+
+
+CALLS = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess")
+
+
+def test_driver_calls_of_a_page_turn_and_of_the_start_up_on_a_gpu(fake_cuda, monkeypatch):
+    """What docs/vllm.md states the scratch costs on a GPU, counted on the strict fake driver
+    through `vattn bench alloc`'s page turns: a map first unmaps the scratch page there, an
+    unmap maps it back (with its access); the start-up maps it at every page (one access call
+    for the run). Nothing else changes."""
+    import argparse
+
+    from vattn.bench import alloc
+
+    def pool(args, n, page, scratch):
+        return vattn.ElasticPool(n, (page,), torch.uint8, 1, page_size=page, grow=1, scratch=scratch,
+                                 backend=fake_cuda.backend())
+
+    monkeypatch.setattr(alloc, "_scratch_pool", pool)
+    per: dict[bool, dict[str, int]] = {}
+    for scratch in (False, True):
+        before = {c: fake_cuda.calls(c) for c in CALLS}
+        p = pool(None, 64, fake_cuda.backend().granularity, scratch)
+        start = {c: fake_cuda.calls(c) - before[c] for c in CALLS}
+        assert start == ({c: 0 for c in CALLS} if not scratch else
+                         {"cuMemCreate": 1, "cuMemRelease": 0, "cuMemMap": 64, "cuMemUnmap": 0, "cuMemSetAccess": 1})
+        before = {c: fake_cuda.calls(c) for c in CALLS}
+        for i in range(4):
+            p.free(p.take([7 * i]))
+            p.trim()
+        per[scratch] = {c: (fake_cuda.calls(c) - before[c]) // 4 for c in CALLS}
+        p.close()
+    assert per[False] == {"cuMemCreate": 1, "cuMemRelease": 1, "cuMemMap": 1, "cuMemUnmap": 1, "cuMemSetAccess": 1}
+    assert per[True] == {"cuMemCreate": 1, "cuMemRelease": 1, "cuMemMap": 2, "cuMemUnmap": 2, "cuMemSetAccess": 2}
+    rows = alloc.bench_scratch(argparse.Namespace(device="cpu"), [fake_cuda.backend().granularity], [1 / 64], 2)
+    assert [r["scratch"] for r in rows] == [False, True]
+    assert rows[1]["scratch_calls_per_turn"] == 1 and rows[1]["map_calls_per_turn"] == 1
