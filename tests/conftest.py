@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,21 @@ from tests import fake_cuda as fake_cuda_lib
 
 # The repository: subprocess tests run from it and put it on PYTHONPATH (`tests.*` imports).
 REPO = Path(__file__).resolve().parent.parent
+
+
+class FakeClock:
+    """A stand-in for `time.monotonic` that moves only when told: idle policies
+    (`vattn.idle.IdleTrim.clock`) are tested by moving it, never by sleeping. It starts at
+    `time.monotonic()`, so it can replace the clock of a policy that already read the real one."""
+
+    def __init__(self, now: float | None = None) -> None:
+        self.now = time.monotonic() if now is None else now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def cuda_ok() -> bool:

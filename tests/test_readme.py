@@ -1,4 +1,8 @@
-"""The README's and docs/'s Python examples run as written, and their links lead somewhere."""
+"""The README's and docs/'s Python examples run as written, and their links lead somewhere.
+
+An example whose first line is a comment starting `# GPU` needs CUDA: it carries the `gpu`
+marker (it skips without CUDA, like every GPU test), and runs on the host too with its device
+and dtype swapped (`on_the_host`), so its logic is checked on every machine."""
 from __future__ import annotations
 
 import re
@@ -17,19 +21,49 @@ def _name(page: Path) -> str:
     return page.relative_to(REPO).as_posix()
 
 
-@pytest.mark.parametrize("page,code", BLOCKS, ids=[f"{_name(p)}:{i}" for i, (p, _) in enumerate(BLOCKS)])
-def test_readme_example_runs(page, code, capsys):
+def _is_gpu(code: str) -> bool:
+    return code.startswith("# GPU")
+
+
+def on_the_host(code: str) -> str:
+    """A GPU example moved to the host: CUDA becomes the CPU, float16 float32 (the host
+    backend and PyTorch's CPU kernels; flash-attn is not installed there, so its fallback runs)."""
+    host = code.replace('device="cuda"', 'device="cpu"').replace('dtype="float16"', 'dtype="float32"')
+    host = host.replace("torch.float16", "torch.float32")
+    assert "cuda" not in host.replace("# GPU", ""), "a CUDA name this swap does not know"
+    return host
+
+
+def _run(page: Path, code: str) -> None:
     import vattn
 
     try:
         exec(compile(code, str(page), "exec"), {"__name__": "readme"})
     finally:
         vattn.close()
+
+
+@pytest.mark.parametrize("page,code", [
+    pytest.param(p, c, id=f"{_name(p)}:{i}", marks=[pytest.mark.gpu] if _is_gpu(c) else [])
+    for i, (p, c) in enumerate(BLOCKS)])
+def test_readme_example_runs(page, code, capsys):
+    _run(page, code)
     assert capsys.readouterr().out.strip()  # each example prints what it shows
 
 
+@pytest.mark.parametrize("page,code", [pytest.param(p, c, id=f"{_name(p)}:{i}") for i, (p, c) in enumerate(BLOCKS)
+                                       if _is_gpu(c)])
+def test_gpu_example_runs_on_the_host(page, code, capsys):
+    _run(page, on_the_host(code))
+    assert capsys.readouterr().out.strip()
+
+
 def test_readme_has_examples():
-    assert sum(page == README for page, _ in BLOCKS) >= 2
+    """The slot API on the host and on a GPU with its kernel, and the engine."""
+    readme = [code for page, code in BLOCKS if page == README]
+    assert len(readme) >= 3 and any(_is_gpu(c) for c in readme) and not _is_gpu(readme[0])
+    gpu = next(c for c in readme if _is_gpu(c))
+    assert 'device="cuda"' in gpu and "flash_attn_with_kvcache(" in gpu and "scaled_dot_product_attention" in gpu
 
 
 def _anchor(heading: str) -> str:

@@ -24,35 +24,20 @@ budget's lock for a few instructions). A `reclaim` callback takes its own lock, 
 back pages no live data is in (waiting for the device first), calls `give`, and
 returns how many bytes it gave. It must not raise; it may give back more or less
 than asked.
+
+The books live in `vattn.budget_base` (`BudgetBase`), which the members of a budget shared by
+processes (`vattn.budget_shared`) build on as well; `Budget` adds `Budget.shared`, and every
+budget is a `Budget` (`isinstance(Budget.shared(...), Budget)`), so `vattn.budget_shared` never
+imports this module back.
 """
 from __future__ import annotations
 
-import itertools
-import threading
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from vattn.checks import as_int, byte_limit
-from vattn.errors import InvalidConfigError, InvalidRequestError
-
-Reclaim = Callable[[int], int]
-Cached = Callable[[], int]
+from vattn.budget_base import BudgetBase, BudgetStats, Cached, Reclaim
 
 
-@dataclass(frozen=True)
-class BudgetStats:
-    """Bytes taken from the budget and its limit (None: no limit)."""
-
-    limit: int | None
-    used: int
-    num_participants: int
-
-    @property
-    def available(self) -> int | None:
-        return None if self.limit is None else max(0, self.limit - self.used)
-
-
-class Budget:
+class Budget(BudgetBase):
     """A thread-safe physical-memory budget in bytes, shared by several pools.
 
     ```
@@ -66,13 +51,6 @@ class Budget:
     not take memory away by itself (call `reclaim`, or the pools' `trim`).
     """
 
-    def __init__(self, limit: int | None = None) -> None:
-        self._lock = threading.Lock()
-        self._limit = byte_limit(limit)
-        self._used = 0
-        self._participants: dict[int, tuple[Reclaim, Cached]] = {}
-        self._ids = itertools.count(1)
-
     @classmethod
     def shared(cls, name: str, limit: int | None = None, *, device: Any = None, member_limit: int | None = None,
                label: str | None = None) -> Budget:
@@ -84,121 +62,22 @@ class Budget:
         may take at most. `label`: the name `vattn top` shows (default: the command).
         Pass it wherever a `Budget` goes (`KVCache(budget=)`, `ElasticPool`, `LLM`);
         `vattn.budget_shared` explains the mechanism. Calling it again in the same process
-        returns the same member."""
+        returns the same member. Only processes of the same user join (the tables are in
+        /dev/shm/vattn-UID), or of a group in a directory shared on purpose
+        (`VATTN_BUDGET_DIR`, mode 2770): docs/budget.md, "Who may join". Byte values are at
+        most 2**63 - 1 (`InvalidConfigError` past it); `device` must exist."""
+        # imported on use: a process-local budget never loads the table machinery (sockets, /dev/shm)
         from vattn.budget_shared import join
 
         return join(name, limit, device=device, member_limit=member_limit, label=label)
 
-    # ------------------------------------------------------------------ taking ----
-    def try_take(self, nbytes: int) -> bool:
-        """Take `nbytes` if the limit allows; True when taken, False (nothing taken) otherwise."""
-        n = _check_nbytes(nbytes)
-        with self._lock:
-            if self._limit is not None and self._used + n > self._limit:
-                return False
-            self._used += n
+    @classmethod
+    def __subclasshook__(cls, sub: type) -> bool:
+        """Every budget is a `Budget`: a shared budget's member (`SharedBudget`) is built on
+        `BudgetBase` too, without importing this module (no import circle)."""
+        if cls is Budget and issubclass(sub, BudgetBase):
             return True
-
-    def give(self, nbytes: int) -> None:
-        """Give back `nbytes` taken earlier."""
-        n = _check_nbytes(nbytes)
-        with self._lock:
-            if n > self._used:
-                raise InvalidRequestError(f"give({n}) is more than the {self._used} bytes taken from this budget")
-            self._used -= n
-
-    # ------------------------------------------------------------------ limit ----
-    @property
-    def limit(self) -> int | None:
-        return self._limit
-
-    def set_limit(self, limit: int | None) -> None:
-        """Change the limit at run time (None: no limit). Takes above it are refused from now on."""
-        limit = byte_limit(limit)
-        with self._lock:
-            self._limit = limit
-
-    @property
-    def used(self) -> int:
-        return self._used
-
-    def available(self) -> int | None:
-        """Bytes that may still be taken now (None: no limit)."""
-        with self._lock:
-            return None if self._limit is None else max(0, self._limit - self._used)
-
-    def stats(self) -> BudgetStats:
-        with self._lock:
-            return BudgetStats(self._limit, self._used, len(self._participants))
-
-    # ------------------------------------------------------------ participants ----
-    def register(self, reclaim: Reclaim | None = None, cached: Cached | None = None) -> int:
-        """Join the budget; `reclaim(nbytes) -> bytes given back` lets others ask for cached
-        pages when they are short, and `cached() -> bytes` says how much `reclaim` could give
-        now (it is called without locks: an estimate is fine). Returns the participant's token."""
-        for name, cb in (("reclaim", reclaim), ("cached", cached)):
-            if cb is not None and not callable(cb):
-                raise InvalidConfigError(f"{name} must be callable or None, got {cb!r}")
-        with self._lock:
-            token = next(self._ids)
-            self._participants[token] = (reclaim or _nothing, cached or _none_cached)
-            return token
-
-    def unregister(self, token: int) -> None:
-        """Leave the budget (idempotent). Give back what you took first."""
-        with self._lock:
-            self._participants.pop(token, None)
-
-    def reclaim(self, nbytes: int, requester: int | None = None) -> int:
-        """Ask the other participants to give back cached pages until `nbytes` are free
-        under the limit (or everyone was asked). Returns the bytes they gave back. Call it
-        without holding any lock of your own."""
-        n = _check_nbytes(nbytes)
-        with self._lock:
-            others = [cb for t, (cb, _) in self._participants.items() if t != requester]
-        freed = 0
-        for cb in others:  # no budget lock held: the callbacks take their own locks and call give()
-            with self._lock:
-                room = None if self._limit is None else self._limit - self._used  # negative over the limit
-            if room is not None and room >= n:
-                break
-            want = n if room is None else n - room
-            try:
-                freed += max(0, int(cb(want)))
-            except Exception:  # a participant that cannot give back just does not
-                pass
-        return freed
-
-    def reclaimable(self, requester: int | None = None) -> int:
-        """Bytes the other participants say they could give back now (their `cached()`)."""
-        with self._lock:
-            others = [cached for t, (_, cached) in self._participants.items() if t != requester]
-        total = 0
-        for cached in others:
-            try:
-                total += max(0, int(cached()))
-            except Exception:
-                pass
-        return total
-
-    def __repr__(self) -> str:
-        s = self.stats()
-        return f"Budget(limit={s.limit}, used={s.used}, participants={s.num_participants})"
+        return NotImplemented
 
 
-def _nothing(nbytes: int) -> int:
-    return 0
-
-
-def _none_cached() -> int:
-    return 0
-
-
-def _check_nbytes(nbytes: object) -> int:
-    n = as_int(nbytes, "nbytes", InvalidRequestError)
-    if n < 0:
-        raise InvalidRequestError(f"nbytes must be >= 0, got {n}")
-    return n
-
-
-__all__ = ["Budget", "BudgetStats"]
+__all__ = ["Budget", "BudgetStats", "Cached", "Reclaim"]

@@ -12,10 +12,12 @@ import operator
 import re
 from typing import Any, Sequence
 
-from vattn.errors import InvalidConfigError
+from vattn.errors import InvalidConfigError, InvalidRequestError
 
 # torch.Generator.manual_seed / torch.manual_seed accept exactly this range.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# The most bytes a shared budget's table holds in one field (signed 64-bit): its limits and takes.
+MAX_BYTES = (1 << 63) - 1
 # A page larger than this is never sane (and a page larger than a slot wastes memory for
 # nothing: see `vattn.config.Geometry.check_page_size`).
 MAX_PAGE_SIZE = 1 << 30
@@ -87,11 +89,19 @@ def positive(value: Any, name: str, *, optional: bool = False) -> int | None:
     return as_int(value, name, InvalidConfigError, low=1, what="a positive int" + (" or None" if optional else ""))
 
 
-def byte_limit(value: Any, name: str = "limit") -> int | None:
-    """A memory limit: an int number of bytes >= 0, or None (no limit)."""
+def byte_limit(value: Any, name: str = "limit", *, high: int | None = None) -> int | None:
+    """A memory limit: an int number of bytes >= 0 (at most `high`), or None (no limit)."""
     if value is None:
         return None
-    return as_int(value, name, InvalidConfigError, low=0, what=">= 0 bytes or None")
+    what = ">= 0 bytes or None" if high is None else f"an int of bytes in [0, {high}] or None"
+    return as_int(value, name, InvalidConfigError, low=0, high=high, what=what)
+
+
+def byte_count(value: Any, name: str = "nbytes", *, high: int | None = None,
+               error: type[Exception] = InvalidRequestError) -> int:
+    """A number of bytes a call takes or gives: an int >= 0 (at most `high`), else `error`
+    naming `name` and the range."""
+    return as_int(value, name, error, low=0, high=high)
 
 
 def flag(value: Any, name: str) -> bool:

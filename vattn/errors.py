@@ -98,3 +98,19 @@ class OpsOutOfOrderError(VattnError, RuntimeError):
 class HookError(VattnError, RuntimeError):
     """A plugin's hunk does not fit the installed engine (another release, a local change, a
     patch already applied on disk): the plugin installs nothing."""
+
+
+class UnsafeTableError(InvalidConfigError):
+    """A file where a shared budget's table goes that vattn will not open as one: not a
+    regular file, or not made for this user (or for the directory's group). `path` is the
+    file, `why` what is wrong in a few words (`vattn top` shows it), `st` its `os.stat`."""
+
+    def __init__(self, message: str, *, path: object = None, why: str = "", st: object = None) -> None:
+        super().__init__(message)
+        self.path, self.why, self.st = path, why, st
+
+
+class DamagedTableError(InvalidRequestError):
+    """The table of a shared budget this process is a member of was changed under it by
+    another process (cut short, its row cleared or taken), or its books stayed locked:
+    takes are refused; close the caches on the budget and join it again (leaving works)."""

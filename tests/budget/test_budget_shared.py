@@ -212,8 +212,9 @@ def test_the_books_are_never_left_locked(member, budget_dir):
         assert holder.stdout.readline().strip() == "holding"
         b.proc.stdin.write(json.dumps({"op": "step", "lens": {rb: 64}}) + "\n")  # waits for the books
         b.proc.stdin.flush()
-        time.sleep(0.3)
-        assert not select.select([b.proc.stdout], [], [], 0)[0]
+        # it must not answer while the books are locked: watched for 0.3 s (a negative wait on another
+        # process, which no event can replace; it fails at once if an answer comes)
+        assert not select.select([b.proc.stdout], [], [], 0.3)[0]
         holder.kill()  # kill -9 while holding the books' lock
         assert b._read(5)["out"]["ok"]
     finally:
@@ -328,7 +329,9 @@ def test_vattn_top_shows_the_members(member):
     out = subprocess.run([sys.executable, "-m", "vattn", "top", "--json"], capture_output=True, text=True, cwd=REPO,
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    (budget,) = json.loads(out.stdout)
+    shown = json.loads(out.stdout)
+    assert shown["skipped"] == []
+    (budget,) = shown["budgets"]
     assert budget["name"] == "shown" and budget["device"] == "host" and budget["limit"] == LIMIT
     rows = {m["pid"]: m for m in budget["members"]}
     assert set(rows) == {a.pid, b.pid}
@@ -358,7 +361,7 @@ def test_one_member_per_process_and_what_it_checks():
             b.give(4 * GROUP)
         b.give(3 * GROUP)
         with vattn.KVCache(num_layers=2, num_kv_heads=2, head_dim=16, max_batch_size=2, max_context_len=512,
-                           dtype="float32", device="cpu", page_size=4096, budget=b) as c:
+                           dtype="float32", device="cpu", page_size=4096, prefetch=False, budget=b) as c:
             with pytest.raises(vattn.InvalidRequestError, match="close them first"):
                 b.close()
             r = c.alloc_reqid()

@@ -7,7 +7,6 @@ physical memory budget that forces preemptions, chunked prefill.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.conftest import FakeClock  # noqa: E402
 from tests.helpers import (  # noqa: E402
     FAMILIES,
     MAX_TOKENS,
@@ -163,25 +163,47 @@ def test_stop_tokens_and_eos() -> None:
 
 
 def test_idle_engine_gives_its_memory_back() -> None:
+    """On a fake clock: not before idle_trim_s, then once per idle period, from the idle
+    policy's thread (round 1) or from a step of the idle engine (round 2)."""
     ref = reference()
-    with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4, idle_trim_s=0.05,
+    clock = FakeClock()
+    with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4, idle_trim_s=30,
              enable_prefix_caching=True) as llm:
+        llm.idle.clock = clock
+        trimmed, trim = threading.Event(), llm.runner.cache.trim
+
+        def traced_trim():
+            try:
+                return trim()
+            finally:
+                trimmed.set()
+
+        llm.runner.cache.trim = traced_trim
         for round in (1, 2):
             assert_matches(llm.generate(prompts(), greedy_params()), ref)
             st = llm.memory_stats()
             assert st.num_created_pages > 0 and st.num_pinned_pages > 0
-            deadline = time.monotonic() + 30
-            while llm.num_idle_trims < round:  # the timer fires once the engine has been idle 50 ms
-                assert time.monotonic() < deadline, "the idle engine kept its memory"
-                time.sleep(0.01)
+            clock.advance(29.9)
+            llm.step()  # idle, not long enough
+            assert llm.num_idle_trims == round - 1 and not trimmed.is_set()
+            clock.advance(0.1)
+            if round == 1:
+                llm.idle.wake()  # the thread looks at the moved clock: the trim is due
+                assert trimmed.wait(30), "the idle engine kept its memory"
+            llm.step()  # (round 1: waits for the thread's trim to finish) stepping an idle engine trims once
+            assert llm.num_idle_trims == round
             st = llm.memory_stats()
             assert st.num_created_pages == 0 and st.num_pinned_pages == 0 and st.mapped_bytes == 0
-            llm.step()  # stepping an idle engine does not trim again
+            clock.advance(100)
+            llm.step()  # and not again
             assert llm.num_idle_trims == round
             llm.cache.allocator.check_invariants()
+            trimmed.clear()
     with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4) as llm:  # idle_trim_s=None
+        llm.idle.clock = clock
+        assert llm.idle.thread is None  # no delay, no thread
         assert_matches(llm.generate(prompts(), greedy_params()), ref)
-        time.sleep(0.1)
+        clock.advance(1e9)
         llm.step()
         assert llm.num_idle_trims == 0 and llm.memory_stats().num_created_pages > 0
     for bad in (-1, float("nan"), "1", True, 10**400):
@@ -191,14 +213,17 @@ def test_idle_engine_gives_its_memory_back() -> None:
 
 @pytest.mark.parametrize("forever", [2**70, 1e300, threading.TIMEOUT_MAX * 2])
 def test_idle_trim_past_what_a_timer_can_wait_means_never(forever: float) -> None:
-    """threading.Timer raised OverflowError on its thread each time the engine went idle."""
+    """threading.Timer raised OverflowError on its thread each time the engine went idle:
+    such a delay is never, and no thread waits for it."""
     errors: list = []
     old_hook, threading.excepthook = threading.excepthook, errors.append
     try:
         with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4, idle_trim_s=forever) as llm:
-            assert llm.config.idle_trim_s is None
+            assert llm.config.idle_trim_s is None and llm.idle.thread is None
+            clock = llm.idle.clock = FakeClock()
             assert_matches(llm.generate(prompts(), greedy_params()), reference())
-            time.sleep(0.1)  # idle: a timer's thread would have raised by now
+            clock.advance(float(forever))
+            llm.step()
             assert llm.num_idle_trims == 0 and llm.memory_stats().num_created_pages > 0
     finally:
         threading.excepthook = old_hook

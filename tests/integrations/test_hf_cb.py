@@ -15,11 +15,11 @@ import dataclasses
 import gc
 import importlib.util
 import inspect
+import logging
 import os
 import re
 import sys
 import threading
-import time
 
 import pytest
 
@@ -31,7 +31,7 @@ from transformers.generation.continuous_batching import cache as cache_mod  # no
 from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 
 import vattn  # noqa: E402
-from tests.conftest import hf_cb_problem  # noqa: E402
+from tests.conftest import FakeClock, hf_cb_problem  # noqa: E402
 from tests.helpers import FAMILIES, PROMPT_LENS, build_model, prompts, tiny_config  # noqa: E402
 from vattn.integrations import hf_cb  # noqa: E402
 from vattn.integrations.hf import VAttnCache  # noqa: E402
@@ -159,59 +159,82 @@ def test_memory_limit_makes_requests_wait(models, cleanup):
 
 @needs_cb
 def test_idle_policy_gives_memory_back(models, cleanup):
+    """On a fake clock: not before idle_trim_s of no block activity, then once per idle period."""
     ms, refs = models
     model = ms["llama"]
-    cb = hf_cb.enable(model, page_size=PAGE, idle_trim_s=0.2)
+    cb = hf_cb.enable(model, page_size=PAGE, idle_trim_s=30)
+    clock = cb.idle.clock = FakeClock()
     assert generate(model, persistent=True) == refs["llama"]
     trash = hf_cb.TRASH_SECTORS * SECTOR
     assert cb.managers == [model._cached_continuous_batching_manager]  # found when it built its cache
-    deadline = time.monotonic() + 30
-    while cb.stats().mapped_bytes > trash and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert cb.idle.thread.is_alive()  # started with the first pool
+    clock.advance(29.9)
+    assert not cb.idle.poll() and cb.num_idle_trims == 0 and cb.stats().mapped_bytes > trash  # not yet
+    clock.advance(0.1)
+    assert cb.idle.poll()  # what the policy's thread does at the deadline
     s = cb.stats()
-    assert s.mapped_bytes == trash and s.num_used_blocks == hf_cb.TRASH_SECTORS and cb.num_idle_trims >= 1
+    assert s.mapped_bytes == trash and s.num_used_blocks == hf_cb.TRASH_SECTORS and cb.num_idle_trims == 1
     assert s.peak_mapped_bytes > trash
-    trims = cb.num_idle_trims
-    time.sleep(0.5)
-    assert cb.num_idle_trims == trims  # once per idle period
+    clock.advance(100)
+    assert not cb.idle.poll() and cb.num_idle_trims == 1  # once per idle period
     assert generate(model, persistent=True) == refs["llama"]  # and it serves again
     cb.disable()
-    cb._idle_thread.join(5)
-    assert not cb._idle_thread.is_alive()  # disable stops the idle policy
+    cb.idle.thread.join(5)
+    assert not cb.idle.thread.is_alive()  # disable stops the idle policy
+
+
+class _Seen(logging.Handler):
+    """Keeps the records it sees and says when one came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.event.set()
 
 
 @needs_cb
-def test_enable_again_restarts_or_stops_the_idle_policy(models, cleanup, caplog):
+def test_enable_again_restarts_or_stops_the_idle_policy(models, cleanup):
     """enable() again without idle_trim_s stops the idle thread cleanly (it used to die on
     None / 4); with it, the policy runs again. A trim that fails for a reason other than a
     closed pool is logged, not swallowed."""
     ms, refs = models
     model = ms["qwen2"]
-    cb = hf_cb.enable(model, page_size=PAGE, idle_trim_s=0.05)
+    cb = hf_cb.enable(model, page_size=PAGE, idle_trim_s=30)
+    clock = cb.idle.clock = FakeClock()
     assert generate(model, persistent=True) == refs["qwen2"]  # the cache stays: the policy has a pool
-    first = cb._idle_thread
+    first = cb.idle.thread
     assert first is not None and first.is_alive()
     errors = []
     old_hook, threading.excepthook = threading.excepthook, errors.append
+    seen = _Seen()
+    logger = logging.getLogger("vattn.hf_cb")
+    logger.addHandler(seen)
     try:
         assert hf_cb.enable(model, page_size=PAGE) is cb  # idle_trim_s None: the policy stops
         first.join(5)
         assert not first.is_alive() and not errors
-        hf_cb.enable(model, page_size=PAGE, idle_trim_s=0.05)  # and starts again
-        second = cb._idle_thread
+        hf_cb.enable(model, page_size=PAGE, idle_trim_s=30)  # and starts again
+        second = cb.idle.thread
         assert second is not first and second.is_alive()
 
         def broken(manager=None):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
         cb.trim = broken
-        cb._touch()
-        deadline = time.monotonic() + 10
-        while "idle trim" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "idle trim of a continuous-batching cache failed" in caplog.text and "CUDA error" in caplog.text
+        cb.touch()
+        clock.advance(30)
+        cb.idle.wake()  # the thread's trim is due
+        assert seen.event.wait(30), "the idle thread did not try its trim"
+        (record,) = seen.records
+        assert "idle trim of a continuous-batching cache failed" in record.getMessage()
+        assert "CUDA error" in str(record.exc_info[1])
         assert second.is_alive() and not errors
     finally:
+        logger.removeHandler(seen)
         threading.excepthook = old_hook
         cb.close()
 

@@ -414,7 +414,7 @@ def tenant(monkeypatch):
     t = Tenant()
     monkeypatch.setattr(vs.backing, "make_backend", lambda device: refusing_backend(t))  # where ElasticKV looks it up
     clock = [1000.0]
-    monkeypatch.setattr(vs.time, "monotonic", lambda: clock[0])  # the loop advances it: 4 steps a second
+    monkeypatch.setattr(vs.backing.time, "monotonic", lambda: clock[0])  # the loop advances it: 4 steps a second
     t.clock = clock
     return t
 

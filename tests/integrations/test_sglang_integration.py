@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import vattn
+from tests.conftest import FakeClock
 from vattn.integrations import sglang as vs
 
 H, D, L = 2, 16, 2  # KV heads, head dim, layers: a token row is 128 bytes (fp32)
@@ -432,23 +433,22 @@ def test_set_limit_lower_gives_back_at_the_next_idle_trim():
     assert kv.num_drained_chunks == 9
 
 
-def test_on_idle_waits_for_idle_trim_s_and_once_per_idle_period(monkeypatch):
+def test_on_idle_waits_for_idle_trim_s_and_once_per_idle_period():
     pool, alloc, kv = make(4, whole(4, 4096), idle_trim_s=5.0)
-    clock = [1000.0]
-    monkeypatch.setattr(vs.time, "monotonic", lambda: clock[0])
+    clock = kv.idle.clock = FakeClock()
     locs = alloc.alloc(400)
     alloc.free(locs)
     before = mapped(kv)
     vs.on_idle(alloc)  # the idle period begins
-    clock[0] += 4.0
+    clock.advance(4.0)
     vs.on_idle(alloc)
     assert mapped(kv) == before  # not idle long enough
     alloc.free(alloc.alloc(4))  # busy again: the idle period starts over
     vs.on_idle(alloc)
-    clock[0] += 4.0
+    clock.advance(4.0)
     vs.on_idle(alloc)
     assert mapped(kv) == before
-    clock[0] += 2.0
+    clock.advance(2.0)
     vs.on_idle(alloc)
     assert mapped(kv) == chunk0(kv)
     drained = kv.num_drained_chunks
@@ -457,7 +457,7 @@ def test_on_idle_waits_for_idle_trim_s_and_once_per_idle_period(monkeypatch):
     settings = vs.KVSettings(idle_trim_s=-1)
     kv.settings = settings
     alloc.free(alloc.alloc(200))
-    clock[0] += 100
+    clock.advance(100)
     vs.on_idle(alloc)  # never
     assert mapped(kv) > chunk0(kv)
 

@@ -563,7 +563,7 @@ def make(ps, size, settings):
 tenant = loop.Tenant()
 vs.backing.make_backend = lambda device: loop.refusing_backend(tenant)  # where ElasticKV looks it up
 clock = [1000.0]
-vs.time.monotonic = lambda: clock[0]
+vs.backing.time.monotonic = lambda: clock[0]
 for ps in (1, 16):
     size = whole(ps, 2048)
     stock, errors, s0, kv0 = loop.serve(ps, size, make=make)

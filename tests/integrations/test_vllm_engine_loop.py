@@ -230,7 +230,7 @@ def test_refused_pages_under_load_are_waits_and_outputs_equal_stock(tenant, monk
     every output equals stock vLLM's."""
     cfgs = [kv_config(num_blocks=96, layers=2)] * 2  # tensor parallel: two workers, one layout
     stock, _, _ = run(cfgs, on=False)
-    monkeypatch.setattr(vv.time, "monotonic", lambda c=iter(range(10**6)): next(c) * 0.25)  # 4 steps a second
+    monkeypatch.setattr(vv.scheduler.time, "monotonic", lambda c=iter(range(10**6)): next(c) * 0.25)  # 4 steps a second
     out, preempted, core = run(cfgs, on=True, tenant=tenant, block_steps=range(6, 46))
     assert out == stock
     assert tenant.refused > 0, "the injection never hit a creation"

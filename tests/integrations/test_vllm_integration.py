@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from tests.conftest import FakeClock
 from vattn.integrations import vllm as vv
 
 PAGE = 64 << 10
@@ -556,21 +557,25 @@ def test_idle_trim_after_the_delay_reaches_the_workers(monkeypatch):
     bp, skv, w, _ = engine(kv_config(num_blocks=256))
     sent: list = []
     core = engine_core(bp, sent)
+    clock = skv.idle.clock = FakeClock()
     a = bp.get_new_blocks(40)
     step(skv)
     bp.free_blocks(a)
     vv.on_idle(core)  # the engine just went idle: the clock starts
-    assert not sent and 0 < vv.idle_wakeup(core) <= 0.07
-    import time
-    time.sleep(0.06)
+    assert not sent and vv.idle_wakeup(core) == pytest.approx(0.06)  # the delay, and 10 ms to be past it
+    clock.advance(0.04)
+    vv.on_idle(core)
+    assert not sent and vv.idle_wakeup(core) == pytest.approx(0.02)  # not idle long enough
+    clock.advance(0.01)
     vv.on_idle(core)
     assert len(sent) == 1 and w.mapped_bytes == 2 * PAGE and w.seq == sent[0].seq
     assert vv.idle_wakeup(core) is None  # trimmed: block as vLLM does
+    clock.advance(100)
     vv.on_idle(core)
     assert len(sent) == 1
     bp.get_new_blocks(3)
     step(skv)  # work again: the idle clock restarts
-    assert skv.idle_since is None and not skv.trimmed
+    assert skv.idle.idle_since is None and not skv.idle.trimmed
 
 
 def test_idle_trim_off(monkeypatch):
@@ -588,9 +593,10 @@ def test_idle_trim_off(monkeypatch):
 
 
 @pytest.mark.parametrize("raw, delay", [("30", 30.0), ("0", 0.0), ("0.25", 0.25), ("-1", None), ("-0.5", None),
-                                        ("inf", None), ("", "default")])
+                                        ("inf", None), ("1e300", None), ("", "default")])
 def test_one_idle_trim_rule_for_the_three_integrations(monkeypatch, raw, delay):
-    """vattn.integrations._env: seconds >= 0; None, a negative number or infinity: never;
+    """vattn.integrations._env (vattn.idle's rule): seconds >= 0; None, a negative number,
+    infinity or more than a timer can wait (10**300 as an int raised OverflowError): never;
     the same for the environment variables and the Python settings."""
     from vattn.integrations import _env, hf_cb
     from vattn.integrations import sglang as vs
@@ -610,6 +616,16 @@ def test_one_idle_trim_rule_for_the_three_integrations(monkeypatch, raw, delay):
             _env.idle_delay(bad)
         with pytest.raises(vv.InvalidConfigError, match="idle_trim_s"):
             vs.KVSettings(idle_trim_s=bad)
+
+
+def test_an_idle_trim_past_what_a_timer_can_wait_blocks_as_vllm_does(monkeypatch):
+    """idle_wakeup is the timeout of vLLM's input queue: 1e300 s made `queue.get` raise
+    OverflowError in EngineCore's loop; past what a timer can wait is never (None: block)."""
+    monkeypatch.setenv("VATTN_VLLM_IDLE_TRIM_S", "1e300")
+    bp, skv, w, _ = engine()
+    core = engine_core(bp, [])
+    vv.on_idle(core)
+    assert vv.idle_wakeup(core) is None
 
 
 @pytest.mark.parametrize("trim_s", ["30", "-1"])

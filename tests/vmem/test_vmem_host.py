@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import signal
 import subprocess
@@ -221,28 +222,32 @@ def test_dlpack_export_of_any_owner_views_the_same_memory():
 
 def test_close_while_another_thread_steps():
     import threading
-    import time
 
     gc.collect()
     base = _vattn_mappings()
     c = vattn.KVCache(**SMALL, device="cpu", page_size=4096)
     r = c.alloc_reqid()
     outcome = []
+    stepping = threading.Event()
 
     def stepper():
         n = 0
         try:
-            while True:
+            for i in itertools.count():
                 n = n % 500 + 7
                 c.step({r: n})
+                if i == 50:  # well into stepping (mapping and unmapping): close now
+                    stepping.set()
         except vattn.ClosedError:
             outcome.append("closed")
         except Exception as e:  # pragma: no cover - reported by the assert
             outcome.append(e)
+        finally:
+            stepping.set()
 
     t = threading.Thread(target=stepper)
     t.start()
-    time.sleep(0.1)
+    assert stepping.wait(30)
     c.close()
     t.join(timeout=30)
     assert outcome == ["closed"]

@@ -25,6 +25,7 @@ def _results_dir() -> Path:
 
 
 RESULTS = _results_dir()
+TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "arxiv_summarization.csv"  # the default trace
 OUT_ENV = "VATTN_BENCH_OUT"  # when set, save() writes there instead of RESULTS (the GPU suite's OUTDIR)
 
 

@@ -164,7 +164,7 @@ def iterations(requests: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray,
 
 
 def workloads(args: Any) -> dict[str, list[tuple[int, int]]]:
-    from vattn.bench.fragmentation import TRACE
+    from vattn.bench._common import TRACE
     from vattn.workload import trace_requests
 
     out = {"arxiv-4K": [(r.prompt, r.output) for r in trace_requests(str(TRACE), args.requests or 1 << 62, 4096)]}

@@ -64,15 +64,13 @@ import numpy as np
 
 from vattn.errors import InvalidConfigError
 
-from ._common import progress
+from ._common import TRACE, progress
 
 NAME = "fragmentation"
 HELP = "memory wasted and requests that fit: vattn vs static reservation and paged blocks (trace replay)"
 NEEDS_GPU = False
 
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
-DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
-TRACE = DATA / "arxiv_summarization.csv"
 # layers, KV heads, head dim (fp16): the vAttention paper's models
 MODELS: dict[str, tuple[int, int, int]] = {"yi-6b": (32, 4, 128), "llama-3-8b": (32, 8, 128), "yi-34b": (60, 8, 128)}
 PAGES = (64 * KB, 128 * KB, 256 * KB, 2 * MB)

@@ -7,7 +7,7 @@ the in-process `Budget`'s participant protocol (`vattn.budget`), so caches and p
 it unchanged.
 
 ```
- /dev/shm/vattn-budget-NAME@DEVICE   (36 KiB, memory-mapped by every member)
+ /dev/shm/vattn-UID/vattn-budget-NAME@DEVICE   (36 KiB, memory-mapped by every member)
  [ header: limit ][ row 0: pid, taken, cached, limit, asks ... ][ row 1 ] ... [ row 63 ]
    byte 0 lock: the books (fcntl, a few microseconds a take or a give)
    byte LIVE + i lock: held by row i's process for as long as it lives
@@ -35,7 +35,13 @@ it unchanged.
 - **One member per process and budget.** `Budget.shared` called again in the same
   process returns the same member (its participants are that process's caches and
   pools). A forked child must call `Budget.shared` itself. Members must share /dev/shm
-  (containers: mount the same one); files are readable by their owner only.
+  (containers: mount the same one).
+- **Who may join.** The processes of one user: the tables are in the user's own directory
+  (`/dev/shm/vattn-UID`, 0700), created `O_EXCL | O_NOFOLLOW` with mode 0600, and every open
+  checks the file through its descriptor (a regular file, the caller's, that mode) before it
+  grows or writes anything. Users share a budget only in a directory an operator made for a
+  group on purpose (`VATTN_BUDGET_DIR`, mode 2770: tables 0660 of that group). Readers skip
+  (and name) what is not a table. docs/budget.md has the threat model.
 
 The bytes are what the members *took*: a cache takes before it creates pages and gives
 after they are released, so the physical memory of all members together never exceeds
@@ -50,11 +56,13 @@ from any process).
 from __future__ import annotations
 
 from vattn.budget_shared.member import SharedBudget, SharedBudgetStats, join
-from vattn.budget_shared.readers import list_budgets, reading, set_limit
+from vattn.budget_shared.readers import Skipped, Survey, list_budgets, reading, set_limit, survey
 from vattn.budget_shared.table import (  # noqa: F401 - MAX_MEMBERS, PREFIX, check_name: re-exported
-    ANSWER_S, DIR_ENV, MAX_MEMBERS, POLL_S, PREFIX, budget_dir, check_name, device_key, table_path)
+    ANSWER_S, DIR_ENV, MAX_MEMBERS, POLL_S, PREFIX, DamagedTableError, Place, UnsafeTableError, budget_dir,
+    check_name, device_key, place, table_path)
 
 _reading = reading  # the name the tests have used
 
-__all__ = ["ANSWER_S", "DIR_ENV", "POLL_S", "SharedBudget", "SharedBudgetStats", "budget_dir", "device_key", "join",
-           "list_budgets", "reading", "set_limit", "table_path"]
+__all__ = ["ANSWER_S", "DIR_ENV", "POLL_S", "DamagedTableError", "Place", "SharedBudget", "SharedBudgetStats",
+           "Skipped", "Survey", "UnsafeTableError", "budget_dir", "device_key", "join", "list_budgets", "place",
+           "reading", "set_limit", "survey", "table_path"]

@@ -17,14 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from vattn.budget import Budget, BudgetStats, _check_nbytes
+from vattn.budget_base import BudgetBase, BudgetStats
 from vattn.budget_shared.table import (
-    ANSWER_S, POLL_S, Table, check_name, claim, close_sender, device_key, forget_sender, listen, table_path,
-    wake_members)
-from vattn.checks import byte_limit
+    ANSWER_S, POLL_S, DamagedTableError, Place, Table, check_name, claim, close_sender, device_key, drain,
+    forget_sender, listen, place, unlink_if_same, wake_members)
+from vattn.checks import MAX_BYTES, byte_count, byte_limit
 from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
 
 logger = logging.getLogger("vattn.budget")
+
+LEAVE_WAIT_S = 2.0  # the longest giving back or leaving waits for a stuck process's lock on the books
 
 _registry_lock = threading.Lock()
 _members: dict[Path, SharedBudget] = {}  # this process's members, by table path
@@ -52,7 +54,7 @@ class SharedBudgetStats(BudgetStats):
 
 
 # ------------------------------------------------------------------ member ----
-class SharedBudget(Budget):
+class SharedBudget(BudgetBase):
     """A `Budget` shared by the processes of a machine; get one with `vattn.Budget.shared`.
 
     ```
@@ -64,48 +66,84 @@ class SharedBudget(Budget):
     ```
     """
 
-    def __init__(self, name: str, key: str, path: Path, table: Table, row: int, nonce: int,
+    def __init__(self, name: str, key: str, where: Place, path: Path, table: Table, row: int, nonce: int,
                  sock: socket.socket | None) -> None:
         """Internal: use `vattn.Budget.shared`."""
         super().__init__(None)
-        self.name, self.device_key, self.path = name, key, path
+        self.name, self.device_key, self.path, self.where = name, key, path, where
         self._table, self._row, self._nonce, self._sock = table, row, nonce, sock
         self._pid = os.getpid()
         self._closed = False
+        # this process's bytes, kept here too: the row is written from it, so a row another
+        # process damaged cannot make `give` (and so closing a cache) fail
+        self._taken = 0
+        self._warned: set[str] = set()
         self._stop = threading.Event()
         self._last_warning = -1e9
         self._responder = threading.Thread(target=self._respond_loop, name=f"vattn-budget-{name}", daemon=True)
 
     # ---------------------------------------------------------------- taking ----
     def try_take(self, nbytes: int) -> bool:
-        """Take `nbytes` if the budget's limit (all members) and this member's limit allow."""
-        n = _check_nbytes(nbytes)
+        """Take `nbytes` if the budget's limit (all members) and this member's limit allow.
+        `DamagedTableError` when another process took or cleared this member's row."""
+        n = byte_count(nbytes, high=MAX_BYTES)
         if not self._usable():
             return False
         with self._table.locked() as t:
+            self._check_row(t)
             r, i = t.rows, self._row
-            mine, ml, lim = int(r["taken"][i]), int(r["limit"][i]), t.limit
-            ok = ml < 0 or mine + n <= ml
+            mine, ml, lim = self._taken, int(r["limit"][i]), t.limit
+            ok = mine + n <= MAX_BYTES and (ml < 0 or mine + n <= ml)
             if ok and lim is not None and t.used() + n > lim:
                 ok = t.reap() > 0 and t.used() + n <= lim  # a dead member's bytes may be back
             if not ok:
                 r["refusals"][i] += 1
                 return False
-            r["taken"][i] = mine + n
-            r["peak"][i] = max(int(r["peak"][i]), mine + n)
+            self._taken = mine + n
+            r["taken"][i] = self._taken
+            r["peak"][i] = max(int(r["peak"][i]), self._taken)
             return True
 
     def give(self, nbytes: int) -> None:
-        """Give back `nbytes` taken earlier (by this process)."""
-        n = _check_nbytes(nbytes)
+        """Give back `nbytes` taken earlier (by this process). A table another process
+        damaged does not stop it: what could not be written is logged (and written with
+        this member's next take or give)."""
+        n = byte_count(nbytes)
         if self._closed or self._pid != os.getpid():
             return  # left the budget (exiting), or a forked child's copy: nothing of it is counted
-        with self._table.locked() as t:
-            mine = int(t.rows["taken"][self._row])
-            if n > mine:
-                raise InvalidRequestError(f"give({n}) is more than the {mine} bytes this process took from budget "
-                                          f"{self.name!r}")
-            t.rows["taken"][self._row] = mine - n
+        given = False
+        try:
+            with self._table.locked(wait_s=LEAVE_WAIT_S) as t:
+                self._give_locally(n)
+                given = True
+                if t.owns(self._row, self._nonce):
+                    t.rows["taken"][self._row] = self._taken
+                else:
+                    self._warn("row", f"vattn: budget {self.name}: this process's row of {self.path} was cleared or "
+                               "taken by another process; what it gives back is not written there")
+        except (DamagedTableError, OSError) as e:
+            if not given:
+                with self._table.tlock:
+                    self._give_locally(n)
+            self._warn("give", f"vattn: budget {self.name}: could not write a give-back into {self.path} ({e})")
+
+    def _give_locally(self, n: int) -> None:
+        """The table's thread lock held: take `n` off this process's own count."""
+        if n > self._taken:
+            raise InvalidRequestError(f"give({n}) is more than the {self._taken} bytes this process took from "
+                                      f"budget {self.name!r}")
+        self._taken -= n
+
+    def _check_row(self, t: Table) -> None:
+        if not t.owns(self._row, self._nonce):
+            raise DamagedTableError(f"budget {self.name!r}: this process's row of {self.path} was cleared or taken by "
+                                    "another process; close the caches on the budget and join it again")
+
+    def _warn(self, kind: str, message: str) -> None:
+        """Log `message` (the first of each kind only: a damaged table says so once)."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning("%s", message)
 
     # ----------------------------------------------------------------- limits ----
     @property
@@ -129,7 +167,7 @@ class SharedBudget(Budget):
         """Change the whole budget's limit at run time (None: none), for every member.
         Members over it are asked to give back cached bytes now; takes are refused until
         the used bytes are under it."""
-        limit = byte_limit(limit)
+        limit = byte_limit(limit, "limit", high=MAX_BYTES)
         self._check_process()
         with self._table.locked() as t:
             wake = t.set_limit(limit, None)
@@ -137,9 +175,10 @@ class SharedBudget(Budget):
 
     def set_member_limit(self, limit: int | None) -> None:
         """Change this process's own limit (None: none); cached bytes over it go back now."""
-        limit = byte_limit(limit)
+        limit = byte_limit(limit, "member_limit", high=MAX_BYTES)
         self._check_process()
         with self._table.locked() as t:
+            self._check_row(t)
             wake = t.set_limit(limit, os.getpid())
         wake_members(wake)
 
@@ -157,7 +196,7 @@ class SharedBudget(Budget):
         with self._table.locked() as t:
             r, i = t.rows, self._row
             live = t.live()
-            used, mine, ml, lim = t.used(), int(r["taken"][i]), int(r["limit"][i]), t.limit
+            used, mine, ml, lim = t.used(), self._taken, int(r["limit"][i]), t.limit
             parts = sum(int(r["participants"][j]) for j in live if j != i)
         with self._lock:
             parts += len(self._participants)
@@ -171,7 +210,7 @@ class SharedBudget(Budget):
         """Ask for cached pages until `nbytes` fit: this process's other participants first,
         then the other members (waiting up to `ANSWER_S` for their answers). Returns the
         bytes given back. Call it without holding any lock of your own."""
-        n = _check_nbytes(nbytes)
+        n = byte_count(nbytes)
         if not self._usable():
             return 0
         freed = 0
@@ -188,7 +227,7 @@ class SharedBudget(Budget):
         with self._table.locked() as t:
             r, i = t.rows, self._row
             ml, lim = int(r["limit"][i]), t.limit
-            if lim is None or (ml >= 0 and int(r["taken"][i]) + n > ml):
+            if lim is None or (ml >= 0 and self._taken + n > ml):
                 return freed  # the others' bytes cannot help: no budget limit, or this member's own binds
             short = t.used() + n - lim
             asks = t.ask(short, exclude=i) if short > 0 else []
@@ -219,7 +258,7 @@ class SharedBudget(Budget):
         with self._table.locked() as t:
             r, i = t.rows, self._row
             remote = sum(int(r["cached"][j]) for j in t.live() if j != i)
-            used, mine, ml, lim = t.used(), int(r["taken"][i]), int(r["limit"][i]), t.limit
+            used, mine, ml, lim = t.used(), self._taken, int(r["limit"][i]), t.limit
         if ml >= 0:  # beyond the member's room, others giving back does not help
             remote = 0 if lim is None else min(remote, max(0, (ml - mine) - (lim - used)))
         return local + remote
@@ -227,21 +266,32 @@ class SharedBudget(Budget):
     # --------------------------------------------------------------- members ----
     def register(self, reclaim: Any = None, cached: Any = None) -> int:
         self._check_process()
+        if self._closed:
+            raise ClosedError(f"budget {self.name!r} was left (closed); join it again with vattn.Budget.shared")
         token = super().register(reclaim, cached)
-        self._publish()
+        try:
+            self._publish()
+        except BaseException:
+            super().unregister(token)
+            raise
         return token
 
     def unregister(self, token: int) -> None:
+        """Leave as a participant (idempotent); never fails for a damaged table (logged)."""
         super().unregister(token)
         if not self._closed and self._pid == os.getpid():
-            self._publish()
+            try:
+                self._publish(wait_s=LEAVE_WAIT_S)
+            except (DamagedTableError, OSError) as e:
+                self._warn("publish", f"vattn: budget {self.name}: could not write into {self.path} ({e})")
 
-    def _publish(self) -> None:
+    def _publish(self, wait_s: float | None = None) -> None:
         """Write this process's participant count and cached bytes into its row."""
         cached = self._local_cached()
         with self._lock:
             parts = len(self._participants)
-        with self._table.locked() as t:
+        with self._table.locked(wait_s) as t:
+            self._check_row(t)
             t.rows["participants"][self._row] = parts
             t.rows["cached"][self._row] = cached
             t.rows["heartbeat"][self._row] = time.time()
@@ -253,12 +303,13 @@ class SharedBudget(Budget):
     def _respond_loop(self) -> None:
         """Answer asks, enforce the member limit, publish cached bytes, clear dead members:
         every POLL_S, and at once when woken."""
+        last = time.monotonic()
         while not self._stop.is_set():
+            woken = True  # a wake-up of one who may join, or the poll's time
             try:
                 if self._sock is not None:
                     if select.select([self._sock], [], [], POLL_S)[0]:
-                        for _ in range(64):  # the wake-ups so far (bounded: askers may keep sending)
-                            self._sock.recv(16)
+                        woken = drain(self._sock, self.where)  # only those who may join wake it
                 else:
                     self._stop.wait(POLL_S)
             except (BlockingIOError, InterruptedError):
@@ -269,8 +320,13 @@ class SharedBudget(Budget):
                 self._stop.wait(POLL_S)
             if self._stop.is_set():
                 return
+            if not woken and time.monotonic() - last < POLL_S:
+                continue  # a stranger's wake-up: the next poll is soon enough
+            last = time.monotonic()
             try:
                 self._respond()
+            except DamagedTableError as e:  # another process changed the table: said once, no traceback
+                self._warn("respond", f"vattn: budget {self.name}: the responder cannot answer ({e})")
             except Exception:  # never let the responder die: say so (once a minute) and go on
                 if time.monotonic() - self._last_warning > 60:
                     self._last_warning = time.monotonic()
@@ -281,13 +337,14 @@ class SharedBudget(Budget):
         with self._lock:
             parts = len(self._participants)
         with self._table.locked() as t:
+            self._check_row(t)
             r, i = t.rows, self._row
             r["heartbeat"][i], r["cached"][i], r["participants"][i] = time.time(), cached, parts
             seq, want = int(r["ask_seq"][i]), int(r["ask_bytes"][i])
             r["ask_bytes"][i] = 0
             ml = int(r["limit"][i])
             if ml >= 0:
-                want = max(want, int(r["taken"][i]) - ml)
+                want = max(want, self._taken - ml)
             t.reap()
         freed = 0
         if want > 0:
@@ -302,6 +359,7 @@ class SharedBudget(Budget):
                     pass
         cached = self._local_cached() if freed else cached
         with self._table.locked() as t:
+            self._check_row(t)
             r, i = t.rows, self._row
             r["cached"][i] = cached
             if freed:
@@ -317,7 +375,9 @@ class SharedBudget(Budget):
         return self._closed
 
     def close(self) -> None:
-        """Leave the budget (idempotent). Close the caches and pools on it first."""
+        """Leave the budget (idempotent). Close the caches and pools on it first. Leaving
+        works whatever another process did to the table: what could not be done there is
+        logged, and the kernel drops this process's locks on it."""
         if self._closed or self._pid != os.getpid():
             return
         with self._lock:
@@ -333,20 +393,27 @@ class SharedBudget(Budget):
             self._closed = True
             self._stop.set()
             if self._sock is not None:
-                self._sock.close()
+                with contextlib.suppress(OSError):
+                    self._sock.close()
             t = self._table
-            with t.locked():
-                t.release_row(self._row, self._nonce)
-                t.reap()
-                if not t.live():  # the last member: the budget ends with it
-                    with contextlib.suppress(OSError):
-                        os.unlink(t.path)
+            try:
+                with t.locked(wait_s=LEAVE_WAIT_S):
+                    t.release_row(self._row, self._nonce)
+                    t.reap()
+                    if not t.live():  # the last member: the budget ends with it
+                        unlink_if_same(t.path, t.fd)
+            except Exception as e:  # its row is cleared by the others once this process's locks are gone
+                logger.warning("vattn: budget %s: could not clear this process's row of %s (%s); it goes when this "
+                               "process closes the table", self.name, self.path, e)
             if _members.get(self.path) is self:
                 del _members[self.path]
         if self._responder.is_alive() and self._responder is not threading.current_thread():
             self._responder.join(timeout=2 * POLL_S)
         if not self._responder.is_alive():
-            t.close()  # else the responder may still read it: the process is ending anyway
+            try:  # the locks on the file go with the descriptor
+                t.close()
+            except Exception as e:
+                logger.warning("vattn: budget %s: could not close %s (%s)", self.name, self.path, e)
 
     def _usable(self) -> bool:
         self._check_process()
@@ -360,38 +427,51 @@ class SharedBudget(Budget):
     def __repr__(self) -> str:
         if self._closed:
             return f"SharedBudget({self.name!r}, {self.device_key}, closed)"
-        s = self.stats()
+        try:
+            s = self.stats()
+        except Exception as e:  # a damaged table, a forked child
+            return f"SharedBudget({self.name!r}, {self.device_key}, unreadable: {e})"
         return (f"SharedBudget({self.name!r}, {self.device_key}, limit={s.budget_limit}, used={s.used}, "
                 f"members={s.num_members}, this process={s.member_used})")
 
 
 def join(name: str, limit: int | None = None, *, device: Any = None, member_limit: int | None = None,
          label: str | None = None) -> SharedBudget:
-    """`vattn.Budget.shared`: see there."""
+    """`vattn.Budget.shared`: see there. Every argument is checked before the table is
+    touched: a join that fails leaves no file and no row behind."""
     name = check_name(name)
-    limit, member_limit = byte_limit(limit), byte_limit(member_limit)
+    limit = byte_limit(limit, "limit", high=MAX_BYTES)
+    member_limit = byte_limit(member_limit, "member_limit", high=MAX_BYTES)
     if label is not None and not isinstance(label, str):
         raise InvalidConfigError(f"label must be a str or None, got {label!r}")
     key = device_key(device)
-    path = table_path(name, key)
     label = label if label is not None else _default_label()
+    where = place(create=True)
+    path = where.path(name, key)
     with _registry_lock:
         m = _members.get(path)
         if m is None or m.closed:
             nonce = secrets.randbits(62) + 1
             sock = listen(nonce)
             try:
-                table, row = claim(path, name, key, limit, member_limit, label, nonce)
+                table, row = claim(where, path, name, key, limit, member_limit, label, nonce)
             except BaseException:
                 if sock is not None:
                     sock.close()
                 raise
-            m = SharedBudget(name, key, path, table, row, nonce, sock)
+            m = SharedBudget(name, key, where, path, table, row, nonce, sock)
             _members[path] = m
-            m._responder.start()
+            try:
+                m._responder.start()
+            except BaseException:  # no thread to be had: leave as if it never joined
+                del _members[path]
+                m._closed = True
+                _abandon(table, row, nonce, sock)
+                raise
             _register_exit()
             return m
     with m._table.locked() as t:  # already a member: the same one, with these settings
+        m._check_row(t)
         t.rows["label"][m._row] = label.encode()[:127]
         if member_limit is not None:
             t.rows["limit"][m._row] = member_limit
@@ -401,6 +481,20 @@ def join(name: str, limit: int | None = None, *, device: Any = None, member_limi
             logger.warning("vattn: budget %s exists with limit %s; joined with it (limit=%d was not used)",
                            name, t.limit, limit)
     return m
+
+
+def _abandon(table: Table, row: int, nonce: int, sock: socket.socket | None) -> None:
+    """Undo a join that failed after its row was taken: the row, the table if it has no
+    other member, the descriptor and the socket."""
+    with contextlib.suppress(Exception):
+        with table.locked(wait_s=LEAVE_WAIT_S):
+            table.release_row(row, nonce)
+            if not table.live():
+                unlink_if_same(table.path, table.fd)
+    with contextlib.suppress(Exception):
+        table.close()
+    if sock is not None:
+        sock.close()
 
 
 def _default_label() -> str:

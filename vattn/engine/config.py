@@ -1,7 +1,6 @@
 """`EngineConfig`: what `LLM(model, **config)` was asked for."""
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -14,6 +13,7 @@ from vattn.checks import SEED_MAX, SEED_MIN, as_float, as_int
 from vattn.config import LAYOUTS, PREFETCH_TOKENS, parse_dtype
 from vattn.engine.scheduler import SchedulerConfig
 from vattn.errors import InvalidConfigError
+from vattn.idle import delay_seconds
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -97,13 +97,9 @@ class EngineConfig:
         object.__setattr__(self, "seed", as_int(self.seed, "seed", InvalidConfigError, low=SEED_MIN, high=SEED_MAX,
                                                 what="an int in [-2**63, 2**64 - 1] (what torch.manual_seed takes)"))
         if self.idle_trim_s is not None:
-            object.__setattr__(self, "idle_trim_s", as_float(self.idle_trim_s, "idle_trim_s", InvalidConfigError,
-                                                             what="None or a finite number of seconds >= 0"))
-            if self.idle_trim_s < 0:
-                raise InvalidConfigError(f"idle_trim_s must be None or a finite number of seconds >= 0, "
-                                         f"got {self.idle_trim_s!r}")
-            if self.idle_trim_s > threading.TIMEOUT_MAX:  # more than a timer can wait (its thread raised): never
-                object.__setattr__(self, "idle_trim_s", None)
+            seconds = as_float(self.idle_trim_s, "idle_trim_s", InvalidConfigError,
+                               what="None or a finite number of seconds >= 0")
+            object.__setattr__(self, "idle_trim_s", delay_seconds(seconds, "idle_trim_s", negative_means_never=False))
         if self.attention is not None and self.attention not in KERNELS:
             raise InvalidConfigError(f"attention must be None or one of {KERNELS}, got {self.attention!r}")
         if self.max_num_seqs is not None and self.max_num_seqs > self.max_batch_size:

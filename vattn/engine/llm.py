@@ -34,6 +34,7 @@ from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import Scheduler, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
+from vattn.idle import IdleTrim
 from vattn.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -100,8 +101,9 @@ class LLM:
 
     Idle give-back (`idle_trim_s`): once the engine has had no request for that many
     seconds, it calls `cache.trim()` (every page no live token needs goes back to the device
-    or host, cached prefixes too): from a timer thread, and at `step()` for an engine that
-    is stepped while idle. New work maps pages again as usual.
+    or host, cached prefixes too): from the idle policy's thread (`llm.idle`, a
+    `vattn.idle.IdleTrim`), and at `step()` for an engine that is stepped while idle. New
+    work maps pages again as usual.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, **config: Any) -> None:
@@ -164,9 +166,9 @@ class LLM:
         self._closed = False
         self._generating: int | None = None  # the thread in generate, if any
         self.num_idle_trims = 0  # times the idle engine gave its unused pages back
-        self._idle_since: float | None = None  # when the engine last ran out of work (None: busy)
-        self._idle_trimmed = False  # this idle period's trim is done
-        self._idle_timer: threading.Timer | None = None
+        self.idle = IdleTrim(self.config.idle_trim_s, name="vattn-llm-idle-trim")  # the idle policy (vattn.idle)
+        if self.idle.delay is not None:
+            self.idle.start(self._on_idle_timer)
         self._note_idle()
 
     # ----------------------------------------------------------------- requests ----
@@ -324,8 +326,7 @@ class LLM:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                if self._idle_timer is not None:
-                    self._idle_timer.cancel()
+                self.idle.stop()
                 try:
                     self.runner.close()
                 finally:
@@ -340,19 +341,13 @@ class LLM:
 
     # ---------------------------------------------------------------- internals ----
     def _note_busy(self) -> None:
-        self._idle_since, self._idle_trimmed = None, False
+        self.idle.note_busy()
 
     def _note_idle(self) -> None:
-        """After a change (lock held): if the engine has no work left, start its idle time
-        and arm the timer that gives the cache's unused pages back."""
-        if self.config.idle_trim_s is None or self.scheduler.has_unfinished() or self._idle_since is not None:
-            return
-        self._idle_since = time.monotonic()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        self._idle_timer = threading.Timer(self.config.idle_trim_s, self._on_idle_timer)
-        self._idle_timer.daemon = True
-        self._idle_timer.start()
+        """After a change (lock held): if the engine has no work left, its idle time starts
+        (the idle policy's thread then gives the cache's unused pages back when it is due)."""
+        if self.idle.delay is not None and not self.scheduler.has_unfinished():
+            self.idle.note_idle()
 
     def _on_idle_timer(self) -> None:
         with self._lock:
@@ -362,11 +357,11 @@ class LLM:
     def _trim_if_idle(self) -> None:
         """Give the cache's unused pages back if the engine has been idle for idle_trim_s
         (lock held); once per idle period."""
-        since = self._idle_since
-        if since is None or self._idle_trimmed or self.scheduler.has_unfinished():
+        since = self.idle.idle_since
+        if self.scheduler.has_unfinished():
             return
-        if time.monotonic() - since >= self.config.idle_trim_s:
-            self._idle_trimmed = True
+        if self.idle.due():
+            self.idle.note_trimmed()
             try:
                 released = self.runner.cache.trim()
                 trim_states = getattr(self.prefix_cache, "trim", None)  # snapshots of evicted blocks
@@ -376,7 +371,7 @@ class LLM:
                 logger.warning("vattn: giving idle KV memory back failed", exc_info=True)
                 return
             self.num_idle_trims += 1
-            logger.debug("vattn: idle for %.3g s: gave %d page groups back", time.monotonic() - since, released)
+            logger.debug("vattn: idle for %.3g s: gave %d page groups back", self.idle.clock() - since, released)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -10,8 +10,9 @@ a patched engine: on); anything else is an error that names these values.
 Idle trim (`VATTN_VLLM_IDLE_TRIM_S`, `VATTN_SGLANG_IDLE_TRIM_S`, `KVSettings.idle_trim_s`,
 `hf_cb.enable(idle_trim_s=)`, `vattn serve --idle-trim-s`): the seconds of idleness after
 which memory goes back, 0 at once. None means never; so does a negative number (the way
-an environment variable says it) and infinity. Unset or empty variables take the
-integration's default; NaN and anything not a number are errors."""
+an environment variable says it), infinity and more than a timer can wait. Unset or empty
+variables take the integration's default; NaN and anything not a number are errors. The
+rule and the policy itself (`IdleTrim`) are `vattn.idle`'s, the same for the engine."""
 from __future__ import annotations
 
 import math
@@ -19,6 +20,7 @@ import os
 from typing import Any, Callable
 
 from vattn.errors import InvalidConfigError
+from vattn.idle import delay_seconds
 
 ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off")
@@ -71,13 +73,9 @@ def number(name: str, cast: Callable[[str], Any], default: Any, *, low: Any = No
 
 
 def idle_delay(value: Any, name: str = "idle_trim_s") -> float | None:
-    """`value` by the idle-trim rule (see the module docstring): seconds >= 0, or None for
-    never (None, a negative number or infinity)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise InvalidConfigError(f"{name} must be a number of seconds (None or negative: never), got {value!r}")
-    return None if value < 0 or math.isinf(value) else float(value)
+    """`value` by the idle-trim rule (`vattn.idle.delay_seconds`): seconds >= 0, or None for
+    never (None, a negative number, infinity, more than a timer can wait)."""
+    return delay_seconds(value, name, negative_means_never=True)
 
 
 def idle_trim_s(name: str, default: float | None, env: Any = None) -> float | None:

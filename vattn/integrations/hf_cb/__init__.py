@@ -139,7 +139,7 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
         entry = _handles.get(id(config))
         handle = entry[1] if entry is not None and entry[0]() is config else None
         if handle is None:
-            handle = ElasticCB(model, memory_limit, budget, page_size, idle_trim_s)
+            handle = ElasticCB(model, memory_limit, budget, page_size, idle_trim_s, _unregister)
             ref = weakref.ref(config, lambda _r, key=id(config), h=handle: _forget(key, h))
             _handles[id(config)] = (ref, handle)
         else:
@@ -165,7 +165,7 @@ def enable_all(*, memory_limit: int | None = None, budget: Budget | None = None,
         install()
         if _default is not None:
             _default.close()
-        _default = ElasticCB(None, memory_limit, budget, page_size, idle_trim_s)
+        _default = ElasticCB(None, memory_limit, budget, page_size, idle_trim_s, _unregister)
         return _default
 
 
@@ -190,6 +190,14 @@ def disable(model: Any) -> None:
             entry[1].close()
         if not _handles and _default is None:
             uninstall()
+
+
+def _unregister(model: Any) -> None:
+    """A handle's `disable()`: its model's, or `enable_all`'s for None."""
+    if model is None:
+        disable_all()
+    else:
+        disable(model)
 
 
 def _forget(key: int, handle: ElasticCB) -> None:

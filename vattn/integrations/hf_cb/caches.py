@@ -6,15 +6,12 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
 from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
 from vattn.pool import ElasticPool
-
-if TYPE_CHECKING:
-    from vattn.integrations.hf_cb.handle import ElasticCB
 
 TRASH_SECTORS = 2
 ALLOC_RETRY_S = 2.0  # how long a block transformers counted as free may wait for memory before it is an error
@@ -23,6 +20,21 @@ ALLOC_RETRY_S = 2.0  # how long a block transformers counted as free may wait fo
 # swaps `torch` in transformers' cache module) and `vattn serve`'s build of its classes
 _lock = threading.RLock()
 _intercept = threading.local()  # the cache being built on this thread, and its pool
+
+
+class CacheOwner(Protocol):
+    """What a cache calls on the handle whose memory it is on (`handle.ElasticCB`): the
+    caches are written against this, so they do not import the handle (which imports them)."""
+
+    def new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
+                 device: Any) -> ElasticPool:
+        """A pool for one cache, on the owner's settings (limit, budget, page size)."""
+
+    def touch(self) -> None:
+        """A block was handed out or given back (the idle policy's clock restarts)."""
+
+    def track(self, manager: Any) -> None:
+        """The ContinuousBatchingManager that built a cache (None: not found)."""
 
 
 def _check_layer_kinds(config: Any) -> None:
@@ -100,7 +112,7 @@ def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], 
     transformers keeps for padding tokens, mapped at once and for good, cleared (the read
     trash must read zeros; 5.18+ put them first). When memory cannot back them,
     OutOfPhysicalMemoryError (the cache's constructor then closes the pool)."""
-    pool = build["handle"]._new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
+    pool = build["handle"].new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
     build["pool"] = pool
     trash = list(range(TRASH_SECTORS)) if build["kind"] == "sectors" else [num_blocks, num_blocks + 1]
     pool.pin(trash, f"the {TRASH_SECTORS} trash blocks of the continuous-batching cache",
@@ -108,7 +120,7 @@ def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], 
     return pool
 
 
-def _evict_cached_blocks(cache: Any) -> None:
+def evict_cached_blocks(cache: Any) -> None:
     """Drop the prefix-sharing blocks no request uses (their memory becomes free), with
     transformers' own code. The generation loop must not run meanwhile."""
     if hasattr(cache, "evict_cached_blocks"):  # sectors
@@ -135,13 +147,13 @@ def _calling_manager(manager_cls: type | None) -> Any:
 
 
 
-def _alloc_one(pool: ElasticPool, handle: ElasticCB, what: str) -> int:
+def _alloc_one(pool: ElasticPool, handle: CacheOwner, what: str) -> int:
     """One block of `pool` for transformers, which counted it as free a moment ago. The
     count can be wrong only if the memory went in between (another model of the budget, or
     the device refusing new pages under outside pressure): retry for up to
     `ALLOC_RETRY_S` (the others give back, pressure passes) before a clear error, since
     transformers' loop cannot take a miss here."""
-    handle._touch()
+    handle.touch()
     deadline = time.monotonic() + ALLOC_RETRY_S
     delay = 0.001
     while (got := pool.alloc(1)) is None and time.monotonic() < deadline:
@@ -162,7 +174,7 @@ class _FreeBlocks:
     sees a full cache when the limit or the budget is reached; `popleft` maps a block
     (page-aware), `append`/`extend` give blocks back to the pool (pages stay cached)."""
 
-    def __init__(self, pool: ElasticPool, handle: ElasticCB) -> None:
+    def __init__(self, pool: ElasticPool, handle: CacheOwner) -> None:
         self.pool = pool
         self.handle = handle
 
@@ -173,13 +185,13 @@ class _FreeBlocks:
         return _alloc_one(self.pool, self.handle, "block")
 
     def append(self, block: int) -> None:
-        self.handle._touch()
+        self.handle.touch()
         self.pool.free([block])
 
     def extend(self, blocks: Iterable[int]) -> None:
         blocks = list(blocks)
         if blocks:
-            self.handle._touch()
+            self.handle.touch()
             self.pool.free(blocks)
 
 
@@ -187,7 +199,7 @@ class _SectorPool:
     """("sectors") Mixed in over transformers' CachePool: sectors come from an ElasticPool, mapped
     when handed to an allocator, given back to the pool as soon as all their blocks are free."""
 
-    def __init__(self, num_sectors: int, num_allocators: int, elastic: ElasticPool, handle: ElasticCB,
+    def __init__(self, num_sectors: int, num_allocators: int, elastic: ElasticPool, handle: CacheOwner,
                  num_reserved_sectors: int = TRASH_SECTORS) -> None:
         self.elastic = elastic
         self.handle = handle
@@ -226,7 +238,7 @@ class _SectorPool:
             self.elastic.free(freed)
 
     def free_blocks(self, index: int, block_ids: list[int]) -> None:
-        self.handle._touch()
+        self.handle.touch()
         super().free_blocks(index, block_ids)
         self.try_to_free_sectors()  # a sector with no block in use goes back now, not at the next schedule
 
@@ -235,7 +247,8 @@ class _ElasticCache:
     """Mixed in over transformers' PagedAttentionCache: on vattn memory when its model was
     enabled. `make_classes` sets the class attributes: `vattn_kind` (the design),
     `vattn_cache_mod`, `vattn_api` (transformers' modules), `vattn_pool_cls` (the CachePool
-    on an ElasticPool), `vattn_handle_for` (config -> ElasticCB or None) and `vattn_base`."""
+    on an ElasticPool), `vattn_handle_for` (config -> its `CacheOwner`, an ElasticCB, or None)
+    and `vattn_base`."""
 
     vattn_kind: str
     vattn_cache_mod: Any
@@ -277,9 +290,9 @@ class _ElasticCache:
                 cache_mod.torch = saved
                 _intercept.build = None
         self.vattn_pool = pool
-        handle._track(_calling_manager(getattr(self.vattn_api, "ContinuousBatchingManager", None)))
+        handle.track(_calling_manager(getattr(self.vattn_api, "ContinuousBatchingManager", None)))
 
-    def _adopt_sectors(self, pool: ElasticPool | None, handle: ElasticCB) -> None:
+    def _adopt_sectors(self, pool: ElasticPool | None, handle: CacheOwner) -> None:
         """Swap the CachePool for one whose sector calls go through `pool`."""
         old = self.pool
         if pool is None:
@@ -293,7 +306,7 @@ class _ElasticCache:
             allocator.pool = new
         self.pool = new
 
-    def _adopt_blocks(self, pool: ElasticPool | None, handle: ElasticCB) -> None:
+    def _adopt_blocks(self, pool: ElasticPool | None, handle: CacheOwner) -> None:
         """Swap the BlockManager's free-block deque for the pool's free blocks."""
         bm = self._block_manager
         if pool is None:
@@ -304,7 +317,7 @@ class _ElasticCache:
 
 
 def make_classes(cache_mod: Any, api: Any, base: type, kind: str,
-                 handle_for: Callable[[Any], ElasticCB | None]) -> type:
+                 handle_for: Callable[[Any], CacheOwner | None]) -> type:
     """transformers' `base` PagedAttentionCache (of `api`, built in `cache_mod`) on vattn memory
     for design `kind`, for the models `handle_for(config)` returns a handle for."""
     pool_cls = type("VattnCachePool", (_SectorPool, getattr(cache_mod, "CachePool", object)),

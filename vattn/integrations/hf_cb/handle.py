@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import logging
-import threading
-import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from vattn.budget import Budget
 from vattn.errors import ClosedError
-from vattn.integrations.hf_cb.caches import TRASH_SECTORS, _evict_cached_blocks
+from vattn.idle import IdleTrim
+from vattn.integrations.hf_cb.caches import TRASH_SECTORS, evict_cached_blocks
 from vattn.pool import ElasticPool, PoolStats
 
 logger = logging.getLogger("vattn.hf_cb")
@@ -23,20 +22,27 @@ class ElasticCB:
     (one per `PagedAttentionCache` transformers builds; the last one is `pool`)."""
 
     def __init__(self, model: Any, memory_limit: int | None, budget: Budget | None, page_size: int | None,
-                 idle_trim_s: float | None = None) -> None:
+                 idle_trim_s: float | None = None, unregister: Callable[[Any], None] | None = None) -> None:
+        """`unregister(model)`: the registry's undo for `disable` (`hf_cb.disable(model)`, or
+        `hf_cb.disable_all()` for None), passed in so this module does not import the registry."""
         self._model = weakref.ref(model) if model is not None else None
         self.memory_limit = memory_limit
         self.budget = budget
         self.page_size = page_size
-        self.idle_trim_s = idle_trim_s
+        self._unregister = unregister
         self._pools: list[weakref.ref] = []
         self._managers: list[weakref.ref] = []  # the ContinuousBatchingManagers that built the caches
         self.num_caches = 0  # PagedAttentionCaches built on vattn memory so far
         self.num_idle_trims = 0  # times the idle policy gave memory back
-        self.last_activity = time.monotonic()  # the last block handed out or given back
-        self._idle_thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        # the idle policy (vattn.idle): idle from the last block handed out or given back
+        self.idle = IdleTrim(idle_trim_s, name="vattn-hf-idle-trim")
+        self.idle.note_idle()
         self._budget_token: int | None = None  # this handle's part on the budget (see _budget_reclaim)
+
+    @property
+    def idle_trim_s(self) -> float | None:
+        """The idle policy's delay (None: never)."""
+        return self.idle.delay
 
     @property
     def pools(self) -> list[ElasticPool]:
@@ -68,10 +74,10 @@ class ElasticCB:
                 continue
             try:
                 if not m.is_running():
-                    _evict_cached_blocks(cache)
+                    evict_cached_blocks(cache)
                 elif hasattr(m, "pause"):
                     with m.pause():
-                        _evict_cached_blocks(cache)
+                        evict_cached_blocks(cache)
             except RuntimeError:  # the loop stopped in between: pause() refuses; nothing to evict now
                 if m.is_running():  # anything else (a CUDA error...) is the caller's to see
                     raise
@@ -90,52 +96,42 @@ class ElasticCB:
                 return True
         return False
 
-    def _touch(self) -> None:
-        self.last_activity = time.monotonic()
+    def touch(self) -> None:
+        """A block was handed out or given back (the caches' call): idle from now."""
+        self.idle.touch()
 
-    def _idle_loop(self, stop: threading.Event) -> None:
-        """The idle policy (`idle_trim_s`): once no block was handed out or given back for that
-        long and no request is in flight, trim (prefix-sharing blocks evicted) once per idle period."""
-        done_for = None
-        while True:
-            delay = self.idle_trim_s
-            if delay is None or stop.wait(max(0.02, min(1.0, delay / 4))):
-                return
-            last = self.last_activity
-            if done_for == last or time.monotonic() - last < delay or not self.pools or self.busy():
-                continue
-            try:
-                self.trim()
-                self.num_idle_trims += 1
-            except ClosedError:  # a pool closed in between: the next period looks again
-                pass
-            except Exception:  # a real failure (CUDA...): say so; the next idle period tries again
-                logger.warning("vattn: the idle trim of a continuous-batching cache failed", exc_info=True)
-            done_for = self.last_activity  # the blocks the trim itself gave back are no new activity
+    def _idle_trim(self) -> None:
+        """The idle policy's call (`idle_trim_s`): once no block was handed out or given back for
+        that long and no request is in flight, trim (prefix-sharing blocks evicted) once per idle
+        period; declined (called again) while a request is in flight."""
+        if not self.pools or self.busy():
+            return
+        try:
+            self.trim()
+            self.num_idle_trims += 1
+        except ClosedError:  # a pool closed in between: the next period looks again
+            pass
+        except Exception:  # a real failure (CUDA...): say so; the next idle period tries again
+            logger.warning("vattn: the idle trim of a continuous-batching cache failed", exc_info=True)
+        self.idle.note_trimmed()  # after the trim: the blocks it gave back are no new activity
 
     def _start_idle(self) -> None:
         """Run the idle policy's thread when `idle_trim_s` is set and a pool exists (once)."""
-        if self.idle_trim_s is None or not self._pools:
-            return
-        if self._idle_thread is not None and self._idle_thread.is_alive() and not self._stop.is_set():
-            return
-        self._stop = threading.Event()  # the old thread, if any, keeps its own (set) event and ends
-        self._idle_thread = threading.Thread(target=self._idle_loop, args=(self._stop,), name="vattn-hf-idle-trim",
-                                             daemon=True)
-        self._idle_thread.start()
+        if self.idle.delay is not None and self._pools:
+            self.idle.start(self._idle_trim)
 
     def _set_idle_trim_s(self, idle_trim_s: float | None) -> None:
         """A new idle policy: the thread stops when it is None, starts (or goes on with the
         new delay) otherwise."""
-        self.idle_trim_s = idle_trim_s
+        self.idle.delay = idle_trim_s
         if idle_trim_s is None:
-            self._stop.set()
+            self.idle.stop()
         else:
             self._start_idle()
 
     def close(self) -> None:
         """Stop the idle policy's thread and leave the budget (live pools stay on it)."""
-        self._stop.set()
+        self.idle.stop()
         if self._budget_token is not None:
             self.budget.unregister(self._budget_token)
             self._budget_token = None
@@ -172,17 +168,16 @@ class ElasticCB:
 
     def disable(self) -> None:
         """Later caches of this model use transformers' own memory again (live ones stay)."""
-        from vattn.integrations import hf_cb  # the registry of enabled models (it imports this module)
+        if self._unregister is None:  # not in the registry (built directly)
+            self.close()
+        elif self._model is None:
+            self._unregister(None)
+        elif (model := self._model()) is not None:
+            self._unregister(model)
 
-        if self._model is None:
-            hf_cb.disable_all()
-            return
-        model = self._model()
-        if model is not None:
-            hf_cb.disable(model)
-
-    def _new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
+    def new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
                   device: torch.device | str) -> ElasticPool:
+        """A pool for one cache of this handle, on its settings (the caches' call)."""
         pool = ElasticPool(num_blocks, block_shape, dtype, num_buffers, device=torch.device(device),
                            page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device",
                            zero_new=True)
@@ -193,6 +188,7 @@ class ElasticCB:
         self._start_idle()
         return pool
 
-    def _track(self, manager: Any) -> None:
+    def track(self, manager: Any) -> None:
+        """The ContinuousBatchingManager that built a cache of this handle (the caches' call)."""
         if manager is not None and all(r() is not manager for r in self._managers):
             self._managers = [r for r in self._managers if r() is not None] + [weakref.ref(manager)]

@@ -1,4 +1,4 @@
-"""vattn as a plugin of vLLM and SGLang: `pip install vattn`, then `VATTN_VLLM=1 vllm serve ...`
+"""vattn as a plugin of vLLM and SGLang: `pip install -e <a vattn clone>`, then `VATTN_VLLM=1 vllm serve ...`
 or `VATTN_SGLANG=1 python -m sglang.launch_server ...`; nothing in site-packages changes.
 
 The engines load plugins by entry point in every process that needs them: vLLM's

@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import weakref
 from typing import Any
 
@@ -258,12 +257,14 @@ def on_idle(allocator: Any) -> None:
     `idle_trim_s` with no allocation, give back every chunk no request and no radix-cache
     node uses, once per idle period."""
     kv = getattr(allocator, "vattn", None)
-    if kv is None or kv.settings.idle_trim_s is None or kv.trimmed_generation == kv.generation:
+    if kv is None:
         return
-    now = time.monotonic()
+    kv.idle.delay = kv.settings.idle_trim_s
     if kv.idle_generation != kv.generation:  # allocations since the last call: idle from now
-        kv.idle_generation, kv.idle_since = kv.generation, now
-    if now - kv.idle_since >= kv.settings.idle_trim_s:
+        kv.idle_generation = kv.generation
+        kv.idle.note_busy()
+    kv.idle.note_idle()
+    if kv.idle.due():
         freed = kv.trim()
         if freed:
             logger.info("vattn: idle, gave back %.1f MiB of KV pages (%.1f MiB mapped)", freed / (1 << 20),

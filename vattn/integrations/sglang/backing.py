@@ -12,6 +12,7 @@ import torch
 
 from vattn.checks import MAX_PAGE_SIZE
 from vattn.errors import InvalidConfigError
+from vattn.idle import IdleTrim
 from vattn.integrations.sglang.settings import KVSettings
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem import make_backend
@@ -67,10 +68,9 @@ class ElasticKV:
         self.sticky = {last} if last and len(self.valid_units(last)) < self.chunk_pages else set()
         self.lent_units = 0  # allocator pages in lent chunks
         self.allocator: Any = None  # weakref to the bound allocator
-        self.generation = 0  # bumped by every alloc: what on_idle compares
-        self.idle_generation = -1  # the generation when the current idle period began...
-        self.idle_since = 0.0  # ...and when (no clock on the allocation path)
-        self.trimmed_generation = -1
+        self.generation = 0  # bumped by every alloc: what on_idle compares (no clock on the allocation path)
+        self.idle_generation = -1  # the generation on_idle saw last
+        self.idle = IdleTrim(settings.idle_trim_s)  # the idle policy (vattn.idle): on_idle's
         self.refused = False  # the device refused pages: count only lent chunks until a gate retries...
         self.retry_at = 0.0  # ...at this time (monotonic)
         self.num_refusals = 0
@@ -217,7 +217,8 @@ class ElasticKV:
         alloc = self.allocator() if self.allocator is not None else None
         if alloc is not None:
             self.drain(alloc)
-        self.trimmed_generation = self.generation
+        self.idle_generation = self.generation  # no idle trim again before the next allocation
+        self.idle.note_trimmed()
         return self.pool.trim()
 
     def set_limit(self, limit: int | None) -> None:
@@ -225,7 +226,7 @@ class ElasticKV:
         SGLang's free list go at the next idle trim. Any thread."""
         self.pool.set_limit(limit)
         self.settings = replace(self.settings, memory_limit=limit)
-        self.trimmed_generation = -1
+        self.idle.rearm()
 
     def stats(self) -> PoolStats:
         """The pool's figures (`mapped_bytes`, `used_bytes` = lent chunks, `peak_mapped_bytes`...)."""

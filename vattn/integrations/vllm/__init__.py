@@ -88,13 +88,13 @@ parts are `layout` (the settings, `BlockLayout`), `scheduler` (`SchedulerKV`, `P
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Sequence
 
 import torch
 
 from vattn.budget_shared import POLL_S
 from vattn.errors import InvalidConfigError, OpsOutOfOrderError, UnsupportedLayoutError  # (re-exported)
+from vattn.idle import MAX_DELAY
 from vattn.integrations import _env
 # The parts, re-exported: `vattn.integrations.vllm.X` keeps working for every name below
 from vattn.integrations.vllm.layout import (  # noqa: F401
@@ -153,7 +153,7 @@ def take_ops(scheduler: Any) -> PageOps | None:
     skv = _scheduler_kv(scheduler)
     if skv is None:
         return None
-    skv.idle_since, skv.trimmed = None, False
+    skv.idle.note_busy()
     return skv.drain()
 
 
@@ -233,23 +233,21 @@ def on_idle(engine_core: Any) -> None:
         return
     if skv.recorder.log:  # nothing else would carry them: no step follows while idle
         _send(engine_core, skv)
-    delay = idle_trim_s()
-    if delay is None or skv.trimmed:
+    idle = skv.idle
+    idle.delay = idle_trim_s()
+    idle.note_idle()
+    if not idle.due():
         return
-    now = time.monotonic()
-    if skv.idle_since is None:
-        skv.idle_since = now
-    if now - skv.idle_since < delay:
-        return
-    skv.trimmed = True
+    idle.note_trimmed()
+    seconds = idle.clock() - idle.idle_since
     nbytes = skv.trim()
     if skv.reserve is not None:  # the reserve goes back too
         engine_core.model_executor.collective_rpc(reserve_rpc, args=(skv.drain(), 0))
         skv.release_reserve()
         logger.info("vattn: idle for %.0f s, gave back %.1f MiB of KV memory and the reserve",
-                    now - skv.idle_since, nbytes / 2**20)
+                    seconds, nbytes / 2**20)
     elif _send(engine_core, skv) is not None:
-        logger.info("vattn: idle for %.0f s, gave back %.1f MiB of KV memory", now - skv.idle_since, nbytes / 2**20)
+        logger.info("vattn: idle for %.0f s, gave back %.1f MiB of KV memory", seconds, nbytes / 2**20)
 
 
 def idle_wakeup(engine_core: Any) -> float | None:
@@ -262,10 +260,11 @@ def idle_wakeup(engine_core: Any) -> float | None:
         return 0.0
     # on a shared budget the responder may give pages back at any time: look every POLL_S
     poll = POLL_S if skv.budget is not None else None
-    delay = idle_trim_s()
-    if delay is None or skv.trimmed or skv.idle_since is None:
+    skv.idle.delay = idle_trim_s()
+    left = skv.idle.seconds_left()
+    if left is None:
         return poll
-    wait = max(0.0, delay - (time.monotonic() - skv.idle_since)) + 0.01
+    wait = min(left + 0.01, MAX_DELAY)
     return wait if poll is None else min(wait, poll)
 
 

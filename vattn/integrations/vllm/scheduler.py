@@ -11,6 +11,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError
+from vattn.idle import IdleTrim
 from vattn.integrations.vllm.layout import BlockLayout, reserve_groups
 from vattn.pool import ElasticPool, PoolStats
 from vattn.vmem.base import Backend
@@ -145,8 +146,7 @@ class SchedulerKV:
         self.pool, self.recorder = _new_books(g, limit, budget)
         self.recorder.drain()  # the workers start in this state (see WorkerKV)
         self.seq = 0
-        self.idle_since: float | None = None
-        self.trimmed = False
+        self.idle = IdleTrim()  # the idle policy (vattn.idle); its delay is VATTN_VLLM_IDLE_TRIM_S's, read at each call
         # A limit in bytes per worker is a number of page groups per stage; the smallest binds.
         self.worker_group_bytes = g.page_size * max(worker_regions or [len(g.regions)])
         self.limit = limit
