@@ -207,11 +207,15 @@ class BlockBooks:
         self.unmapped.add(p, -1)
         if not self.users[p]:
             self.cached.add(p)
+        ends: dict[int, int] = {}  # last page -> blocks that left the cold ones (one count update per page)
         for b in self.blocks_on(p):
             self.miss[b] -= 1
             if not self.miss[b] and not self.used[b]:
                 self._add_warm(b)
-                self.cold_ends.add(self.pages_of(b)[1], -1)
+                last = ((b + 1) * self.block_bytes - 1) // self.page_size
+                ends[last] = ends.get(last, 0) + 1
+        for q, k in ends.items():
+            self.cold_ends.add(q, -k)
 
     def _book_unmap(self, p: int) -> Any:
         group, self.groups[p] = self.groups[p], None
@@ -219,12 +223,16 @@ class BlockBooks:
         self.unmapped.add(p, 1)
         self.cached.discard(p)
         self.fences.pop(p, None)
+        ends: dict[int, int] = {}
         for b in self.blocks_on(p):
             if not self.miss[b] and not self.used[b]:
                 self._drop_warm(b)
                 heapq.heappush(self.cold, b)
-                self.cold_ends.add(self.pages_of(b)[1], 1)
+                last = ((b + 1) * self.block_bytes - 1) // self.page_size
+                ends[last] = ends.get(last, 0) + 1
             self.miss[b] += 1
+        for q, k in ends.items():
+            self.cold_ends.add(q, k)
         if len(self.cold) > 4 * self.num_blocks + 64:  # too many stale entries: rebuild (sorted = a heap)
             self.cold = [b for b in range(self.num_blocks) if not self.used[b] and self.miss[b]]
         return group
