@@ -477,6 +477,19 @@ static PyObject *host_reserve(PyObject *m, PyObject *args) {
   return r;
 }
 
+/* The host calls below let go of the GIL only for batches of more than GIL_HOLD_CALLS system
+ * calls. One mmap takes microseconds; a thread that lets go of the GIL for it must then win it
+ * back from whichever thread took it meanwhile, which waits up to the interpreter's switch
+ * interval (5 ms) when that thread runs Python (a server's event loop streaming answers while
+ * its batching thread maps a prefill's pages). benchmarks/gil_wait.py measures it. Large
+ * batches (a page group of a many-layer model, a scratch backing at start-up) still run
+ * without it. */
+#define GIL_HOLD_CALLS 64
+static PyThreadState *maybe_release(Py_ssize_t calls) { return calls > GIL_HOLD_CALLS ? PyEval_SaveThread() : NULL; }
+static void reacquire(PyThreadState *ts) {
+  if (ts) PyEval_RestoreThread(ts);
+}
+
 /* host_map(bases, offsets, fds, file_offsets, file_strides, page_size)
  * Group i goes to bases[b] + offsets[i] in every buffer b, backed by
  * fds[i] at file_offsets[i] + b * file_strides[i]. Runs that are contiguous in
@@ -498,7 +511,7 @@ static PyObject *host_map(PyObject *m, PyObject *args) {
   const int32_t *fds = fb.buf;
   int err = 0;
   Py_ssize_t done_b = 0; /* the buffer that failed, for the undo */
-  Py_BEGIN_ALLOW_THREADS
+  PyThreadState *ts = maybe_release(nb * n);
   for (Py_ssize_t b = 0; b < nb && !err; b++) {
     Py_ssize_t i = 0;
     while (i < n) {
@@ -521,7 +534,7 @@ static PyObject *host_map(PyObject *m, PyObject *args) {
     for (Py_ssize_t b = 0; b <= done_b; b++)
       for (Py_ssize_t i = 0; i < n; i++) host_rereserve(bases[b] + offs[i], page);
   }
-  Py_END_ALLOW_THREADS
+  reacquire(ts);
   if (err) {
     errno = err;
     PyErr_SetFromErrno(PyExc_OSError);
@@ -538,8 +551,8 @@ out:
   return ret;
 }
 
-/* Call fn(addr, len, ctx) once per run of contiguous offsets of every buffer, without the
- * GIL; `stop`: at the first error (else go on, as an unmap must). None, or OSError with the
+/* Call fn(addr, len, ctx) once per run of contiguous offsets of every buffer (without the
+ * GIL for a large batch); `stop`: at the first error (else go on, as an unmap must). None, or OSError with the
  * first error. The caller releases the buffers. */
 typedef int (*run_fn)(uint64_t addr, uint64_t len, void *ctx);
 
@@ -548,7 +561,7 @@ static PyObject *each_run(Py_buffer *bb, Py_buffer *ob, uint64_t page, run_fn fn
   if (get_u64s(bb, &nb, "bases") || get_u64s(ob, &n, "offsets")) return NULL;
   const uint64_t *bases = bb->buf, *offs = ob->buf;
   int err = 0;
-  Py_BEGIN_ALLOW_THREADS
+  PyThreadState *ts = maybe_release(nb * n);
   for (Py_ssize_t b = 0; b < nb && !(stop && err); b++) {
     Py_ssize_t i = 0;
     while (i < n && !(stop && err)) {
@@ -558,7 +571,7 @@ static PyObject *each_run(Py_buffer *bb, Py_buffer *ob, uint64_t page, run_fn fn
       i = j;
     }
   }
-  Py_END_ALLOW_THREADS
+  reacquire(ts);
   if (err) {
     errno = err;
     return PyErr_SetFromErrno(PyExc_OSError);
