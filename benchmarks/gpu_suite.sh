@@ -31,6 +31,8 @@
 #                outside the forward, the decode step against its bandwidth bound, end to end at
 #                the 1B and 8B shapes, batch 32 (vattn/bench/_e2e.py --compile --engine-overhead)
 #   5. sanitizer compute-sanitizer memcheck on windows and states (benchmarks/gpu_sanitize.py)
+#   6. scratch_cost  the scratch page under server tensors on the driver (`vattn bench alloc
+#                --scratch-gib`: a large reservation's start-up, a page turn), if time is left
 # Call 2 (--fa4): install (FlashAttention 4: the two halves of its cu13 libraries joined and
 # checked, its wheels), the FlashAttention 4 GPU tests (the kernel on the VMM cache, rows after
 # a context, the engine), then `vattn bench kernel --kernel flash_attn_4` (on the vattn cache,
@@ -158,6 +160,7 @@ if [ $MODE = main ]; then
     say "  3. offload (if the tree has it)          45 /  90"
     say "  4. step (e2e 1B/8B batch 32, compiled)  120 / 180"
     say "  5. compute_sanitizer                     45 /  90"
+    say "  6. scratch_cost (if time is left)        60 /  90"
     say "  expected total about 480 s: the tail is skipped, not overrun, if earlier stages run long"
 else
     say "stages: install (FlashAttention 4) 60 / 150, tests_fa4 60 / 150, kernel_fa4 60 / the budget left"
@@ -346,6 +349,16 @@ else
         step compute_sanitizer 10 90 "windows:|states:|Error" "$PY" benchmarks/gpu_sanitize.py --device cpu
     else
         skip compute_sanitizer "no CUDA"
+    fi
+
+    # ------------------------------------------------------ 6. the scratch page's cost ----
+    # (last: the scratch page's correctness is a GPU test of stage 1; this times it on the
+    # driver: the start-up of a large reservation backed by one page, a page turn)
+    if [ $RUN = 1 ] && timeout 60 "$PY" -m vattn bench alloc --help 2>/dev/null | grep -q -- "--scratch-gib"; then
+        if [ $HAVE_CUDA = 1 ]; then SG=(--device cuda --quick --scratch-gib 8 64); else SG=(--device cpu --quick --scratch-gib 0.25); fi
+        step scratch_cost 60 90 "scratch|GB/s|FAILED|Error" "$PY" -m vattn bench alloc "${SG[@]}" --out "$OUT"
+    else
+        gated scratch_cost "the tree has no scratch backing (\`vattn bench alloc --scratch-gib\`)"
     fi
 fi
 

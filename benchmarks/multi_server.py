@@ -27,20 +27,18 @@ import concurrent.futures
 import os
 import random
 import signal
-import socket
 import string
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from _common import environment, latency_stats, print_table, save  # noqa: E402
+from _common import environment, free_port, latency_stats, print_table, save, wait_healthy  # noqa: E402
 
 from vattn.vmem.host import process_page_bytes  # noqa: E402  (a server's KV memory, from /proc)
 
@@ -49,12 +47,6 @@ MB = 1 << 20
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
     return 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 4  # K and V, fp32
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class GpuMemory:
@@ -82,7 +74,7 @@ def memory_reader(device: str) -> Any:
 
 
 def launch_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str, log: Path) -> tuple[Any, int]:
-    """Start one `vattn serve` process (not waited for: `wait_ready`)."""
+    """Start one `vattn serve` process (not waited for: `start_servers` waits for both)."""
     port = free_port()
     memory = ["--budget", "bench", "--budget-limit", str(args.total_bytes)] if mode == "shared" else \
         ["--memory-limit", str(args.total_bytes // 2)]
@@ -95,20 +87,6 @@ def launch_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: st
     return proc, port
 
 
-def wait_ready(proc: Any, port: int, log: Path, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: see {log}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"the server was not ready in {timeout_s:.0f} s: see {log}")
-
-
 def start_servers(ckpts: dict[str, str], mode: str, args: argparse.Namespace, budget_dir: str,
                   tmp: Path) -> dict[str, tuple[Any, int]]:
     """Both servers started together (each imports torch and transformers: seconds), then waited for."""
@@ -117,7 +95,7 @@ def start_servers(ckpts: dict[str, str], mode: str, args: argparse.Namespace, bu
         for n, c in ckpts.items():
             servers[n] = launch_server(c, mode, args, budget_dir, tmp / f"{mode}-{n}.log")
         for n, (proc, port) in servers.items():
-            wait_ready(proc, port, tmp / f"{mode}-{n}.log")
+            wait_healthy(proc, port, tmp / f"{mode}-{n}.log")
     except BaseException:
         stop_servers(servers)
         raise
