@@ -9,6 +9,8 @@ sections, which use each benchmark module's own `table()`.
     python benchmarks/gpu_summary.py OUTDIR --step NAME --status passed --seconds 12 --timeout 90 [--note TEXT]
     python benchmarks/gpu_summary.py OUTDIR --env cuda      # record the environment (imports torch)
     python benchmarks/gpu_summary.py OUTDIR                 # merge and rewrite summary.md only
+    python benchmarks/gpu_summary.py --check-requirements DIR   # the wheels installed into DIR: is
+                                                            # every Requires-Dist met where they run?
 """
 from __future__ import annotations
 
@@ -98,6 +100,53 @@ def _bench(d: dict) -> str:
     return "\n".join([f"config: {config}", ""] + notes + ["", markdown_table(headers, rows)])
 
 
+def _multi_server(d: dict) -> str:
+    """benchmarks/multi_server.py's payload: per mode and server, served, TTFT, bursts, peak memory."""
+    rows = []
+    for mode, r in d["modes"].items():
+        for n in ("A", "B"):
+            s = r[n]
+            rows.append([mode, n, f"{s['served']}/{s['sent']}", s["ttft_s"]["p50"], s["ttft_s"]["p99"],
+                         s["burst_s"]["mean"], s["peak_MiB"]])
+    ratios = ", ".join(f"{k} {v:.2f}" for k, v in d.get("ratios", {}).items())
+    return "\n".join([f"device {d.get('environment', {}).get('device')}; same greedy answers: "
+                      f"{d.get('same_greedy_answers')}", "", ratios, "",
+                      markdown_table(["mode", "server", "served", "TTFT p50 s", "TTFT p99 s", "burst s", "peak MiB"],
+                                     rows)])
+
+
+def check_requirements(site: Path) -> int:
+    """Every Requires-Dist of the distributions installed in `site` (the carried wheels), checked
+    against what this Python finds (the image's packages and `site`, on its path): prints each
+    problem, returns their number."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    problems, checked = [], 0
+    for info in sorted(site.glob("*.dist-info")):
+        dist = md.Distribution.at(info)
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            if canonicalize_name(req.name) == "nvidia-cutlass-dsl-libs-cu12":  # the cu13 libraries are carried
+                continue
+            checked += 1
+            try:
+                have = md.version(req.name)
+            except md.PackageNotFoundError:
+                problems.append(f"{dist.metadata['Name']} wants {req}: not installed")
+                continue
+            if req.specifier and not req.specifier.contains(have, prereleases=True):
+                problems.append(f"{dist.metadata['Name']} wants {req}: {have} is installed")
+    for p in problems:
+        print(f"PROBLEM: {p}")
+    print(f"requirements of the wheels in {site}: {checked} checked, {len(problems)} problems")
+    return len(problems)
+
+
 def summary(results: dict[str, Any]) -> str:
     steps = results.get("suite", {}).get("steps", [])
     failed = [s["name"] for s in steps if s["status"] in ("failed", "timeout")]
@@ -113,6 +162,8 @@ def summary(results: dict[str, Any]) -> str:
                      key=lambda k: (BENCH_ORDER.index(results[k]["benchmark"]) if results[k]["benchmark"] in BENCH_ORDER
                                     else len(BENCH_ORDER), k))
     sections = [(k, f"vattn bench {results[k]['benchmark']} ({k})", _bench) for k in benches]
+    sections += [(k, f"benchmarks/multi_server.py ({k})", _multi_server) for k, v in results.items()
+                 if k.startswith("multi_server") and isinstance(v, dict) and "modes" in v]
     for name, title, fmt in sections:
         try:
             body = fmt(results[name])
@@ -124,7 +175,9 @@ def summary(results: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--check-requirements", metavar="DIR", default=None,
+                    help="check the Requires-Dist of the wheels installed in DIR, then exit")
     ap.add_argument("--step")
     ap.add_argument("--status", choices=["passed", "failed", "skipped", "timeout"])
     ap.add_argument("--seconds", type=float)
@@ -132,6 +185,10 @@ def main() -> None:
     ap.add_argument("--note", default="")
     ap.add_argument("--env", default=None, help="record the environment for this device (imports torch)")
     args = ap.parse_args()
+    if args.check_requirements:
+        sys.exit(1 if check_requirements(Path(args.check_requirements)) else 0)
+    if args.out is None:
+        ap.error("OUTDIR is needed")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = load(out)

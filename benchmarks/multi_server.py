@@ -3,18 +3,22 @@ shared budget (`--budget NAME`) against two static halves of the same total
 (`--memory-limit total/2` each).
 
 Two tiny Llamas (character-level tokenizers, other weights), each behind its own `vattn
-serve` process on the host backend. Bursts alternate: A gets `--requests` streaming chat
+serve` process, on the host backend (`--device cpu`, the default) or one GPU (`--device
+cuda`: both servers on GPU 0, their KV pages 2 MiB VMM pages; the shared budget is keyed by
+the GPU's UUID). Bursts alternate: A gets `--requests` streaming chat
 requests at once, then, after `--gap-s`, B does, and so on for `--cycles`. No idle trim
 by default (`--idle-trim-s`): memory moves only when a server asks for it. With static
 halves a burst can use half the memory however long the other server idles; on the
 shared budget the bursting server asks the idle one, whose budget responder gives back
 its free pages and the blocks transformers keeps for prefix sharing. Reports per server and
 mode: requests served, time to first token (p50, p99), request latency, each burst's
-makespan, peak KV memory; the physical KV memory of each server over time (the plot,
-read from each process's vattn memfd). Greedy answers of the two modes must be equal.
-Writes benchmarks/results/multi_server_cpu.json and .png.
+makespan, peak KV memory; the physical KV memory of each server over time (the plot: on
+the host read from each process's vattn memfd; on a GPU each process's device memory from
+NVML, less what it held before its first burst: weights, CUDA context and torch's cache
+besides the KV pages). Greedy answers of the two modes must be equal.
+Writes multi_server_<device>.json and .png (benchmarks/results/, or $VATTN_BENCH_OUT).
 
-    OMP_NUM_THREADS=1 python benchmarks/multi_server.py [--requests 16] [--cycles 4] [--quick]
+    OMP_NUM_THREADS=1 python benchmarks/multi_server.py [--device cuda] [--requests 16] [--cycles 4] [--quick]
 """
 from __future__ import annotations
 
@@ -45,18 +49,69 @@ def kv_bytes_per_token(args: argparse.Namespace) -> int:
     return 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 4  # K and V, fp32
 
 
-def start_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str, log: Path) -> tuple[Any, int]:
+class GpuMemory:
+    """Device memory of processes from NVML (nvidia-ml-py, in the GPU image): what
+    `nvidia-smi --query-compute-apps` shows, read in-process every sample."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+    def __call__(self, pid: int) -> int:
+        try:
+            procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        except self.nvml.NVMLError:
+            return 0
+        return sum(p.usedGpuMemory or 0 for p in procs if p.pid == pid)
+
+
+def memory_reader(device: str) -> Any:
+    """pid -> bytes: a server's KV memory on the host (its memfd), or its device memory."""
+    return process_page_bytes if device == "cpu" else GpuMemory()
+
+
+def launch_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str, log: Path) -> tuple[Any, int]:
+    """Start one `vattn serve` process (not waited for: `start_servers` waits for both)."""
     port = free_port()
     memory = ["--budget", "bench", "--budget-limit", str(args.total_bytes)] if mode == "shared" else \
         ["--memory-limit", str(args.total_bytes // 2)]
-    cmd = [sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port), "--device", "cpu",
+    cmd = [sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port), "--device", args.device,
            "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_tokens), "--page-size",
            str(args.page_size), "--idle-trim-s", str(args.idle_trim_s), *memory]
     env = dict(os.environ, OMP_NUM_THREADS="1", VATTN_BUDGET_DIR=budget_dir,
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    wait_healthy(proc, port, log)
     return proc, port
+
+
+def start_servers(ckpts: dict[str, str], mode: str, args: argparse.Namespace, budget_dir: str,
+                  tmp: Path) -> dict[str, tuple[Any, int]]:
+    """Both servers started together (each imports torch and transformers: seconds), then waited for."""
+    servers: dict[str, tuple[Any, int]] = {}
+    try:
+        for n, c in ckpts.items():
+            servers[n] = launch_server(c, mode, args, budget_dir, tmp / f"{mode}-{n}.log")
+        for n, (proc, port) in servers.items():
+            wait_healthy(proc, port, tmp / f"{mode}-{n}.log")
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: dict[str, tuple[Any, int]]) -> None:
+    for proc, _ in servers.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc, _ in servers.values():
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def ask(client: Any, ckpt: str, prompt: str, max_tokens: int, t0: float) -> dict[str, Any]:
@@ -83,20 +138,26 @@ def run_mode(mode: str, ckpts: dict[str, str], prompts: dict[str, list[list[str]
     import openai
 
     budget_dir = str(tmp / f"budgets-{mode}")
-    servers = {n: start_server(c, mode, args, budget_dir, tmp / f"{mode}-{n}.log") for n, c in ckpts.items()}
+    servers = start_servers(ckpts, mode, args, budget_dir, tmp)
     try:
         clients = {n: openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=300,
                                     max_retries=0) for n, (_, port) in servers.items()}
+        read = memory_reader(args.device)
         for n in ckpts:  # builds each server's cache (its first request), not measured
             ask(clients[n], ckpts[n], "warm up", 2, time.monotonic())
         time.sleep(0.5)
+        # on a GPU a process holds weights, its CUDA context and torch's cache besides the KV pages:
+        # count what it holds over its level now (after the warm-up built its cache, before any burst)
+        base = [read(p.pid) - (args.trash_bytes if args.device != "cpu" else 0) for p, _ in servers.values()] \
+            if args.device != "cpu" else [0, 0]
         samples: list[tuple[float, int, int]] = []
         stop = threading.Event()
         t0 = time.monotonic()
 
         def sample() -> None:
             while not stop.wait(0.02):
-                samples.append((time.monotonic() - t0, *(process_page_bytes(p.pid) for p, _ in servers.values())))
+                samples.append((time.monotonic() - t0, *(max(0, read(p.pid) - b)
+                                                         for (p, _), b in zip(servers.values(), base))))
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -118,14 +179,7 @@ def run_mode(mode: str, ckpts: dict[str, str], prompts: dict[str, list[list[str]
         stop.set()
         sampler.join()
     finally:
-        for proc, _ in servers.values():
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc, _ in servers.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_servers(servers)
     out: dict[str, Any] = {"bursts": bursts, "samples": samples}
     for i, n in enumerate(ckpts):
         ok = [r for r in results[n] if r["ok"]]
@@ -142,12 +196,15 @@ def run_mode(mode: str, ckpts: dict[str, str], prompts: dict[str, list[list[str]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where both servers run (cuda: GPU 0, 2 MiB pages)")
     ap.add_argument("--requests", type=int, default=16, help="requests of each burst")
     ap.add_argument("--cycles", type=int, default=4, help="bursts at A then at B, this many times")
     ap.add_argument("--prompt-chars", type=int, nargs=2, default=(40, 80), help="prompt length range (tokens)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens each request generates")
-    ap.add_argument("--total-mib", type=float, default=8.0,
-                    help="KV memory for the two servers together (a burst needs about 10 MiB at once)")
+    ap.add_argument("--total-mib", type=float, default=None,
+                    help="KV memory for the two servers together (a burst needs about 10 MiB at once); "
+                         "default 8 on the host, 16 on a GPU (its trash sectors take a 2 MiB page a server)")
     ap.add_argument("--gap-s", type=float, default=1.5, help="idle seconds after each burst")
     ap.add_argument("--idle-trim-s", type=float, default=-1, help="each server's idle policy (default: never)")
     ap.add_argument("--hidden", type=int, default=128)
@@ -157,13 +214,22 @@ def main() -> None:
     ap.add_argument("--block-tokens", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="8 requests a burst, one cycle")
     args = ap.parse_args()
+    cuda = args.device == "cuda"
+    if args.total_mib is None:
+        args.total_mib = 16.0 if cuda else 8.0
     if args.quick:
-        args.requests, args.cycles, args.total_mib = 8, 1, 4.0
+        args.requests, args.cycles, args.total_mib = 8, 1, args.total_mib / 2
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
     block_bytes = kv_bytes_per_token(args) * args.block_tokens
-    args.page_size = block_bytes  # transformers' sector: one block, one page in each buffer
+    # transformers' sector is one block; a page holds one (the host) or 2 MiB of them (a GPU)
+    args.page_size = 2 * MB if cuda else block_bytes
     args.num_blocks = int(args.total_mib * MB) // block_bytes  # virtual: each server may map the whole total
-    trash = 2 * block_bytes  # each cache's two trash sectors, always mapped
-    args.total_bytes = args.num_blocks * block_bytes + 2 * trash
+    args.trash_bytes = -(-2 * block_bytes // args.page_size) * args.page_size  # a cache's two trash sectors' pages
+    args.total_bytes = args.num_blocks * block_bytes + 2 * args.trash_bytes
 
     from vattn.bench._models import char_checkpoint
 
@@ -218,7 +284,7 @@ def main() -> None:
         ax.legend(loc="upper right")
     axes[-1].set_xlabel("seconds (shaded: the bursts)")
     payload = {
-        "environment": environment("cpu"),
+        "environment": environment(args.device),
         "args": vars(args),
         "same_greedy_answers": same,
         "ratios": ratios,
@@ -227,7 +293,7 @@ def main() -> None:
                   for m, r in runs.items()},
         "memory_over_time": {m: r["samples"][::5] for m, r in runs.items()},
     }
-    save("multi_server_cpu", payload, fig)
+    save(f"multi_server_{args.device}", payload, fig)
     if not same:
         raise SystemExit("the two modes answered differently")
 

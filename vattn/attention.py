@@ -14,6 +14,10 @@ k_cache[slot_a, :start_a + n_a]   <- the keys query i of seq a may see: 0 .. sta
 Kernels, chosen once per engine by `select_kernel`:
 - `flash_attn`: `flash_attn_with_kvcache(cache_seqlens, cache_batch_idx)` (CUDA, fp16/bf16,
   the `flash_attn` package installed): decodes in one call, each prefill chunk in one call.
+- `flash_attn_4`: FlashAttention 4 (`flash_attn.cute.flash_attn_varlen_func`, the
+  `flash-attn-4` package: CuTe-DSL kernels for Hopper and Blackwell, fp16/bf16), asked for by
+  name only: the whole batch in one varlen call over the slot rows, as `torch_flash`
+  (`cu_seqlens_k` at each slot's row, `seqused_k` the context lengths).
 - `torch_flash`: PyTorch's own FlashAttention-2, `aten._flash_attention_forward` varlen with
   `cum_seq_k` pointing at each slot's row of the flat `[B * slot_tokens, H, D]` view and
   `seqused_k` = context lengths (CUDA, fp16/bf16): the whole batch in one call.
@@ -40,9 +44,16 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from vattn.errors import VattnError
+from vattn.errors import InvalidConfigError, VattnError
 
-KERNELS = ("flash_attn", "torch_flash", "sdpa", "sdpa_padded")
+KERNELS = ("flash_attn", "torch_flash", "sdpa", "sdpa_padded", "flash_attn_4")
+# FlashAttention 4's Hopper forward loads K and V in tiles of this many rows with TMA (head_dim
+# <= 128; fewer rows for larger heads): a tile whose first row is a slot's last keys is loaded
+# whole, so the rows after the context up to the tile's end must be mapped (and finite: a masked
+# score times a NaN value is NaN). A slot starts on a page and maps whole pages; so a page must
+# hold whole tiles: tokens a page (the smallest CUDA page, 2 MiB) a multiple of this.
+FLASH_ATTN_4_TILE_TOKENS = 128
+MIN_CUDA_PAGE = 2 << 20
 
 
 @dataclass
@@ -270,7 +281,32 @@ def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 # --------------------------------------------------------------------------- kernels ----
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """flash-attn 2 (`flash_attn_with_kvcache`): a `flash_attn` package of its own. FlashAttention
+    4 installs `flash_attn.cute` into a namespace package `flash_attn` without it."""
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+def flash_attn_4_available() -> bool:
+    """FlashAttention 4 (`flash_attn.cute`, the `flash-attn-4` package) is installed."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # no flash_attn at all
+        return False
+
+
+def flash_attn_4_layout_problem(k_cache: torch.Tensor) -> str | None:
+    """Why FlashAttention 4 may read unmapped memory on this cache (None when it cannot):
+    its K/V tiles of `FLASH_ATTN_4_TILE_TOKENS` rows must not cross into a page after a slot's
+    last mapped page, so a page must hold whole tiles."""
+    token_bytes = k_cache.stride(1) * k_cache.element_size()  # one token's row in its buffer
+    tokens = MIN_CUDA_PAGE // token_bytes
+    if MIN_CUDA_PAGE % token_bytes == 0 and tokens % FLASH_ATTN_4_TILE_TOKENS == 0:
+        return None
+    return (f"a 2 MiB page holds {MIN_CUDA_PAGE / token_bytes:g} tokens of this cache (a token is {token_bytes} "
+            f"bytes of a buffer), not a multiple of FlashAttention 4's {FLASH_ATTN_4_TILE_TOKENS}-token K/V tiles: "
+            "a tile after a slot's context could read an unmapped page; use layout='per-layer' (the fused "
+            "layout puts every layer of a token in one row) or attention='torch_flash'")
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype) -> str:
@@ -286,6 +322,11 @@ class AttentionKernel:
     def __init__(self, name: str) -> None:
         if name not in KERNELS:
             raise VattnError(f"unknown attention kernel {name!r}; use one of {KERNELS}")
+        if name == "flash_attn_4" and not flash_attn_4_available():
+            raise InvalidConfigError(
+                "attention='flash_attn_4' needs FlashAttention 4 (the flash_attn.cute module), which is not "
+                "installed: pip install flash-attn-4 nvidia-cutlass-dsl[cu13] (a Hopper or Blackwell GPU), "
+                "or use attention='torch_flash' (PyTorch's own FlashAttention-2)")
         self.name = name
         self._verified: set[str] = set()  # kinds of batch already checked against sdpa
 
@@ -306,7 +347,9 @@ class AttentionKernel:
             return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
         if self.name == "sdpa_padded":
             return sdpa_padded_attention(query, k_cache, v_cache, meta, scale, sliding_window)
-        fn = flash_attn_attention if self.name == "flash_attn" else torch_flash_attention
+        fn = _CUDA_KERNELS[self.name]
+        if self.name == "flash_attn_4" and (problem := flash_attn_4_layout_problem(k_cache)):
+            raise VattnError(f"attention='flash_attn_4' cannot read this cache: {problem}")
         if query.is_cuda and torch.cuda.is_current_stream_capturing():
             # a CUDA graph (vattn.engine.cuda_graphs): checked in an eager iteration before;
             # a failure must abort the capture, not fall back inside it
@@ -442,9 +485,31 @@ def flash_attn_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out
 
 
+def flash_attn_4_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """FlashAttention 4's varlen kernel over all sequences at once, on the slot rows unmodified
+    (CUDA, `flash_attn.cute`): the flat `[rows, H, D]` views of the cache with `cu_seqlens_k`
+    at each slot's row and `seqused_k` the context lengths, as `torch_flash_attention`.
+    Its first call for a shape JIT-compiles the kernel (seconds)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    t = meta.cuda_tensors()
+    window = (sliding_window - 1, 0) if sliding_window is not None else (None, None)
+    out = flash_attn_varlen_func(query, _flat_rows(k_cache), _flat_rows(v_cache), cu_seqlens_q=t["cu_seqlens_q"],
+                                 cu_seqlens_k=t["cu_seqlens_k"], max_seqlen_q=max(meta.query_lens),
+                                 max_seqlen_k=meta.max_context_len, seqused_k=t["seqused_k"], softmax_scale=scale,
+                                 causal=True, window_size=window)
+    return out[0] if isinstance(out, tuple) else out  # [T, H_q, D] (and the LSE)
+
+
+_CUDA_KERNELS = {"flash_attn": flash_attn_attention, "torch_flash": torch_flash_attention,
+                 "flash_attn_4": flash_attn_4_attention}
+
+
 __all__ = [
     "AttentionMetadata", "AttentionKernel", "ForwardContext", "forward_context", "get_forward_context", "attend",
     "attention_op",
     "select_kernel", "sdpa_attention", "sdpa_padded_attention", "SdpaGroup", "torch_flash_attention",
-    "flash_attn_attention", "KERNELS",
+    "flash_attn_attention", "flash_attn_4_attention", "flash_attn_4_available", "flash_attn_4_layout_problem",
+    "KERNELS",
 ]

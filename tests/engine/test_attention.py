@@ -87,3 +87,107 @@ def test_cuda_kernels_match_sdpa_on_slot_rows(kernel: str, fused: bool, window: 
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
 
+
+
+# ------------------------------------------------------------- FlashAttention 4 ----
+# A stand-in for flash_attn.cute (FlashAttention 4's package is a namespace `flash_attn` with
+# only `cute` in it): its varlen function reads the flat rows as the CUDA kernel does, from
+# cu_seqlens_k for seqused_k keys, causal aligned to the end, with a left window.
+_FAKE_FA4 = '''
+import torch, torch.nn.functional as F
+CALLS = []
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                           seqused_k=None, softmax_scale=None, causal=False, window_size=(None, None), **kw):
+    CALLS.append(dict(k_shape=tuple(k.shape), k_stride=k.stride(), data_ptr=k.data_ptr(), causal=causal,
+                      window_size=window_size, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
+    cu_q, cu_k, used = cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), seqused_k.tolist()
+    out = torch.empty_like(q)
+    for b in range(len(used)):
+        qb = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)  # [H_q, n, D]
+        n, ctx = qb.shape[1], used[b]
+        kb, vb = (x[cu_k[b]:cu_k[b] + ctx].transpose(0, 1) for x in (k, v))  # [H_kv, ctx, D]
+        qpos, kpos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
+        mask = kpos <= qpos
+        if window_size[0] is not None:
+            mask &= kpos >= qpos - window_size[0]
+        o = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=mask, scale=softmax_scale,
+                                           enable_gqa=True)
+        out[cu_q[b]:cu_q[b + 1]] = o[0].transpose(0, 1)
+    return out, None
+'''
+
+
+@pytest.fixture
+def fake_fa4(tmp_path, monkeypatch):
+    """flash_attn.cute on sys.path as FlashAttention 4 installs it (no flash_attn/__init__.py)."""
+    import sys
+
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text(_FAKE_FA4)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        del sys.modules[name]
+
+
+def test_flash_attn_4_is_refused_clearly_when_not_installed(monkeypatch) -> None:
+    import importlib.util
+
+    from vattn import attention
+    from vattn.engine.config import EngineConfig
+    from vattn.errors import InvalidConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("flash_attn") else real(name, *a))
+    assert not attention.flash_attn_4_available()
+    assert EngineConfig(attention="flash_attn_4").attention == "flash_attn_4"  # a known name
+    with pytest.raises(InvalidConfigError, match="pip install flash-attn-4"):
+        attention.AttentionKernel("flash_attn_4")
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_flash_attn_4_reads_the_slot_rows_in_one_varlen_call(fake_fa4, window) -> None:
+    """FlashAttention 4 alone installs a namespace `flash_attn` without flash-attn 2's API: the
+    `flash_attn` kernel is not taken for it. `flash_attn_4` calls its varlen function once per
+    layer on the flat rows of the cache itself (no copy: the same memory, the slot stride), with
+    each slot's row and context length, and equals sdpa."""
+    import flash_attn.cute as fa4
+
+    from vattn import attention
+
+    assert attention.flash_attn_4_available() and not attention.flash_attn_available()
+    assert attention.select_kernel(torch.device("cuda"), torch.float16) == "torch_flash"
+    g = torch.Generator().manual_seed(0)
+    B, T, Hq, Hkv, D = 4, 40, 4, 2, 8
+    k_cache, v_cache = torch.randn(B, T, Hkv, D, generator=g), torch.randn(B, T, Hkv, D, generator=g)
+    slots, starts, lens = [0, 2, 3], [17, 0, 6], [1, 9, 7]  # a decode, a prompt, a chunk
+    meta = AttentionMetadata.build(slots, starts, lens, T, torch.device("cpu"))
+    q = torch.randn(sum(lens), Hq, D, generator=g)
+    kern = attention.AttentionKernel("flash_attn_4")
+    key, value = torch.randn(sum(lens), Hkv, D, generator=g), torch.randn(sum(lens), Hkv, D, generator=g)
+    out = kern.forward(q, key, value, k_cache, v_cache, meta, 0.3, window)
+    assert kern.name == "flash_attn_4" and kern.verified == {"decode", "prompt", "chunk"}  # checked against sdpa
+    ref = sdpa_attention(q, k_cache, v_cache, meta, 0.3, window)
+    torch.testing.assert_close(out, ref)
+    call = fa4.CALLS[-1]
+    assert call["data_ptr"] == k_cache.data_ptr() and call["k_stride"] == k_cache.stride()[1:]
+    assert call["k_shape"] == ((B - 1) * T + T, Hkv, D) and call["causal"]
+    assert call["window_size"] == ((window - 1, 0) if window else (None, None))
+    assert call["max_seqlen_q"] == 9 and call["max_seqlen_k"] == 18
+
+
+def test_flash_attn_4_refuses_a_layout_whose_pages_split_its_tiles(fake_fa4) -> None:
+    """A 2 MiB page of the fused 8B shape holds 32 tokens: a 128-token tile after a context
+    could read an unmapped page, so the kernel says so instead of reading."""
+    from vattn import attention
+
+    fused = torch.zeros(2, 64, 32, 8, 128, dtype=torch.bfloat16)[:, :, 0]  # [B, T, H, D], 64 KiB a token
+    assert "use layout='per-layer'" in attention.flash_attn_4_layout_problem(fused)
+    assert attention.flash_attn_4_layout_problem(torch.zeros(2, 64, 8, 128, dtype=torch.bfloat16)) is None
+    meta = AttentionMetadata.build([0], [3], [1], 64, torch.device("cpu"))
+    q, kv = torch.zeros(1, 8, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(VattnError, match="cannot read this cache"):
+        attention.AttentionKernel("flash_attn_4").forward(q, kv, kv, fused, fused.clone(), meta, 0.1)

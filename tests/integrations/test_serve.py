@@ -232,6 +232,48 @@ def test_a_memory_limit_below_the_load_queues_requests(server, ckpt, expected):
     assert r.choices[0].text == expected[PROMPTS[0]]  # still healthy
 
 
+@pytest.mark.gpu
+def test_vattn_serve_on_cuda_answers_like_generate_and_memory_follows_the_load(ckpt):
+    """`vattn serve --device cuda`: transformers' continuous batching on an elastic pool of CUDA
+    VMM pages (2 MiB); a burst's answers equal generate's on the GPU (float32; a near-tie may
+    flip one), its pages map under the load and the idle policy gives the free ones back."""
+    import openai
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt).to("cuda").eval()
+    expected = {}
+    for p in PROMPTS:
+        x = torch.tensor([tok(p).input_ids], device="cuda")
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False)
+        expected[p] = tok.decode(out[0, x.shape[1]:], skip_special_tokens=True)
+    del model
+    port = free_port()
+    srv = hf_serve.serve(ckpt, port=port, device="cuda", num_blocks=4096, block_size=BLOCK, non_blocking=True,
+                         idle_trim_s=30)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+        cb = srv.vattn
+        clock = cb.idle.clock = FakeClock()
+        with Sampler(cb) as sampler, concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
+            answers = dict(ex.map(lambda p: (p, client.completions.create(
+                model=ckpt, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text), PROMPTS))
+        assert sum(answers[p] == expected[p] for p in PROMPTS) >= len(PROMPTS) - 1, (answers, expected)
+        pool = cb.pool
+        assert pool is not None and pool.backend.device.type == "cuda" and pool.page_size >= 2 << 20
+        peak = max(sampler.values)
+        assert peak >= pool.page_size and cb.stats().peak_mapped_bytes >= peak
+        clock.advance(30)
+        assert cb.idle.poll() and cb.num_idle_trims == 1
+        assert cb.stats().mapped_bytes <= peak and cb.stats().num_spare_pages == 0
+        r = client.completions.create(model=ckpt, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == answers[PROMPTS[0]]  # and serves again
+    finally:
+        srv.kill_server()
+        hf_cb.disable_all()
+
+
 @contextlib.contextmanager
 def serve_process(ckpt: str, *args: str):
     """`python -m vattn serve` as a process of its own (what users run): yields (process, base

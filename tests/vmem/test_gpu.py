@@ -65,7 +65,7 @@ def test_reclamation_waits_for_running_kernels():
     with _cache("cext", max_context_len=4096, physical_memory=None, prefetch=False) as c:
         g = c.geometry
         c_budget = g.pages_for(4096)
-        c.allocator.max_pages = c_budget  # room for one full request
+        c.allocator.set_max_pages(c_budget)  # room for one full request (a unit: one page of every buffer)
         a = c.alloc_reqid()
         assert c.step({a: 4096})
         c.k_cache(0)[a].fill_(1)
@@ -106,3 +106,98 @@ def test_torch_flash_reads_only_the_mapped_rows_of_the_vmm_cache(layout):
         torch.cuda.synchronize()
         assert c.stats().mapped_bytes < 2 * c.geometry.pages_per_slot * c.geometry.group_bytes
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------- FlashAttention 4 ----
+def _fa4_slots(c: vattn.KVCache, dt: torch.dtype):
+    """Three requests on a per-layer VMM cache (slot 1 unused, unmapped): a decode whose context
+    ends one token before a page's end, a prompt of 300 tokens, a chunk ending on a page's end."""
+    from vattn.attention import AttentionMetadata
+
+    tpp = c.page_size // c.geometry.token_bytes
+    s0, s1, s2, s3 = sorted(c.alloc_reqid() for _ in range(4))
+    used, starts, lens = [s0, s2, s3], [2 * tpp - 2, 0, tpp - 64], [1, 300, 64]
+    assert c.step({s: st + n for s, st, n in zip(used, starts, lens)})
+    k, v = c.k_cache(1), c.v_cache(1)  # [B, T, H, D]
+    for s, st, n in zip(used, starts, lens):
+        k[s, :st + n] = torch.randn(st + n, *k.shape[2:], device="cuda", dtype=dt)
+        v[s, :st + n] = torch.randn(st + n, *v.shape[2:], device="cuda", dtype=dt)
+    meta = AttentionMetadata.build(used, starts, lens, c.geometry.slot_tokens, torch.device("cuda"))
+    return k, v, meta, used, starts, lens
+
+
+@pytest.mark.parametrize("window", [None, 256])
+def test_flash_attn_4_on_the_vmm_cache_equals_the_same_kernel_on_contiguous_memory(window):
+    """FlashAttention 4's varlen call on the slot rows (pages past each context unmapped) gives
+    exactly what it gives on a contiguous copy, and agrees with PyTorch's FlashAttention-2."""
+    from vattn.attention import flash_attn_4_attention, flash_attn_4_available, torch_flash_attention
+
+    if not flash_attn_4_available():
+        pytest.skip("FlashAttention 4 (flash-attn-4) is not installed")
+    dt = torch.bfloat16
+    with _cache("cext", dtype=dt, num_kv_heads=8, head_dim=128, max_context_len=8192, prefetch=False) as c:
+        k, v, meta, used, starts, lens = _fa4_slots(c, dt)
+        q = torch.randn(sum(lens), 32, 128, device="cuda", dtype=dt)  # GQA: 32 query heads on 8
+        out = flash_attn_4_attention(q, k, v, meta, 128 ** -0.5, window)
+        kc, vc = torch.zeros_like(k[:4]), torch.zeros_like(v[:4])  # plain memory, same slot stride
+        for s, st, n in zip(used, starts, lens):
+            kc[s, :st + n], vc[s, :st + n] = k[s, :st + n], v[s, :st + n]
+        from vattn.attention import AttentionMetadata
+
+        meta_c = AttentionMetadata.build(used, starts, lens, kc.stride(0) // kc.stride(1), torch.device("cuda"))
+        same = flash_attn_4_attention(q, kc, vc, meta_c, 128 ** -0.5, window)
+        fa2 = torch_flash_attention(q, k, v, meta, 128 ** -0.5, window)
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        assert torch.equal(out, same)
+        torch.testing.assert_close(out.float(), fa2.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_flash_attn_4_ignores_rows_after_the_context():
+    """The rows after a context up to its page's end are mapped but may hold anything (a freed
+    request's values, or NaN): FlashAttention 4 loads whole 128-row tiles there. If this fails,
+    such rows must be kept finite (CacheConfig.zero_reused_pages) for flash_attn_4."""
+    from vattn.attention import flash_attn_4_attention, flash_attn_4_available
+
+    if not flash_attn_4_available():
+        pytest.skip("FlashAttention 4 (flash-attn-4) is not installed")
+    dt = torch.bfloat16
+    with _cache("cext", dtype=dt, num_kv_heads=8, head_dim=128, max_context_len=8192, prefetch=False) as c:
+        k, v, meta, used, starts, lens = _fa4_slots(c, dt)
+        q = torch.randn(sum(lens), 32, 128, device="cuda", dtype=dt)
+        clean = flash_attn_4_attention(q, k, v, meta, 128 ** -0.5, None)
+        tpp = c.page_size // c.geometry.token_bytes
+        for s, st, n in zip(used, starts, lens):
+            end = -(-(st + n) // tpp) * tpp  # the end of the context's last page
+            k[s, st + n:end] = float("nan")
+            v[s, st + n:end] = float("nan")
+        dirty = flash_attn_4_attention(q, k, v, meta, 128 ** -0.5, None)
+        torch.cuda.synchronize()
+        assert not dirty.isnan().any(), "FlashAttention 4 read NaN rows after a context"
+        assert torch.equal(dirty, clean)
+
+
+def test_the_engine_with_flash_attn_4_agrees_with_sdpa():
+    """`LLM(attention="flash_attn_4")` on the VMM cache (128-dim heads, GQA): checked against
+    sdpa on its first batches of each kind, never fallen back, tokens as sdpa's (a near-tie in
+    fp16 may flip one sequence)."""
+    from transformers import LlamaConfig
+
+    from tests.helpers import greedy_params, prompts, run_online
+    from vattn.attention import flash_attn_4_available
+    from vattn.engine import LLM
+
+    if not flash_attn_4_available():
+        pytest.skip("FlashAttention 4 (flash-attn-4) is not installed")
+    config = LlamaConfig(vocab_size=128, hidden_size=1024, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                         initializer_range=0.05, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    runs = {}
+    for kernel in ("sdpa", "flash_attn_4"):
+        with LLM(config, seed=0, device="cuda", dtype="bfloat16", attention=kernel, max_batch_size=8,
+                 max_num_batched_tokens=32, cuda_graphs=False) as llm:
+            runs[kernel] = [o.token_ids for o in run_online(llm, prompts(), greedy_params())]
+            assert llm.runner.kernel.name == kernel, "the kernel fell back"
+            if kernel == "flash_attn_4":
+                assert llm.runner.kernel.verified == {"decode", "prompt", "chunk"}
+    assert sum(a == b for a, b in zip(runs["sdpa"], runs["flash_attn_4"])) >= len(runs["sdpa"]) - 1

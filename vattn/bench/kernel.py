@@ -20,6 +20,12 @@ heads x 128, bf16) from
      blocks (the GPU image has torch 2.11 and no flash-attn). Each row says which ran
      (`paged<bs>_kernel`); the table, summary and plot call a block size `gather<bs>` when
      the gather ran and `paged<bs>` only when a block-table kernel did.
+`--kernel flash_attn_4`: the same three with FlashAttention 4 (`flash_attn.cute`, the
+`flash-attn-4` package; vattn's `flash_attn_4` kernel): its varlen call with `seqused_k` on
+the vattn cache and on the contiguous tensor, and its own paged mode (`page_table`) on the
+block pool, the same data (the paper's comparison with a real paged kernel; written as
+`kernel_fa4_<device>`). Its first call of each shape JIT-compiles (seconds, untimed: the
+warm-up).
 Decode: one query per request. Prefill: `context` causal queries per request. Timing: CUDA-
 event-timed replays of a CUDA graph of back-to-back calls (eager if capture fails or with
 `--no-graphs`) after a warm-up, the copies interleaved, the median of several repeats.
@@ -35,6 +41,7 @@ an SDPA stand-in that reads the flat rows through the same `cu_seqlens_k` / `seq
 (it checks the row and block arithmetic and times nothing useful).
 
     vattn bench kernel [--quick] [--batches 1 8] [--contexts 1024 8192] [--blocks 16 128 256]
+                       [--kernel flash_attn_4]
 """
 from __future__ import annotations
 
@@ -94,6 +101,17 @@ def torch_flash(batch: Batch, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     return torch.ops.aten._flash_attention_forward(
         batch.q, _flat_rows(k), _flat_rows(v), batch.cu_q, batch.cu_k(slot_tokens), batch.max_q, batch.max_k,
         0.0, True, False, scale=scale, seqused_k=batch.seqused_k)[0]
+
+
+def fa4_varlen(batch: Batch, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """vattn's flash_attn_4 call (FlashAttention 4's varlen with seqused_k over the flat rows)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    slot_tokens = k.stride(0) // k.stride(1)
+    out = flash_attn_varlen_func(batch.q, _flat_rows(k), _flat_rows(v), cu_seqlens_q=batch.cu_q,
+                                 cu_seqlens_k=batch.cu_k(slot_tokens), max_seqlen_q=batch.max_q,
+                                 max_seqlen_k=batch.max_k, seqused_k=batch.seqused_k, softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def varlen_emulation(batch: Batch, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -171,11 +189,23 @@ def paged_flash_attn(batch: Batch, p: Paged, scale: float) -> torch.Tensor:
                                   softmax_scale=scale, causal=True, block_table=p.table)
 
 
-def paged_kernels(cuda: bool) -> list[tuple[str, Callable[[Batch, Paged, float], torch.Tensor]]]:
+def paged_fa4(batch: Batch, p: Paged, scale: float) -> torch.Tensor:
+    """FlashAttention 4's own paged mode: the block pool through `page_table` (`seqused_k` the lengths)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(batch.q, p.k, p.v, cu_seqlens_q=batch.cu_q, max_seqlen_q=batch.max_q,
+                                 max_seqlen_k=batch.max_k, seqused_k=batch.seqused_k, page_table=p.table,
+                                 softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def paged_kernels(cuda: bool, kernel: str = "torch_flash") -> list[tuple[str, Callable[[Batch, Paged, float], torch.Tensor]]]:
     """The paged kernels to try in order (the first that runs and agrees is used)."""
     out: list[tuple[str, Callable]] = []
     if not cuda:
         return out
+    if kernel == "flash_attn_4":  # the same kernel's own paged mode, nothing else
+        return [("flash_attn.cute page_table", paged_fa4)]
     schema = str(torch.ops.aten._flash_attention_forward.default._schema)
     if "block_table" in schema:
         out.append(("aten._flash_attention_forward block_table", paged_torch_flash))
@@ -189,9 +219,9 @@ def paged_kernels(cuda: bool) -> list[tuple[str, Callable[[Batch, Paged, float],
 
 
 def pick_paged(batch: Batch, p: Paged, scale: float, want: torch.Tensor, kern: Callable, cuda: bool,
-               notes: list[str]) -> tuple[str, Callable[[], torch.Tensor]]:
+               notes: list[str], kernel: str = "torch_flash") -> tuple[str, Callable[[], torch.Tensor]]:
     """The first paged kernel that runs and matches `want`; else gather + the contiguous kernel."""
-    for name, fn in paged_kernels(cuda):
+    for name, fn in paged_kernels(cuda, kernel):
         try:
             out = fn(batch, p, scale)
             if torch.allclose(out.float(), want.float(), atol=2e-2, rtol=0):
@@ -204,7 +234,7 @@ def pick_paged(batch: Batch, p: Paged, scale: float, want: torch.Tensor, kern: C
         k, v = p.gather()
         return kern(batch, k, v, scale)
 
-    return "gather + " + ("torch_flash" if cuda else "SDPA stand-in"), gathered
+    return "gather + " + (kernel if cuda else "SDPA stand-in"), gathered
 
 
 # ------------------------------------------------------------------------ timing ----
@@ -276,7 +306,7 @@ def run_case(layout: str, B: int, ctx: int, phases: list[str], args: argparse.Na
     dtype = torch.bfloat16 if cuda else torch.float32
     hkv, hd, hq = (HKV, D, HQ) if cuda else (2, 16, 4)
     layers = FUSED_LAYERS if layout == "fused" else 1
-    kern = torch_flash if cuda else varlen_emulation
+    kern = (fa4_varlen if args.kernel == "flash_attn_4" else torch_flash) if cuda else varlen_emulation
     scale = hd ** -0.5
     rows: list[dict] = []
     base = dict(layout=layout, batch=B, context=ctx)
@@ -325,7 +355,7 @@ def run_case(layout: str, B: int, ctx: int, phases: list[str], args: argparse.Na
                     fns = {name: (lambda k=k, v=v: kern(batch, k, v, scale)) for name, (k, v) in copies.items()}
                     for bs, p in pagers.items():
                         row[f"paged{bs}_kernel"], fns[f"paged{bs}"] = pick_paged(batch, p, scale, outs["contiguous"],
-                                                                                 kern, cuda, notes)
+                                                                                 kern, cuda, notes, args.kernel)
                         diff = float((fns[f"paged{bs}"]().float() - outs["contiguous"].float()).abs().max())
                         if not diff <= (2e-2 if cuda else 1e-5):
                             row["check_failed"] = f"paged{bs} differs from contiguous by {diff:.3g}"
@@ -358,6 +388,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=None)
     p.add_argument("--contexts", type=int, nargs="+", default=None)
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 128, 256], help="paged block sizes in tokens")
+    p.add_argument("--layouts", nargs="+", default=["per-layer", "fused"], choices=["per-layer", "fused"])
     p.add_argument("--page-size", type=int, default=None, help="bytes; default the backend's (2 MiB on CUDA)")
     p.add_argument("--cuda-driver", default="auto", choices=["auto", "cext", "cuda-python"])
     p.add_argument("--fused-max-GiB", type=float, default=None,
@@ -368,12 +399,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-tokens", type=int, default=4096, help="compare with SDPA where batch x queries <= this")
     p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
     p.add_argument("--no-graphs", action="store_true", help="time eager calls (CUDA events) instead of graph replays")
+    p.add_argument("--kernel", default="torch_flash", choices=["torch_flash", "flash_attn_4"],
+                   help="the library kernel of every variant (flash_attn_4: FlashAttention 4, its page_table "
+                        "for the blocks; writes kernel_fa4_<device>)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise vattn.InvalidConfigError("vattn bench kernel needs a CUDA GPU; --device cpu checks the harness only")
+    if args.kernel == "flash_attn_4" and cuda:
+        from vattn.attention import flash_attn_4_available
+
+        if not flash_attn_4_available():
+            raise vattn.InvalidConfigError("--kernel flash_attn_4 needs FlashAttention 4 (pip install flash-attn-4; "
+                                           "the GPU run carries it: benchmarks/gpu_wheels.sh --fa4)")
     if cuda:
         args.batches = args.batches or ([1, 8, 64] if args.quick else [1, 4, 16, 64])
         args.contexts = args.contexts or ([1024, 8192, 32768] if args.quick else [1024, 4096, 16384, 32768])
@@ -392,7 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict] = []
     skipped: list[str] = []
     notes: list[str] = []
-    cases = [(layout, B, ctx) for layout in ("per-layer", "fused") for B in args.batches for ctx in args.contexts]
+    cases = [(layout, B, ctx) for layout in args.layouts for B in args.batches for ctx in args.contexts]
     for layout, B, ctx in progress(cases, desc="kernel", unit="case"):
         name = f"{layout} B={B} T={ctx}"
         if layout == "fused" and B * ctx * tok_bytes_fused > fused_max:
@@ -414,9 +454,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             torch.cuda.empty_cache()
     ok = [r for r in rows if "error" not in r]
-    kernel = ("aten._flash_attention_forward varlen + seqused_k" if cuda
-              else "SDPA over the flat rows (CPU check of the varlen metadata)")
-    return dict(kernel=kernel, rows=rows, skipped=skipped, notes=sorted(set(notes)), summary=_summary(ok, args.blocks),
+    kernel = ({"torch_flash": "aten._flash_attention_forward varlen + seqused_k",
+               "flash_attn_4": "flash_attn.cute.flash_attn_varlen_func + seqused_k (FlashAttention 4)"}[args.kernel]
+              if cuda else "SDPA over the flat rows (CPU check of the varlen metadata)")
+    extra = {"file_name": "kernel_fa4"} if args.kernel == "flash_attn_4" else {}
+    return dict(**extra, kernel=kernel, rows=rows, skipped=skipped, notes=sorted(set(notes)), summary=_summary(ok, args.blocks),
                 failures=[f"{r['layout']} {r['phase']} B={r['batch']} T={r['context']}: {r.get('error') or r['check_failed']}"
                         for r in rows if "error" in r or "check_failed" in r])
 

@@ -63,8 +63,10 @@ def state_specs(model: Any) -> list[StateSpec]:
 
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    # transformers 5.24 calls it `cache` (`past_key_values`, `cache_params`: deprecated names)
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    # transformers 5.24 calls it `cache` (`past_key_values`, `cache_params`: deprecated names); 5.17's
+    # Mamba2ForCausalLM only `cache_params` (given as past_key_values it was ignored: no state found)
+    params = inspect.signature(model.forward).parameters
+    name = next((n for n in ("cache", "cache_params", "past_key_values") if n in params), "past_key_values")
     with torch.inference_mode():
         model(input_ids=torch.tensor([[1, 2, 3]], device=device), use_cache=True, **{name: cache})
     specs: list[StateSpec] = []
@@ -79,6 +81,14 @@ def state_specs(model: Any) -> list[StateSpec]:
                 spec = StateSpec(i, kind, j, tuple(t.shape[1:]), t.dtype, offset)
                 specs.append(spec)
                 offset += -(-spec.nbytes // _ALIGN) * _ALIGN
+    if not specs:  # the engine would run the state layers without their states: other tokens than generate's
+        import transformers
+
+        from vattn.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"vattn found no recurrent state of {type(model).__name__} in transformers {transformers.__version__}'s "
+            "cache after a forward, so it cannot keep them; run it with transformers' generate")
     return specs
 
 
@@ -152,6 +162,15 @@ class _SlotCache:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    # transformers 5.17-5.2x's mixers ask `cache_params.has_previous_state(i)` and read
+    # `cache_params.layers[i].conv_states[j]`, `.recurrent_states[j]`, `.record_past`
+    def has_previous_state(self, layer_idx: int | None = None) -> bool:
+        return not self.fresh
+
+    @property
+    def layers(self) -> _Layers:
+        return _Layers(self)
+
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           **kwargs: Any) -> torch.Tensor:
         """conv_states `[B, C, T]`: keeps the last K columns (transformers' LinearAttentionLayer
@@ -174,20 +193,49 @@ class _SlotCache:
         return kept
 
 
+class _Layers:
+    """`cache_params.layers[i]` of the older cache API: layer i's state views of a `_SlotCache`."""
+
+    def __init__(self, cache: _SlotCache) -> None:
+        self.cache = cache
+
+    def __getitem__(self, layer_idx: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(conv_states=_States(self.cache, "conv", layer_idx),
+                                     recurrent_states=_States(self.cache, "recurrent", layer_idx), record_past=False)
+
+
+class _States:
+    """`conv_states[j]` / `recurrent_states[j]` of one layer: the kept views."""
+
+    def __init__(self, cache: _SlotCache, kind: str, layer_idx: int) -> None:
+        self.cache, self.kind, self.layer_idx = cache, kind, layer_idx
+
+    def __getitem__(self, state_idx: int) -> torch.Tensor:
+        return self.cache._kept(self.kind, self.layer_idx, state_idx)
+
+
+def cache_argument(module: torch.nn.Module) -> str:
+    """The name a state module's forward takes its cache by: `cache` (transformers 5.24) or
+    `cache_params` (5.17-5.23); a cache passed by the other name would be ignored, and every
+    decode would run without its state."""
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params or "cache_params" not in params else "cache_params"
+
+
 def install(modules: list[torch.nn.Module], states: StateViews) -> Callable[[], None]:
     """Make each state module run on its slots' states: the batch's decodes (one token on a
     state) in one call on their states gathered by slot, every other request (a prompt or a
     chunk of one) alone on its slot's views; the packed batch is split by the forward
     context's metadata. Returns the function that undoes it."""
     for module in modules:
-        original = module.forward
+        original, arg = module.forward, cache_argument(module)
 
         def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, _original: Any = original,
-                    **kwargs: Any) -> torch.Tensor:
+                    _arg: str = arg, **kwargs: Any) -> torch.Tensor:
             meta = get_forward_context().metadata
             for name in ("cache", "cache_params", "position_ids", "attention_mask"):
                 kwargs.pop(name, None)
-            run = functools.partial(_original, attention_mask=None, **kwargs)
+            run = functools.partial(_call_with_cache, _original, _arg, attention_mask=None, **kwargs)
             return _run_packed(run, self.layer_idx, states, hidden_states, meta)
 
         module.forward = types.MethodType(forward, module)
@@ -197,6 +245,11 @@ def install(modules: list[torch.nn.Module], states: StateViews) -> Callable[[], 
             m.__dict__.pop("forward", None)
 
     return uninstall
+
+
+def _call_with_cache(original: Callable[..., torch.Tensor], arg: str, hidden_states: torch.Tensor, *,
+                     cache: _SlotCache, **kwargs: Any) -> torch.Tensor:
+    return original(hidden_states, **{arg: cache}, **kwargs)
 
 
 def _run_packed(run: Callable[..., torch.Tensor], layer: int, states: StateViews, hidden_states: torch.Tensor,
