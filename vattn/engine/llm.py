@@ -150,7 +150,7 @@ class LLM:
         # iterations launched whose outputs were not taken yet, oldest first; at most `_depth`
         # stay in flight when step() returns: 1 with asynchronous scheduling, else 0
         self._in_flight: deque[tuple[list[ScheduledSequence], InFlight]] = deque()
-        self._depth = 0
+        self._depth = 1 if self.config.uses_async_scheduling() else 0
         self._lock = threading.Lock()
         self._closed = False
         self._generating: int | None = None  # the thread in generate, if any
@@ -293,6 +293,11 @@ class LLM:
         with self._lock:
             pinned = self.runner.cache.stats().num_pinned_pages if not self._closed else 0
             return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.block_tokens)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the engine schedules asynchronously (`EngineConfig.async_scheduling`, see `step`)."""
+        return self._depth > 0
 
     @property
     def num_preemptions(self) -> int:
