@@ -310,6 +310,25 @@ def test_tensor_parallel_outputs_equal_synchronous_scheduling(tmp_path: Path) ->
 
 
 # ---------------------------------------------------------------------- CUDA ----
+def test_graph_buffers_take_tokens_in_flight_from_the_device() -> None:
+    """What a CUDA graph's replay reads (its static buffers, filled here on the host's device):
+    rows whose token is in flight take it from the previous iteration's tokens, others the
+    host's, and padding rows repeat the last row."""
+    from vattn.engine.cuda_graphs import DecodeGraphs, GraphTarget
+
+    target = GraphTarget(logits=None, kernel=None, k_caches=[], v_caches=[], device=torch.device("cpu"),
+                         slot_tokens=100, max_context_len=64, synchronize=lambda: None)
+    graphs = DecodeGraphs(target, 8)
+    fed = torch.tensor([50, 51, 52])  # [S'] the previous iteration's sampled tokens
+    graphs._fill([0, 2, 5], [10, 11, 12], [7, 0, 0], 4, [(1, 2), (2, 0)], fed)
+    assert graphs.input_ids[0, :4].tolist() == [7, 52, 50, 50]
+    assert graphs.positions[:4].tolist() == [10, 11, 12, 12]
+    assert graphs.seqused_k[:4].tolist() == [11, 12, 13, 13]
+    graphs._fill([3], [4], [9], 2)  # no token in flight
+    assert graphs.input_ids[0, :2].tolist() == [9, 9]
+
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cuda_decodes_read_their_tokens_on_the_device(graphs: bool) -> None:

@@ -449,24 +449,17 @@ class ModelRunner:
                 for x in (seq, *s.fan_out):  # a fan-out: every sample draws from this row
                     rows.append(len(sample_rows) - 1)
                     sampling.append(x)
-        feed, fed = None, None  # per packed token the row of `fed` it is, or -1; fed: [S'] on the device
-        if placeholders:
-            feed, fed = [-1] * len(input_ids), self._last.tokens
-            for pos, row in placeholders:
-                feed[pos] = row
-            self.num_fed_tokens += len(placeholders)
+        fed = self._last.tokens if placeholders else None  # [S'] on the device
+        self.num_fed_tokens += len(placeholders)
         slots, starts = [s.seq.slot for s in batch], [s.seq.num_computed_tokens for s in batch]
         logits = None
         if (self.graphs is not None and len(sample_rows) == len(batch) == len(input_ids)
                 and self.graphs.usable(len(batch))):  # a decode: every sequence 1 token, every one samples
-            logits = self.graphs.run(slots, starts, input_ids, feed, fed)  # [S, V]; None: the capture failed, run eagerly
+            logits = self.graphs.run(slots, starts, input_ids, placeholders, fed)  # [S, V]; None: the capture failed, run eagerly
         if logits is None:
             meta = AttentionMetadata.build(slots, starts, [s.num_new_tokens for s in batch], self.slot_tokens,
                                            self.device)
-            ids = to_device(input_ids, self.device)  # [T]
-            if feed is not None:
-                src = to_device(feed, self.device)  # [T]
-                ids = torch.where(src >= 0, fed[src.clamp(min=0)], ids)
+            ids = self._input_ids(input_ids, placeholders, fed)  # [T]
             keep = to_device(sample_rows, self.device)  # [S]
             logits = self._forward(ids[None], keep, meta)  # [S, V]
         if not sampling:
@@ -474,6 +467,19 @@ class ModelRunner:
         if len(rows) != len(sample_rows):
             logits = logits[to_device(rows, logits.device)]  # [S', V]: fan-out rows repeated
         return self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
+
+    def _input_ids(self, input_ids: list[int], placeholders: list[tuple[int, int]],
+                   fed: torch.Tensor | None) -> torch.Tensor:
+        """The packed tokens `[T]` on the device, each placeholder (position, row) the row of
+        `fed` (the previous iteration's sampled tokens `[S']`, on the device)."""
+        if not placeholders:
+            return to_device(input_ids, self.device)
+        if len(placeholders) == len(input_ids):  # a decode of the tokens in flight: all of them read there
+            return fed[to_device([row for _, row in placeholders], self.device)]
+        ids = to_device(input_ids, self.device)
+        where = to_device([[pos for pos, _ in placeholders], [row for _, row in placeholders]], self.device)  # [2, F]
+        ids[where[0]] = fed[where[1]]
+        return ids
 
     def _forward(self, ids: torch.Tensor, keep: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward outside CUDA graphs (compiled or eager): ids `[1, T]` packed
