@@ -88,13 +88,14 @@ def test_e2e_part_runs_all_systems_on_the_cpu(tmp_path: Path) -> None:
     cb = [] if CB_PROBLEM else ["hf_continuous_batching"]
     assert r["skipped"] == ([f"hf_continuous_batching: {CB_PROBLEM}"] if CB_PROBLEM else [])
     for res in r["results"]:
-        assert set(res["systems"]) == {"vattn", "vattn_eager", "hf_generate", *cb}, res["errors"]
+        assert set(res["systems"]) == {"vattn", "vattn_eager", "vattn_async", "hf_generate", *cb}, res["errors"]
         for s in res["systems"].values():
             assert s["decode_tok_s"] > 0 and s["decode_tok_s_in_run"] > 0, s
-        for system in ("vattn", "vattn_eager", *cb):
+        for system in ("vattn", "vattn_eager", "vattn_async", *cb):
             assert res[f"{system}_vs_hf_generate"]["token_match"] == 1.0
-        assert res["vattn_vs_vattn_eager"]["equal"]
-        for system in ("vattn", "vattn_eager"):  # the engine's time outside the forward, per decode iteration
+        assert res["vattn_vs_vattn_eager"]["equal"] and res["vattn_vs_vattn_async"]["equal"]
+        assert [res["systems"][s]["async_scheduling"] for s in ("vattn", "vattn_async")] == [False, True]
+        for system in ("vattn", "vattn_eager", "vattn_async"):  # the engine's time outside the forward, per decode step
             eo = res["systems"][system]["engine_overhead"]
             assert eo["iterations"] == r["max_tokens"] - 1 and 0 < eo["outside_share"] < 1, eo
             assert 0 < eo["outside_ms_median"] < eo["step_ms_median"]
