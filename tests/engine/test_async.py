@@ -310,6 +310,19 @@ def test_tensor_parallel_outputs_equal_synchronous_scheduling(tmp_path: Path) ->
 
 
 # ---------------------------------------------------------------------- CUDA ----
+def test_the_kernels_metadata_comes_in_one_copy() -> None:
+    """The varlen kernels' int32 tensors, copied to the device in one copy (through pinned
+    memory on CUDA: it does not wait for the iteration in flight), built here on the host."""
+    from vattn.attention import AttentionMetadata
+
+    meta = AttentionMetadata.build([1, 3, 4], [5, 0, 7], [1, 4, 1], 100, torch.device("cpu"))
+    t = meta.cuda_tensors()
+    assert {k: v.tolist() for k, v in t.items()} == {
+        "cu_seqlens_q": [0, 1, 5, 6], "cu_seqlens_k": [100, 300, 400, 408], "seqused_k": [6, 4, 8], "slots": [1, 3, 4]}
+    assert all(v.dtype == torch.int32 and v.is_contiguous() for v in t.values())
+    assert meta.slot_ids.tolist() == [1, 3, 3, 3, 3, 4] and meta.positions.tolist() == [5, 0, 1, 2, 3, 7]
+
+
 def test_graph_buffers_take_tokens_in_flight_from_the_device() -> None:
     """What a CUDA graph's replay reads (its static buffers, filled here on the host's device):
     rows whose token is in flight take it from the previous iteration's tokens, others the
