@@ -23,20 +23,18 @@ import concurrent.futures
 import os
 import random
 import signal
-import socket
 import string
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from _common import environment, latency_stats, print_table, save  # noqa: E402
+from _common import environment, free_port, latency_stats, print_table, save, wait_healthy  # noqa: E402
 
 from vattn.vmem.host import process_page_bytes  # noqa: E402  (a server's KV memory, from /proc)
 
@@ -45,12 +43,6 @@ MB = 1 << 20
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
     return 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 4  # K and V, fp32
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str, log: Path) -> tuple[Any, int]:
@@ -63,17 +55,8 @@ def start_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str
     env = dict(os.environ, OMP_NUM_THREADS="1", VATTN_BUDGET_DIR=budget_dir,
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, port
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"the server was not ready in 180 s: see {log}")
+    wait_healthy(proc, port, log)
+    return proc, port
 
 
 def ask(client: Any, ckpt: str, prompt: str, max_tokens: int, t0: float) -> dict[str, Any]:

@@ -477,6 +477,19 @@ static PyObject *host_reserve(PyObject *m, PyObject *args) {
   return r;
 }
 
+/* The host calls below let go of the GIL only for batches of more than GIL_HOLD_CALLS system
+ * calls. One mmap takes microseconds; a thread that lets go of the GIL for it must then win it
+ * back from whichever thread took it meanwhile, which waits up to the interpreter's switch
+ * interval (5 ms) when that thread runs Python (a server's event loop streaming answers while
+ * its batching thread maps a prefill's pages). benchmarks/gil_wait.py measures it. Large
+ * batches (a page group of a many-layer model, a scratch backing at start-up) still run
+ * without it. */
+#define GIL_HOLD_CALLS 64
+static PyThreadState *maybe_release(Py_ssize_t calls) { return calls > GIL_HOLD_CALLS ? PyEval_SaveThread() : NULL; }
+static void reacquire(PyThreadState *ts) {
+  if (ts) PyEval_RestoreThread(ts);
+}
+
 /* host_map(bases, offsets, fds, file_offsets, file_strides, page_size)
  * Group i goes to bases[b] + offsets[i] in every buffer b, backed by
  * fds[i] at file_offsets[i] + b * file_strides[i]. Runs that are contiguous in
@@ -498,7 +511,7 @@ static PyObject *host_map(PyObject *m, PyObject *args) {
   const int32_t *fds = fb.buf;
   int err = 0;
   Py_ssize_t done_b = 0; /* the buffer that failed, for the undo */
-  Py_BEGIN_ALLOW_THREADS
+  PyThreadState *ts = maybe_release(nb * n);
   for (Py_ssize_t b = 0; b < nb && !err; b++) {
     Py_ssize_t i = 0;
     while (i < n) {
@@ -521,7 +534,7 @@ static PyObject *host_map(PyObject *m, PyObject *args) {
     for (Py_ssize_t b = 0; b <= done_b; b++)
       for (Py_ssize_t i = 0; i < n; i++) host_rereserve(bases[b] + offs[i], page);
   }
-  Py_END_ALLOW_THREADS
+  reacquire(ts);
   if (err) {
     errno = err;
     PyErr_SetFromErrno(PyExc_OSError);
@@ -538,35 +551,86 @@ out:
   return ret;
 }
 
+/* Call fn(addr, len, ctx) once per run of contiguous offsets of every buffer (without the
+ * GIL for a large batch); `stop`: at the first error (else go on, as an unmap must). None, or OSError with the
+ * first error. The caller releases the buffers. */
+typedef int (*run_fn)(uint64_t addr, uint64_t len, void *ctx);
+
+static PyObject *each_run(Py_buffer *bb, Py_buffer *ob, uint64_t page, run_fn fn, void *ctx, int stop) {
+  Py_ssize_t nb, n;
+  if (get_u64s(bb, &nb, "bases") || get_u64s(ob, &n, "offsets")) return NULL;
+  const uint64_t *bases = bb->buf, *offs = ob->buf;
+  int err = 0;
+  PyThreadState *ts = maybe_release(nb * n);
+  for (Py_ssize_t b = 0; b < nb && !(stop && err); b++) {
+    Py_ssize_t i = 0;
+    while (i < n && !(stop && err)) {
+      Py_ssize_t j = run_end(offs, i, n, page);
+      int e = fn(bases[b] + offs[i], (j - i) * page, ctx);
+      if (e && !err) err = e;
+      i = j;
+    }
+  }
+  reacquire(ts);
+  if (err) {
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  Py_RETURN_NONE;
+}
+
+static int rereserve_run(uint64_t addr, uint64_t len, void *ctx) { return host_rereserve(addr, len); }
+
 /* host_unmap(bases, offsets, page_size): back to reserved-only (reads fault). */
 static PyObject *host_unmap(PyObject *m, PyObject *args) {
   Py_buffer bb, ob;
   unsigned long long page;
   if (!PyArg_ParseTuple(args, "y*y*O&", &bb, &ob, to_u64, &page)) return NULL;
+  PyObject *ret = each_run(&bb, &ob, page, rereserve_run, NULL, 0);
+  PyBuffer_Release(&bb);
+  PyBuffer_Release(&ob);
+  return ret;
+}
+
+/* The scratch memfd `fd` of `run` pages of `page` bytes. */
+typedef struct {
+  int fd;
+  uint64_t page, run;
+} Scratch;
+
+/* One run of pages backed by the scratch: the page at address a maps the file at
+ * ((a / page) % run) * page, one mmap per run-aligned window. */
+static int scratch_run(uint64_t addr, uint64_t len, void *ctx) {
+  const Scratch *s = ctx;
+  for (uint64_t end = addr + len; addr < end;) {
+    uint64_t at = (addr / s->page) % s->run, k = s->run - at;
+    if (k > (end - addr) / s->page) k = (end - addr) / s->page;
+    void *p = mmap((void *)(uintptr_t)addr, k * s->page, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, s->fd,
+                   (off_t)(at * s->page));
+    if (p == MAP_FAILED) return errno;
+    int e = dontfork(p, k * s->page);
+    if (e) return e;
+    addr += k * s->page;
+  }
+  return 0;
+}
+
+/* host_scratch(bases, offsets, page_size, fd, run_pages)
+ * Back the pages at bases[b] + offsets[i] with the scratch memfd `fd` (run_pages pages):
+ * the page at address a maps the file at ((a / page) % run_pages) * page, so a run of pages
+ * needs one mmap per run_pages-aligned window and scratch mappings side by side merge into
+ * one VMA (the kernel merges mappings of one file at consecutive offsets). MAP_FIXED replaces
+ * whatever is there (a real page, a reservation) at once: the address is never unbacked.
+ * Not atomic: on failure (ENOMEM at vm.max_map_count) some pages may be scratch already. */
+static PyObject *host_scratch(PyObject *m, PyObject *args) {
+  Py_buffer bb, ob;
+  Scratch s;
+  if (!PyArg_ParseTuple(args, "y*y*O&iO&", &bb, &ob, to_u64, &s.page, &s.fd, to_u64, &s.run)) return NULL;
   PyObject *ret = NULL;
-  Py_ssize_t nb, n;
-  if (get_u64s(&bb, &nb, "bases") || get_u64s(&ob, &n, "offsets")) goto out;
-  const uint64_t *bases = bb.buf, *offs = ob.buf;
-  int err = 0;
-  Py_BEGIN_ALLOW_THREADS
-  for (Py_ssize_t b = 0; b < nb; b++) {
-    Py_ssize_t i = 0;
-    while (i < n) {
-      Py_ssize_t j = run_end(offs, i, n, page);
-      int e = host_rereserve(bases[b] + offs[i], (j - i) * page);
-      if (e && !err) err = e;
-      i = j;
-    }
-  }
-  Py_END_ALLOW_THREADS
-  if (err) {
-    errno = err;
-    PyErr_SetFromErrno(PyExc_OSError);
-    goto out;
-  }
-  ret = Py_None;
-  Py_INCREF(ret);
-out:
+  if (s.page == 0 || s.run == 0)
+    PyErr_SetString(PyExc_ValueError, "host_scratch: page_size and run_pages must be > 0");
+  else
+    ret = each_run(&bb, &ob, s.page, scratch_run, &s, 1);
   PyBuffer_Release(&bb);
   PyBuffer_Release(&ob);
   return ret;
@@ -899,6 +963,8 @@ static PyMethodDef methods[] = {
     {"host_reserve", host_reserve, METH_VARARGS, "host_reserve(size) -> Range (PROT_NONE, MAP_NORESERVE)"},
     {"host_map", host_map, METH_VARARGS, "host_map(bases, offsets, fds, file_offsets, file_strides, page_size)"},
     {"host_unmap", host_unmap, METH_VARARGS, "host_unmap(bases, offsets, page_size)"},
+    {"host_scratch", host_scratch, METH_VARARGS,
+     "host_scratch(bases, offsets, page_size, fd, run_pages): back the pages with a scratch memfd of run_pages pages"},
     {"cuda_load", (PyCFunction)(void (*)(void))cuda_load, METH_VARARGS | METH_KEYWORDS,
      "cuda_load(path=None) -> CudaDriver: dlopen the driver (default libcuda.so.1) and cuInit"},
     {"dlpack", dlpack_export, METH_VARARGS,

@@ -8,7 +8,10 @@ next block goes (page-aware placement), over the page layer (`vattn.pages`). Pla
 ```
 Every free block is *warm* (all its pages mapped; in `warm[first page]`) or *cold* (in
 `cold`, a lazy min-heap of block ids). A page no block in use is on is *cached*: mapped,
-given back when memory is wanted (after the fences of the blocks freed on it).
+given back when memory is wanted (after the fences of the blocks freed on it). A cached
+page that holds no warm block (every block on it misses another page: blocks that span
+pages) is useless memory: it goes back with the page that made it so (`_unmap`), so every
+cached page holds a warm block, which is what makes `available_blocks` exact.
 """
 from __future__ import annotations
 
@@ -23,10 +26,47 @@ from vattn.pages import PageGroups
 
 if TYPE_CHECKING:
     from vattn.budget import Budget
-    from vattn.pool import PoolConfig
     from vattn.vmem.base import Backend
 
 _PLANNED = object()  # a page booked as mapped while an alloc is being planned
+
+
+class _Counts:
+    """Counts per index with prefix sums and the k-th search in O(log n) (a Fenwick tree)."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.n = n = len(counts)
+        t = [0] + counts
+        for i in range(1, n + 1):  # build in O(n)
+            j = i + (i & -i)
+            if j <= n:
+                t[j] += t[i]
+        self.t = t
+        self.top = 1 << n.bit_length() >> 1 if n else 0  # the highest power of two <= n
+
+    def add(self, i: int, delta: int) -> None:
+        t, i = self.t, i + 1
+        while i <= self.n:
+            t[i] += delta
+            i += i & -i
+
+    def prefix(self, i: int) -> int:
+        """The sum of the counts of [0, i)."""
+        t, total = self.t, 0
+        while i > 0:
+            total += t[i]
+            i -= i & -i
+        return total
+
+    def kth(self, k: int) -> int:
+        """The smallest index j with prefix(j + 1) >= k (k >= 1); n when the total is below k."""
+        t, pos, step = self.t, 0, self.top
+        while step:
+            if pos + step <= self.n and t[pos + step] < k:
+                pos += step
+                k -= t[pos]
+            step >>= 1
+        return pos
 
 
 @dataclass(frozen=True)
@@ -67,27 +107,34 @@ class BlockBooks:
     """The pool's books and page movement. Holds no reference to the `ElasticPool` (its
     finalizer) and none to torch tensors. `lock` guards them; backend calls are made under it."""
 
-    def __init__(self, config: PoolConfig, backend: Backend, bases: list[int], page_size: int,
-                 budget: Budget | None, grow: int, device_sync: Callable[[], None] | None = None,
+    def __init__(self, num_blocks: int, block_bytes: int, num_buffers: int, backend: Backend, bases: list[int],
+                 page_size: int, budget: Budget | None, grow: int, *, limit: int | None = None,
+                 scratch: bool = False, device_sync: Callable[[], None] | None = None,
                  zero_pages: Callable[[list[int]], None] | None = None) -> None:
-        """`grow`: groups created at least per creation (the rest kept spare). `device_sync`
+        """`num_blocks` blocks of `block_bytes` in each of `num_buffers` buffers at `bases`.
+        `grow`: groups created at least per creation (the rest kept spare). `limit`: bytes the
+        pool may hold (None: none). `scratch`: back every page with no group by the backend's
+        scratch memory (reads and writes of a free block never fault). `device_sync`
         (sync="device") waits for every stream before an unmap; `zero_pages(pages)` clears
         the pages mapped with new memory (zero_new)."""
-        self.config = config
         self.zero_pages = zero_pages
         self.grow = grow
         self.page_size = page_size
-        self.block_bytes = config.block_bytes  # one block in one buffer
-        self.num_blocks = config.num_blocks
+        self.block_bytes = block_bytes  # one block in one buffer
+        self.num_blocks = num_blocks
+        self.num_buffers = num_buffers
         self.num_pages = -(-self.num_blocks * self.block_bytes // page_size)  # pages per buffer
-        self.group_bytes = page_size * config.num_buffers
-        # Most pages one block can span (a bound when blocks straddle page boundaries)
-        bb = self.block_bytes
-        self.max_block_pages = bb // page_size if bb % page_size == 0 else (page_size + bb - 2) // page_size + 1
-        self.limit: int | None = config.limit
-        self.physical = PageGroups(backend, bases, page_size, config.num_buffers, budget=budget,
+        self.group_bytes = page_size * num_buffers
+        self.limit: int | None = limit
+        self.physical = PageGroups(backend, bases, page_size, num_buffers, budget=budget,
                                    reclaim=self.reclaim_for_budget, cached=self.cached_bytes,
                                    device_sync=device_sync)
+        if scratch:
+            try:
+                self.physical.back_with_scratch(self.num_pages)
+            except BaseException:
+                self.physical.close([], [])  # leave the budget
+                raise
 
         self.used = bytearray(self.num_blocks)
         self.num_used = 0
@@ -95,6 +142,12 @@ class BlockBooks:
         self.groups: list[Any] = [None] * self.num_pages  # the group mapped at each page (None: unmapped)
         self.num_mapped = 0
         self.miss = [self.pages_of(b)[1] - self.pages_of(b)[0] + 1 for b in range(self.num_blocks)]  # unmapped pages
+        # For available_blocks: unmapped pages, and cold blocks by their last page (all of them now)
+        self.unmapped = _Counts([1] * self.num_pages)
+        ends = [0] * self.num_pages
+        for b in range(self.num_blocks):
+            ends[self.pages_of(b)[1]] += 1
+        self.cold_ends = _Counts(ends)
         self.warm: dict[int, dict[int, None]] = {}  # first page -> warm free blocks starting there
         self.num_warm = 0
         self.busy_warm: set[int] = set()  # pages with blocks in use and warm free blocks starting there
@@ -151,23 +204,35 @@ class BlockBooks:
     def _book_map(self, p: int, group: Any) -> None:
         self.groups[p] = group
         self.num_mapped += 1
+        self.unmapped.add(p, -1)
         if not self.users[p]:
             self.cached.add(p)
+        ends: dict[int, int] = {}  # last page -> blocks that left the cold ones (one count update per page)
         for b in self.blocks_on(p):
             self.miss[b] -= 1
             if not self.miss[b] and not self.used[b]:
                 self._add_warm(b)
+                last = ((b + 1) * self.block_bytes - 1) // self.page_size
+                ends[last] = ends.get(last, 0) + 1
+        for q, k in ends.items():
+            self.cold_ends.add(q, -k)
 
     def _book_unmap(self, p: int) -> Any:
         group, self.groups[p] = self.groups[p], None
         self.num_mapped -= 1
+        self.unmapped.add(p, 1)
         self.cached.discard(p)
         self.fences.pop(p, None)
+        ends: dict[int, int] = {}
         for b in self.blocks_on(p):
             if not self.miss[b] and not self.used[b]:
                 self._drop_warm(b)
                 heapq.heappush(self.cold, b)
+                last = ((b + 1) * self.block_bytes - 1) // self.page_size
+                ends[last] = ends.get(last, 0) + 1
             self.miss[b] += 1
+        for q, k in ends.items():
+            self.cold_ends.add(q, k)
         if len(self.cold) > 4 * self.num_blocks + 64:  # too many stale entries: rebuild (sorted = a heap)
             self.cold = [b for b in range(self.num_blocks) if not self.used[b] and self.miss[b]]
         return group
@@ -329,12 +394,41 @@ class BlockBooks:
 
     # ------------------------------------------------------------ giving back ----
     def _unmap(self, pages: list[int]) -> list[Any]:
-        """Unmap cached pages (one call, after their fences); returns their groups."""
+        """Unmap cached pages (one call, after their fences), and the cached pages that would
+        hold no warm block after (`_useless`); returns their groups, `pages`' first."""
         if not pages:
             return []
+        pages = pages + self._useless(pages)
         self.physical.wait(self.fences.get(p) for p in pages)
         self.physical.unmap([p * self.page_size for p in pages])
         return [self._book_unmap(p) for p in pages]  # books change only after the unmap worked
+
+    def _useless(self, pages: list[int]) -> list[int]:
+        """The cached pages that hold no warm block once `pages` are unmapped (each block on
+        them misses a page): memory no alloc could use without mapping more. Only blocks that
+        span pages leave such pages behind."""
+        gone, out, todo = set(pages), [], list(pages)
+        while todo:
+            p = todo.pop()
+            on = self.blocks_on(p)
+            if not on:
+                continue
+            near = range(self.pages_of(on[0])[0], self.pages_of(on[-1])[1] + 1)  # the pages its blocks touch
+            for q in near:
+                if q in gone:
+                    continue
+                if q in self.cached and not any(self._warm_without(b, gone) for b in self.blocks_on(q)):
+                    gone.add(q)
+                    out.append(q)
+                    todo.append(q)
+        return out
+
+    def _warm_without(self, b: int, gone: set[int]) -> bool:
+        """Whether free block b stays warm once the pages in `gone` are unmapped."""
+        if self.used[b] or self.miss[b]:
+            return False
+        first, last = self.pages_of(b)
+        return not any(q in gone for q in range(first, last + 1))
 
     def give_back(self, count: int | None = None) -> int:
         """Release up to `count` groups the pool holds but no block uses (None: all): spare
@@ -348,9 +442,10 @@ class BlockBooks:
         pages = sorted(self.cached, reverse=True)
         if count is not None:
             pages = pages[:max(0, count - n)]
-        if pages:
-            self.physical.release(self._unmap(pages))
-        return n + len(pages)
+        groups = self._unmap(pages)  # maybe more than asked: pages left useless go too
+        if groups:
+            self.physical.release(groups)
+        return n + len(groups)
 
     def reclaim_for_budget(self, nbytes: int) -> int:
         """The budget's callback: another pool is short of `nbytes`."""
@@ -376,8 +471,18 @@ class BlockBooks:
     # ---------------------------------------------------------------- figures ----
     def available_blocks(self) -> int:
         """Blocks alloc can give now, counting the cached pages other pools of the budget
-        would give back (exact when blocks and pages divide one another, no free block is
-        partly mapped and nothing changes in between; a lower bound otherwise)."""
+        would give back: the largest n for which `alloc(n)` succeeds, for every block size.
+
+        ```
+        alloc(n) picks every warm block first, then cold blocks by id (and the blocks their
+        new pages make warm): the cold blocks it reaches are those before the first unmapped
+        page that the room (spare groups + groups the limit and budget still allow) cannot map
+          pages   [m m u m u u u u ...]     m mapped, u unmapped; room 3: pages up to q mapped
+                           room: 1 2 3 q
+          count = warm + cold blocks whose last page is before q
+        ```
+        Exact while every cached page holds a warm block (`_unmap` keeps it so; a failed
+        backend call may leave a useless page behind: a lower bound then)."""
         new = None  # groups that may be created
         if self.limit is not None:
             new = max(0, self.limit_pages - self.num_held)
@@ -385,31 +490,28 @@ class BlockBooks:
         if budget is not None and (b := budget.stats()).limit is not None:
             more = max(0, b.limit - b.used + budget.reclaimable(self.physical.budget_token)) // self.group_bytes
             new = more if new is None else min(new, more)
+        free = self.num_blocks - self.num_used
         unmapped = self.num_pages - self.num_mapped
-        room = unmapped if new is None else min(unmapped, len(self.physical.spare) + new)
-        return min(self.num_blocks - self.num_used, self.num_warm + self._blocks_in(room))
+        if new is None or len(self.physical.spare) + new >= unmapped:
+            return free  # every unmapped page can be backed
+        q = self.unmapped.kth(len(self.physical.spare) + new + 1)  # the first unmapped page out of reach
+        return min(free, self.num_warm + self.cold_ends.prefix(q))
 
     def max_blocks(self) -> int:
         """The most blocks that can be in use at once, pinned ones included: all of them, or
         what the limit and the budget's limit can back (the other pools of the budget holding
-        nothing). Exact when blocks and pages divide one another, a lower bound otherwise."""
+        nothing): the blocks that lie wholly in the first pages that many (no other choice
+        of pages holds more)."""
         pages = self.num_pages if self.limit is None else min(self.num_pages, self.limit_pages)
         budget = self.physical.budget
         if budget is not None and (limit := budget.stats().limit) is not None:
             pages = min(pages, limit // self.group_bytes)
         if pages >= self.num_pages:
             return self.num_blocks
-        return min(self.num_blocks, self._blocks_in(pages))
-
-    def _blocks_in(self, pages: int) -> int:
-        """Blocks that `pages` unmapped pages back wherever they lie: exact when blocks and
-        pages divide one another, a lower bound otherwise (a block may span max_block_pages)."""
-        if self.page_size % self.block_bytes == 0:
-            return pages * (self.page_size // self.block_bytes)
-        return pages // self.max_block_pages
+        return min(self.num_blocks, pages * self.page_size // self.block_bytes)
 
     def stats(self) -> PoolStats:
-        nb = self.config.num_buffers
+        nb = self.num_buffers
         return PoolStats(
             num_blocks=self.num_blocks, block_bytes=self.block_bytes * nb, page_size=self.page_size,
             group_bytes=self.group_bytes, num_used_blocks=self.num_used, num_warm_blocks=self.num_warm,
@@ -441,6 +543,13 @@ class BlockBooks:
         assert self.cached == {p for p in mapped if not users[p]}
         assert self.num_warm == sum(len(d) for d in self.warm.values())
         assert self.busy_warm == {p for p in self.warm if users[p]}
+        unmapped = [int(self.groups[p] is None) for p in range(self.num_pages)]
+        assert all(self.unmapped.prefix(p) == sum(unmapped[:p]) for p in (0, self.num_pages // 2, self.num_pages))
+        ends = [0] * self.num_pages
+        for b in range(self.num_blocks):
+            if not self.used[b] and self.miss[b]:
+                ends[self.pages_of(b)[1]] += 1
+        assert [self.cold_ends.prefix(p + 1) - self.cold_ends.prefix(p) for p in range(self.num_pages)] == ends
         assert self.idle_warm == {p for p in self.warm if not users[p]}
         held = [self.groups[p] for p in mapped] + self.physical.spare + self.physical.unreleased
         assert len({id(g) for g in held}) == len(held), "a group is in two places"

@@ -1,29 +1,7 @@
 """`Budget`: one physical-memory budget that several caches (several models) draw from.
 
-Bytes are the unit. A participant (an `ElasticPool`, later the slot API's allocator)
-follows one protocol:
-
-```
-token = budget.register(reclaim, cached)   # reclaim(nbytes) -> bytes it gave back (may be 0);
-                                           # cached() -> bytes it could give back now
-...
-if budget.try_take(n):                # before creating n bytes of physical pages
-    create pages                      # on failure: budget.give(n)
-else:                                 # short: drop your own lock first, then
-    budget.reclaim(n, requester=token)   # ask the others to give back cached pages
-    retry try_take once               # still short: a scheduling miss, not an error
-...
-release pages; budget.give(n)         # after the pages are really gone
-budget.unregister(token)              # at close, after giving everything back
-```
-
-Rules that keep it deadlock-free: the budget never holds its lock while it calls a
-participant's `reclaim`, and a participant never holds its own lock while it calls
-`budget.reclaim` (it may hold it around `try_take`/`give`, which only take the
-budget's lock for a few instructions). A `reclaim` callback takes its own lock, gives
-back pages no live data is in (waiting for the device first), calls `give`, and
-returns how many bytes it gave. It must not raise; it may give back more or less
-than asked.
+Bytes are the unit; the participants' protocol (register, try_take, reclaim, give) and the
+rules that keep it deadlock-free are in `vattn.budget_base`.
 
 The books live in `vattn.budget_base` (`BudgetBase`), which the members of a budget shared by
 processes (`vattn.budget_shared`) build on as well; `Budget` adds `Budget.shared`, and every

@@ -58,18 +58,8 @@ class BudgetStats:
 
 
 class BudgetBase(metaclass=ABCMeta):  # ABCMeta: `vattn.Budget` counts every budget as one (its __subclasshook__)
-    """A thread-safe physical-memory budget in bytes, shared by several pools (use `vattn.Budget`).
-
-    ```
-    budget = vattn.Budget(8 << 30)
-    a = vattn.ElasticPool(..., budget=budget)   # model A
-    b = vattn.ElasticPool(..., budget=budget)   # model B: takes what A gives back
-    budget.set_limit(4 << 30)                   # lower at run time: new pages are refused
-    ```
-    `limit=None` means no limit of its own (the device still has one). Lowering the
-    limit below what is taken refuses new takes until enough is given back; it does
-    not take memory away by itself (call `reclaim`, or the pools' `trim`).
-    """
+    """The books of a thread-safe physical-memory budget in bytes (limit, bytes taken, participants).
+    Use `vattn.Budget`; `vattn.budget_shared.SharedBudget` builds on it too."""
 
     def __init__(self, limit: int | None = None) -> None:
         self._lock = threading.Lock()

@@ -14,6 +14,11 @@ set of fences:
 num_created = spare (created, not mapped) + mapped (the owner's books) + in flight (a worker's map)
 budget bytes this participant holds = (num_created + len(unreleased)) * group_bytes
 ```
+
+With a scratch backing (`back_with_scratch`, the elastic pool's tensors that another engine
+reads), every page of the owner's buffers that holds no group is backed by the backend's
+scratch memory: `map` replaces it (after the work enqueued so far, which may read it) and
+`unmap` puts it back. The scratch is no group: neither `num_created` nor the budget counts it.
 """
 from __future__ import annotations
 
@@ -56,6 +61,20 @@ class PageGroups:
         self.budget = budget
         self.budget_short = 0  # most bytes the budget refused since take_budget_short()
         self.budget_token = budget.register(reclaim, cached) if budget is not None else None
+        self.scratch: Any = None  # the backend's scratch memory under the pages with no group (back_with_scratch)
+        self.num_pages = 0  # pages of each buffer the scratch backs
+
+    def back_with_scratch(self, num_pages: int) -> None:
+        """Back pages [0, num_pages) of every buffer (reserved-only now) with scratch memory,
+        for good: reads and writes of a page with no group never fault from now on."""
+        be = self.backend
+        scratch = be.create_scratch(self.page_size, num_pages * self.num_buffers)
+        try:
+            be.map_scratch(self.bases, [p * self.page_size for p in range(num_pages)], self.page_size, scratch)
+        except BaseException:  # nothing mapped (map_scratch is all or nothing)
+            be.release_scratch(scratch)
+            raise
+        self.scratch, self.num_pages = scratch, num_pages
 
     # ---------------------------------------------------------------- creating ----
     def create(self, count: int, extra: int = 0, *,
@@ -125,13 +144,25 @@ class PageGroups:
 
     # ---------------------------------------------------------------- mapping ----
     def map(self, offsets: Sequence[int], groups: Sequence[Any]) -> None:
-        """Map groups[i] at offsets[i] of every buffer (one backend call, all or nothing)."""
-        self.backend.map(self.bases, offsets, groups, self.page_size)
+        """Map groups[i] at offsets[i] of every buffer (one backend call, all or nothing).
+        Over a scratch backing, first wait for the work enqueued so far: a GPU unmaps the
+        scratch there, which kernels may read (an engine may read any block)."""
+        if not groups:
+            return
+        if self.scratch is None:
+            self.backend.map(self.bases, offsets, groups, self.page_size)
+            return
+        self.wait([self.backend.fence()])
+        self.backend.map(self.bases, offsets, groups, self.page_size, self.scratch)
 
     def unmap(self, offsets: Sequence[int]) -> None:
-        """Unmap the pages at `offsets` of every buffer (one backend call). Wait for the
-        fences of the work that may read them first (`wait`)."""
-        self.backend.unmap(self.bases, offsets, self.page_size)
+        """Unmap the pages at `offsets` of every buffer (one backend call; the scratch backs
+        them again where there is one). Wait for the fences of the work that may read them
+        first (`wait`)."""
+        if self.scratch is None:
+            self.backend.unmap(self.bases, offsets, self.page_size)
+        else:
+            self.backend.unmap(self.bases, offsets, self.page_size, self.scratch)
 
     def fence(self) -> Any:
         """A marker of the device work enqueued so far (None where work is synchronous)."""
@@ -183,10 +214,18 @@ class PageGroups:
                 self.backend.wait(fence)
         except Exception as e:
             errors.append(e)
+        if self.scratch is not None:  # every page goes, the scratch ones too
+            offsets = [p * self.page_size for p in range(self.num_pages)]
         for _ in range(2):  # once more if the unmap failed (a transient error)
             try:
-                self.unmap(offsets)
+                self.backend.unmap(self.bases, offsets, self.page_size)
                 break
+            except Exception as e:
+                errors.append(e)
+        if self.scratch is not None:
+            scratch, self.scratch = self.scratch, None
+            try:
+                self.backend.release_scratch(scratch)
             except Exception as e:
                 errors.append(e)
         groups = list(mapped) + self.spare + self.unreleased

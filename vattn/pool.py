@@ -28,6 +28,17 @@ the blocks in use:
   that memory the pool did not hold before reads zeros, as a `torch.zeros` cache does.
   A page given a group moved from the pool's own cached pages keeps its data (this pool's,
   as a reused block does). Nothing is done where new memory reads zeros (the host backend).
+- Every page no block holds is backed by one shared *scratch* memory (`scratch=True`, the
+  default), swapped for a real page when a block on it is allocated and back when the page
+  is given back: the server may read or write any byte of its tensors (a free block, a
+  padding row, a block it never allocated) without a fault, and reads garbage there. The
+  scratch is no KV memory: the stats, the limit and the budget count real pages only. The
+  host maps a scratch memfd of `run` pages (at least 16 MiB, at most 256 mappings for the
+  whole reservation: `vattn.vmem.host.scratch_run`), taking memory only where touched; a
+  GPU maps one scratch page at many addresses, and mapping a real page there first unmaps
+  it after the work enqueued so far (current stream, or the device with sync="device")
+  finished. `scratch=False` (vattn's own engine): such pages are reserved only, and
+  touching them faults.
 - `pin(ids, ...)`: blocks that must stay mapped (a server's null, padding or trash blocks):
   a `take` that raises when memory cannot back them.
 - One lock guards the books; backend calls are made under it. A budget's reclaim
@@ -75,6 +86,9 @@ class PoolConfig:
     created at least at a time (the extra ones stay spare until used, trimmed, or wanted
     by the limit or the budget); default: up to 8, at most 16 MiB. `zero_new`: clear the
     pages mapped with new memory before `alloc` returns them (see the module docstring).
+    `scratch`: back every page no block holds with one shared scratch memory, so that no
+    read or write of the tensors can fault (see the module docstring); False: such pages are
+    reserved only and touching them faults (vattn's own engine, which never does).
     """
 
     num_blocks: int
@@ -88,6 +102,7 @@ class PoolConfig:
     cuda_driver: str = "auto"
     grow: int | None = None
     zero_new: bool = False
+    scratch: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_blocks", checks.positive(self.num_blocks, "num_blocks"))
@@ -106,6 +121,7 @@ class PoolConfig:
         checks.one_of(self.cuda_driver, "cuda_driver", CUDA_DRIVERS)
         object.__setattr__(self, "grow", checks.positive(self.grow, "grow", optional=True))
         checks.flag(self.zero_new, "zero_new")
+        checks.flag(self.scratch, "scratch")
 
     @property
     def block_bytes(self) -> int:
@@ -132,11 +148,11 @@ class ElasticPool:
                  num_buffers: int = 1, *, device: str | torch.device = "cpu", page_size: int | None = None,
                  limit: int | None = None, budget: Budget | None = None, sync: str = "stream",
                  cuda_driver: str = "auto", grow: int | None = None, zero_new: bool = False,
-                 backend: Backend | None = None) -> None:
+                 scratch: bool = True, backend: Backend | None = None) -> None:
         """See `PoolConfig` for the arguments. `backend`: a ready `vattn.vmem.Backend` instead of
         the one `device` names (tests)."""
         self.config = c = PoolConfig(num_blocks, block_shape, dtype, num_buffers, device, page_size, limit, sync,
-                                     cuda_driver, grow, zero_new)
+                                     cuda_driver, grow, zero_new, scratch)
         if budget is not None and not isinstance(budget, Budget):
             raise InvalidConfigError(f"budget must be a vattn.Budget or None, got {budget!r}")
         self.backend = backend if backend is not None else make_backend(torch.device(c.device), c.cuda_driver)
@@ -166,7 +182,14 @@ class ElasticPool:
         sync = (lambda: torch.cuda.synchronize(dev)) if c.sync == "device" and dev.type == "cuda" else None
         zero = functools.partial(_zero_new_pages, weakref.ref(self)) if c.zero_new and \
             not self.backend.new_pages_zeroed else None
-        self._books = BlockBooks(c, self.backend, bases, page, budget, grow, sync, zero)
+        try:
+            self._books = BlockBooks(c.num_blocks, c.block_bytes, c.num_buffers, self.backend, bases, page, budget,
+                                     grow, limit=c.limit, scratch=c.scratch, device_sync=sync, zero_pages=zero)
+        except BaseException:
+            self._buffers, self._range = [], None
+            if backend is None:
+                self.backend.close()
+            raise
         self._finalizer = weakref.finalize(self, _close, self._books, self.backend)
 
     # ----------------------------------------------------------------- tensors ----
@@ -357,8 +380,9 @@ def _close(books: BlockBooks, backend: Backend) -> None:
 
 
 # Host bytes of the books (`BlockBooks`: plain Python lists, on the host whatever the device): measured about 50 a
-# block (a bytearray entry, the per-block miss list, the cold heap's int) and 16 a page (users, groups), rounded up
-BOOKS_BYTES_PER_BLOCK, BOOKS_BYTES_PER_PAGE = 64, 16
+# block (a bytearray entry, the per-block miss list, the cold heap's int) and 32 a page (users, groups, the two
+# Fenwick counts of available_blocks), rounded up
+BOOKS_BYTES_PER_BLOCK, BOOKS_BYTES_PER_PAGE = 64, 32
 
 
 def _check_books_fit(num_blocks: int, num_pages: int) -> None:

@@ -10,7 +10,7 @@ import warnings
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import vattn
 from tests.alloc.test_faults import CALLS, FaultyBackend, Injected
@@ -120,6 +120,87 @@ TestStraddlingBlocks = StraddlingMachine.TestCase
 TestStraddlingBlocks.settings = _SETTINGS
 TestBigBlocks = BigBlockMachine.TestCase
 TestBigBlocks.settings = _SETTINGS
+
+
+class ExactCountMachine(RuleBasedStateMachine):
+    """One pool, its block size drawn per example: blocks that divide the page, straddle two
+    pages, or span several. `available_blocks()` is always the largest n that `alloc(n)`
+    gives (vLLM's scheduler admits work by it), `max_blocks()` what an empty pool gives."""
+
+    @initialize(block_bytes=st.one_of(st.sampled_from([256, 1024, 4096, 8192]),  # divide, or are whole pages
+                                      st.integers(65, 3 * PAGE).map(lambda x: x * 4 // 4 * 4)),
+                num_blocks=st.integers(1, 48), grow=st.sampled_from([1, 3]),
+                limit_pages=st.one_of(st.none(), st.integers(0, 12)))
+    def make(self, block_bytes, num_blocks, grow, limit_pages) -> None:
+        self.pool = vattn.ElasticPool(num_blocks, (block_bytes // 4,), "float32", 1, page_size=PAGE, grow=grow,
+                                      limit=None if limit_pages is None else limit_pages * PAGE)
+        pages = min(self.pool._books.num_pages, limit_pages if limit_pages is not None else 1 << 30)
+        assert self.pool.max_blocks() == self._alloc_all() == min(num_blocks, pages * PAGE // block_bytes)
+        self.held: set[int] = set()
+
+    def teardown(self) -> None:
+        if hasattr(self, "pool"):
+            self.pool.close()
+
+    def _alloc_all(self) -> int:
+        """The largest n alloc(n) gives now, found by trying (nothing kept)."""
+        p, n = self.pool, 0
+        while (got := p.alloc(n + 1)) is not None:
+            p.free(got)
+            n += 1
+        return n
+
+    @rule(n=st.integers(0, 10))
+    def alloc(self, n) -> None:
+        got = self.pool.alloc(n)
+        if got is not None:
+            self.held.update(got)
+
+    @rule(data=st.data())
+    def take(self, data) -> None:  # a server that picks its own ids: warm blocks stay free
+        free = sorted(set(range(self.pool.config.num_blocks)) - self.held)
+        if free:
+            ids = data.draw(st.lists(st.sampled_from(free), min_size=1, max_size=4, unique=True))
+            if self.pool.take(ids) is not None:
+                self.held.update(ids)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, unique=True))
+        self.pool.free(ids)
+        self.held -= set(ids)
+
+    @rule(pages=st.one_of(st.none(), st.integers(0, 12)))
+    def set_limit(self, pages) -> None:
+        self.pool.set_limit(None if pages is None else pages * PAGE)
+
+    @rule(pages=st.integers(0, 4))
+    def give_back_some(self, pages) -> None:  # partial give-backs: what leaves blocks half mapped
+        with self.pool._books.lock:
+            self.pool._books.give_back(pages)
+
+    @rule()
+    def trim(self) -> None:
+        self.pool.trim()
+
+    @invariant()
+    def available_blocks_is_exact(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        p = self.pool
+        n = p.available_blocks()
+        before = p.stats()
+        assert p.alloc(n + 1) is None, (n, before)
+        assert p.stats() == before  # a refused alloc changes nothing
+        got = p.alloc(n)
+        assert got is not None and len(got) == n, (n, before)
+        p.free(got)
+        p.check_invariants()
+
+
+TestExactCount = ExactCountMachine.TestCase
+TestExactCount.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 
 
 # ------------------------------------------------------------------ faults ----

@@ -18,8 +18,9 @@
  * whole mappings; no double release; cuMemAddressFree only of a whole reservation with
  * nothing mapped in it. Two rules are vattn's own, stricter than the driver: a handle is
  * released only when it is not mapped (the driver would defer the free), and a handle is
- * mapped whole (offset 0, its full size). Each broken rule is also counted and logged, so
- * tests can assert there were none.
+ * mapped whole (offset 0, its full size). As on the real driver, one handle may be mapped at
+ * several addresses at once (the same memory behind each: vattn's scratch page). Each broken
+ * rule is also counted and logged, so tests can assert there were none.
  *
  * Test controls (C functions, called through ctypes on the same library path):
  *   fake_cuda_reset()                        forget call counts, failures, violations, the cap

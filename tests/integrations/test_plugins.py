@@ -224,9 +224,9 @@ def test_an_engine_patched_on_disk_is_left_as_it_is(eng):
     assert st.status == "patched on disk" and not st.hooks
 
 
-def test_the_switch_is_off_unless_set(eng, monkeypatch):
+def test_the_switch_is_off_unless_set_on(eng, monkeypatch):
     import eng.pool as pool
-    for value in (None, "", "0", "no"):
+    for value in (None, "", "0", "no", "OFF", " false "):
         if value is None:
             monkeypatch.delenv("VATTN_ENG", raising=False)
         else:
@@ -235,8 +235,69 @@ def test_the_switch_is_off_unless_set(eng, monkeypatch):
             warnings.simplefilter("error")
             assert plugins._load("eng") is None
         assert not hasattr(pool.Output, "extra")
+    for value in ("1", "yes", " On ", "TRUE"):
+        monkeypatch.setenv("VATTN_ENG", value)
+        assert plugins._load("eng").status == "installed" and hasattr(pool.Output, "extra")
+        plugins.uninstall("eng")
+
+
+def test_a_switch_that_means_neither_is_refused_in_the_log_not_raised(eng, monkeypatch, caplog):
+    import eng.pool as pool
+    monkeypatch.setenv("VATTN_ENG", "maybe")
+    with pytest.warns(RuntimeWarning, match=r"VATTN_ENG must be one of 1, true, yes, on .* got 'maybe'"):
+        st = plugins._load("eng")
+    assert st.status == "refused" and not hasattr(pool.Output, "extra")
+    assert any(r.levelname == "ERROR" and "runs stock" in r.message for r in caplog.records)
+
+
+def test_an_engine_that_is_not_installed_is_refused_in_the_log_not_raised(eng, monkeypatch, caplog):
+    # VATTN_VLLM=1 where vLLM is missing: load_vllm raised ModuleNotFoundError
+    monkeypatch.setitem(plugins.VERSION_MODULE, "eng", "eng_that_is_not_installed.version")
     monkeypatch.setenv("VATTN_ENG", "1")
-    assert plugins._load("eng").status == "installed" and hasattr(pool.Output, "extra")
+    with pytest.warns(RuntimeWarning, match="eng is not installed here .*ModuleNotFoundError"):
+        st = plugins._load("eng")
+    assert st.status == "refused" and "unset VATTN_ENG" in st.reason
+    assert any(r.levelname == "ERROR" and "not installed" in r.message for r in caplog.records)
+
+
+def test_load_vllm_and_sglang_without_the_engines_log_and_return(monkeypatch):
+    code = textwrap.dedent("""
+        import sys, warnings
+        sys.modules["vllm"] = sys.modules["sglang"] = None  # not installed, whatever this venv holds
+        warnings.simplefilter("ignore")
+        from vattn.integrations import plugins
+        plugins.load_vllm(); plugins.load_sglang()
+        print(plugins._state["vllm"].status, plugins._state["sglang"].status)
+    """)
+    env = {**__import__("os").environ, "VATTN_VLLM": "1", "VATTN_SGLANG": "yes"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["refused", "refused"]
+    assert "vllm is not installed here" in r.stderr and "sglang is not installed here" in r.stderr
+
+
+def test_a_lazy_module_that_fails_on_getattr_does_not_stop_the_hooks(eng):
+    """transformers' lazy modules import on attribute access; without torchvision its image
+    processors raise ModuleNotFoundError there, which made the whole plugin refuse."""
+    import types
+
+    class Lazy(types.ModuleType):
+        def __getattr__(self, name):
+            raise ModuleNotFoundError("No module named 'torchvision'")
+
+    sys.modules["a_lazy_module"] = Lazy("a_lazy_module")
+    sys.modules["not_a_module"] = object()  # anything may sit in sys.modules
+    try:
+        import eng.pool as pool
+        import eng.user as user
+        new = POOL.replace("def size(pool):\n    return len(pool.free)\n", "def size(pool):\n    return -len(pool.free)\n")
+        done = hunks.install(hunks.plan("p\n\n" + _diff(eng, "pool.py", new)))
+        try:
+            assert user.report(pool.Pool(3)) == -3  # still rebound where it was imported by name
+        finally:
+            hunks.uninstall(done)
+    finally:
+        del sys.modules["a_lazy_module"], sys.modules["not_a_module"]
 
 
 def test_private_names_are_refused():
@@ -261,3 +322,27 @@ def test_entry_points_and_shipped_patches():
             text = plugins.patch_file(engine, v).read_text()
             assert {h.path for h in hunks.parse(text)} and f"{engine}" in text
             assert Path(plugins.patch_file(engine, v)).resolve().parent.name == "patches"
+
+
+@pytest.mark.parametrize("raw, default, expected", [
+    (None, True, True), ("", False, False), ("  ", True, True),
+    ("1", False, True), ("True", False, True), ("YES", False, True), ("on", False, True),
+    ("0", True, False), ("false", True, False), ("No", True, False), (" OFF ", True, False),
+])
+def test_one_switch_parser_for_every_integration(raw, default, expected):
+    from vattn.integrations import _env
+    env = {} if raw is None else {"X": raw}
+    assert _env.switch("X", default, env) is expected
+    if raw is not None and raw.strip():
+        assert _env.flag("X", env) is _env.opted_in("X", env) is expected  # set: the default plays no part
+
+
+@pytest.mark.parametrize("raw", ["2", "enable", "y", "nope"])
+def test_a_switch_value_that_means_neither_is_an_error_that_names_the_values(raw, monkeypatch):
+    import vattn
+    from vattn.integrations import _env, vllm as vv
+    with pytest.raises(vattn.InvalidConfigError, match=r"X must be one of 1, true, yes, on \(on\) or 0, false, no, off"):
+        _env.switch("X", True, {"X": raw})
+    monkeypatch.setenv("VATTN_VLLM", raw)  # a patched vLLM: refused at start, with the same message
+    with pytest.raises(vattn.InvalidConfigError, match="VATTN_VLLM must be one of"):
+        vv.enabled()

@@ -52,8 +52,9 @@ from vattn.bench._models import char_checkpoint  # noqa: E402  (a tiny Llama, a 
 from vattn.integrations import hf_cb, hf_serve  # noqa: E402
 
 SKIP = hf_cb_problem()
-if not SKIP and (missing := [m for m in hf_serve.SERVING_PACKAGES if importlib.util.find_spec(m) is None]):
-    SKIP = f"transformers serve needs {missing}: pip install 'transformers[serving]' (in the test extra)"
+if not SKIP and (missing := [m for m in (*hf_serve.SERVING_PACKAGES, "prometheus_client")
+                             if importlib.util.find_spec(m) is None]):
+    SKIP = f"vattn serve needs {missing}: pip install 'transformers[serving]' prometheus_client (in the test extra)"
 pytestmark = pytest.mark.skipif(bool(SKIP), reason=SKIP)
 
 PAGE = 4096

@@ -4,7 +4,7 @@ Each server is its own process on the host backend. Their physical KV memory is 
 from outside (the allocated bytes of each process's vattn memfd) under the budget's
 lock, all through each test: the sum never passes the limit. A burst at A, then at B:
 B's requests get the pages A cached. A member limit set at run time (`vattn budget
-set-limit --pid`) holds. A server killed with kill -9 mid-burst: the other answers every
+set-limit --pid`) holds; `/metrics` shows the budget and both members. A server killed with kill -9 mid-burst: the other answers every
 request right, and the dead one's share comes back. Answers must equal plain `generate`.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import time
 import pytest
 
 from tests.budget.test_budget_shared import REPO, live_pids, memfd_bytes, row, wait_for
-from tests.integrations.test_serve import SKIP, burst, ckpt, expected, free_port, wait_ready  # noqa: F401  (fixtures)
+from tests.integrations.test_serve import SKIP, burst, call, ckpt, expected, free_port, wait_ready  # noqa: F401
+from tests.integrations.test_serve_requests import parse_metrics
 from vattn import budget_shared
 from vattn.budget_shared import list_budgets
 
@@ -112,6 +113,15 @@ def test_a_burst_at_one_server_then_the_other_shares_the_memory(servers, ckpt, e
         assert burst(cb, ckpt) == expected  # its requests wait for memory in transformers' scheduler
         assert max(phys[1] for _, phys in samples[since:]) <= cap
         assert row("pair", b.pid)["refusals"] > 0
+        # /metrics of either server shows the budget and both members (b's refusals, its own limit)
+        metrics = parse_metrics(call(str(ca.base_url).removesuffix("/v1/"), "/metrics")[2])
+        assert metrics[("vattn:budget_limit_bytes", ())] == LIMIT
+        members = {dict(labels)["pid"]: v for (name, labels), v in metrics.items()
+                   if name == "vattn:budget_member_refusals_total"}
+        assert set(members) == {str(a.pid), str(b.pid)} and members[str(b.pid)] >= row("pair", b.pid)["refusals"] - 1
+        limits = {dict(labels)["pid"]: v for (name, labels), v in metrics.items()
+                  if name == "vattn:budget_member_limit_bytes"}
+        assert limits == {str(b.pid): cap}  # a has no limit of its own
     assert len(samples) > 50
     assert max_sum(samples) <= LIMIT
 

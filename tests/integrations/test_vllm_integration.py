@@ -5,11 +5,14 @@ patches/vllm-*.patch), driven by the block-allocation call sequence of a server.
 `tests/integrations/test_vllm_patch.py` (slow) runs the real, patched vLLM block pool."""
 from __future__ import annotations
 
+import math
 import random
 from types import SimpleNamespace
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from tests.conftest import FakeClock
 from vattn.integrations import vllm as vv
@@ -250,6 +253,27 @@ def test_align_num_blocks_makes_layers_start_on_pages():
     assert vv.align_num_blocks(1003, groups, block_outermost=True) == 1003
     assert vv.align_num_blocks(1003, groups, False, block_stride=lambda s: 12 << 10) == 992  # 64 KiB / gcd(64 KiB, 12 KiB) = 16
     vv.block_layout(kv_config(num_blocks=vv.align_num_blocks(1003, groups, False)))
+    # an MLA block (73,728 bytes) on 64 KiB pages: a multiple of 8 blocks; 7 lost, 7.9 pages a layer
+    assert vv.align_num_blocks(1007, groups, False, block_stride=lambda s: 73728) == 1000
+
+
+@given(stride=st.integers(1, 3 * PAGE // 16).map(lambda x: 16 * x), num_blocks=st.integers(2, 5000))
+@settings(max_examples=200, deadline=None)
+def test_align_num_blocks_loses_fewer_than_lcm_of_page_and_stride_bytes_a_layer(stride, num_blocks):
+    """The true bound of what the rounding loses (not "at most one page a layer": an MLA-sized
+    stride on 64 KiB pages loses up to 7 blocks, 7.9 pages): fewer than lcm(P, stride) bytes a
+    layer, and the count kept is the largest with every layer starting on a page."""
+    groups = kv_config().kv_cache_groups
+    got = vv.align_num_blocks(num_blocks, groups, False, block_stride=lambda s: stride)
+    m = math.lcm(PAGE, stride) // stride  # blocks per whole number of pages
+    assert got * stride % PAGE == 0
+    if num_blocks >= m:
+        assert got <= num_blocks and (num_blocks - got) * stride < math.lcm(PAGE, stride)
+        assert (got + m) > num_blocks  # no larger count starts every layer on a page
+    else:
+        assert got == m  # one whole-page run is kept
+    if stride == 73728 and num_blocks % m == m - 1:
+        assert (num_blocks - got) * stride > 7 * PAGE  # more than one page, as documented
 
 
 def test_off_means_stock_vllm(monkeypatch):
@@ -437,7 +461,9 @@ def test_set_limit_gives_cached_pages_back():
 
 
 # ----------------------------------------------------------- fence and order ----
-def test_unmap_waits_for_the_device_and_map_does_not(monkeypatch):
+def test_maps_and_unmaps_wait_for_the_device_once_per_batch(monkeypatch):
+    # an unmap: kernels enqueued before may read the page; a map: it replaces the scratch
+    # page there, which kernels may read too (vLLM may touch any block)
     bp, skv, w, _ = engine(kv_config(num_blocks=256))
     events = []
     monkeypatch.setattr(w, "synchronize", lambda: events.append("sync"))
@@ -446,8 +472,13 @@ def test_unmap_waits_for_the_device_and_map_does_not(monkeypatch):
     monkeypatch.setattr(w.backend, "map", lambda *a: (events.append("map"), real_map(*a))[1])
     a = bp.get_new_blocks(30)
     step(skv)
-    assert "sync" not in events and "map" in events
+    assert events[0] == "sync" and "map" in events and events.count("sync") == 1
     events.clear()
+    bp.free_blocks(a[:10])
+    bp.get_new_blocks(5)  # reuses mapped pages: nothing to map, nothing to wait for
+    step(skv)
+    assert events == []
+    bp.free_blocks(a[10:])
     bp.free_blocks(a)
     skv.trim()
     step(skv)
@@ -725,6 +756,50 @@ def test_worker_on_the_cuda_backend_with_the_strict_fake_driver(fake_cuda, monke
     del w
     gc.collect()
     assert fake_cuda.num_violations == 0, fake_cuda.violations()
+
+
+@pytest.mark.parametrize("device", ["host", "fakecuda"])
+def test_every_byte_of_the_kv_tensor_reads_and_writes_whatever_the_scheduler_handed_out(device, request,
+                                                                                        monkeypatch):
+    """vLLM owns the tensor and may touch any byte of it (blocks never handed out, padding
+    rows, its own tests): on vattn memory that never faults (it segfaulted, and on a GPU it
+    is an illegal address), and the blocks in use keep their data whatever is written
+    elsewhere. The whole reservation, the tail past vLLM's size included."""
+    import gc
+
+    backend = None if device == "host" else request.getfixturevalue("fake_cuda").backend()
+    P = PAGE if backend is None else backend.granularity
+    monkeypatch.setenv("VATTN_VLLM_PAGE_SIZE", str(P))
+    cfg = kv_config(num_blocks=4 * P // 8192 + 3, layers=2, layout="block-outer")  # 16 KiB blocks over pages
+    bp = BlockPool(cfg.num_blocks)
+    skv = vv.attach(bp, cfg)
+    w = vv.WorkerKV(cfg, cfg.kv_cache_tensors[0].size, "cpu", backend=backend)
+    assert w.whole.numel() > w.tensor.numel()  # a tail past the size vLLM asked for
+    w.whole.fill_(1)  # only the null block's page is real
+    a = bp.get_new_blocks(5)
+    w.apply(skv.drain())
+    for x in a:
+        write(w, x.block_id)
+    used = {0, *(x.block_id for x in a)}
+    g = w.layout
+    for b in set(range(cfg.num_blocks)) - used:  # every other block: junk
+        w.tensor[b * g.block_bytes:(b + 1) * g.block_bytes] = 99
+    w.whole[cfg.num_blocks * g.block_bytes:] = 98
+    for x in a:
+        check(w, x.block_id)
+    bp.free_blocks(a)
+    skv.trim()
+    w.apply(skv.drain())  # their pages give way to the scratch again
+    assert w.mapped_bytes == w.layout.page_size
+    w.whole.fill_(2)
+    assert int(w.whole[-1]) == 2
+    w.close()
+    if backend is not None:
+        backend.close()
+        del w
+        gc.collect()
+        fake = request.getfixturevalue("fake_cuda")
+        assert fake.num_violations == 0, fake.violations()
 
 
 # ------------------------------------------------------------- shared budget ----

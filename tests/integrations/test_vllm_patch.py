@@ -245,6 +245,8 @@ _take = vv.SchedulerKV.take
 _live = []
 
 def block_layout(cfg, page=None):
+    if getattr(cfg, "vattn_layout", None) is not None:  # the test worker of a scheduler: its layout
+        return cfg.vattn_layout
     if not list(cfg.kv_cache_tensors):
         P = page or vv.page_size()
         return vv.BlockLayout(int(cfg.num_blocks), BLOCK, P, (0,), int(cfg.num_blocks) * BLOCK)
@@ -254,7 +256,8 @@ def take(self, n):
     blocks = _take(self, n)
     w = getattr(self, "_test_worker", None)
     if w is None:
-        cfg = type("C", (), {"num_blocks": self.layout.num_blocks, "kv_cache_tensors": []})()
+        cfg = type("C", (), {"num_blocks": self.layout.num_blocks, "kv_cache_tensors": [],
+                             "vattn_layout": self.layout})()
         w = self._test_worker = vv.WorkerKV(cfg, self.layout.size, "cpu")
         w.seq = 0
         _live.append(self)

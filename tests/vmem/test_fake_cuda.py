@@ -84,6 +84,27 @@ def test_fake_enforces_the_vmm_rules(fake_cuda, drv):
     fake_cuda.reset()
 
 
+def test_fake_maps_one_handle_at_several_addresses_as_the_driver_does(fake_cuda, drv):
+    # what the scratch backing needs: the same physical memory behind many addresses
+    import ctypes
+
+    g = drv.gran
+    rc, base = drv.reserve(4 * g, g)
+    rc2, h = drv.create(g)
+    assert rc == rc2 == 0
+    for i in (0, 2, 3):
+        assert drv.map(base + i * g, g, h) == 0
+    assert drv.set_access(base, g) == 0 and drv.set_access(base + 2 * g, 2 * g) == 0  # a run of two mappings
+    ctypes.memset(base + 2 * g + 100, 42, 1)
+    assert ctypes.string_at(base + 100, 1) == ctypes.string_at(base + 3 * g + 100, 1) == b"\x2a"
+    assert drv.release(h) == ILLEGAL_STATE  # still mapped (vattn's rule)
+    assert drv.unmap(base + 2 * g, 2 * g) == 0
+    assert ctypes.string_at(base + 100, 1) == b"\x2a"  # the other mapping keeps it
+    assert drv.unmap(base, g) == 0 and drv.release(h) == 0 and drv.free(base, 4 * g) == 0
+    assert fake_cuda.num_violations == 1
+    fake_cuda.reset()
+
+
 def test_fake_needs_a_current_context(fake_cuda, drv):
     fake_cuda.set_current(None)
     assert drv.reserve(drv.gran)[0] == INVALID_CONTEXT

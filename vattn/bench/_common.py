@@ -115,6 +115,34 @@ def progress(iterable: Any = None, *, total: int | None = None, desc: str = "", 
                 disable=bool(os.environ.get("VATTN_BENCH_QUIET")))
 
 
+def free_port() -> int:
+    """A free TCP port of 127.0.0.1 (for a server the benchmark starts)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(proc: Any, port: int, log: Path, what: str = "server", timeout: float = 180) -> None:
+    """Wait until the server process `proc` answers GET /health on `port` with 200
+    (SystemExit, pointing at its `log`, if it exits or does not within `timeout` s)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the {what} exited: see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"the {what} was not ready in {timeout:.0f} s: see {log}")
+
+
 def sync(device: str) -> None:
     """Wait for the GPU (a no-op on the CPU), before and after a timed block."""
     if str(device).startswith("cuda"):

@@ -14,6 +14,10 @@ creating them is not what this measures. Three experiments:
 2. One page-group map through the batched C call against one call per buffer.
 3. `step` in a decode loop of `--batch` requests with `--compute-ms` of real work between
    steps: on-demand, synchronous pre-mapping and background pre-mapping.
+4. The scratch backing of an `ElasticPool` (what a server's tensors get: no byte faults),
+   against reserved-only free pages: the start-up of a large reservation (`--scratch-gib`,
+   one block a page) and a page turn (`alloc` of a block on a fresh page, `free`, `trim`),
+   timed, with the backend calls each makes and (host) the mappings (VMAs) the process holds.
 On CUDA also the latency of each driver call (cuMemCreate, cuMemMap, ...) per driver.
 
     vattn bench alloc [--device cpu|cuda] [--quick]
@@ -182,6 +186,72 @@ def bench_decode(args: argparse.Namespace, page: int) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------- 4. scratch backing ----
+def _scratch_pool(args: argparse.Namespace, num_pages: int, page: int, scratch: bool) -> vattn.ElasticPool:
+    """One block a page, one buffer (a seam: the tests build it on the fake CUDA driver)."""
+    return vattn.ElasticPool(num_pages, (page,), torch.uint8, 1, device=args.device, page_size=page, grow=1,
+                             scratch=scratch)
+
+
+def _vmas() -> int:
+    """The mappings (VMAs) of this process (vm.max_map_count bounds them): /proc/self/maps lines."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return -1
+
+
+_COUNTERS = ("num_map_calls", "num_unmap_calls", "num_scratch_calls")
+
+
+def bench_scratch(args: argparse.Namespace, pages: list[int], sizes_gib: list[float], turns: int) -> list[dict]:
+    """Start-up of a `gib` GiB pool and `turns` page turns (alloc a block on a fresh page, free
+    it, trim), with and without the scratch backing; backend calls per turn and VMAs."""
+    rows = []
+    for page in pages:
+        for gib in sizes_gib:
+            n = max(1, int(gib * 2**30) // page)
+            starts: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(2):  # start-up, alternated (the first pool of a size also warms the host's caches)
+                for scratch in (False, True):
+                    t0 = time.perf_counter()
+                    _scratch_pool(args, n, page, scratch).close()
+                    starts[scratch].append(time.perf_counter() - t0)
+            for scratch in (False, True):
+                before = _vmas()
+                t0 = time.perf_counter()
+                pool = _scratch_pool(args, n, page, scratch)
+                starts[scratch].append(time.perf_counter() - t0)
+                start = statistics.median(starts[scratch])
+                with pool:
+                    vmas_start = _vmas() - before
+                    be = pool.backend
+                    counts = [getattr(be, c) for c in _COUNTERS]
+                    t_alloc, t_trim = [], []
+                    for i in range(turns):
+                        t0 = time.perf_counter()
+                        ids = pool.take([(i * 7919) % n])  # a fresh page, away from the last one
+                        _sync(args.device)
+                        t_alloc.append((time.perf_counter() - t0) * 1e6)
+                        assert ids is not None
+                        pool.free(ids)
+                        t0 = time.perf_counter()
+                        pool.trim()
+                        t_trim.append((time.perf_counter() - t0) * 1e6)
+                    per_turn = {c[4:]: (getattr(be, c) - k) / turns for c, k in zip(_COUNTERS, counts)}
+                    rows.append(dict(page_KiB=page // KB, reservation_GiB=gib, pages=n, scratch=scratch,
+                                     startup_ms=start * 1e3, vmas_at_start=vmas_start,
+                                     scratch_KiB=be.scratch_bytes // KB, alloc_us=latency_stats(t_alloc)["p50"],
+                                     trim_us=latency_stats(t_trim)["p50"], **{f"{k}_per_turn": v
+                                                                              for k, v in per_turn.items()}))
+            strict, with_scratch = rows[-2], rows[-1]
+            for r in (strict, with_scratch):
+                r["startup_vs_strict"] = r["startup_ms"] / strict["startup_ms"]
+                r["turn_vs_strict"] = (r["alloc_us"] + r["trim_us"]) / (strict["alloc_us"] + strict["trim_us"])
+    return rows
+
+
 # ---------------------------------------------------------- CUDA driver calls ----
 def _t(fn: Any, *a: Any) -> float:
     t0 = time.perf_counter()
@@ -256,6 +326,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="decode loop: requests (default: 16)")
     p.add_argument("--iters", type=int, default=None, help="decode loop: steps (default: 400; 150 with --quick)")
     p.add_argument("--compute-ms", type=float, default=2.0, help="decode loop: work between steps (default: 2)")
+    p.add_argument("--scratch-gib", type=float, nargs="+", default=None,
+                   help="scratch backing: reservation sizes in GiB (default: 1 8; 1 with --quick)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -269,15 +341,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     group = {p: 2 * args.layers * p for p in pages}
     counts = {p: [n for n in (1 << i for i in range(12)) if n <= args.max_groups and _reps(args, n * group[p]) >= 2]
               for p in pages}
-    bar = progress(total=2 * sum(len(c) for c in counts.values()) + 2, desc="alloc", unit="case")
+    scratch_gib = args.scratch_gib or ([1] if args.quick else [1, 8])
+    bar = progress(total=2 * sum(len(c) for c in counts.values()) + 3, desc="alloc", unit="case")
     with bar:
         new_rows = [r for p in pages for r in bench_new_pages(args, p, counts[p], bar)]
         map_rows = bench_map(args, pages, 8 if args.quick else 32)
         bar.update(1)
         decode_rows = bench_decode(args, pages[0])
         bar.update(1)
+        scratch_rows = bench_scratch(args, [pages[0], pages[-1]] if len(pages) > 1 else pages, scratch_gib,
+                                     8 if args.quick else 32)
+        bar.update(1)
     out = dict(device=args.device, layers=args.layers, pages_KiB=[p // KB for p in pages], new_request=new_rows,
-               map=map_rows, decode=decode_rows)
+               map=map_rows, decode=decode_rows, scratch=scratch_rows)
     if cuda:
         out["vmm_calls"] = vmm_calls(args, 20 if args.quick else 100)
     sync = [r for r in new_rows if r["mode"] == "sync"]
@@ -303,6 +379,13 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
     print(f"decode loop, batch {d[0]['batch']}, {d[0]['page_KiB']} KiB pages: " + "; ".join(
         f"{r['mode']} mean {r['step_us_mean']:.0f} us p99 {r['step_us_p99']:.0f} us ({r['mean_vs_on_demand']:.2f}x)"
         for r in d))
+    print("scratch backing (ElasticPool, one block a page) vs reserved-only free pages:")
+    for r in result.get("scratch", []):
+        print(f"  {r['page_KiB']:5} KiB pages, {r['reservation_GiB']} GiB ({r['pages']} pages), "
+              f"{'scratch' if r['scratch'] else 'strict '}: start-up {r['startup_ms']:.1f} ms "
+              f"({r['startup_vs_strict']:.2f}x), {r['vmas_at_start']} VMAs, page turn alloc {r['alloc_us']:.0f} us + "
+              f"trim {r['trim_us']:.0f} us ({r['turn_vs_strict']:.2f}x); per turn {r['map_calls_per_turn']:.0f} map, "
+              f"{r['unmap_calls_per_turn']:.0f} unmap, {r['scratch_calls_per_turn']:.0f} scratch call(s)")
     for r in result.get("vmm_calls", []):
         print(f"  {r['driver']}: " + (r["error"] if "error" in r else ", ".join(
             f"{k} {r[k]:.1f} us" for k in ("create", "map", "set_access", "unmap", "release"))))

@@ -1,6 +1,11 @@
 """The settings of the server integrations (vLLM, SGLang, transformers' continuous
-batching), read alike: environment variables, the one idle-trim rule, and the shared
-budget (`VATTN_BUDGET=NAME`, `VATTN_BUDGET_LIMIT=BYTES`: `budget`).
+batching), read alike: environment variables, the one on/off rule (`switch`), the one
+idle-trim rule, and the shared budget (`VATTN_BUDGET=NAME`, `VATTN_BUDGET_LIMIT=BYTES`:
+`budget`).
+
+On/off (`VATTN_VLLM`, `VATTN_SGLANG`, `VATTN_SGLANG_ZERO`): 1, true, yes, on are on; 0,
+false, no, off are off (any case); unset or empty is the switch's default (the plugins: off;
+a patched engine: on); anything else is an error that names these values.
 
 Idle trim (`VATTN_VLLM_IDLE_TRIM_S`, `VATTN_SGLANG_IDLE_TRIM_S`, `KVSettings.idle_trim_s`,
 `hf_cb.enable(idle_trim_s=)`, `vattn serve --idle-trim-s`): the seconds of idleness after
@@ -17,19 +22,35 @@ from typing import Any, Callable
 from vattn.errors import InvalidConfigError
 from vattn.idle import delay_seconds
 
+ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off")
 
 
-def flag(name: str, env: Any = None) -> bool:
-    """An on/off switch that is on unless set to 0, false, no or off."""
+def switch(name: str, default: bool, env: Any = None) -> bool:
+    """An on/off environment variable, read one way by every integration: 1, true, yes, on
+    (any case, spaces around ignored) mean on; 0, false, no, off mean off; unset or empty
+    mean `default`; anything else is an InvalidConfigError that names the accepted values."""
     env = os.environ if env is None else env
-    return env.get(name, "1").strip().lower() not in OFF
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ON:
+        return True
+    if raw in OFF:
+        return False
+    raise InvalidConfigError(f"{name} must be one of {', '.join(ON)} (on) or {', '.join(OFF)} (off), "
+                             f"got {env.get(name)!r}")
+
+
+def flag(name: str, env: Any = None) -> bool:
+    """A switch that is on unless set off (`switch(name, True)`): the patched engines' and
+    the integrations' own switches (`VATTN_VLLM=0` runs a patched vLLM stock)."""
+    return switch(name, True, env)
 
 
 def opted_in(name: str, env: Any = None) -> bool:
-    """A switch that is off unless set to 1, true, yes or on (the plugins' opt-in)."""
-    env = os.environ if env is None else env
-    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    """A switch that is off unless set on (`switch(name, False)`): the plugins' opt-in."""
+    return switch(name, False, env)
 
 
 def number(name: str, cast: Callable[[str], Any], default: Any, *, low: Any = None, env: Any = None,

@@ -5,6 +5,9 @@ create   = cuMemCreate, one handle per page per buffer, from a pool made ahead o
 map      = cuMemMap + cuMemSetAccess        (one SetAccess per contiguous run per buffer)
 unmap    = cuMemUnmap                       (the range stays reserved)
 close    = cuMemRelease / cuMemAddressFree
+scratch  = one handle of one page, mapped (cuMemMap + cuMemSetAccess) at every page that
+           holds no real page; a map first unmaps the scratch there (the caller waited for
+           the kernels that may read it), an unmap maps it back
 
 Two drivers with one interface: the C extension (`vattn._C`, dlopen of libcuda.so.1 or of
 a given path, one call per batch without the GIL) and `cuda-python` (`cuda.bindings.driver`).
@@ -29,7 +32,7 @@ import os
 import sys
 import warnings
 from array import array
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -241,6 +244,13 @@ class _PyDriver:
                     self._check("cuMemUnmap", self.d.cuMemUnmap(base + offsets[i], k * page))
 
 
+class CudaScratch(NamedTuple):
+    """The scratch page: one handle of `page` bytes, mapped at every page no real page backs."""
+
+    handle: int
+    page: int
+
+
 class CudaBackend(Backend):
     """CUDA driver VMM backend. A page group is `num_buffers` handles of `page_size` bytes.
 
@@ -275,6 +285,7 @@ class CudaBackend(Backend):
         self.drv = self._open(driver, libcuda, driver_module)
         self.granularity = self.drv.granularity()
         self.default_page_size = self.granularity
+        self._unbacked: set[int] = set()  # addresses a failed scratch map left reserved-only
 
     def _open(self, driver: str, libcuda: str | None, module: Any) -> _CextDriver | _PyDriver:
         driver = os.environ.get("VATTN_CUDA_DRIVER", driver) if driver == "auto" else driver
@@ -319,7 +330,31 @@ class CudaBackend(Backend):
         self.drv.map(bases, offsets, [h for grp in groups for h in grp], page_size)
 
     def _unmap(self, bases: array, offsets: array, page_size: int) -> None:
+        if self._unbacked:  # rare: skip the pages a failed scratch map left with nothing mapped
+            addrs = [b + o for b in bases for o in offsets]
+            if not self._unbacked.isdisjoint(addrs):
+                for a in addrs:
+                    if a not in self._unbacked:
+                        self.drv.unmap(array("Q", [a]), array("Q", [0]), page_size)
+                self._unbacked.difference_update(addrs)
+                return
         self.drv.unmap(bases, offsets, page_size)
+
+    # -- scratch backing: one page mapped at many addresses -------------------------------
+    def _create_scratch(self, page_size: int, num_pages: int) -> CudaScratch:
+        return CudaScratch(self.drv.create(1, page_size)[0], page_size)
+
+    def scratch_size(self, scratch: CudaScratch) -> int:
+        return scratch.page
+
+    def _release_scratch(self, scratch: CudaScratch) -> None:
+        self.drv.release([scratch.handle])
+
+    def _map_scratch(self, bases: array, offsets: array, page_size: int, scratch: CudaScratch) -> None:
+        self.drv.map(bases, offsets, [scratch.handle] * (len(bases) * len(offsets)), page_size)
+
+    def _holes(self, bases: array, offsets: array) -> None:
+        self._unbacked.update(b + o for b in bases for o in offsets)
 
     def fence(self) -> Any:
         if self.host_memory:  # no device work to wait for

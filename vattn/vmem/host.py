@@ -5,6 +5,10 @@ create   = grow one memfd (ftruncate + fallocate: the pages exist on return), af
            that the host and the process's cgroup can give that much (`available_memory`)
 map      = mmap(MAP_SHARED | MAP_FIXED) of the memfd at the page's address
 unmap    = mmap(PROT_NONE, MAP_FIXED) over the page: reading it faults again
+scratch  = mmap(MAP_SHARED | MAP_FIXED) of a scratch memfd of `run` pages: the page at
+           address a maps scratch page (a // page) % run, so a run of free pages takes one
+           mapping (VMA) per `run`-aligned window, and mappings side by side merge; a map or
+           an unmap with scratch replaces the mapping in one mmap (never unbacked meanwhile)
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import ctypes
 import errno
 import mmap
 import os
+import warnings
 from array import array
 from typing import NamedTuple, Sequence
 
@@ -20,6 +25,7 @@ import torch
 from vattn import _C
 from vattn.errors import (
     BackendError,
+    VattnError,
     InvalidConfigError,
     MapCountLimitError,
     OutOfPhysicalMemoryError,
@@ -93,6 +99,25 @@ def _cgroup_room() -> int | None:
 
 
 MEMFD_NAME = "vattn-pages"  # what /proc/PID/fd shows of the memfds that hold the pages
+SCRATCH_NAME = "vattn-scratch"  # the scratch memfds (never counted as pages: process_page_bytes skips them)
+# A scratch run: at least SCRATCH_BYTES (pages further apart than that alias one another),
+# and long enough that a whole reservation takes at most SCRATCH_MAPPINGS mappings (VMAs:
+# vm.max_map_count is 65530). Its memory is taken only where something touches it.
+SCRATCH_BYTES = 16 << 20
+SCRATCH_MAPPINGS = 256
+
+
+class HostScratch(NamedTuple):
+    """A scratch memfd `fd` of `num_pages` pages of `page` bytes (see the module docstring)."""
+
+    fd: int
+    page: int
+    num_pages: int
+
+
+def scratch_run(num_pages: int, page_size: int) -> int:
+    """Pages of the scratch run for a reservation of `num_pages` pages (see SCRATCH_BYTES)."""
+    return max(1, min(num_pages, max(-(-num_pages // SCRATCH_MAPPINGS), SCRATCH_BYTES // page_size)))
 
 
 def process_page_bytes(pid: int) -> int:
@@ -242,12 +267,7 @@ class HostBackend(Backend):
         try:
             _C.host_map(bases, offsets, fds, foffs, fstrides, page_size)
         except OSError as e:
-            if e.errno == errno.ENOMEM:
-                raise MapCountLimitError(
-                    errno.ENOMEM,
-                    f"mmap failed: the process has {_num_mappings()} mappings and vm.max_map_count is "
-                    f"{_map_count_limit()}; raise it (sysctl -w vm.max_map_count=N) or use a larger page_size") from None
-            raise BackendError("mmap", e.errno or 0, errno.errorcode.get(e.errno or 0, "?")) from None
+            raise _mmap_error(e) from None
 
     def _unmap(self, bases: array, offsets: array, page_size: int) -> None:
         try:
@@ -255,7 +275,56 @@ class HostBackend(Backend):
         except OSError as e:
             raise BackendError("mmap(PROT_NONE)", e.errno or 0, errno.errorcode.get(e.errno or 0, "?")) from None
 
+    # -- scratch backing ----------------------------------------------------------------
+    def _create_scratch(self, page_size: int, num_pages: int) -> HostScratch:
+        run = scratch_run(num_pages, page_size)
+        fd = os.memfd_create(SCRATCH_NAME, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, run * page_size)  # sparse: memory only where something touches it
+        except OSError as e:
+            os.close(fd)
+            raise BackendError("memfd", e.errno or 0, errno.errorcode.get(e.errno or 0, "?")) from None
+        return HostScratch(fd, page_size, run)
+
+    def scratch_size(self, scratch: HostScratch) -> int:
+        return scratch.num_pages * scratch.page
+
+    def _release_scratch(self, scratch: HostScratch) -> None:
+        os.close(scratch.fd)  # the memory goes with the last mapping of it
+
+    def _map_scratch(self, bases: array, offsets: array, page_size: int, scratch: HostScratch) -> None:
+        try:
+            _C.host_scratch(bases, offsets, page_size, scratch.fd, scratch.num_pages)
+        except OSError as e:  # all or nothing: the pages it backed already are reserved-only again
+            self._unmap(bases, offsets, page_size)
+            raise _mmap_error(e) from None
+
+    def _map_over_scratch(self, bases: array, offsets: array, groups: list, page_size: int,
+                          scratch: HostScratch) -> None:
+        try:  # MAP_FIXED replaces the scratch in place
+            self._map(bases, offsets, groups, page_size)
+        except BaseException:  # host_map left the pages reserved-only: scratch again
+            self._rescue_scratch(bases, offsets, page_size, scratch)
+            raise
+
+    def _unmap_to_scratch(self, bases: array, offsets: array, page_size: int, scratch: HostScratch) -> None:
+        try:  # the scratch replaces the page in place
+            self._map_scratch(bases, offsets, page_size, scratch)
+            self._count_scratch(len(offsets))
+        except VattnError as e:  # at vm.max_map_count: reserved-only (the page must go all the same)
+            warnings.warn(f"vattn: backing {len(offsets)} page(s) with scratch memory failed ({e}); reading "
+                          "them faults until they are mapped again", RuntimeWarning, stacklevel=4)
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd, self._size, self._live = -1, 0, 0
+
+
+def _mmap_error(e: OSError) -> VattnError:
+    if e.errno == errno.ENOMEM:
+        return MapCountLimitError(
+            errno.ENOMEM,
+            f"mmap failed: the process has {_num_mappings()} mappings and vm.max_map_count is "
+            f"{_map_count_limit()}; raise it (sysctl -w vm.max_map_count=N) or use a larger page_size")
+    return BackendError("mmap", e.errno or 0, errno.errorcode.get(e.errno or 0, "?"))

@@ -4,6 +4,10 @@ memory, for a local checkpoint, under a contract no request can break.
 transformers builds the app (its routes, tokenization, generation and streaming); vattn
 holds it to this contract (the README's "vattn serve" states it):
 
+- **Malformed, 400** (an OpenAI error body naming the field): a body that is not a strict
+  JSON object, a field of the wrong type or range (`contract.read_body`); **413** for a body
+  over `max_body_bytes`; a long prompt is tokenized off the event loop (`offload`).
+- **Extensions**: `ignore_eos` and `min_tokens` (vLLM's and SGLang's) honoured (`extensions`).
 - **Refused, 400** (an OpenAI error body that says why and what the limit is), alone: an
   empty prompt; a prompt longer than one request can ever hold (`Room`: the cache's
   blocks, or fewer under `--memory-limit`, counted as transformers counts them); a prompt whose
@@ -20,7 +24,9 @@ holds it to this contract (the README's "vattn serve" states it):
   event and [DONE], a request not yet answered with 503); the process exits 0. A second
   signal stops at once.
 - **`GET /v1/models`** lists the served model (transformers' listing scans the hub cache:
-  500 on an offline machine, 5.17-5.23).
+  500 on an offline machine, 5.17-5.23). **`GET /metrics`**: Prometheus text (`metrics`).
+- **A memory limit that cannot serve one request** is refused at start, with the smallest
+  one that can (`_check_room`).
 
 Hooks, the same on every supported release (5.17-5.24 share this serving code): transformers'
 `Serve` is built with its start held back and with our `GenerationState` (restarts; hands
@@ -30,10 +36,12 @@ signal drains (`_server_class`) runs it.
 
 Here: `serve` and `main` (the server's start, run and stop) and transformers' serving
 classes; `contract` (what one request may ask, `Refusal`, `Room`, `admit`), `routes` (the
-routes that replace transformers'), `gate` (draining, [DONE]).
+routes that replace transformers'), `gate` (the body cap, draining, [DONE]), `extensions`
+(`ignore_eos`, `min_tokens`), `offload` (long prompts tokenized off the loop), `metrics`.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import logging
@@ -46,9 +54,12 @@ from typing import Any
 from vattn.budget import Budget
 from vattn.errors import InvalidConfigError
 from vattn.integrations import hf_cb
+from vattn.integrations.hf_serve import extensions, offload
 # The parts, re-exported: `vattn.integrations.hf_serve.X` keeps working for every name below
 from vattn.integrations.hf_serve.contract import MAX_N, Refusal, Room, _asked, admit  # noqa: F401
 from vattn.integrations.hf_serve.gate import DONE, _Gate, _server_class  # noqa: F401
+from vattn.integrations.hf_serve.gate import MAX_BODY_BYTES
+from vattn.integrations.hf_serve.metrics import Metrics
 from vattn.integrations.hf_serve.routes import _replace_routes
 
 logger = logging.getLogger("vattn.serve")
@@ -57,6 +68,11 @@ SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
 DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.24's own default (see serve)
 SHUTDOWN_TIMEOUT_S = 30.0  # how long SIGTERM lets open requests finish
 CACHE_WAIT_S = 120.0  # how long a new batching loop may take to build its cache before a request goes unchecked
+# vattn serve's page, on every device (the CUDA backend's own; the host backend's default is 64 KiB): each page mapped
+# is a call that lets go of the GIL on the batching loop's thread while it schedules a prefill, and the loop then
+# waits for the event loop to give it back (up to the 5 ms switch interval); 32x fewer of them closed most of the
+# time-to-first-token gap to stock transformers serve (docs/benchmarks.md, "vattn serve against transformers serve")
+SERVE_PAGE_SIZE = 2 << 20
 
 
 # --------------------------------------------------- transformers' classes ----
@@ -68,14 +84,21 @@ def _classes() -> Any:
 
     class Manager(utils.CBGenerateManager):
         """transformers' continuous-batching manager of the server: every request is checked
-        (`admit`) before it is queued; a new loop's cache is waited for, so that even the
-        first request is checked; `stop` is a hard stop (nothing may keep the process up)."""
+        (`admit`) before it is queued, with its extensions (`ignore_eos`, `min_tokens`); a
+        new loop gets the `min_tokens` logits processor and its cache is waited for, so that
+        even the first request is checked; `stop` is a hard stop (nothing may keep the process up)."""
 
         def init_cb(self, model: Any, gen_config: Any) -> None:
-            new = self._cb is None
-            super().init_cb(model, gen_config)
+            if self._cb is not None:
+                return
+            cb = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=self._cb_config)
+            extensions.install_min_tokens(cb, model.generation_config)  # before the loop sizes its tensors
+            queue = cb.add_request
+            cb.add_request = functools.partial(_queue_with_extensions, queue)
+            self._cb = cb
+            cb.start()
             deadline = time.monotonic() + CACHE_WAIT_S
-            while new and self._cb.batch_processor is None and self._cb.is_running() and time.monotonic() < deadline:
+            while cb.batch_processor is None and cb.is_running() and time.monotonic() < deadline:
                 time.sleep(0.002)  # the loop's thread builds the cache (virtual memory: quick)
 
         def room(self) -> Room | None:
@@ -84,12 +107,16 @@ def _classes() -> Any:
 
         def generate_streaming(self, model: Any, processor: Any, inputs: Any, gen_config: Any, *args: Any,
                                **kwargs: Any) -> Any:
-            admit(len(inputs["input_ids"]), gen_config, self.room(), _asked.get())
+            asked = _asked.get()
+            admit(len(inputs["input_ids"]), gen_config, self.room(), asked)
+            gen_config = extensions.request_config(gen_config, asked)
             return super().generate_streaming(model, processor, inputs, gen_config, *args, **kwargs)
 
         async def generate_non_streaming(self, model: Any, processor: Any, inputs: Any, gen_config: Any, *args: Any,
                                          **kwargs: Any) -> Any:
-            admit(len(inputs["input_ids"]), gen_config, self.room(), _asked.get())
+            asked = _asked.get()
+            admit(len(inputs["input_ids"]), gen_config, self.room(), asked)
+            gen_config = extensions.request_config(gen_config, asked)
             return await super().generate_non_streaming(model, processor, inputs, gen_config, *args, **kwargs)
 
         def stop(self) -> None:
@@ -144,8 +171,14 @@ def _classes() -> Any:
     return Server, State, utils
 
 
-def _build(model: str, shutdown_timeout: float, **kw: Any) -> Any:
-    """transformers' `Serve` with our generation state, routes, gate and uvicorn server."""
+def _queue_with_extensions(queue: Any, *args: Any, **kwargs: Any) -> Any:
+    """transformers' `add_request` with the request's `min_tokens` (its logits processor's
+    argument), read from the request being handled."""
+    return queue(*args, **kwargs, **extensions.queue_kwargs(_asked.get()))
+
+
+def _build(model: str, shutdown_timeout: float, max_body_bytes: int, **kw: Any) -> Any:
+    """transformers' `Serve` with our generation state, routes, metrics, gate and uvicorn server."""
     import uvicorn
 
     Server, State, utils = _classes()
@@ -156,19 +189,86 @@ def _build(model: str, shutdown_timeout: float, **kw: Any) -> Any:
         finally:
             utils.GenerationState = saved
     app = srv.server.config.app
+    srv.metrics = Metrics(srv)
     _replace_routes(app, srv)
-    srv.gate = _Gate(app, shutdown_timeout)
+    manager = srv._model_manager
+    offload.install(manager.load_model_and_processor(manager.process_model_name(manager.force_model))[1])
+    srv.gate = _Gate(app, shutdown_timeout, max_body_bytes)
+    srv.gate.on_refused = srv.metrics.refused
     config = uvicorn.Config(srv.gate, host=kw["host"], port=kw["port"], log_level="info", timeout_graceful_shutdown=5)
     srv.server = _server_class()(config, srv.gate)
     srv.vattn_ready = True
     return srv
+
+def _check_room(srv: Any, handle: Any, memory_limit: int | None, budget: Budget | None) -> None:
+    """Refuse (InvalidConfigError) a memory limit, or a budget's limit, that leaves no room for
+    one request beyond the trash blocks, with the smallest limit that serves one (a prompt
+    token and a new one). The cache is built once for this, by a probe loop of transformers'
+    (the model's own generation config), without the limit; then taken down."""
+    budget_limit = None if budget is None else getattr(budget.stats(), "budget_limit", budget.limit)
+    if memory_limit is None and budget_limit is None:
+        return
+    mm = srv._model_manager
+    model, _ = mm.load_model_and_processor(mm.process_model_name(mm.force_model))
+    handle.memory_limit = None
+    probe = model.init_continuous_batching(generation_config=copy.deepcopy(model.generation_config),
+                                           continuous_batching_config=srv._generation_state._cb_config)
+    cache = None
+    try:
+        probe.start()
+        deadline = time.monotonic() + CACHE_WAIT_S
+        while probe.batch_processor is None and probe.is_running() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        cache = getattr(probe.batch_processor, "cache", None)
+        if getattr(cache, "vattn_pool", None) is None:
+            raise InvalidConfigError("vattn serve could not build transformers' continuous-batching cache at start: "
+                                     f"{probe.background_thread_status.fatal_error}")
+        room, pool = Room.of(cache), cache.vattn_pool
+        need = hf_cb.TRASH_SECTORS + room.blocks(1, 1)
+        smallest = _smallest_limit(pool, need)
+        for name, limit in (("the budget's limit (--budget-limit)", budget_limit), ("--memory-limit", memory_limit)):
+            if limit is not None and limit < smallest:
+                block = pool.stats().block_bytes
+                raise InvalidConfigError(
+                    f"{name} of {limit} bytes leaves no room for a request: transformers' cache keeps "
+                    f"{hf_cb.TRASH_SECTORS} trash blocks of {block} bytes always mapped, and a request of one prompt "
+                    f"token and one new token needs {need - hf_cb.TRASH_SECTORS} more (on pages of "
+                    f"{pool.stats().group_bytes} bytes); the smallest limit that serves one request is {smallest} "
+                    f"bytes: raise {name.split(' (')[-1].rstrip(')')} to at least that (more serves more at once)")
+    finally:
+        handle.memory_limit = memory_limit
+        probe.stop(block=False, hard_stop=True)  # its loop takes a second or so to end: the pool closes after it
+        pool = getattr(cache, "vattn_pool", None)
+        threading.Thread(target=_close_after, args=(probe, pool), name="vattn-serve-probe", daemon=True).start()
+
+
+def _close_after(probe: Any, pool: Any) -> None:
+    thread = getattr(probe, "_generation_thread", None)
+    if thread is not None:
+        thread.join(timeout=30)
+    if pool is not None:
+        pool.close()
+
+
+def _smallest_limit(pool: Any, blocks: int) -> int:
+    """The fewest bytes of pages under which `pool` can ever hold `blocks` blocks at once
+    (its `max_blocks`, page-aware), found by setting limits on it."""
+    group = pool.stats().group_bytes
+    pages = 1
+    while True:
+        pool.set_limit(pages * group)
+        if pool.max_blocks() >= blocks or pages * group >= pool.stats().num_blocks * pool.stats().block_bytes:
+            return pages * group
+        pages += 1
+
 
 # ------------------------------------------------------------------- serve ----
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit: int | None = None,
           page_size: int | None = None, idle_trim_s: float | None = None, device: str = "auto",
           num_blocks: int | None = None, block_size: int | None = None, max_batch_tokens: int | None = None,
           log_level: str = "warning", shutdown_timeout: float = SHUTDOWN_TIMEOUT_S, non_blocking: bool = False,
-          budget: Budget | str | None = None, budget_limit: int | None = None) -> Any:
+          budget: Budget | str | None = None, budget_limit: int | None = None,
+          max_body_bytes: int = MAX_BODY_BYTES) -> Any:
     """`transformers serve` with continuous batching on vattn memory, for a local checkpoint
     (offline), under the contract of the module docstring: the OpenAI-compatible
     `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`. Blocks until the
@@ -176,19 +276,27 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     then it returns transformers' `Serve` object, with the `ElasticCB` handle as `.vattn`
     and the gate as `.gate` (`kill_server()` stops it). The memory limit is in bytes of KV
     pages; `idle_trim_s` is the idle policy (see `hf_cb.enable`); `num_blocks` and
-    `block_size` (tokens) size transformers' (virtual) cache. Requests that fit but not
+    `block_size` (tokens) size transformers' (virtual) cache; `page_size` defaults to
+    `SERVE_PAGE_SIZE` (2 MiB) on every device. Requests that fit but not
     now wait in transformers' scheduler. `budget`: a `vattn.Budget`, or the name of a budget
     shared with the other servers of this GPU or host (`vattn.Budget.shared(budget,
-    budget_limit)`; `vattn top` shows them)."""
+    budget_limit)`; `vattn top` shows them). A request body larger than `max_body_bytes` is
+    refused with 413. A memory limit (or a budget's limit) that cannot serve one request is
+    refused here, with the smallest one that can (InvalidConfigError)."""
     missing = [m for m in SERVING_PACKAGES if importlib.util.find_spec(m) is None]
     if missing:
         raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
                                  "pip install 'transformers[serving]'")
+    if importlib.util.find_spec("prometheus_client") is None:  # not in transformers[serving]: /metrics needs it
+        raise InvalidConfigError("vattn serve's /metrics needs prometheus_client: pip install prometheus_client "
+                                 "(vattn's serve extra has it)")
     if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
         raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
     if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) \
             or not 0 <= shutdown_timeout < math.inf:
         raise InvalidConfigError(f"shutdown_timeout must be a finite number of seconds >= 0, got {shutdown_timeout!r}")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise InvalidConfigError(f"max_body_bytes must be an int >= 1 (bytes of a request body), got {max_body_bytes!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
     if max_batch_tokens is None and num_blocks is not None and hf_cb.design() == "blocks":
         # transformers 5.17, given num_blocks alone, sizes max_batch_tokens (its attention mask and IO
@@ -199,15 +307,21 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     if isinstance(budget, str):  # one budget for the servers of this GPU (or host), named
         budget = Budget.shared(budget, budget_limit, device=None if device == "auto" else device,
                                label=os.path.basename(os.path.abspath(model)))
+    page_size = SERVE_PAGE_SIZE if page_size is None else page_size
     handle = hf_cb.enable_all(memory_limit=memory_limit, budget=budget, page_size=page_size, idle_trim_s=idle_trim_s)
+    server = None
     try:
-        server = _build(os.path.abspath(model), shutdown_timeout, host=host, port=port, device=device,
+        server = _build(os.path.abspath(model), shutdown_timeout, max_body_bytes, host=host, port=port, device=device,
                         cb_num_blocks=num_blocks, cb_block_size=block_size, cb_max_batch_tokens=max_batch_tokens,
                         log_level=log_level)
+        server.vattn = handle
+        _check_room(server, handle, memory_limit, budget)
     except BaseException:
+        if server is not None:  # the model is loaded (with its unload timer): nothing may keep the process up
+            server._generation_state.shutdown()
+            server._model_manager.shutdown()
         hf_cb.disable_all()
         raise
-    server.vattn = handle
     if non_blocking:
         server.start_server()
         return server
@@ -228,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--memory-limit", type=int, default=None, help="bytes of KV pages (default: no limit)")
-    ap.add_argument("--page-size", type=int, default=None, help="vattn page bytes (default: the backend's)")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help=f"vattn page bytes (default: {SERVE_PAGE_SIZE}, on every device)")
     ap.add_argument("--idle-trim-s", type=float, default=None,
                     help="give the KV memory back after this many idle seconds (default, or negative: never by itself)")
     ap.add_argument("--device", default="auto")
@@ -237,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=None)
     ap.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
                     help="seconds SIGTERM lets open requests finish before it ends them (default: 30)")
+    ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                    help=f"a larger request body is refused with 413 (default: {MAX_BODY_BYTES})")
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--budget", default=None, metavar="NAME",
                     help="share KV memory with the other servers of this GPU or host in the budget NAME "
@@ -247,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     serve(a.model, host=a.host, port=a.port, memory_limit=a.memory_limit, page_size=a.page_size,
           idle_trim_s=a.idle_trim_s, device=a.device, num_blocks=a.num_blocks, block_size=a.block_size,
           max_batch_tokens=a.max_batch_tokens, log_level=a.log_level, shutdown_timeout=a.shutdown_timeout,
-          budget=a.budget, budget_limit=a.budget_limit)
+          budget=a.budget, budget_limit=a.budget_limit, max_body_bytes=a.max_body_bytes)
 
 
 __all__ = ["MAX_N", "SHUTDOWN_TIMEOUT_S", "Refusal", "Room", "admit", "serve", "main"]

@@ -1,14 +1,21 @@
-"""`vattn serve`'s contract for one request: what it may ask for (`n`, `max_tokens`), the room
-one request can ever hold in the cache (`Room`), and the refusals (`Refusal`, 400) of what can never run."""
+"""`vattn serve`'s contract for one request: what its body may hold (`read_body`: strict JSON,
+fields of the right type and range, the sampling extensions load generators send), the room
+one request can ever hold in the cache (`Room`), and the refusals (`Refusal`, 4xx) of what
+can never run."""
 from __future__ import annotations
 
 import contextvars
+import json
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from vattn.integrations import hf_cb
 
 MAX_N = 128  # choices one request may ask for (OpenAI's bound): each is a request of the batch
+# vLLM's and SGLang's sampling extensions that load generators send (guidellm: ignore_eos; vLLM's benchmark
+# client: ignore_eos, min_tokens), honoured; transformers' own handlers would answer 422
+EXTENSIONS = ("ignore_eos", "min_tokens")
 _PROBE = "vattn-serve-probe"  # a request id no request has: asks transformers' allocators what a request needs
 
 
@@ -31,6 +38,8 @@ class _Asked:
 
     max_tokens: frozenset = frozenset()
     prompt_param: str = "prompt"
+    ignore_eos: bool = False  # generation goes on past the end-of-sequence token (to max_tokens or the room)
+    min_tokens: int = 0  # the end-of-sequence token cannot be generated before this many tokens
 
 
 _asked: contextvars.ContextVar[_Asked] = contextvars.ContextVar("vattn_serve_asked", default=_Asked())
@@ -123,6 +132,107 @@ def admit(num_prompt_tokens: int, gen_config: Any, room: Room | None, asked: _As
                       f"max_tokens={most} after this prompt: lower max_tokens or shorten the prompt{room.hint}",
                       param="max_tokens", code="context_length_exceeded")
     gen_config.max_new_tokens = most
+
+
+# ------------------------------------------------------------- the body ----
+def _no_constant(name: str) -> float:
+    raise Refusal(f"the request body is not valid JSON: {name} is not a JSON value (send a number or null)",
+                  code="invalid_json")
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body of a completion request: a JSON object, strictly (no NaN or Infinity, which
+    Python's json module would take), or `Refusal` (400)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise Refusal(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise Refusal(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
+    return body
+
+
+def _bad(param: str, expected: str, value: Any, code: str = "invalid_type") -> Refusal:
+    got = json.dumps(value) if isinstance(value, (str, bool, int, float)) or value is None else type(value).__name__
+    return Refusal(f"invalid {param!r}: expected {expected}, got {got[:80]}", param=param, code=code)
+
+
+def _integer(body: dict, param: str, low: int, high: int | None = None) -> int | None:
+    """body[param]: None or an int in [low, high] (OpenAI's rule: a string or a float is no integer)."""
+    v = body.get(param)
+    if v is None:
+        return None
+    span = f">= {low}" if high is None else f"in [{low}, {high}]"
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(param, f"an integer {span}", v)
+    if v < low:
+        raise _bad(param, f"an integer {span}", v, "integer_below_min_value")
+    if high is not None and v > high:
+        raise _bad(param, f"an integer {span}", v, "integer_above_max_value")
+    return v
+
+
+def _number(body: dict, param: str, low: float, high: float) -> None:
+    v = body.get(param)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(param, f"a number in [{low}, {high}]", v)
+    if not low <= v <= high:
+        raise _bad(param, f"a number in [{low}, {high}]", v,
+                   "decimal_below_min_value" if v < low else "decimal_above_max_value")
+
+
+def _messages(body: dict) -> None:
+    """`messages`: a non-empty array of objects with a string `role` and a string, array or
+    null `content` (transformers' handler would fail on anything else with a 500)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise _bad("messages", "an array of messages", messages, "missing_required_parameter"
+                   if messages is None else "invalid_type")
+    if not messages:
+        raise Refusal("invalid 'messages': an empty array; a chat needs at least one message", param="messages",
+                      code="empty_array")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}]", "an object with a string 'role'", m)
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise _bad(f"messages[{i}].content", "a string, an array of content parts or null", content)
+        if isinstance(content, list) and not all(isinstance(c, dict) and isinstance(c.get("type"), str)
+                                                 for c in content):
+            raise _bad(f"messages[{i}].content", "content parts, objects with a string 'type'", content)
+
+
+def read_body(body: dict, chat: bool) -> tuple[int, _Asked]:
+    """Check a completion request's fields (OpenAI's types and ranges; vattn's decisions are
+    in docs/servers.md) and take out what transformers' handler does not know: `n` and the
+    extensions (`EXTENSIONS`). Returns (n, what the client asked for); `Refusal` (400) for a
+    field of the wrong type or out of range, before anything is tokenized or queued."""
+    prompt_param = "messages" if chat else "prompt"
+    if chat:
+        _messages(body)
+    elif not isinstance(body.get("prompt"), str):
+        raise _bad("prompt", "a string (one prompt a request)", body.get("prompt"),
+                   "missing_required_parameter" if body.get("prompt") is None else "invalid_type")
+    limits = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
+    given = [v for k in limits if (v := _integer(body, k, 1)) is not None]
+    _number(body, "temperature", 0, 2)
+    _number(body, "top_p", 0, 1)
+    _number(body, "frequency_penalty", -2, 2)
+    _number(body, "presence_penalty", -2, 2)
+    _integer(body, "seed", -(1 << 63), (1 << 63) - 1)  # OpenAI's int64 (torch.manual_seed fails past 2**64)
+    for flag in ("stream", "ignore_eos"):
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise _bad(flag, "a boolean", body[flag])
+    min_tokens = _integer(body, "min_tokens", 0) or 0
+    if given and min_tokens > min(given):
+        raise Refusal(f"min_tokens ({min_tokens}) is more than max_tokens ({min(given)})", param="min_tokens",
+                      code="invalid_value")
+    n = _choices(body)
+    ignore_eos = bool(body.pop("ignore_eos", None))
+    body.pop("min_tokens", None)
+    return n, _Asked(frozenset(given), prompt_param, ignore_eos, min_tokens)
 
 
 def _choices(body: dict) -> int:

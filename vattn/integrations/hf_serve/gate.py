@@ -1,4 +1,5 @@
-"""`vattn serve`'s lifecycle: the outermost ASGI layer (`_Gate`: every event stream ends with
+"""`vattn serve`'s lifecycle: the outermost ASGI layer (`_Gate`: a body larger than
+`--max-body-bytes` is refused with 413 before it is read; every event stream ends with
 [DONE]; SIGTERM drains, then ends what is still open) and the uvicorn server that drains on
 its first signal."""
 from __future__ import annotations
@@ -16,17 +17,22 @@ from vattn.integrations.hf_serve.contract import _error
 logger = logging.getLogger("vattn.serve")
 
 DONE = b"data: [DONE]\n\n"
+MAX_BODY_BYTES = 4 << 20  # default --max-body-bytes: about a million tokens of text, past any cache of the tests
+DRAIN_BYTES = 64 << 20  # of a body refused with 413, read and dropped so that the client can read the answer
 
 
 class _Gate:
-    """The outermost ASGI layer. Every event stream ends with `data: [DONE]`. Once draining
-    (`deadline` set: SIGTERM), new requests get 503 with Retry-After; at the deadline
-    (`expire`) the open ones end: 503 if their answer had not started, else a final error
-    event and [DONE]."""
+    """The outermost ASGI layer. A request body of more than `max_body_bytes` gets 413 (by
+    its Content-Length, before it is read; a chunked one once that much came). Every event
+    stream ends with `data: [DONE]`. Once draining (`deadline` set: SIGTERM), new requests get
+    503 with Retry-After; at the deadline (`expire`) the open ones end: 503 if their answer
+    had not started, else a final error event and [DONE]."""
 
-    def __init__(self, app: Any, shutdown_timeout: float) -> None:
+    def __init__(self, app: Any, shutdown_timeout: float, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.app = app
         self.shutdown_timeout = shutdown_timeout
+        self.max_body_bytes = max_body_bytes
+        self.on_refused: Callable[[str], None] | None = None  # told the code of each request the gate refuses
         self.open: set[_Exchange] = set()  # requests being answered
         self.deadline: float | None = None  # time.monotonic() by which draining ends; None while serving
         self.expired = False
@@ -40,12 +46,60 @@ class _Gate:
                 f"vattn serve is shutting down: it finishes the requests it has (at most {retry} s more) and takes no "
                 "new ones; retry on another server or once it is back", "server_shutting_down", code=503),
                 [(b"retry-after", str(retry).encode())])
+        receive = await self._bounded(scope, receive, send)
+        if receive is None:
+            return
         exchange = _Exchange(send)
         self.open.add(exchange)
         try:
             await exchange.run(self.app(scope, receive, exchange.send))
         finally:
             self.open.discard(exchange)
+
+    async def _bounded(self, scope: dict, receive: Callable, send: Callable) -> Callable | None:
+        """`receive`, or a replay of the whole body read here when it came without a length
+        (chunked); None once 413 was sent (the body is larger than `max_body_bytes`)."""
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) <= self.max_body_bytes:
+                return receive  # uvicorn reads exactly Content-Length bytes (and refuses a malformed one)
+            await self._too_large(receive, send, f"is {int(length)} bytes")
+            return None
+        if b"chunked" not in headers.get(b"transfer-encoding", b""):
+            return receive
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return receive
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_body_bytes:
+                await self._too_large(receive, send, f"is more than {self.max_body_bytes} bytes", more)
+                return None
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> dict:
+            return replay.pop() if replay else await receive()
+
+        return replayed
+
+    async def _too_large(self, receive: Callable, send: Callable, size: str, more: bool = True) -> None:
+        """413, once the body (up to DRAIN_BYTES) was read and dropped: a client that sends the
+        whole body before it reads the answer gets it (cheap: nothing of it is parsed)."""
+        if self.on_refused is not None:
+            self.on_refused("request_too_large")
+        drained = 0
+        while more and drained < DRAIN_BYTES:
+            message = await receive()
+            drained += len(message.get("body", b""))
+            more = message["type"] == "http.request" and message.get("more_body", False)
+        await _send_json(send, 413, _error(
+            f"the request body {size}, more than this server takes (--max-body-bytes {self.max_body_bytes}): send a "
+            "shorter prompt, or start vattn serve with a larger --max-body-bytes", "invalid_request_error",
+            code="request_too_large"), [(b"connection", b"close")])  # the body left unread ends the connection
 
     def drain(self) -> None:
         """Take no new requests; the open ones have `shutdown_timeout` seconds. (Safe in a signal handler.)"""

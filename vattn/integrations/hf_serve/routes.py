@@ -1,6 +1,7 @@
-"""`vattn serve`'s routes over transformers' app: the served model's `/v1/models`, and the
-completion routes with `n` choices (n requests of the batch merged into one answer) and the
-request's own limits, around transformers' handlers."""
+"""`vattn serve`'s routes over transformers' app: the served model's `/v1/models`, `/metrics`,
+and the completion routes (the body read strictly, `n` choices: n requests of the batch
+merged into one answer, the request's own limits and extensions, a long prompt tokenized off
+the event loop) around transformers' handlers."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,8 @@ import json
 import time
 from typing import Any, Awaitable, Callable
 
-from vattn.integrations.hf_serve.contract import Refusal, _Asked, _asked, _choices, _error
+from vattn.integrations.hf_serve import offload
+from vattn.integrations.hf_serve.contract import Refusal, _asked, _error, parse_json, read_body
 
 
 def _replace_routes(app: Any, srv: Any) -> None:
@@ -25,18 +27,17 @@ def _replace_routes(app: Any, srv: Any) -> None:
         return JSONResponse({"object": "list", "data": [
             {"id": force_model, "object": "model", "created": started, "owned_by": "vattn"}]})
 
-    def answering(handler: Any, prompt_param: str, limits: tuple[str, ...]) -> Callable:
-        async def endpoint(request: Any, body: Any) -> Any:
-            n = _choices(body)
-            given = (body.get(k) for k in limits)
-            token = _asked.set(_Asked(frozenset(v for v in given if isinstance(v, int) and not isinstance(v, bool)),
-                                      prompt_param))
+    def answering(handler: Any, chat: bool) -> Callable:
+        async def endpoint(request: Any) -> Any:
+            body = parse_json(await request.body())
+            n, asked = read_body(body, chat)
+            token = _asked.set(asked)
             try:
-                return await _answer(handler, body, request.state.request_id, n)
+                return await offload.tokenizing_off_loop(lambda: _answer(handler, body, request.state.request_id, n))
             finally:
                 _asked.reset(token)
 
-        endpoint.__annotations__ = {"request": Request, "body": dict}  # FastAPI reads them (this module's are strings)
+        endpoint.__annotations__ = {"request": Request}  # FastAPI reads them (this module's are strings)
         return endpoint
 
     ours = {("/v1/models", "GET"), ("/v1/models", "OPTIONS"), ("/v1/completions", "POST"),
@@ -44,12 +45,12 @@ def _replace_routes(app: Any, srv: Any) -> None:
     app.router.routes[:] = [r for r in app.router.routes
                             if not {(getattr(r, "path", None), m) for m in getattr(r, "methods", None) or ()} & ours]
     app.add_api_route("/v1/models", list_models, methods=["GET", "OPTIONS"])
-    app.add_api_route("/v1/completions", answering(srv._completion_handler, "prompt", ("max_tokens",)),
-                      methods=["POST"])
-    app.add_api_route("/v1/chat/completions", answering(srv._chat_handler, "messages",
-                                                        ("max_tokens", "max_completion_tokens")), methods=["POST"])
+    app.add_api_route("/v1/completions", answering(srv._completion_handler, chat=False), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", answering(srv._chat_handler, chat=True), methods=["POST"])
+    app.add_api_route("/metrics", srv.metrics.endpoint, methods=["GET"])
 
     async def refused(_request: Any, e: Refusal) -> Any:
+        srv.metrics.refused(e.code)
         return JSONResponse(_error(str(e), "invalid_request_error", e.param, e.code), status_code=e.status)
 
     app.add_exception_handler(Refusal, refused)

@@ -8,8 +8,13 @@ call `load_vllm` / `load_sglang`, which install in memory the hooks of the relea
 `patches/<engine>-<version>.patch` (shipped in the package): the plugin and the patch are
 the same hooks, by construction (`hunks.py`).
 
+The switch (`VATTN_VLLM`, `VATTN_SGLANG`): 1, true, yes or on (any case) installs the hooks;
+unset, empty, 0, false, no or off: nothing happens, silently; any other value is refused
+with an error in the log (`vattn.integrations._env.switch`, the one parser of both plugins).
+
 Refusals (the engine then runs stock, with an error in its log):
-- the variable is not set to 1 (`VATTN_VLLM`, `VATTN_SGLANG`): nothing happens, silently;
+- a switch with a value that means neither on nor off;
+- the engine is not installed (`VATTN_VLLM=1` where vLLM is missing): nothing to hook;
 - a release vattn has no patch for (`releases.py`: the newest two minor releases of each);
 - a hooked function whose source fingerprint differs from the one recorded for the
   release (a local change, a rebuilt wheel), or a hunk that does not fit exactly;
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from importlib import import_module, resources
 from pathlib import Path
 
+from vattn.errors import InvalidConfigError
 from vattn.integrations import _env
 from vattn.integrations.plugins import hunks
 from vattn.integrations.plugins.hunks import Hook, HookError
@@ -103,7 +109,11 @@ def install(engine: str) -> State:
     refuse and leave the engine stock. Returns what was done."""
     if engine in _state:
         return _state[engine]
-    version = engine_version(engine)
+    try:
+        version = engine_version(engine)
+    except ImportError as e:  # the engine is not installed here (or its version module does not import)
+        return _refuse(engine, "", f"{engine} is not installed here ({type(e).__name__}: {e}); install it in this "
+                                   f"environment, or unset {SWITCH[engine]}")
     try:
         if version in FINGERPRINTS[engine] and _patched_on_disk(engine, version):
             st = State(version, "patched on disk", [])
@@ -114,10 +124,17 @@ def install(engine: str) -> State:
             logger.info("vattn: %s %s on vattn memory (%d hooks)", engine, version, len(planned))
     except (HookError, ImportError) as e:  # ImportError: a hooked module does not import here
         reason = str(e) if isinstance(e, HookError) else f"a module it hooks does not import: {type(e).__name__}: {e}"
-        st = State(version, "refused", [], reason=reason)
-        msg = f"vattn: {engine} runs stock, on its own KV memory: {reason}"
-        logger.error(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return _refuse(engine, version, reason)
+    _state[engine] = st
+    return st
+
+
+def _refuse(engine: str, version: str, reason: str) -> State:
+    """Leave the engine stock and say why: an error in the log, and a RuntimeWarning."""
+    st = State(version, "refused", [], reason=reason)
+    msg = f"vattn: {engine} runs stock, on its own KV memory: {reason}"
+    logger.error(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
     _state[engine] = st
     return st
 
@@ -130,9 +147,18 @@ def uninstall(engine: str) -> None:
 
 
 def _load(engine: str) -> State | None:
-    if not _env.opted_in(SWITCH[engine]):
+    """The entry points' work: never raises (an engine's plugin loader must not fail for
+    vattn); what was refused is in the log and in the returned `State`."""
+    try:
+        asked = _env.opted_in(SWITCH[engine])
+    except InvalidConfigError as e:
+        return _refuse(engine, "", str(e))
+    if not asked:
         return None  # not asked for: the engine stays exactly as it is
-    return install(engine)
+    try:
+        return install(engine)
+    except Exception as e:  # not foreseen: still the engine's own memory, and the reason in the log
+        return _refuse(engine, "", f"installing the hooks failed: {type(e).__name__}: {e}")
 
 
 def load_vllm() -> None:

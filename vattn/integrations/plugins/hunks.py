@@ -339,13 +339,24 @@ def install(hooks: list[Hook]) -> Installed:
                 setattr(owner, name, new)
                 if cls is None:  # a module function: rebind where it was imported by name
                     for other in list(sys.modules.values()):
-                        if other is not mod and getattr(other, name, None) is old:
+                        if other is not mod and _holds(other, name, old):
                             done.changes.append((other, name, old))
                             setattr(other, name, new)
     except BaseException:
         uninstall(done)
         raise
     return done
+
+
+def _holds(module: Any, name: str, value: Any) -> bool:
+    """Whether `module` bound `name` to `value` itself, read from its namespace: never its
+    `__getattr__`, which a lazy module answers by importing (transformers' image processors
+    raise ModuleNotFoundError without torchvision): an unrelated module's import error must not
+    decide whether the hooks install."""
+    try:
+        return vars(module).get(name) is value
+    except Exception:  # not a module (anything may sit in sys.modules), or no __dict__
+        return False
 
 
 def uninstall(done: Installed) -> None:

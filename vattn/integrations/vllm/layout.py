@@ -145,8 +145,13 @@ def align_num_blocks(num_blocks: int, kv_cache_groups: Sequence[Any], block_oute
                      block_stride: Any = None) -> int:
     """vLLM's planning hook: with a layer-outer layout, layer `l`'s blocks start at
     `l * num_blocks * stride`; round `num_blocks` down so that this is a whole number of
-    pages (at most one page per layer is lost; at least one page's worth is kept).
-    `block_stride(spec)`: vLLM's padded per-layer block stride (default: the page size)."""
+    pages for every layer: to a multiple of `m = lcm over layers of P / gcd(P, stride)`, the
+    largest such count (at least `m` is kept). Fewer than `m` blocks are lost: with one
+    stride, less than `lcm(P, stride)` bytes a layer, which is one page when the stride
+    divides the page or the page the stride, and up to `stride / gcd(P, stride)` pages
+    otherwise (an MLA block of 73,728 bytes on 64 KiB pages: m = 8, up to 7 blocks, 7.9
+    pages a layer). `block_stride(spec)`: vLLM's padded per-layer block stride (default:
+    the page size)."""
     if not enabled() or block_outermost or num_blocks <= 1:
         return num_blocks
     P = page_size()

@@ -114,7 +114,8 @@ def _new_books(g: BlockLayout, limit: int | None, budget: Any = None) -> tuple[E
     mapped with new memory are cleared (`zero_new`: a "zero" operation for the workers)."""
     rec = RecordingBackend(g.page_size)
     pool = ElasticPool(g.num_blocks, (g.block_bytes,), torch.uint8, len(g.regions), device="cpu",
-                       page_size=g.page_size, limit=limit, grow=1, zero_new=True, backend=rec, budget=budget)
+                       page_size=g.page_size, limit=limit, grow=1, zero_new=True, backend=rec, budget=budget,
+                       scratch=False)  # books only: each worker backs its own free pages with scratch
     try:
         pool.pin([NULL_BLOCK], "the null block", f"VATTN_VLLM_LIMIT={limit} is too small", error=InvalidConfigError)
     except InvalidConfigError:

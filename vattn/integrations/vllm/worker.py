@@ -15,7 +15,14 @@ from vattn.vmem.base import Backend
 
 class WorkerKV:
     """A worker's KV cache backing allocation on vattn memory: reserved once (the KV
-    views never move), pages mapped and unmapped by the scheduler's operations."""
+    views never move), pages mapped and unmapped by the scheduler's operations.
+
+    Every page of the reservation that holds no real page is backed by the backend's scratch
+    memory (`vattn.vmem.base.Backend`, "scratch backing"): vLLM owns the tensor and may touch
+    any byte of it (a block the scheduler never handed out, a padding row, a test), which must
+    never fault (on a GPU: an illegal address, the end of the engine). A "map" operation
+    replaces the scratch (after the device finished the work that may read it), an "unmap"
+    puts it back."""
 
     def __init__(self, kv_cache_config: Any, size: int, device: torch.device | str,
                  backend: Backend | None = None) -> None:
@@ -31,6 +38,14 @@ class WorkerKV:
         self.whole = self.backend.tensor(self._range, 0, (g.reserved_bytes,), (1,), torch.int8)
         self.tensor = self.whole[:size]
         self.bases = [self._range.addr + r for r in g.regions]
+        # the whole reservation on scratch (regions, the gaps between them, the tail)
+        self._all = ([self._range.addr], [p * g.page_size for p in range(g.reserved_bytes // g.page_size)])
+        self.scratch = self.backend.create_scratch(g.page_size, len(self._all[1]))
+        try:
+            self.backend.map_scratch(*self._all, g.page_size, self.scratch)
+        except BaseException:
+            self.backend.release_scratch(self.scratch)
+            raise
         self.groups: dict[int, Any] = {}  # scheduler's group id -> this worker's physical group
         self.mapped: dict[int, int] = {}  # page -> group id
         self.spare: list[Any] = []  # created ahead for the scheduler's next creates (`reserve`)
@@ -67,8 +82,11 @@ class WorkerKV:
                     made += self.backend.create(len(op[1]) - len(made), len(self.bases), P)
                 self.groups.update(zip(op[1], made))
             elif kind == "map":
+                if not synced:  # the fence: a GPU unmaps the scratch there, which kernels may read
+                    self.synchronize()
+                    synced = True
                 pages, ids = op[1], op[2]
-                self.backend.map(self.bases, [p * P for p in pages], [self.groups[i] for i in ids], P)
+                self.backend.map(self.bases, [p * P for p in pages], [self.groups[i] for i in ids], P, self.scratch)
                 self.mapped.update(zip(pages, ids))
             elif kind == "zero":
                 if not self.backend.new_pages_zeroed:
@@ -77,7 +95,7 @@ class WorkerKV:
                 if not synced:  # the fence: nothing enqueued before this batch reads these pages after
                     self.synchronize()
                     synced = True
-                self.backend.unmap(self.bases, [p * P for p in op[1]], P)
+                self.backend.unmap(self.bases, [p * P for p in op[1]], P, self.scratch)
                 for p in op[1]:
                     del self.mapped[p]
             elif kind == "release":
@@ -126,11 +144,12 @@ class WorkerKV:
         self.synchronize()
         P = self.layout.page_size
         try:
-            self.backend.unmap(self.bases, [p * P for p in self.mapped], P)
+            self.backend.unmap(*self._all, P)  # every page, real and scratch
             self.mapped.clear()
             self.backend.release(list(self.groups.values()) + self.spare)
             self.groups.clear()
             self.spare.clear()
+            self.backend.release_scratch(self.scratch)
         finally:
             if self._own_backend:
                 self.backend.close()
