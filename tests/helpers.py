@@ -150,6 +150,7 @@ def fake_advance(sched: Any, out: Any, token: int = 7) -> list[Any]:
     for s in out.scheduled:
         if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
             tokens.update(dict.fromkeys([x.seq_id for x in (s.seq, *s.fan_out)], token))
+    sched.commit(out.scheduled)
     return sched.postprocess(out.scheduled, tokens, {}, 0.0)
 
 

@@ -56,6 +56,17 @@ FLASH_ATTN_4_TILE_TOKENS = 128
 MIN_CUDA_PAGE = 2 << 20
 
 
+def to_device(data: Sequence[Any], device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host ints (a list, or a list of equal lists) as a tensor on `device`, without waiting for
+    the device: on CUDA through pinned memory, copied asynchronously (a copy from pageable
+    memory first waits for the work queued on the stream, so the host could not prepare the
+    next iteration while one runs; the caching host allocator keeps the pinned block until the
+    copy is done)."""
+    if torch.device(device).type == "cuda":
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(data, dtype=dtype, device=device)
+
+
 @dataclass
 class AttentionMetadata:
     """Where the packed tokens of one iteration go in the cache and which keys each sees.
@@ -83,9 +94,8 @@ class AttentionMetadata:
         for slot, start, n in zip(slots, starts, query_lens):
             slot_ids += [slot] * n
             positions += range(start, start + n)
-        as_long = dict(dtype=torch.long, device=device)
-        return cls(list(slots), list(starts), list(query_lens), torch.tensor(slot_ids, **as_long),
-                   torch.tensor(positions, **as_long), slot_tokens, device)
+        return cls(list(slots), list(starts), list(query_lens), to_device(slot_ids, device),
+                   to_device(positions, device), slot_tokens, device)  # (positions: a tensor of its own, compiled)
 
     @property
     def context_lens(self) -> list[int]:
@@ -110,16 +120,12 @@ class AttentionMetadata:
     def cuda_tensors(self) -> dict[str, torch.Tensor]:
         """int32 tensors for the CUDA kernels, built once per iteration on first use."""
         if not self._cuda:
-            i32 = dict(dtype=torch.int32, device=self.device)
             ctx = self.context_lens
             # slot-ascending, so monotonic; the last entry closes the last row at its context
             cu_k = [s * self.slot_tokens for s in self.slots] + [self.slots[-1] * self.slot_tokens + ctx[-1]]
-            self._cuda = {
-                "cu_seqlens_q": torch.tensor(self.cu_query_lens, **i32),
-                "cu_seqlens_k": torch.tensor(cu_k, **i32),
-                "seqused_k": torch.tensor(ctx, **i32),
-                "slots": torch.tensor(self.slots, **i32),
-            }
+            x = to_device([self.cu_query_lens, cu_k, ctx + [0], self.slots + [0]], self.device, torch.int32)  # one copy
+            n = len(self.slots)
+            self._cuda = {"cu_seqlens_q": x[0], "cu_seqlens_k": x[1], "seqused_k": x[2, :n], "slots": x[3, :n]}
         return self._cuda
 
     def sdpa_groups(self, sliding_window: int | None) -> list[SdpaGroup]:
@@ -469,8 +475,7 @@ def flash_attn_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     cu = meta.cu_query_lens
     decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
     if decodes:
-        idx = torch.tensor(decodes, dtype=torch.long, device=query.device)
-        rows = torch.tensor([cu[i] for i in decodes], dtype=torch.long, device=query.device)
+        idx, rows = to_device([decodes, [cu[i] for i in decodes]], query.device)  # [b] each
         o = flash_attn_with_kvcache(query[rows].unsqueeze(1), k_cache, v_cache,
                                     cache_seqlens=t["seqused_k"][idx], cache_batch_idx=t["slots"][idx],
                                     softmax_scale=scale, causal=True, window_size=window)  # [b, 1, H_q, D]

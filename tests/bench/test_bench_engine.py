@@ -32,7 +32,8 @@ def _load(tmp_path: Path, name: str) -> dict:
 def test_throughput_compares_with_transformers_and_agrees(tmp_path: Path) -> None:
     argv = ["throughput", *TINY_MODEL, "--vocab", "256", "--intermediate", "128", "--requests", "5",
             "--prompt-len", "4", "30", "--output-len", "2", "9", "--equal-requests", "2", "--equal-prompt", "12",
-            "--equal-output", "4", "--max-batch-size", "3", "--max-num-batched-tokens", "48", "--out", str(tmp_path)]
+            "--equal-output", "4", "--max-batch-size", "3", "--max-num-batched-tokens", "48", "--out", str(tmp_path),
+            "--systems", "vattn", "vattn_async", "hf_generate", "hf_cb"]
     assert bench.main(argv) == 0
     r = _load(tmp_path, "throughput")
     assert r["greedy_agreement"] is True
@@ -40,15 +41,16 @@ def test_throughput_compares_with_transformers_and_agrees(tmp_path: Path) -> Non
     baselines = {"hf_generate"} | ({"hf_cb"} if not CB_PROBLEM else set())
     assert r.get("skipped", {}) == ({"hf_cb": CB_PROBLEM} if CB_PROBLEM else {})
     for w in r["workloads"].values():
-        assert set(w["systems"]) == {"vattn"} | baselines
-        assert w["agreement_with_hf_generate"]["vattn"]["equal"]
+        assert set(w["systems"]) == {"vattn", "vattn_async"} | baselines
+        assert w["agreement_with_hf_generate"]["vattn"]["equal"] and w["agreement_with_hf_generate"]["vattn_async"]["equal"]
+        assert [w["systems"][s]["engine"]["async_scheduling"] for s in ("vattn", "vattn_async")] == [False, True]
         assert CB_PROBLEM or w["agreement_with_hf_generate"]["hf_cb"]["equal"]
         for s in w["systems"].values():
             assert s["prefill_tok_s"] > 0 and s["output_tok_s"] > 0 and s["total_cpu_s"] > 0
         engine = w["systems"]["vattn"]["engine"]
         assert engine["iterations"] > 0 and engine["kernel"] == "sdpa"
         assert 0 <= engine["forward_ms"] <= engine["step_ms"]
-        assert set(w["vattn_over"]) == baselines
+        assert set(w["vattn_over"]) == {"vattn_async"} | baselines
 
 
 def test_overlap_maps_at_page_boundaries_only_when_synchronous(tmp_path: Path) -> None:
@@ -88,13 +90,14 @@ def test_e2e_part_runs_all_systems_on_the_cpu(tmp_path: Path) -> None:
     cb = [] if CB_PROBLEM else ["hf_continuous_batching"]
     assert r["skipped"] == ([f"hf_continuous_batching: {CB_PROBLEM}"] if CB_PROBLEM else [])
     for res in r["results"]:
-        assert set(res["systems"]) == {"vattn", "vattn_eager", "hf_generate", *cb}, res["errors"]
+        assert set(res["systems"]) == {"vattn", "vattn_eager", "vattn_async", "hf_generate", *cb}, res["errors"]
         for s in res["systems"].values():
             assert s["decode_tok_s"] > 0 and s["decode_tok_s_in_run"] > 0, s
-        for system in ("vattn", "vattn_eager", *cb):
+        for system in ("vattn", "vattn_eager", "vattn_async", *cb):
             assert res[f"{system}_vs_hf_generate"]["token_match"] == 1.0
-        assert res["vattn_vs_vattn_eager"]["equal"]
-        for system in ("vattn", "vattn_eager"):  # the engine's time outside the forward, per decode iteration
+        assert res["vattn_vs_vattn_eager"]["equal"] and res["vattn_vs_vattn_async"]["equal"]
+        assert [res["systems"][s]["async_scheduling"] for s in ("vattn", "vattn_async")] == [False, True]
+        for system in ("vattn", "vattn_eager", "vattn_async"):  # the engine's time outside the forward, per decode step
             eo = res["systems"][system]["engine_overhead"]
             assert eo["iterations"] == r["max_tokens"] - 1 and 0 < eo["outside_share"] < 1, eo
             assert 0 < eo["outside_ms_median"] < eo["step_ms_median"]

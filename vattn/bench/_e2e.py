@@ -39,6 +39,15 @@ measured in the same run (`copy_GBps`, 2 x bytes / time of a large `copy_`); wit
 `--compile --rounds R` (a shared machine): eager and compiled vattn open together, stepping in
 turn through R runs of the batch, the ratio of each pair of decode steps (`interleaved`).
 
+`--engine-overhead`: the engine's time outside the forward per decode iteration (`StepTimer`):
+on CUDA the GPU's idle time between two decode forwards, from events on the stream (nothing
+synchronized: asynchronous scheduling keeps its overlap); on the host the wall time of a step
+less its forward. `--compare-async`: one more vattn system with the other `async_scheduling`
+than the default (`vattn_sync` on CUDA, where the default schedules asynchronously; `vattn_async`
+on the host), its tokens against vattn's (they must be equal); with `--rounds R` also the two
+open together and stepping in turn (`interleaved_async`: the ratio async / sync of each pair of
+decode steps, of the step, the forward and the time outside it).
+
 `--device cpu` runs the same code with a tiny model (host backend, float32); `llama-512x8` (the
 `vattn bench throughput` model: hidden 512, 8 layers, GQA 8/4, vocab 32000) keeps its shape
 on the CPU too.
@@ -67,6 +76,7 @@ NEEDS_GPU = True
 
 MB, GB = 1 << 20, 1 << 30
 RESULT_TIMEOUT_S = 60  # transformers' continuous batching: longest wait with no result at all
+ASYNC_SYSTEMS = ("vattn_sync", "vattn_async")  # --compare-async: vattn with the other async_scheduling
 GPU_KERNELS = ("flash_attn", "torch_flash")  # vattn's CUDA kernels; "sdpa" on CUDA means the kernel fell back
 MODELS = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -141,17 +151,24 @@ def _free_bytes(device: str) -> int | None:
 
 # ------------------------------------------------------------------------- vattn ----
 class StepTimer:
-    """The engine's time outside the model's forward, per iteration: `LLM._step` (wall time,
-    the device synchronized at its end) against the forward inside it (the eager
-    `ModelRunner._forward` or a CUDA graph's replay, the device synchronized before and after,
-    so queued work of the engine counts as the engine's), and where the rest goes (host time
-    of the scheduler, the cache's step, sampling with its device-to-host copy, the outputs).
-    Installed on one engine; `uninstall` puts its methods back."""
+    """The engine's time outside the model's forward, per decode iteration, and where the
+    host's part of it goes (host time of the scheduler, the cache's step, sampling, taking the
+    outputs). Installed on one engine; `uninstall` puts its methods back.
+
+    On the host (CPU): `LLM._step`'s wall time against the forward inside it (the eager
+    `ModelRunner._forward`): the host's time per iteration outside the forward.
+    On CUDA: the GPU's idle time between two decode forwards, from CUDA events recorded on the
+    stream around each forward (the eager `ModelRunner._forward` or a CUDA graph's replay);
+    nothing is synchronized, so asynchronous scheduling keeps its overlap while it is measured.
+    A step is the time from one decode forward's start to the next's; outside the forward is
+    the time from one's end to the next's start (sampling, copies, and the GPU waiting for the
+    host)."""
 
     def __init__(self, llm: Any, device: str) -> None:
         self.llm, self.cuda = llm, device.startswith("cuda")
-        self.steps: list[dict[str, float]] = []  # per iteration: seconds of the step and of each part
-        self._now: dict[str, float] = {}
+        self.steps: list[dict[str, Any]] = []  # per step(): seconds of the step and of each host part
+        self.forwards: list[tuple[Any, Any]] = []  # CUDA: (start, end) events of every forward, in order
+        self._now: dict[str, Any] = {}
         runner = llm.runner
         parts = {"forward": [(runner, "_forward")] + ([(runner.graphs, "_replay")] if runner.graphs else []),
                  "schedule": [(llm.scheduler, "schedule")], "cache_step": [(runner.cache, "step")],
@@ -163,22 +180,22 @@ class StepTimer:
                 setattr(obj, name, self._wrap(getattr(obj, name), part))
                 self._patched.append((obj, name))
 
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
     def _wrap(self, fn: Any, part: str) -> Any:
         def timed(*a: Any, **kw: Any) -> Any:
             if part == "step":
                 self._now = {}
-            elif part == "forward":
-                self._sync()
+            if part == "forward" and self.cuda:  # on the stream: nothing waits for it
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    end.record()
+                    self.forwards.append((start, end))
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                if part in ("step", "forward"):
-                    self._sync()
                 self._now[part] = self._now.get(part, 0.0) + time.perf_counter() - t0
                 if part == "step":
                     self.steps.append(self._now)
@@ -191,31 +208,45 @@ class StepTimer:
     def summary(self, skip: int = 1) -> dict[str, Any]:
         """Figures of the iterations after the first `skip` (the prefill): medians in ms, and
         the share of the decode steps' time spent outside the forward."""
-        its = [d for d in self.steps[skip:] if d.get("forward", 0) > 0]
+        its = [d for d in self.steps[skip:] if d.get("forward", 0) > 0]  # steps that launched a forward
         if not its:
             return {}
-
-        def median_ms(xs: list[float]) -> float:
-            return 1e3 * percentile(xs, 50, interpolate=False)  # a step that happened
-
-        out = [d["step"] - d["forward"] for d in its]
-        res = dict(iterations=len(its), step_ms_median=median_ms([d["step"] for d in its]),
-                   forward_ms_median=median_ms([d["forward"] for d in its]), outside_ms_median=median_ms(out),
-                   outside_share=sum(out) / sum(d["step"] for d in its))  # all iterations together
-        for part in ("schedule", "cache_step", "sample", "outputs"):
+        if self.cuda:
+            torch.cuda.synchronize()
+            pairs = list(zip(self.forwards[skip:], self.forwards[skip + 1:]))  # consecutive decode forwards
+            steps = [a[0].elapsed_time(b[0]) / 1e3 for a, b in pairs]  # start to next start
+            forward = [a[0].elapsed_time(a[1]) / 1e3 for a, _ in pairs]
+            out = [a[1].elapsed_time(b[0]) / 1e3 for a, b in pairs]  # the GPU between them
+            method = "CUDA events: the GPU's time between decode forwards"
+        else:
+            steps, forward = [d["step"] for d in its], [d["forward"] for d in its]
+            out = [s - f for s, f in zip(steps, forward)]
+            method = "host wall time of step() less its forward"
+        if not steps:
+            return {}
+        res = dict(method=method, iterations=len(steps), step_ms_median=median_ms(steps),
+                   forward_ms_median=median_ms(forward), outside_ms_median=median_ms(out),
+                   outside_share=sum(out) / sum(steps))  # all iterations together
+        for part in ("schedule", "cache_step", "sample", "outputs"):  # the host's, per step()
             res[f"{part}_ms_median"] = median_ms([d.get(part, 0.0) for d in its])
         return res
 
 
+def median_ms(xs: list[float]) -> float:
+    return 1e3 * percentile(xs, 50, interpolate=False)  # one that happened
+
+
 def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype,
-              cuda_graphs: bool | None = None, system: str = "vattn", compile: bool | str = False) -> dict:
+              cuda_graphs: bool | None = None, system: str = "vattn", compile: bool | str = False,
+              async_scheduling: bool | None = None) -> dict:
     from vattn import LLM, SamplingParams
 
     B, P, N = len(prompts), len(prompts[0]), args.max_tokens
     out: dict[str, Any] = {"system": system}
     llm = LLM(model, device=args.device, dtype=dtype, max_batch_size=B, max_context_len=P + N,
               max_num_batched_tokens=max(B * P, B), layout=args.layout, page_size=args.page_size,
-              cuda_graphs=cuda_graphs, compile=compile)
+              cuda_graphs=cuda_graphs, compile=compile, async_scheduling=async_scheduling)
+    out["async_scheduling"] = llm.async_scheduling
     try:
         first_logits: dict[int, torch.Tensor] = {}
         sampler = llm.runner.sampler
@@ -292,20 +323,24 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
     return out
 
 
-def interleaved(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype) -> dict:
-    """Eager against compiled vattn on a shared machine: both engines open at once (the same
-    model and requests, the default CUDA graphs), warmed up, then `--rounds` rounds in which
-    the two engines take turns step by step, each step timed by `StepTimer`. The ratio compiled
-    / eager of each pair of decode steps taken one after the other, and its median: a load that
-    comes and goes falls on both steps of a pair, not on one engine's whole run."""
+def interleaved(model: Any, prompts: list[list[int]], args: argparse.Namespace, dtype: torch.dtype,
+                variants: dict[str, dict[str, Any]]) -> dict:
+    """Two vattn engines on a shared machine (`variants`: name -> LLM arguments, the first the
+    baseline; e.g. eager and compiled, or synchronous and asynchronous scheduling): both open at
+    once (the same model and requests, the default CUDA graphs), warmed up, then `--rounds`
+    rounds in which they take turns step by step, each step timed by `StepTimer` (host time:
+    meant for the CPU, where one engine's step cannot overlap the other's). The ratio other /
+    baseline of each pair of decode steps taken one after the other, and its median: a load
+    that comes and goes falls on both steps of a pair, not on one engine's whole run."""
     from vattn import LLM, SamplingParams
 
     B, P, N = len(prompts), len(prompts[0]), args.max_tokens
     kw = dict(device=args.device, dtype=dtype, max_batch_size=B, max_context_len=P + N,
               max_num_batched_tokens=max(B * P, B), layout=args.layout, page_size=args.page_size)
-    engines = {"vattn": LLM(model, **kw)}
+    (base, base_kw), (other, other_kw) = variants.items()
+    engines = {base: LLM(model, **kw, **base_kw)}
     try:
-        engines["vattn_compiled"] = LLM(model, compile=args.compile_mode, **kw)
+        engines[other] = LLM(model, **kw, **other_kw)
         for llm in engines.values():  # warm-up: kernels, compiles, captures of this batch size
             llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
         timers = {name: StepTimer(llm, args.device) for name, llm in engines.items()}
@@ -320,23 +355,30 @@ def interleaved(model: Any, prompts: list[list[int]], args: argparse.Namespace, 
                 while any(llm.has_unfinished() for llm in engines.values()):
                     for llm in engines.values():  # one step each, in turn
                         llm.step()
-                for name in engines:
-                    decode[name] += timers[name].steps[1:]  # the prefill first
+                for name in engines:  # the decode steps: after the prefill, each with a forward
+                    decode[name] += [d for d in timers[name].steps[1:] if d.get("forward", 0) > 0]
         finally:
             for timer in timers.values():
                 timer.uninstall()
-        pairs = list(zip(decode["vattn"], decode["vattn_compiled"]))
-        compiled = engines["vattn_compiled"].runner.compiled
+        pairs = list(zip(decode[base], decode[other]))
 
         def med(xs: list[float]) -> float:
             return percentile(xs, 50, interpolate=False)
 
-        return dict(rounds=args.rounds, steps=len(pairs),
-                    step_ms={n: 1e3 * med([d["step"] for d in ds]) for n, ds in decode.items()},
-                    forward_ms={n: 1e3 * med([d["forward"] for d in ds]) for n, ds in decode.items()},
-                    step_ratio_median=med([c["step"] / e["step"] for e, c in pairs]),
-                    forward_ratio_median=med([c["forward"] / e["forward"] for e, c in pairs]),
-                    compile_s=compiled.compile_s, compiles=compiled.num_compiles, disabled=compiled.disabled_reason)
+        def outside(d: dict[str, float]) -> float:
+            return d["step"] - d["forward"]
+
+        res = dict(rounds=args.rounds, steps=len(pairs), baseline=base, other=other,
+                   step_ms={n: 1e3 * med([d["step"] for d in ds]) for n, ds in decode.items()},
+                   forward_ms={n: 1e3 * med([d["forward"] for d in ds]) for n, ds in decode.items()},
+                   outside_ms={n: 1e3 * med([outside(d) for d in ds]) for n, ds in decode.items()},
+                   step_ratio_median=med([o["step"] / b["step"] for b, o in pairs]),
+                   forward_ratio_median=med([o["forward"] / b["forward"] for b, o in pairs]),
+                   outside_ratio_median=med([outside(o) / outside(b) for b, o in pairs]))
+        compiled = engines[other].runner.compiled
+        if compiled is not None:
+            res.update(compile_s=compiled.compile_s, compiles=compiled.num_compiles, disabled=compiled.disabled_reason)
+        return res
     finally:
         for llm in engines.values():  # in the order they were made: the first puts the model's attention back
             llm.close()
@@ -492,6 +534,10 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
     if args.compile:
         runners.append(("vattn_compiled", lambda: run_vattn(model, prompts, args, dtype, None, "vattn_compiled",
                                                             args.compile_mode)))
+    if args.compare_async:  # the other side of the default (asynchronous on CUDA, synchronous on the host)
+        other = "vattn_sync" if args.device.startswith("cuda") else "vattn_async"
+        runners.append((other, lambda: run_vattn(model, prompts, args, dtype, system=other,
+                                                 async_scheduling=other == "vattn_async")))
     if not args.skip_hf:
         runners.append(("hf_generate", lambda: run_hf_generate(model, prompts, args)))
     if hf_cb and not args.skip_hf_cb and not args.skip_hf:
@@ -523,11 +569,11 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
         print(f"  {name} B={B} {system:24s} decode {r['decode_tok_s']:9.1f} tok/s"
               + (f" ({in_run:.1f} in-run)" if in_run else "") + f"  (t1 {r['t1_s']:.2f} s, tN {r['tN_s']:.2f} s)",
               flush=True)
-    for other in ("vattn_eager", "vattn_compiled"):
+    for other in ("vattn_eager", "vattn_compiled", *ASYNC_SYSTEMS):
         if "vattn" in tokens and other in tokens:
             res[f"vattn_vs_{other}"] = agreement(tokens["vattn"], tokens[other])
     if "hf_generate" in tokens:
-        for system in ("vattn", "vattn_eager", "vattn_compiled", "hf_continuous_batching"):
+        for system in ("vattn", "vattn_eager", "vattn_compiled", *ASYNC_SYSTEMS, "hf_continuous_batching"):
             if system in tokens:
                 res[f"{system}_vs_hf_generate"] = agreement(tokens[system], tokens["hf_generate"])
         for system in ("vattn", "vattn_compiled"):
@@ -536,12 +582,16 @@ def run_batch(name: str, model: Any, B: int, args: argparse.Namespace, dtype: to
                 res[f"first_token_logits_vattn{suffix}_vs_hf"] = logits_diff(logits[system], logits["hf_generate"])
     if copy_Bps:
         res["bound"] = decode_bound(model, B, args.prompt_len + N / 2, copy_Bps, res["systems"])
-    if args.compile and args.rounds:
-        try:
-            res["interleaved"] = interleaved(model, prompts, args, dtype)
-        except Exception as e:
-            traceback.print_exc()
-            res["errors"]["interleaved"] = f"{type(e).__name__}: {e}"
+    rounds = {"interleaved": args.compile and {"vattn": {}, "vattn_compiled": dict(compile=args.compile_mode)},
+              "interleaved_async": args.compare_async and {"vattn_sync": dict(async_scheduling=False),
+                                                           "vattn_async": dict(async_scheduling=True)}}
+    for key, variants in rounds.items():
+        if variants and args.rounds:
+            try:
+                res[key] = interleaved(model, prompts, args, dtype, variants)
+            except Exception as e:
+                traceback.print_exc()
+                res["errors"][key] = f"{type(e).__name__}: {e}"
     res["tokens_sample"] = {s: t[0][:16] for s, t in tokens.items()}
     return res
 
@@ -564,8 +614,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compile", action="store_true",
                     help="also run vattn with compile=True (system vattn_compiled; with CUDA graphs where they apply)")
     ap.add_argument("--compile-mode", default=True, help="what vattn_compiled passes as compile= (default True)")
+    ap.add_argument("--compare-async", action="store_true",
+                    help="also run vattn with the other async_scheduling than the default (system vattn_sync on CUDA, "
+                         "vattn_async on the host)")
     ap.add_argument("--rounds", type=int, default=0,
-                    help="with --compile: eager and compiled vattn open together, stepping in turn through this many runs")
+                    help="with --compile (--compare-async): eager and compiled (synchronous and asynchronous) vattn open "
+                         "together, stepping in turn through this many runs")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers' generate (and generate_batch)")
     ap.add_argument("--engine-overhead", action="store_true",
                     help="one more N-token vattn run, timing each iteration's step against its forward")
@@ -632,6 +686,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if cuda and kern is not None and kern not in GPU_KERNELS:  # its figures are SDPA's, not the varlen kernel's
                 failures.append(f"{r['model']} B={r['batch']} {system}: the attention kernel fell back to {kern!r} "
                                 "(see the RuntimeWarning in the log)")
+        for other in ASYNC_SYSTEMS:  # greedy tokens do not depend on the scheduling
+            a = r.get(f"vattn_vs_{other}")
+            if a and not a["equal"]:
+                failures.append(f"{r['model']} B={r['batch']} {other}: tokens differ from vattn's "
+                                f"({a['sequences_equal']}/{a['sequences']} sequences equal)")
         off = r["systems"].get("vattn_compiled", {}).get("compile", {}).get("disabled")
         if off:  # its figures are eager ones
             failures.append(f"{r['model']} B={r['batch']} vattn_compiled: compiling was turned off: {off}")
@@ -657,7 +716,8 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
                       f"{cc['compiles']} compile(s), {cc['graphs']} graph(s)" + (f", OFF: {cc['disabled']}"
                                                                               if cc["disabled"] else ""))
             if eo:
-                print(f"{r['model']} B={r['batch']} {system}: decode step {eo['step_ms_median']:.3f} ms (median), "
+                print(f"{r['model']} B={r['batch']} {system} (async_scheduling={s.get('async_scheduling')}, "
+                      f"{eo.get('method')}): decode step {eo['step_ms_median']:.3f} ms (median), "
                       f"outside the forward {eo['outside_ms_median']:.3f} ms = {100 * eo['outside_share']:.2f} % "
                       f"of the decode steps' time ({eo['iterations']} iterations); of it, ms: schedule "
                       f"{eo.get('schedule_ms_median', 0):.3f} (with cache.step "
@@ -667,7 +727,7 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
                 print(f"{r['model']} B={r['batch']} {system}: CUDA graphs: {cg['replays']} replays, sizes "
                       f"{cg['captured_sizes']}, capture s {cg['capture_s']}" + (f", OFF: {cg['disabled']}"
                                                                                if cg["disabled"] else ""))
-        for other in ("vattn_eager", "vattn_compiled"):
+        for other in ("vattn_eager", "vattn_compiled", *ASYNC_SYSTEMS):
             a = r.get(f"vattn_vs_{other}")
             if a:
                 print(f"{r['model']} B={r['batch']}: vattn tokens vs {other}: match {a['token_match']:.3f}, "
@@ -677,12 +737,15 @@ def table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
             if lg:
                 print(f"{r['model']} B={r['batch']}: first-token logits max |{system} - hf| {lg['max_abs_diff']:.4g} "
                       f"(|logits| <= {lg['logits_abs_max']:.3g}), argmax equal {lg['argmax_equal']:.3f}")
-        il = r.get("interleaved")
-        if il:
-            print(f"{r['model']} B={r['batch']}: interleaved ({il['rounds']} rounds, {il['steps']} pairs of decode "
-                  f"steps): compiled / eager, median of the pairs: step {il['step_ratio_median']:.3f}, forward "
-                  f"{il['forward_ratio_median']:.3f}; median step eager {il['step_ms']['vattn']:.3f} ms, compiled "
-                  f"{il['step_ms']['vattn_compiled']:.3f} ms")
+        for key in ("interleaved", "interleaved_async"):
+            il = r.get(key)
+            if il:
+                b, o = il["baseline"], il["other"]
+                print(f"{r['model']} B={r['batch']}: interleaved ({il['rounds']} rounds, {il['steps']} pairs of decode "
+                      f"steps): {o} / {b}, median of the pairs: step {il['step_ratio_median']:.3f}, forward "
+                      f"{il['forward_ratio_median']:.3f}, outside the forward {il['outside_ratio_median']:.3f}; "
+                      f"medians, ms: step {il['step_ms'][b]:.3f} / {il['step_ms'][o]:.3f}, outside the forward "
+                      f"{il['outside_ms'][b]:.3f} / {il['outside_ms'][o]:.3f}")
         bound = r.get("bound")
         if bound:
             print(f"{r['model']} B={r['batch']}: bandwidth bound {bound['bound_ms']:.3f} ms a decode step (weights "
@@ -720,8 +783,8 @@ def _plot(results: list[dict]) -> Any:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
     for ax, name in zip(axes[0], models):
         rs = [r for r in results if r["model"] == name]
-        for system, marker in (("vattn", "o"), ("vattn_eager", "x"), ("vattn_compiled", "D"), ("hf_generate", "s"),
-                               ("hf_continuous_batching", "^")):
+        for system, marker in (("vattn", "o"), ("vattn_eager", "x"), ("vattn_compiled", "D"), ("vattn_sync", "v"),
+                               ("vattn_async", "P"), ("hf_generate", "s"), ("hf_continuous_batching", "^")):
             pts = [(r["batch"], decode_tok_s(r["systems"][system])) for r in rs if system in r["systems"]]
             if pts:
                 ax.plot(*zip(*pts), marker=marker, label=system)

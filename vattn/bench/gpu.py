@@ -10,8 +10,10 @@ is left when they start as their own budget, after which they start no new case)
 - `overlap`: `vattn bench overlap --device cuda --modes sync background background-next premapped`;
 - `e2e`: end-to-end decode throughput, `vattn.LLM` (CUDA graphs, eager: `--compare-eager`, and
   compiled under CUDA graphs: `--compile`, on CUDA) vs transformers' `generate` and
-  `generate_batch`, the engine's time outside the forward (`--engine-overhead`), and each decode
-  step against its bandwidth bound (vattn/bench/_e2e.py).
+  `generate_batch`, the engine's time outside the forward (`--engine-overhead`: the GPU idle
+  between decode forwards) with asynchronous scheduling (the default on CUDA) and without
+  (`--compare-async`: system `vattn_sync`), and each decode step against its bandwidth bound
+  (vattn/bench/_e2e.py).
 Each part runs in a process of its own (unless `--in-process`): a CUDA error poisons the
 process's context for good, and a crash or a hang would take every later part with it; so
 a part that crashes, or outlives its hard limit (with `--budget-s`: its share of the time
@@ -64,8 +66,8 @@ def _argv(mod: ModuleType, part: str, args: argparse.Namespace, left: float | No
         argv.append("--quick")
     if part == "overlap" and "--modes" in options:  # the paper's claim: background as fast as all pages premapped
         argv += ["--modes", "sync", "background", "background-next", "premapped", "--repeats", "3"]
-    if part == "e2e":  # CUDA graphs against the eager engine, and compiled; the engine's time outside the forward
-        argv += ["--compare-eager", "--engine-overhead"]
+    if part == "e2e":  # CUDA graphs against the eager engine, and compiled; the engine's time outside the forward,
+        argv += ["--compare-eager", "--engine-overhead", "--compare-async"]  # scheduling asynchronously and not
         if args.device.startswith("cuda"):  # (the CPU run checks the harness: compiling a model takes minutes there)
             argv.append("--compile")
     if left is not None and part in BUDGET_SHARE and "--budget-s" in options:

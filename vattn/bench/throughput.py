@@ -2,7 +2,9 @@
 
 Three systems serve the same greedy requests, one after another in one run:
 - `vattn`: `vattn.LLM` (continuous batching on the vattn cache, `max_batch_size` slots, prefill
-  chunks within `max_num_batched_tokens`);
+  chunks within `max_num_batched_tokens`; its default `async_scheduling`: synchronous on the
+  host, asynchronous on CUDA); `vattn_async` and `vattn_sync` (`--systems`, not run by default):
+  the same with `async_scheduling=True` / `False`;
 - `hf_generate`: `model.generate` with its dynamic cache, static batches of `max_batch_size`
   requests in arrival order, left-padded; a batch runs until its longest request is done (the
   tokens past a request's `max_tokens` are computed and dropped: static batching's cost);
@@ -40,7 +42,8 @@ HELP = "vattn.LLM prefill/decode tokens/s against transformers' generate and gen
 NEEDS_GPU = False
 
 WORKLOADS = ("mixed", "equal")
-SYSTEMS = ("vattn", "hf_generate", "hf_cb")
+SYSTEMS = ("vattn", "hf_generate", "hf_cb")  # the default run
+VATTN_VARIANTS = {"vattn": None, "vattn_async": True, "vattn_sync": False}  # system -> LLM(async_scheduling=)
 
 Requests = list[tuple[list[int], int]]  # (prompt token ids, max new tokens)
 
@@ -48,7 +51,7 @@ Requests = list[tuple[list[int], int]]  # (prompt token ids, max new tokens)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=[*VATTN_VARIANTS, *SYSTEMS[1:]])
     p.add_argument("--requests", type=int, default=32, help="mixed: number of requests")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
                    help="mixed: prompt lengths, uniform in [MIN, MAX]")
@@ -107,12 +110,14 @@ class _Timer:
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
-def run_vattn(model: Any, reqs: Requests, args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
+def run_vattn(model: Any, reqs: Requests, args: argparse.Namespace, device: str, dtype: torch.dtype,
+              async_scheduling: bool | None = None) -> dict:
     from vattn import LLM, SamplingParams
 
     max_len = max(len(p) + n for p, n in reqs)
     llm = LLM(model, device=device, dtype=dtype, max_batch_size=args.max_batch_size, max_context_len=max_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, attention=args.attention)
+              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, attention=args.attention,
+              async_scheduling=async_scheduling)
     forward = [0.0, 0]  # seconds in the model's forward, forwards
 
     def pre(module: Any, inputs: Any) -> None:
@@ -149,7 +154,7 @@ def run_vattn(model: Any, reqs: Requests, args: argparse.Namespace, device: str,
         overhead = dict(iterations=step[1], step_ms=1e3 * step[0] / max(step[1], 1),
                         forward_ms=1e3 * forward[0] / max(forward[1], 1),
                         outside_forward_ms=1e3 * (step[0] - forward[0]) / max(step[1], 1),
-                        kernel=llm.runner.kernel.name)
+                        kernel=llm.runner.kernel.name, async_scheduling=llm.async_scheduling)
     finally:
         for h in hooks:
             h.remove()
@@ -252,8 +257,8 @@ def run(args: argparse.Namespace) -> dict:
         tokens: dict[str, list[list[int]]] = {}
         for s in run_systems:
             bar.set_postfix_str(f"{w}: {s}")
-            if s == "vattn":
-                r = run_vattn(model, reqs, args, device, dtype)
+            if s in VATTN_VARIANTS:
+                r = run_vattn(model, reqs, args, device, dtype, VATTN_VARIANTS[s])
             elif s == "hf_generate":
                 r = run_hf_generate(model, reqs, args, device)
             else:
@@ -303,7 +308,8 @@ def plot(result: dict) -> Any:
 
     workloads = list(result["workloads"])
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    colors = {"vattn": "tab:blue", "hf_generate": "tab:orange", "hf_cb": "tab:green"}
+    colors = {"vattn": "tab:blue", "vattn_async": "tab:cyan", "vattn_sync": "tab:purple", "hf_generate": "tab:orange",
+              "hf_cb": "tab:green"}
     for ax, key, label in zip(axes, ("prefill_tok_s", "decode_tok_s", "output_tok_s"),
                               ("prefill tokens/s", "decode tokens/s", "output tokens/s (end to end)")):
         for j, w in enumerate(workloads):

@@ -48,7 +48,12 @@ class EngineConfig:
     where they cannot), False = never), compile (the model's forward under `torch.compile`, attention
     one opaque op, see `vattn.engine.compile`: False = eager, True = inductor's default mode, or a
     mode name of `vattn.engine.compile.COMPILE_MODES`; with cuda_graphs the graphs capture the
-    compiled forward; not with recurrent states or tensor parallelism).
+    compiled forward; not with recurrent states or tensor parallelism), async_scheduling (the host
+    schedules iteration N+1 and launches it before it takes N's outputs, N's sampled tokens feeding
+    N+1's inputs on the device, so the host's work hides under the device's: None = where it
+    hides something (CUDA, one rank), True = always (on the host's CPU, and under tensor
+    parallelism where rank 0's tokens reach the other ranks on the host, the same outputs with
+    nothing hidden), False = never; see `LLM.step`).
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
     heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`; prefix
     caching and both preemption modes work, their per-rank outcomes agreed between the
@@ -80,6 +85,7 @@ class EngineConfig:
     budget: Any = None  # a vattn.Budget (compared by identity)
     cuda_graphs: bool | None = None
     compile: bool | str = False
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.budget is not None and not isinstance(self.budget, Budget):
@@ -91,8 +97,10 @@ class EngineConfig:
         checks.one_of(self.layout, "layout", LAYOUTS)
         for name in ("background", "prefetch", "enable_prefix_caching"):
             checks.flag(getattr(self, name), name)
-        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
-            raise InvalidConfigError(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "async_scheduling"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidConfigError(f"{name} must be None, True or False, got {value!r}")
         parse_compile(self.compile)
         object.__setattr__(self, "device", checks.device(self.device, optional=True))
         if self.dtype is not None:
@@ -136,6 +144,13 @@ class EngineConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs or self.max_batch_size,
                                max_num_batched_tokens=self.max_num_batched_tokens,
                                preemption_mode=self.preemption_mode)
+
+    def uses_async_scheduling(self) -> bool:
+        """Whether the engine schedules asynchronously (`async_scheduling`: None = on CUDA with
+        one rank, where the device runs while the host works)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.torch_device().type == "cuda" and self.tensor_parallel_size == 1
 
     def torch_device(self) -> torch.device:
         if self.device is not None:

@@ -11,6 +11,7 @@ and read only mapped pages, and their logits are dropped.
 ```
 static buffers (size max_size), refilled before each replay of graph b:
   input_ids [1, b]  positions [b]  slot_ids [b]       <- rows S..b-1 repeat row S-1
+                    (a token still in flight is read on the device from the previous iteration's)
   cu_seqlens_q [b+1] = 0..b (constant)  cu_seqlens_k [b+1]  seqused_k [b]
 graph b: model(input_ids, positions) with the varlen kernel's max_seqlen_k = max_context_len
          -> logits [b, V]  (rows 0..S-1 are the batch's)
@@ -36,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, forward_context
+from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, forward_context, to_device
 from vattn.errors import InvalidConfigError
 
 logger = logging.getLogger(__name__)
@@ -112,15 +113,18 @@ class DecodeGraphs:
         return (self.disabled_reason is None and kernel.name in GRAPH_KERNELS and "decode" in kernel.verified
                 and num_seqs <= self.sizes[-1])
 
-    def run(self, slots: list[int], starts: list[int], tokens: list[int]) -> torch.Tensor | None:
+    def run(self, slots: list[int], starts: list[int], tokens: list[int],
+            placeholders: Sequence[tuple[int, int]] = (), fed: torch.Tensor | None = None) -> torch.Tensor | None:
         """One decode step of S sequences (slot-ascending): each writes its token at
-        position starts[i] of slots[i]. Returns the logits `[S, V]` (a view of the graph's
-        output: read it before the next replay), or None when the capture failed (graphs
-        are off from then on; run the iteration eagerly)."""
+        position starts[i] of slots[i]; the rows of `placeholders` (row, r) read their token on
+        the device, `fed[r]` (the previous iteration's sampled tokens `[S']`).
+        Returns the logits `[S, V]` (a view of the graph's output: read it before the next
+        replay), or None when the capture failed (graphs are off from then on; run the
+        iteration eagerly)."""
         S = len(slots)
         b = padded_size(S, self.sizes)
         assert b is not None and slots == sorted(slots), "DecodeGraphs.run: see usable()"
-        self._fill(slots, starts, tokens, b)
+        self._fill(slots, starts, tokens, b, placeholders, fed)
         if b not in self._graphs and not self._capture(b, slots, starts):
             return None
         logits = self._replay(b)
@@ -133,16 +137,28 @@ class DecodeGraphs:
         graph.replay()
         return logits
 
-    def _fill(self, slots: list[int], starts: list[int], tokens: list[int], b: int) -> None:
+    def _fill(self, slots: list[int], starts: list[int], tokens: list[int], b: int,
+              placeholders: Sequence[tuple[int, int]] = (), fed: torch.Tensor | None = None) -> None:
         """Write the batch into the static buffers, padded to b rows: one host-to-device
-        copy, then device copies into the buffers of each dtype."""
-        pad = b - len(slots)
+        copy (from pinned memory: it does not wait for the iteration in flight), then device
+        copies into the buffers of each dtype; the rows of `placeholders` take their token
+        from `fed`, on the device."""
+        S, pad = len(slots), b - len(slots)
         slots, starts, tokens = slots + slots[-1:] * pad, starts + starts[-1:] * pad, tokens + tokens[-1:] * pad
         st = self.target.slot_tokens
         ends = [s * st for s in slots] + [slots[-1] * st + starts[-1] + 1]
-        rows = torch.tensor([tokens + [0], starts + [0], slots + [0], ends, [n + 1 for n in starts] + [0]])  # [5, b + 1]
-        x = rows.to(self.positions.device)  # from pageable memory: the host copy is free again on return
-        self.input_ids[0, :b].copy_(x[0, :b])
+        table = [tokens + [0], starts + [0], slots + [0], ends, [n + 1 for n in starts] + [0]]
+        if placeholders:  # row i reads fed[feed[i]] when feed[i] >= 0
+            feed = [-1] * S
+            for row, r in placeholders:
+                feed[row] = r
+            table.append(feed + feed[-1:] * pad + [-1])
+        x = to_device(table, self.positions.device)  # [5 or 6, b + 1]
+        if placeholders:  # tokens in flight: the previous iteration's, on the device
+            src = x[5, :b]
+            self.input_ids[0, :b].copy_(torch.where(src >= 0, fed[src.clamp(min=0)], x[0, :b]))
+        else:
+            self.input_ids[0, :b].copy_(x[0, :b])
         self.positions[:b].copy_(x[1, :b])
         self.slot_ids[:b].copy_(x[2, :b])
         self.slots[:b].copy_(x[2, :b])

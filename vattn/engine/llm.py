@@ -19,6 +19,7 @@ import logging
 import operator
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +29,10 @@ import torch
 
 from vattn.checks import is_int
 from vattn.engine.config import EngineConfig
-from vattn.engine.model_runner import LoadedModel, ModelRunner, RunOutput, load_model, prefix_salt
+from vattn.engine.model_runner import InFlight, LoadedModel, ModelRunner, load_model, prefix_salt
 from vattn.engine.parallel import AgreedSlots, TensorParallel, TPModelRunner
 from vattn.engine.sampling_params import SamplingParams
-from vattn.engine.scheduler import Scheduler, SchedulerOutput
+from vattn.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
 from vattn.idle import IdleTrim
@@ -146,6 +147,10 @@ class LLM:
         self.max_context_len = self.runner.max_context_len
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
+        # iterations launched whose outputs were not taken yet, oldest first; at most `_depth`
+        # stay in flight when step() returns: 1 with asynchronous scheduling, else 0
+        self._in_flight: deque[tuple[list[ScheduledSequence], InFlight]] = deque()
+        self._depth = 1 if self.config.uses_async_scheduling() else 0
         self._lock = threading.Lock()
         self._closed = False
         self._generating: int | None = None  # the thread in generate, if any
@@ -197,7 +202,14 @@ class LLM:
         """One iteration: schedule -> run the model -> postprocess. Returns the outputs of
         the requests that got a token or finished in it (and final outputs not returned
         yet: aborts, those generate() read for others). With tensor parallelism every rank
-        must call it; ranks other than 0 return []."""
+        must call it; ranks other than 0 return [].
+
+        With asynchronous scheduling (`EngineConfig.async_scheduling`) the outputs are those
+        of the iteration before: step N+1 schedules and launches N+1 (its decodes read N's
+        sampled tokens on the device), then takes N's outputs while N+1 runs. A request that
+        N finishes (a stop token, max_tokens; or aborted meanwhile) drops the token N+1
+        computed for it. A step that has nothing to launch, or no request left unfinished,
+        takes every output in flight."""
         outputs = self._step()
         return outputs if self.is_output_rank else []
 
@@ -210,14 +222,10 @@ class LLM:
         with self._lock:
             self._check_open()
             self._trim_if_idle()
-            if self.tp is not None:  # the schedule's digest rides on its control messages
-                self.tp.begin_iteration(self.scheduler)
-            batch = self.scheduler.schedule()
-            if self.tp is not None:  # none carried it (nothing scheduled): it goes alone
-                self.tp.check_schedule()
-            self._report_finished(batch.finished)  # before the run: kept even if it is interrupted
-            output = self.runner.run(batch.scheduled)
-            outputs = self._postprocess(batch, output)
+            batch = self._schedule()
+            if batch.scheduled:
+                self._launch(batch)  # on the device; with async scheduling it runs on after this step
+            outputs = self._postprocess(drain=not batch.scheduled)  # with async: the iteration before's
             self._note_idle()
             return outputs
 
@@ -287,6 +295,11 @@ class LLM:
             return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.block_tokens)
 
     @property
+    def async_scheduling(self) -> bool:
+        """Whether the engine schedules asynchronously (`EngineConfig.async_scheduling`, see `step`)."""
+        return self._depth > 0
+
+    @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
@@ -311,6 +324,7 @@ class LLM:
             if not self._closed:
                 self._closed = True
                 self.idle.stop()
+                self._in_flight.clear()  # (the runner waits for the device before it closes the cache)
                 try:
                     self.runner.close()
                 finally:
@@ -405,14 +419,38 @@ class LLM:
                 self._release(samples)
                 self._unclaimed.append(self._output(samples))
 
-    def _postprocess(self, batch: SchedulerOutput, output: RunOutput) -> list[RequestOutput]:
-        changed = self.scheduler.postprocess(batch.scheduled, output.tokens, output.errors)
+    def _schedule(self) -> SchedulerOutput:
+        """The next iteration's batch, backed by the cache (under tensor parallelism the same
+        on every rank, checked); requests it had to fail are reported."""
+        if self.tp is not None:  # the schedule's digest rides on its control messages
+            self.tp.begin_iteration(self.scheduler)
+        batch = self.scheduler.schedule()
+        if self.tp is not None:  # none carried it (nothing scheduled): it goes alone
+            self.tp.check_schedule()
+        self._report_finished(batch.finished)  # before the run: kept even if it is interrupted
+        return batch
+
+    def _launch(self, batch: SchedulerOutput) -> None:
+        """Queue the model's iteration on the device and count its tokens computed (its samples
+        are placeholders until its outputs are taken: `_postprocess`)."""
+        run = self.runner.launch(batch.scheduled)
+        self.scheduler.commit(batch.scheduled, run.errors)
+        self._in_flight.append((batch.scheduled, run))
+
+    def _postprocess(self, drain: bool = False) -> list[RequestOutput]:
+        """Final outputs not returned yet, and those of the iterations launched, oldest first,
+        until `_depth` are left in flight (none when `drain`, or when no request is left
+        unfinished: what is in flight would only be dropped)."""
         outputs, self._unclaimed = self._unclaimed, []
-        for samples in _requests_of(changed):
-            out = self._output(samples)
-            if out.finished:
-                self._release(samples)
-            outputs.append(out)
+        while self._in_flight and (drain or len(self._in_flight) > self._depth or not self.scheduler.has_unfinished()):
+            scheduled, run = self._in_flight.popleft()
+            result = run.result()  # waits for the device
+            changed = self.scheduler.postprocess(scheduled, result.tokens, result.errors)
+            for samples in _requests_of(changed):
+                out = self._output(samples)
+                if out.finished:
+                    self._release(samples)
+                outputs.append(out)
         return outputs
 
     def _release(self, samples: list[Sequence]) -> None:

@@ -8,7 +8,19 @@ forward context. Logits are computed only for the last token of each sequence th
 samples this iteration (`logits_to_keep`); a sequence whose prompt ends this iteration
 with PENDING samples (parallel sampling) lends its row to each of them.
 
-Failures (see `ModelRunner.run`): one request's sampling that raises fails that request
+`launch` queues the forward and the sampling on the device and returns at once (`InFlight`):
+the sampled tokens stay on the device, where the next iteration's inputs read them, and a
+copy to the host is under way; `InFlight.result()` waits for it. A sequence whose last token
+is still a placeholder (asynchronous scheduling: `Sequence.num_placeholders`) gets it from the
+tokens of the iteration launched before, on the device:
+```
+input_ids [T] (host)     [ 17  4  9 | 0 | 0 | 3 ... ]   0: a placeholder, `feed` row r >= 0
+feed      [T] (host)     [ -1 -1 -1 | 2 | 0 |-1 ... ]
+ids on the device = where(feed >= 0, previous tokens [S'] at feed, input_ids)
+```
+On the host (the CPU backend) the forward has run when `launch` returns.
+
+Failures (see `ModelRunner.launch`): one request's sampling that raises fails that request
 only; a forward that raises cannot be pinned on one request, so every sequence of the
 batch is run again alone, and only those that fail alone fail.
 """
@@ -22,7 +34,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vattn.attention import AttentionKernel, AttentionMetadata, ForwardContext, forward_context, select_kernel
+from vattn.attention import (AttentionKernel, AttentionMetadata, ForwardContext, forward_context, select_kernel,
+                             to_device)
 from vattn.cache import KVCache
 from vattn.engine.compile import CompiledForward, compile_mode
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
@@ -43,6 +56,52 @@ class RunOutput(NamedTuple):
 
     tokens: dict[SeqId, int]  # the sampled token of every sequence whose computed tokens reached its end
     errors: dict[SeqId, str]  # why a sequence failed (it finishes with "error"); its tokens are not computed
+
+
+class Sampled(NamedTuple):
+    """What sampling rows of logits gave, on the device."""
+
+    seq_ids: list[SeqId]  # the sequence of each row
+    tokens: torch.Tensor | None  # [S] int64 on the device, one token a row (0 in a row that failed); None: no row
+    errors: dict[SeqId, str]  # sequences that failed (their rows' tokens mean nothing)
+
+    @staticmethod
+    def merge(parts: list[Sampled]) -> Sampled:
+        """The rows of `parts` one after the other, and all their errors."""
+        tokens = [p.tokens for p in parts if p.tokens is not None]
+        return Sampled([sid for p in parts for sid in p.seq_ids], torch.cat(tokens) if tokens else None,
+                       {sid: e for p in parts for sid, e in p.errors.items()})
+
+
+NOTHING_SAMPLED = Sampled([], None, {})
+
+
+class InFlight:
+    """An iteration launched on the device (`ModelRunner.launch`): its sampled tokens stay
+    there (`tokens`: the next iteration's inputs read them) while a copy goes to the host;
+    `result()` waits for that copy. What failed at launch is known at once (`errors`)."""
+
+    def __init__(self, sampled: Sampled) -> None:
+        self.rows = {sid: row for row, sid in enumerate(sampled.seq_ids)}  # each sampled sequence's row
+        self.tokens = sampled.tokens  # [S] int64 on the device, or None
+        self.errors = sampled.errors
+        self._host = self.tokens  # on CUDA a pinned copy, written when the device gets there
+        self._copied: Any = None  # the CUDA event after that copy
+        if self.tokens is not None and self.tokens.device.type == "cuda":
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> RunOutput:
+        """The sampled tokens as ints (waiting for the device), and the errors."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        ids = self._host.tolist() if self._host is not None else []
+        errors = self.errors
+        return RunOutput({sid: ids[row] for sid, row in self.rows.items() if sid not in errors}, errors)
+
+
 
 
 class LoadedModel(NamedTuple):
@@ -148,16 +207,17 @@ def _check_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """Row-wise argmax of `[S, V]` float32 logits as ints: the first maximum of each row, a NaN
-    counting as the maximum (torch.argmax's rules). On the CPU numpy's vectorized argmax does it
-    (about 20x faster than torch's CPU argmax at V = 32000); elsewhere torch's."""
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of `[S, V]` float32 logits: `[S]` int64 on their device, the first maximum
+    of each row, a NaN counting as the maximum (torch.argmax's rules). On the CPU numpy's
+    vectorized argmax does it (about 20x faster than torch's CPU argmax at V = 32000); elsewhere
+    torch's."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         try:
-            return logits.numpy().argmax(-1).tolist()
+            return torch.from_numpy(logits.numpy().argmax(-1).astype("int64", copy=False))
         except RuntimeError:  # torch built without numpy
             pass
-    return logits.argmax(dim=-1).tolist()
+    return logits.argmax(dim=-1)
 
 
 class Sampler:
@@ -182,26 +242,29 @@ class Sampler:
     def release(self, seq_id: SeqId) -> None:
         self.generators.pop(seq_id, None)
 
-    def sample(self, logits: torch.Tensor, seq_ids: list[SeqId], params: list[SamplingParams]) -> RunOutput:
-        """logits `[S, V]` -> one token per row. A row whose sampling raises (e.g. NaN
-        logits) is reported in `errors`; the other rows keep their tokens."""
+    def sample(self, logits: torch.Tensor, seq_ids: list[SeqId], params: list[SamplingParams]) -> Sampled:
+        """logits `[S, V]` -> one token per row, on the device (nothing waits for it). A row
+        whose sampling raises (e.g. NaN logits) is reported in `errors`; the other rows keep
+        their tokens."""
         logits = logits.float()
-        greedy = argmax_rows(logits) if any(p.greedy for p in params) else []  # [S]: greedy rows are done
-        tokens: dict[SeqId, int] = {}
+        greedy = any(p.greedy for p in params)
+        tokens = argmax_tokens(logits) if greedy else torch.zeros(len(seq_ids), dtype=torch.long, device=logits.device)
         errors: dict[SeqId, str] = {}
-        for i, (sid, p) in enumerate(zip(seq_ids, params)):
-            if p.greedy:
-                tokens[sid] = greedy[i]
-                continue
-            try:
-                tokens[sid] = self.sample_one(logits[i], sid, p)
-            except Exception as e:  # noqa: BLE001 - this sequence fails, not the batch
-                logger.warning("vattn: sampling request %d (sample %d) failed", sid[0], sid[1], exc_info=True)
-                errors[sid] = f"sampling request {sid[0]} failed: {type(e).__name__}: {e}"
-        return RunOutput(tokens, errors)
+        if not greedy or not all(p.greedy for p in params):
+            for i, (sid, p) in enumerate(zip(seq_ids, params)):
+                if p.greedy:  # greedy rows are done
+                    continue
+                try:
+                    tokens[i] = self.sample_one(logits[i], sid, p)
+                except Exception as e:  # noqa: BLE001 - this sequence fails, not the batch
+                    logger.warning("vattn: sampling request %d (sample %d) failed", sid[0], sid[1], exc_info=True)
+                    errors[sid] = f"sampling request {sid[0]} failed: {type(e).__name__}: {e}"
+                    tokens[i] = 0  # a valid id: the next iteration may read it before the error is seen
+        return Sampled(list(seq_ids), tokens, errors)
 
-    def sample_one(self, logits: torch.Tensor, seq_id: SeqId, p: SamplingParams) -> int:
-        """logits `[V]` of one sequence -> its next token, with temperature, top-k, top-p."""
+    def sample_one(self, logits: torch.Tensor, seq_id: SeqId, p: SamplingParams) -> torch.Tensor | int:
+        """logits `[V]` of one sequence -> its next token (a 0-d tensor on the device), with
+        temperature, top-k, top-p."""
         x = logits / p.temperature  # [V]
         if p.top_k > 0 and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
@@ -214,7 +277,7 @@ class Sampler:
             drop[order] = drop_sorted
             x = x.masked_fill(drop, float("-inf"))
         probs = x.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator(seq_id, p))[0])
+        return torch.multinomial(probs, 1, generator=self.generator(seq_id, p))[0]
 
 
 class ModelRunner:
@@ -277,6 +340,8 @@ class ModelRunner:
             self.k_caches[layer], self.v_caches[layer] = self.cache.k_cache(i), self.cache.v_cache(i)
         self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
         self.sampler = Sampler(self.device, config.seed)
+        self._last: InFlight | None = None  # the iteration launched last: its tokens feed the next one's placeholders
+        self.num_fed_tokens = 0  # input tokens read on the device from the iteration before (async scheduling)
         self.compiled = (CompiledForward(self.model, compiled, [c for c in self.k_caches + self.v_caches if c is not None])
                          if compiled else None)  # vattn.engine.compile
         self.graphs = self._decode_graphs(config)
@@ -318,10 +383,11 @@ class ModelRunner:
         return GraphTarget(self.logits, self.kernel, self.k_caches, self.v_caches, self.device, self.slot_tokens,
                            self.max_context_len, self.cache.synchronize)
 
-    def run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
-        """One forward over the batch, then sampling. Returns the sampled token of every
-        sequence whose computed tokens reach its end this iteration, and the sequences that
-        failed.
+    def launch(self, scheduled: list[ScheduledSequence]) -> InFlight:
+        """Launch one iteration: the forward over the batch and its sampling, queued on the
+        device. Returns at once with its tokens there (`InFlight`; the next launch reads the
+        placeholders of its batch from them); `result()` gives the sampled token of every
+        sequence whose computed tokens reach its end, and the sequences that failed.
 
         Never raises an `Exception` for a failure inside the iteration:
         - a sequence whose sampling raises is in `errors`; the others keep their tokens;
@@ -330,72 +396,90 @@ class ModelRunner:
           whose solo run raises too are in `errors`, the others continue with their solo
           results. Every sequence thus gets two tries, and one bad request cannot fail the
           others. K/V written by a failed run sits at the positions the retry writes again
-          (nothing is committed until the engine's postprocess), so retrying is sound.
-        """
-        if not scheduled:
-            return RunOutput({}, {})
+          (nothing counts as computed before `launch` returns), so retrying is sound.
+        Failures are host exceptions, known when `launch` returns (`InFlight.errors`)."""
+        self._last = InFlight(self._launch(scheduled) if scheduled else NOTHING_SAMPLED)
+        return self._last
+
+    def _launch(self, scheduled: list[ScheduledSequence]) -> Sampled:
         try:
             return self._run(scheduled)
-        except Exception as e:  # noqa: BLE001 - see the docstring
+        except Exception as e:  # noqa: BLE001 - see launch's docstring
             if not self.rerun_alone:  # states were updated in place by the layers that ran: no retry
                 return self._fail_all(scheduled, e)
             logger.warning("vattn: the forward of a batch of %d sequences failed (%s: %s); "
                            "running each alone", len(scheduled), type(e).__name__, e)
-        tokens: dict[SeqId, int] = {}
-        errors: dict[SeqId, str] = {}
+        parts: list[Sampled] = []
         for item in scheduled:
             rid = item.seq.request_id
             try:
-                out = self._run([item])
+                parts.append(self._run([item]))
             except Exception as e:  # noqa: BLE001
                 logger.warning("vattn: request %d failed when run alone", rid, exc_info=True)
                 msg = (f"the model's forward raised for request {rid} in its batch of {len(scheduled)} "
                        f"and again when it ran alone: {type(e).__name__}: {e}")
-                errors.update(dict.fromkeys([s.seq_id for s in (item.seq, *item.fan_out)], msg))
-                continue
-            tokens.update(out.tokens)
-            errors.update(out.errors)
-        return RunOutput(tokens, errors)
+                parts.append(Sampled([], None, dict.fromkeys([s.seq_id for s in (item.seq, *item.fan_out)], msg)))
+        return Sampled.merge(parts)
 
-    def _fail_all(self, scheduled: list[ScheduledSequence], e: Exception) -> RunOutput:
+    def _fail_all(self, scheduled: list[ScheduledSequence], e: Exception) -> Sampled:
         """A model with recurrent states cannot run a failed batch again: the layers that ran
         advanced its states. Every sequence of the batch fails."""
         logger.warning("vattn: the forward of a batch of %d sequences failed", len(scheduled), exc_info=True)
         msg = (f"the model's forward raised ({type(e).__name__}: {e}); with recurrent states it is not run again "
                "(the states of the layers that ran moved on)")
-        return RunOutput({}, {s.seq_id: msg for item in scheduled for s in (item.seq, *item.fan_out)})
+        return Sampled([], None, {s.seq_id: msg for item in scheduled for s in (item.seq, *item.fan_out)})
 
     @torch.inference_mode()
-    def _run(self, scheduled: list[ScheduledSequence]) -> RunOutput:
+    def _run(self, scheduled: list[ScheduledSequence]) -> Sampled:
         batch = sorted(scheduled, key=lambda s: s.seq.slot)  # slot-ascending for the varlen kernel
         input_ids: list[int] = []
+        placeholders: list[tuple[int, int]] = []  # (packed position, its row of the previous iteration's tokens)
         sample_rows: list[int] = []  # packed positions whose logits are computed
         rows: list[int] = []  # per sampled sequence, its row of those logits
         sampling = []
         for s in batch:
-            start, n = s.seq.num_computed_tokens, s.num_new_tokens
-            input_ids += s.seq.token_ids[start:start + n]
-            if start + n == s.seq.num_tokens:
+            seq = s.seq
+            start, n = seq.num_computed_tokens, s.num_new_tokens
+            input_ids += seq.token_ids[start:start + n]
+            if start + n > len(seq.token_ids):  # its last token is the sample of the iteration in flight
+                placeholders.append((len(input_ids), self._last.rows[seq.seq_id]))
+                input_ids.append(0)  # read on the device (feed)
+            if start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
-                for seq in (s.seq, *s.fan_out):  # a fan-out: every sample draws from this row
+                for x in (seq, *s.fan_out):  # a fan-out: every sample draws from this row
                     rows.append(len(sample_rows) - 1)
-                    sampling.append(seq)
+                    sampling.append(x)
+        fed = self._last.tokens if placeholders else None  # [S'] on the device
+        self.num_fed_tokens += len(placeholders)
         slots, starts = [s.seq.slot for s in batch], [s.seq.num_computed_tokens for s in batch]
         logits = None
         if (self.graphs is not None and len(sample_rows) == len(batch) == len(input_ids)
                 and self.graphs.usable(len(batch))):  # a decode: every sequence 1 token, every one samples
-            logits = self.graphs.run(slots, starts, input_ids)  # [S, V]; None: the capture failed, run eagerly
+            logits = self.graphs.run(slots, starts, input_ids, placeholders, fed)  # [S, V]; None: the capture failed, run eagerly
         if logits is None:
             meta = AttentionMetadata.build(slots, starts, [s.num_new_tokens for s in batch], self.slot_tokens,
                                            self.device)
-            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
-            keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)  # [S]
-            logits = self._forward(ids, keep, meta)  # [S, V]
+            ids = self._input_ids(input_ids, placeholders, fed)  # [T]
+            keep = to_device(sample_rows, self.device)  # [S]
+            logits = self._forward(ids[None], keep, meta)  # [S, V]
         if not sampling:
-            return RunOutput({}, {})
+            return NOTHING_SAMPLED
         if len(rows) != len(sample_rows):
-            logits = logits[torch.tensor(rows, device=logits.device)]  # [S', V]: fan-out rows repeated
+            logits = logits[to_device(rows, logits.device)]  # [S', V]: fan-out rows repeated
         return self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
+
+    def _input_ids(self, input_ids: list[int], placeholders: list[tuple[int, int]],
+                   fed: torch.Tensor | None) -> torch.Tensor:
+        """The packed tokens `[T]` on the device, each placeholder (position, row) the row of
+        `fed` (the previous iteration's sampled tokens `[S']`, on the device)."""
+        if not placeholders:
+            return to_device(input_ids, self.device)
+        if len(placeholders) == len(input_ids):  # a decode of the tokens in flight: all of them read there
+            return fed[to_device([row for _, row in placeholders], self.device)]
+        ids = to_device(input_ids, self.device)
+        where = to_device([[pos for pos, _ in placeholders], [row for _, row in placeholders]], self.device)  # [2, F]
+        ids[where[0]] = fed[where[1]]
+        return ids
 
     def _forward(self, ids: torch.Tensor, keep: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward outside CUDA graphs (compiled or eager): ids `[1, T]` packed
@@ -409,6 +493,10 @@ class ModelRunner:
 
     def close(self) -> None:
         from vattn.integrations.hf import restore_attention
+
+        if self._last is not None:  # nothing may write into the cache once it is closed
+            self._last.result()
+            self._last = None
 
         restore_attention(self.model, self.previous_attention)
         if self.graphs is not None:

@@ -1,7 +1,8 @@
 """`Scheduler`: continuous batching over vattn slots. Plain Python, no torch.
 
 It owns the sequence state machine: `schedule` picks an iteration's tokens and backs them
-with pages, `postprocess` accounts for what the iteration computed and sampled.
+with pages, `commit` counts them computed once the iteration is launched, `postprocess`
+takes the tokens it sampled.
 
 ```
             add            admit (slot)            finish
@@ -54,6 +55,18 @@ sequence's prompt is computed, the pages of its whole prompt blocks (whole token
 pages) are pinned in the cache (`insert`); a sequence preempted for memory pins the whole
 blocks of everything it computed, so that its recomputation maps them back unless memory
 pressure evicted them first (least recently used first).
+
+Asynchronous scheduling (the engine's `EngineConfig.async_scheduling`): the engine schedules
+and launches iteration N+1 before it takes N's outputs. `commit` has counted N's tokens
+computed and given each sequence that samples in N a placeholder (`Sequence.num_placeholders`),
+so N+1 decodes it (its input is read on the device). `postprocess` of N then replaces the
+placeholder with the token; a sequence that stops there (a stop token, max_tokens), or was
+aborted meanwhile, is finished and the token N+1 computed for it is dropped. A sequence whose
+placeholder already makes max_tokens, or whose iteration failed (`commit` sets its `error`), is
+not scheduled: nothing it could compute would be kept. One that `schedule` must fail (it cannot
+fit even alone; the cache failed again) while its token is in flight keeps its `error` and its
+slot until `postprocess` has taken that token, so it ends with the tokens it would have had.
+Synchronous scheduling is the same calls with `postprocess` right after `commit`.
 
 When `kv.step` raises (a `BackendError`, the host's mapping limit, ...), the failure
 belongs to no one request: the iteration runs nothing, and every sequence it had
@@ -213,8 +226,12 @@ class Scheduler:
         """Pick this iteration's sequences and token counts, and back them with pages."""
         budget = self.config.max_num_batched_tokens
         plan: list[ScheduledSequence] = []
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prompts = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        decodes: list[Sequence] = []
+        prompts: list[Sequence] = []
+        for seq in self.running:
+            if seq.error is not None or (seq.num_placeholders and seq.num_output_tokens >= seq.params.max_tokens):
+                continue  # an iteration in flight ends it (its error, or its last token): nothing more to compute
+            (decodes if seq.num_uncomputed_tokens == 1 else prompts).append(seq)
         for seq in decodes + prompts:
             if budget == 0:
                 break
@@ -254,11 +271,10 @@ class Scheduler:
             victim = max(self.running, key=lambda s: s.seq_id)  # the newest sequence
             if len(self.running) == 1:  # it alone, one token at a time
                 need = victim.num_computed_tokens + plan[0].num_new_tokens
-                self.finish(victim, "error", error=(
+                self._fail_seq(victim, finished, (
                     f"request {victim.request_id} (sample {victim.index}) needs {need} "
                     "tokens of KV cache, more than the physical memory can hold even when it runs "
                     "alone; raise physical_memory or lower max_tokens / the prompt length"))
-                finished.append(victim)
             else:
                 self.preempt(victim)
                 preempted.append(victim)
@@ -339,39 +355,34 @@ class Scheduler:
         for seq in seqs:
             seq.num_failures += 1
             if seq.num_failures >= MAX_FAILURES:
-                self.finish(seq, "error", error=(
+                self._fail_seq(seq, finished, (
                     f"the KV cache failed {seq.num_failures} times in a row to back an iteration of "
                     f"request {seq.request_id}: {type(error).__name__}: {error}"))
-                finished.append(seq)
             else:
                 self.preempt(seq, count=False)
                 preempted.append(seq)
 
+    def _fail_seq(self, seq: Sequence, finished: list[Sequence], error: str) -> None:
+        """Finish running `seq` with "error" now (into `finished`), or, while a token it sampled
+        is in flight, when that token is taken (`postprocess`): the tokens it ends with are
+        those of synchronous scheduling. Meanwhile it keeps its slot and is not scheduled."""
+        if seq.num_placeholders:
+            seq.error = error
+        else:
+            self.finish(seq, "error", error=error)
+            finished.append(seq)
+
     # --------------------------------------------------------------- postprocess ----
-    def postprocess(self, scheduled: list[ScheduledSequence], tokens: Mapping[SeqId, int],
-                    errors: Mapping[SeqId, str], now: float | None = None) -> list[Sequence]:
-        """Account for an iteration that ran `scheduled`: their tokens are computed; a
-        sequence whose computed tokens reached its end gets its sampled token (`tokens`)
-        and finishes on a stop token or max_tokens; one in `errors` finishes with "error".
-        The samples of a fan-out get their first token and wait for a slot. Returns every
-        sequence that got a token or finished."""
-        now = time.perf_counter() if now is None else now
-        changed: list[Sequence] = []
+    def commit(self, scheduled: list[ScheduledSequence], errors: Mapping[SeqId, str] | None = None) -> None:
+        """Count the tokens of an iteration that was launched as computed (before its outputs
+        are known: see the module docstring); a sequence whose computed tokens reach its end
+        samples a token, a placeholder until `postprocess`. A sequence in `errors` (its forward
+        or sampling raised at launch) computed nothing: it gets its error and is not scheduled
+        again; `postprocess` finishes it."""
         for item in scheduled:
             seq = item.seq
-            for child in item.fan_out:
-                if child.seq_id in tokens:
-                    self._append_token(child, tokens[child.seq_id], now)
-                    if not child.is_finished:
-                        child.status = SequenceStatus.WAITING
-                        self._enqueue(child)
-                elif not child.is_finished:
-                    self.finish(child, "error", errors.get(child.seq_id, errors.get(seq.seq_id)), now)
-                changed.append(child)
-            error = errors.get(seq.seq_id)
-            if error is not None:
-                self.finish(seq, "error", error, now)
-                changed.append(seq)
+            if errors and seq.seq_id in errors:
+                seq.error = errors[seq.seq_id]
                 continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
@@ -379,10 +390,46 @@ class Scheduler:
             seq.num_failures, seq.has_run, seq.swap = 0, True, None  # a host copy is stale now
             if before < seq.num_prompt_tokens <= seq.num_computed_tokens:
                 self._cache_prefix(seq, seq.prompt_token_ids)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.num_placeholders += 1  # it samples
+
+    def postprocess(self, scheduled: list[ScheduledSequence], tokens: Mapping[SeqId, int],
+                    errors: Mapping[SeqId, str], now: float | None = None) -> list[Sequence]:
+        """Take the outputs of a committed iteration: a sequence that sampled gets its token
+        (`tokens`, in place of its placeholder) and finishes on a stop token or max_tokens;
+        one in `errors` finishes with "error". A sequence that finished since the iteration
+        was launched (an abort, or its previous token stopped it) drops its token. The samples
+        of a fan-out get their first token and wait for a slot. Returns every sequence that
+        got a token or finished."""
+        now = time.perf_counter() if now is None else now
+        changed: list[Sequence] = []
+        for item in scheduled:
+            seq = item.seq
+            for child in item.fan_out:
+                if child.is_finished:  # aborted with its request while the iteration ran
+                    continue
+                if child.seq_id in tokens:
+                    self._append_token(child, tokens[child.seq_id], now)
+                    if not child.is_finished:
+                        child.status = SequenceStatus.WAITING
+                        self._enqueue(child)
+                else:
+                    self.finish(child, "error", errors.get(child.seq_id, errors.get(seq.seq_id)), now)
+                changed.append(child)
+            if seq.is_finished:
+                continue
+            error = errors.get(seq.seq_id)
+            if error is not None:
+                self.finish(seq, "error", error, now)
+                changed.append(seq)
+                continue
             token = tokens.get(seq.seq_id)
             if token is None:  # a prompt chunk that does not reach the end yet
                 continue
+            seq.num_placeholders -= 1
             self._append_token(seq, token, now)
+            if seq.error is not None and not seq.is_finished:  # failed while this token was in flight
+                self.finish(seq, "error", seq.error, now)
             changed.append(seq)
         return changed
 
@@ -393,7 +440,7 @@ class Scheduler:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.finish(seq, "stop", now=now)
-        elif seq.num_output_tokens >= p.max_tokens:
+        elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:  # (not counting a token in flight)
             self.finish(seq, "length", now=now)
 
     # -------------------------------------------------------------- state changes ----
@@ -452,7 +499,7 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         seq.swap = None  # its host copy, if swapped out
         for s in [seq, *seq.pending_samples]:
-            s.slot = None
+            s.slot, s.num_placeholders = None, 0  # a token still in flight is dropped
             s.status = SequenceStatus.FINISHED
             s.finish_reason, s.error, s.finished_time = reason, error, now
         if all(s.is_finished for s in seq.samples):

@@ -11,6 +11,15 @@ Prefill, chunked prefill, decode and recomputation after a preemption are one th
 next iteration computes `num_tokens - num_computed_tokens` tokens (or fewer, a chunk) and,
 when that reaches the end, samples one more token.
 
+With asynchronous scheduling (`EngineConfig.async_scheduling`) an iteration's tokens count as
+computed once it is launched, and the token it samples is a placeholder until its outputs are
+processed: `num_tokens` counts it, `token_ids` does not have it yet. The next iteration may
+already compute it (its input is read on the device, see `ModelRunner.launch`):
+```
+token_ids:  [ prompt ...... | generated ... ] (?)   <- num_placeholders = 1: sampled, in flight
+            |<------ num_computed_tokens ------>|
+```
+
 A request with `SamplingParams(n > 1)` has n sequences, its samples, which share one
 `samples` list. Sample 0 computes the prompt; the others are PENDING until then, each
 draws its first token from the same logits row, and from there on each is a sequence of
@@ -51,8 +60,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.slot: int | None = None
         self.num_computed_tokens = 0
+        self.num_placeholders = 0  # sampled tokens in flight, not in token_ids yet (asynchronous scheduling)
         self.finish_reason: FinishReason | None = None
-        self.error: str | None = None
+        self.error: str | None = None  # why it failed; set from when its iteration failed (see Scheduler.commit)
         self.num_preemptions = 0
         self.num_failures = 0  # iterations in a row that failed in the cache (see Scheduler)
         self.has_run = False  # ran an iteration since it got its slot (a preemption before does not count)
@@ -78,7 +88,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Its tokens, a sampled token still in flight included."""
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,15 +97,17 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        """Its generated tokens, a sampled token still in flight included."""
+        return self.num_tokens - len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
+        """Its generated tokens known on the host."""
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -102,7 +115,8 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.request_id}.{self.index}, {self.status.value}, slot={self.slot}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens}, prompt={self.num_prompt_tokens})")
+                f"computed={self.num_computed_tokens}/{self.num_tokens}, prompt={self.num_prompt_tokens}"
+                + (f", in flight={self.num_placeholders})" if self.num_placeholders else ")"))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vattn.engine.config import EngineConfig
-from vattn.engine.model_runner import ModelRunner, RunOutput
+from vattn.engine.model_runner import ModelRunner, Sampled
 from vattn.engine.parallel.group import ALLOC_REQID, FORK, PREFIX, STEP, SWAP_IN, SWAP_OUT, TensorParallel
 from vattn.errors import NoFreeSlotError, OutOfPhysicalMemoryError, RankCacheError, TensorParallelError
 from vattn.prefix_cache import PrefixCache
@@ -218,7 +218,9 @@ class AgreedPrefixCache(PrefixCache):
 
 
 class RankZeroSampler:
-    """Rank 0 samples; every rank gets its tokens (and its per-request errors)."""
+    """Rank 0 samples; every rank gets its tokens (and its per-request errors), on the host
+    (a gloo broadcast: the ranks wait for rank 0's forward, so an iteration's host work does
+    not hide under the next one's: see `EngineConfig.async_scheduling`)."""
 
     def __init__(self, sampler: Any, tp: TensorParallel) -> None:
         self.sampler, self.tp = sampler, tp
@@ -226,18 +228,20 @@ class RankZeroSampler:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sampler, name)
 
-    def sample(self, logits: torch.Tensor, seq_ids: list, params: list) -> RunOutput:
+    def sample(self, logits: torch.Tensor, seq_ids: list, params: list) -> Sampled:
         tokens = torch.full((len(seq_ids),), -1, dtype=torch.int64)
         errors: dict = {}
         if self.tp.rank == 0:
             out = self.sampler.sample(logits, seq_ids, params)
-            tokens = torch.tensor([out.tokens.get(s, -1) for s in seq_ids], dtype=torch.int64)
+            tokens = out.tokens.to("cpu", torch.int64, copy=True)
             errors = out.errors
+            for row, sid in enumerate(seq_ids):
+                if sid in errors:
+                    tokens[row] = -1
         self.tp.broadcast(tokens)
-        ids = tokens.tolist()
-        if min(ids, default=0) < 0:
+        if tokens.numel() and int(tokens.min()) < 0:
             errors = self.tp.broadcast_object(errors)
-        return RunOutput({s: t for s, t in zip(seq_ids, ids) if t >= 0}, errors)
+        return Sampled(list(seq_ids), tokens.clamp(min=0).to(logits.device), errors)
 
 
 class TPModelRunner(ModelRunner):
@@ -261,9 +265,7 @@ class TPModelRunner(ModelRunner):
         """The rank's prefix cache, its hits agreed with the other ranks'."""
         return AgreedPrefixCache(self.cache, self.tp, salt=salt)
 
-    def run(self, scheduled: list) -> RunOutput:
-        if not scheduled:
-            return RunOutput({}, {})
+    def _launch(self, scheduled: list) -> Sampled:
         try:
             return self._run(scheduled)
         except TensorParallelError:
