@@ -53,8 +53,7 @@ class Copier:
         enqueued later waits for them too (sources that are written in place later, such as
         a snapshot row freed for reuse)."""
         if not self.cuda:
-            for src, dst in pairs:
-                dst.copy_(src)
+            copy_all(pairs)
             return None
         return self._on_stream(pairs, in_order)
 
@@ -63,8 +62,7 @@ class Copier:
         row: `slot` None, ordered before any later device work), after the device work so far;
         the compute stream waits for them before `slot`'s next step."""
         if not self.cuda:
-            for src, dst in pairs:
-                dst.copy_(src)
+            copy_all(pairs)
             return
         event = self._on_stream(pairs, slot is None)
         if slot is not None:
@@ -75,8 +73,7 @@ class Copier:
         stream = self.stream
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
+            copy_all(pairs, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         if in_order:
@@ -106,4 +103,20 @@ class Copier:
             event.synchronize()
 
 
-__all__ = ["Copier"]
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool = False) -> None:
+    """Copy each (source, destination) pair: one call for the lot (`torch._foreach_copy_`)
+    where this torch has it, else one at a time."""
+    if not pairs:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        try:
+            foreach([d for _, d in pairs], [s for s, _ in pairs], non_blocking=non_blocking)
+            return
+        except (RuntimeError, TypeError):  # (a torch whose foreach copy refuses these devices: copies are idempotent)
+            pass
+    for src, dst in pairs:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+__all__ = ["Copier", "copy_all"]

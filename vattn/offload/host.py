@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from vattn.offload.disk import DiskTier
 
 
+EMPTY_BYTES = 64  # what a block of holes only (a sliding window gave every page back) counts
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """What one prefix block of a cache holds: per K/V layer kind (the kinds of a pin
@@ -53,8 +56,8 @@ class BlockLayout:
         return n + (self.state_bytes if flags & self.state_flag else 0)
 
     def valid(self, flags: int) -> bool:
-        """Whether `flags` names parts this layout has (a block holds some kind's part)."""
-        return flags & ((1 << len(self.kinds)) - 1) != 0 and flags & ~self.full_flags == 0
+        """Whether `flags` names parts this layout has (none: a block of holes only)."""
+        return flags & ~self.full_flags == 0
 
 
 @dataclass(eq=False)
@@ -70,8 +73,10 @@ class HostBlock:
 
     @property
     def nbytes(self) -> int:
+        """The bytes it holds (a block of holes only counts EMPTY_BYTES: its key and books)."""
         n = sum(t.numel() for t in self.kinds if t is not None)
-        return n + (self.state.numel() if self.state is not None else 0)
+        n += self.state.numel() if self.state is not None else 0
+        return n or EMPTY_BYTES
 
     def flags(self, layout: BlockLayout) -> int:
         """Bit k: kind k held; `layout.state_flag`: the snapshot held."""
@@ -159,11 +164,12 @@ class HostStore:
         block = self.blocks.get(key)
         if block is None or block.state is not None:
             return False
+        before = block.nbytes
         if not self._make_room(state.numel(), keep=key):
             return False
         block.state, block.on_disk = state, False
         block.ready = ready if ready is not None else block.ready
-        self.block_bytes += state.numel()
+        self.block_bytes += block.nbytes - before
         return True
 
     def locate(self, key: bytes) -> tuple[str, int] | None:
@@ -230,4 +236,4 @@ def host_available() -> int | None:
     return None
 
 
-__all__ = ["BlockLayout", "HostBlock", "HostStore", "host_available"]
+__all__ = ["EMPTY_BYTES", "BlockLayout", "HostBlock", "HostStore", "host_available"]

@@ -89,12 +89,14 @@ class Tiers:
     def save(self, reqid: int, keys: Sequence[bytes], holes: Sequence[Sequence[bool]]) -> int:
         """Copy the blocks of `keys` (the first blocks of `reqid`, pinned) that the host tier
         lacks into it; `holes[i][k]`: block i has a page of K/V kind k that a sliding
-        window gave back (that kind's part is not kept). Returns the blocks copied."""
+        window gave back (that kind's part is not kept; a block of holes only is kept empty,
+        so that a chain runs on through it to blocks whose window pages are there). Returns
+        the blocks copied."""
         store, u = self.store, self.block_pages
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         new: list[tuple[bytes, HostBlock]] = []
         for i, key in enumerate(keys):
-            if store.get(key) is not None or all(holes[i]):  # held already (now recently used), or nothing of it
+            if store.get(key) is not None:  # held already (now recently used)
                 continue
             parts: list[torch.Tensor | None] = []
             for k, (buffers, nbytes) in enumerate(self.layout.kinds):
