@@ -234,3 +234,41 @@ def test_swap_preemption_uses_the_host_tier() -> None:
                 max_num_batched_tokens=32) as llm:  # a swap-only engine: offload_bytes caps its host copies
         assert serve(llm, convs) == expected(convs)
         assert llm.cache.host.limit == 4 * 16 << 10 and llm.cache.host.leased == 0
+
+
+# ---------------------------------------------------------------------------- GPU ----
+@pytest.mark.gpu
+def test_tiers_on_a_gpu(tmp_path: Path) -> None:
+    """On CUDA (pinned host memory, the copy stream, a restore's event waited for by its
+    request's step): the engine with the tiers gives the tokens of the same engine without
+    them (both on the GPU, float32), with hits from host memory and, after a restart, disk."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(3)
+    users = [torch.randint(3, 256, (300 + 40 * u,), generator=g).tolist() for u in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # fused 2 MiB pages: 8 KiB tokens (2 layers), 256 a block; 6 page groups hold 1536 tokens
+    kw = dict(seed=0, device="cuda", dtype="float32", page_size=2 << 20, layout="fused", max_batch_size=2,
+              physical_memory=6 * (4 << 20), enable_prefix_caching=True)
+
+    def chat_on(llm: LLM, turns: int) -> list[list[int]]:
+        history = [list(u) for u in users]
+        answers = []
+        for t in range(turns):
+            outs = llm.generate([h + [t + 7] * 100 for h in history], params)
+            for i, o in enumerate(outs):
+                history[i] += [t + 7] * 100 + o.outputs[0].token_ids
+                answers.append(o.outputs[0].token_ids)
+        return answers
+
+    with LLM(config, **kw) as llm:
+        want = chat_on(llm, 3)
+    tiers = dict(offload_bytes=256 << 20, offload_dir=tmp_path, offload_dir_bytes=1 << 30)
+    with LLM(config, **kw, **tiers) as llm:
+        got = chat_on(llm, 3)
+        assert llm.prefix_cache_stats().num_host_hit_tokens > 0
+    assert sum(a == b for a, b in zip(got, want)) >= len(want) - 1  # (a near-tie may flip one)
+    with LLM(config, **kw, **tiers) as llm:
+        again = chat_on(llm, 1)
+        assert llm.prefix_cache_stats().num_disk_hit_tokens > 0
+    assert sum(a == b for a, b in zip(again, want[:3])) >= 2
