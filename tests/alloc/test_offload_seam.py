@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 import vattn
-from tests.conftest import check, fill
+from tests.alloc.test_offload import cached
+from tests.conftest import check
 from vattn.errors import InvalidRequestError
 from vattn.prefix_cache import PrefixCache
 
@@ -14,16 +15,6 @@ KB = 1 << 10
 TPP = 32  # SMALL at 4 KiB pages: 128-byte tokens, 32 a page
 BLOCK = 4 * 4 * KB  # a page group (one page of each of 4 buffers) on the host
 PROMPT = list(range(100))
-
-
-def cached(cache: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float) -> None:
-    """A request computes `prompt` (its K/V: `fill`'s pattern `tag`), caches it and ends."""
-    r = cache.alloc_reqid()
-    n = pc.map_prefix(r, prompt)
-    assert cache.step({r: len(prompt)})
-    fill(cache, r, n, len(prompt), tag)
-    pc.insert(r, prompt)
-    cache.free_reqid(r)
 
 
 def test_extend_prefix_backs_fresh_pages_after_the_pinned_ones(make_cache):

@@ -17,9 +17,11 @@ Systems, one after another in one run, on the same requests:
 Every engine has a slot per user (`max_batch_size`) and runs `--concurrency` of them
 (`max_num_seqs`): memory, not slots, is what the systems differ in.
 
-Per system: prompt tokens computed, time to first token p50/p99, output tokens/s, hits per
-tier, and whether every answer equals transformers' `generate` on the same weights (computed
-first; the conversations are built from those answers). Then a restart: a new engine on the
+The systems' engines are open together and step in turn (`Chat`, `serve_together`): each
+counts only its own steps' time, so a load on the shared machine falls on all of them. Per
+system: prompt tokens computed, time to first token p50/p99 (engine time), output tokens/s,
+hits per tier, and whether every answer equals transformers' `generate` on the same weights
+(computed first; the conversations are built from those answers). Then a restart: a new engine on the
 `host+disk` system's directory serves every user's next turn (`restart`), beside a cold engine
 without it (`cold`): the first turn's hits from disk and its TTFT.
 
@@ -130,33 +132,60 @@ def engine_kwargs(system: str, args: argparse.Namespace, token_bytes: int, conte
     return kw
 
 
-def serve(llm: Any, convs: list[list[Turn]], turns: range, concurrency: int, device: str) -> dict[str, Any]:
-    """Users' turns round robin, `concurrency` in flight: a request is added as one finishes.
-    Returns answers (user by user, turn by turn), TTFTs, wall time, output tokens."""
-    from vattn import SamplingParams
+class Chat:
+    """One engine serving the users' turns round robin, `concurrency` in flight (a request is
+    added as one finishes), one `tick` (an engine step) at a time. Its clock runs only while
+    it steps: engines that take turns on one machine each count their own time, and a load
+    that comes and goes falls on all of them (TTFT: the engine time from a request's arrival
+    to the step that gave its first token)."""
 
-    order = [(u, t) for t in turns for u in range(len(convs))]
-    answers: dict[tuple[int, int], list[int]] = {}
-    ttft: list[float] = []
-    pending: dict[int, tuple[int, int]] = {}
-    nxt = 0
-    _sync(device)
-    start = time.perf_counter()
-    while nxt < len(order) or pending:
-        while nxt < len(order) and len(pending) < concurrency:
-            u, t = order[nxt]
-            prompt, answer = convs[u][t]
-            rid = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=len(answer), ignore_eos=True))
-            pending[rid] = (u, t)
-            nxt += 1
-        for out in llm.step():
-            if out.finished and out.request_id in pending:
-                answers[pending.pop(out.request_id)] = out.outputs[0].token_ids
-                ttft.append(out.metrics.time_to_first_token)
-    _sync(device)
-    wall = time.perf_counter() - start
-    return dict(answers=[answers[(u, t)] for u in range(len(convs)) for t in turns], ttft=ttft, wall=wall,
-                output_tokens=sum(len(a) for a in answers.values()))
+    def __init__(self, llm: Any, convs: list[list[Turn]], turns: range, concurrency: int, device: str) -> None:
+        self.llm, self.convs, self.turns, self.concurrency, self.device = llm, convs, turns, concurrency, device
+        self.order = [(u, t) for t in turns for u in range(len(convs))]
+        self.answers: dict[tuple[int, int], list[int]] = {}
+        self.pending: dict[int, tuple[int, int]] = {}  # request id -> (user, turn)
+        self.arrived: dict[int, float] = {}  # request id -> the clock when it was added
+        self.ttft: list[float] = []
+        self.clock = 0.0
+        self.next = 0
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.order) and not self.pending
+
+    def tick(self) -> None:
+        from vattn import SamplingParams
+
+        while self.next < len(self.order) and len(self.pending) < self.concurrency:
+            u, t = self.order[self.next]
+            prompt, answer = self.convs[u][t]
+            params = SamplingParams(temperature=0, max_tokens=len(answer), ignore_eos=True)
+            rid = self.llm.add_request(prompt, params)
+            self.pending[rid], self.arrived[rid] = (u, t), self.clock
+            self.next += 1
+        start = time.perf_counter()
+        outs = self.llm.step()
+        _sync(self.device)
+        self.clock += time.perf_counter() - start
+        for out in outs:
+            rid = out.request_id
+            if rid in self.arrived and out.outputs[0].token_ids:  # its first token
+                self.ttft.append(self.clock - self.arrived.pop(rid))
+            if out.finished and rid in self.pending:
+                self.answers[self.pending.pop(rid)] = out.outputs[0].token_ids
+
+    def served(self) -> dict[str, Any]:
+        """Answers (user by user, turn by turn), TTFTs, engine seconds, output tokens."""
+        return dict(answers=[self.answers[(u, t)] for u in range(len(self.convs)) for t in self.turns],
+                    ttft=self.ttft, wall=self.clock, output_tokens=sum(len(a) for a in self.answers.values()))
+
+
+def serve_together(chats: list[Chat]) -> None:
+    """Step every engine in turn until all are done."""
+    while not all(c.done for c in chats):
+        for c in chats:
+            if not c.done:
+                c.tick()
 
 
 def counters(llm: Any) -> dict[str, int]:
@@ -201,8 +230,7 @@ def run(args: argparse.Namespace) -> dict:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = args.device
     dtype = torch.float16 if device.startswith("cuda") else torch.float32
-    model = build_model(model_config(args), device, dtype, seed=args.seed)
-    convs = conversations(model, args, device)
+    convs = conversations(build_model(model_config(args), device, dtype, seed=args.seed), args, device)
     served_turns, restart_turn = range(args.turns), range(args.turns, args.turns + 1)
     ref = [a for c in convs for _, a in c[:args.turns]]
     ref_restart = [c[args.turns][1] for c in convs]
@@ -211,21 +239,29 @@ def run(args: argparse.Namespace) -> dict:
     result: dict[str, Any] = dict(device=device, users=args.users, turns=args.turns, token_bytes=token_bytes,
                                   context_tokens=sum(len(c[-1][0]) for c in convs), systems={}, failures=[])
     with tempfile.TemporaryDirectory(prefix="vattn-offload-") as directory:
-        for system in progress(args.systems, desc="systems", unit="system"):
-            kw = engine_kwargs(system, args, token_bytes, total, directory)
-            with LLM(model, device=device, dtype=dtype, **kw) as llm:
-                base = warm_up(llm, args)
-                served = serve(llm, convs, served_turns, args.concurrency, device)
-                result["systems"][system] = figures(llm, served, ref, base)
-                if system == "host+disk":
-                    result["block_tokens"] = llm.prefix_cache_stats().block_tokens
-        if "host+disk" in args.systems:  # a restart on the same directory, and a cold engine beside it
-            for name, system in (("cold", "device"), ("restart", "host+disk")):
-                kw = engine_kwargs(system, args, token_bytes, total, directory)
-                with LLM(model, device=device, dtype=dtype, **kw) as llm:
-                    base = warm_up(llm, args)
-                    served = serve(llm, convs, restart_turn, args.concurrency, device)
-                    result[name] = figures(llm, served, ref_restart, base)
+        systems = [(name, name, served_turns, ref) for name in args.systems]
+        rounds = [systems]
+        if "host+disk" in args.systems:  # then a restart on its directory, and a cold engine beside it
+            rounds.append([("cold", "device", restart_turn, ref_restart), ("restart", "host+disk", restart_turn,
+                                                                              ref_restart)])
+        for engines in progress(rounds, desc="engines together", unit="round"):
+            opened = []
+            try:
+                for name, system, turns, want in engines:  # a model each (the same seeded weights)
+                    kw = engine_kwargs(system, args, token_bytes, total, directory)
+                    llm = LLM(build_model(model_config(args), device, dtype, seed=args.seed), device=device,
+                              dtype=dtype, **kw)
+                    opened.append((name, llm, warm_up(llm, args), Chat(llm, convs, turns, args.concurrency, device),
+                                   want))
+                serve_together([chat for _, _, _, chat, _ in opened])
+                for name, llm, base, chat, want in opened:
+                    row = figures(llm, chat.served(), want, base)
+                    (result["systems"] if name in SYSTEMS else result)[name] = row
+                    if name == "host+disk":
+                        result["block_tokens"] = llm.prefix_cache_stats().block_tokens
+            finally:
+                for _, llm, _, _, _ in reversed(opened):
+                    llm.close()  # (the host+disk engine's host blocks go to its directory here)
     if args.bandwidth_blocks:
         result["bandwidth"] = bandwidth(args, device, dtype)
     result["ratios"] = ratios(result)
