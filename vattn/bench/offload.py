@@ -29,6 +29,11 @@ Restore bandwidth (`bandwidth`): a prefix of `--bandwidth-blocks` blocks restore
 tier into a request's pages (`PrefixCache.map_prefix`: pages backed, copied page by page)
 against one plain copy of the same bytes from (pinned, on CUDA) host memory to the device; the
 GPU target is at least 80 % of the plain copy.
+
+On a GPU (2 MiB pages: a block must be shorter than a conversation, so a model with big tokens,
+fused), e.g. Llama-3-8B's shape with random fp16 weights, 64 KiB a token, 32 tokens a block:
+`vattn bench offload --device cuda --layout fused --layers 32 --hidden 4096 --heads 32
+--kv-heads 8 --intermediate 14336 --vocab 32000`.
 """
 from __future__ import annotations
 
@@ -58,13 +63,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--users", type=int, default=16)
     p.add_argument("--turns", type=int, default=6, help="turns of every conversation (then one more after a restart)")
-    p.add_argument("--first", type=int, default=200, help="tokens of a user's first message")
-    p.add_argument("--message", type=int, default=60, help="tokens of every later message")
+    p.add_argument("--first", type=int, default=300, help="tokens of a user's first message")
+    p.add_argument("--message", type=int, default=40, help="tokens of every later message")
     p.add_argument("--answer", type=int, default=24, help="tokens of every answer")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (max_num_seqs)")
     p.add_argument("--device-tokens", type=int, default=4096,
                    help="physical_memory in tokens of K/V (the device tier's size)")
-    p.add_argument("--page-size", type=int, default=32 << 10, help="page size in bytes (CUDA: its granularity at least)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="page size in bytes (default: 32 KiB on the CPU, the GPU's granularity on CUDA)")
     p.add_argument("--layout", default="per-layer", choices=("per-layer", "fused"))
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
@@ -229,6 +235,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = args.device
+    if args.page_size is None and not device.startswith("cuda"):
+        args.page_size = 32 << 10  # (CUDA: the backend's, its granularity)
     dtype = torch.float16 if device.startswith("cuda") else torch.float32
     convs = conversations(build_model(model_config(args), device, dtype, seed=args.seed), args, device)
     served_turns, restart_turn = range(args.turns), range(args.turns, args.turns + 1)
