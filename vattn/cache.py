@@ -13,6 +13,8 @@ from vattn.allocator import Coordinator, KindSpec, MemoryStats, StateGeometry, S
 from vattn.checks import as_int
 from vattn.config import CacheConfig, Geometry
 from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
+from vattn.offload.copier import Copier
+from vattn.offload.host import HostStore
 from vattn.vmem import make_backend
 from vattn.vmem.base import Backend
 
@@ -23,9 +25,10 @@ SWAP_CHUNK = 256 << 20  # host buffers of a swapped-out request: never one buffe
 WINDOW_MARGIN_TOKENS = 256
 
 
-@dataclass
+@dataclass(eq=False)
 class SwapHandle:
-    """A swapped-out request: its tokens in host memory, and where it was."""
+    """A swapped-out request: its tokens in host memory (the cache's host store, `KVCache.host`,
+    counts them until the handle is gone), and where it was."""
 
     slot: int
     epoch: tuple[int, ...]  # per layer kind: its pages of the slot are untouched while this holds
@@ -112,6 +115,7 @@ class KVCache:
             specs.append(KindSpec("state", self.states, [self._range.addr + g.num_buffers * g.buffer_bytes],
                                   num_snapshots=config.num_snapshots,
                                   copy_pages=functools.partial(_copy_pages, weakref.ref(self), [g.num_buffers])))
+        self.kv_kind_buffers = self.kind_buffers[:len(kinds)]  # the K/V kinds' (a pin handle's kinds, in order)
         self.allocator = Coordinator(self.backend, specs, num_slots=config.max_batch_size,
                                      max_len=config.max_context_len, max_bytes=max_bytes,
                                      background=config.background, prefetch=config.prefetch,
@@ -122,7 +126,13 @@ class KVCache:
         # the allocator nor the owner refers back to self or the range.
         owner = _MemoryOwner()
         self._range.keepalive = owner
-        self._finalizer = weakref.finalize(owner, _close, self.allocator, self.backend)
+        # Host memory below the device: prefix blocks offloaded by a prefix cache's tiers and
+        # swapped-out requests, one store under one budget (vattn.offload)
+        self.host = HostStore(Copier(self.backend.device))
+        if self.host.copier.cuda:  # a copy may read or write through a slot's mapping: unmap after it
+            for groups in self.allocator.layer.kinds:
+                groups.device_sync = self.host.copier.synchronize
+        self._finalizer = weakref.finalize(owner, _close, self.allocator, self.backend, self.host)
 
     def _budget_bytes(self, g: Geometry, state_bytes: int) -> tuple[int, int]:
         """(the bytes of page groups this cache may create, the bytes of one page of every
@@ -223,8 +233,12 @@ class KVCache:
         those keep exactly the lengths and pages they had, in every layer kind (the step is
         planned for every kind before any maps): preempt (free_reqid) and call again, or
         step them again to any length. With `background`, the pages the next iteration will
-        need are mapped on a worker thread afterwards.
+        need are mapped on a worker thread afterwards. On CUDA the current stream first waits
+        for the restores of a prefix into these requests (copied on the host store's copy stream).
         """
+        if self.host.copier.restores:
+            self.host.copier.wait_slots(seq_lens if isinstance(seq_lens, Mapping) else
+                                        [s for s, n in enumerate(seq_lens) if n])
         return self.allocator.step(seq_lens)
 
     def revert_step(self, reqids: Sequence[int]) -> None:
@@ -273,6 +287,36 @@ class KVCache:
         Returns the pages unmapped."""
         return self.allocator.truncate_pinned(reqid, num_tokens)
 
+    def extend_prefix(self, reqid: int, num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
+        """Back the first `num_tokens` tokens (whole sharing units) of `reqid`, which has not
+        run yet, with fresh pages after what `map_pinned` mapped into it, for data copied in
+        from a lower tier (the prefix cache's restore; `page_views` reaches them). A
+        sliding-window kind gets only the pages the query at `num_tokens` reads (those before
+        become holes). Returns (tokens `reqid` holds now, per K/V kind (first page, pages)
+        mapped fresh). When memory is short nothing is mapped and `reqid` keeps what it held,
+        or holds 0 tokens where a window kind had to give pages back."""
+        return self.allocator.extend_prefix(reqid, num_tokens)
+
+    def drop_prefix(self, reqid: int) -> None:
+        """Unmap what `map_pinned` and `extend_prefix` mapped into `reqid` before its first
+        step, and the snapshot it was to restore: it computes every token (a failed restore)."""
+        self.allocator.drop_prefix(reqid)
+
+    def page_views(self, kind: int, reqid: int, first_page: int, num_pages: int) -> list[torch.Tensor]:
+        """Pages `first_page` .. `first_page + num_pages - 1` of slot `reqid` in each buffer of
+        K/V kind `kind` (the kinds of `kv_kind_buffers`): one `[num_pages * page_size]` uint8
+        view per buffer, in its order. The pages must be mapped."""
+        g = self.geometry
+        start = g.page_offset(as_int(reqid, "reqid", InvalidRequestError), first_page)
+        end = start + num_pages * self.page_size
+        return [self._bytes[b][start:end] for b in self.kv_kind_buffers[kind]]
+
+    def snapshot_row(self) -> int | None:
+        """A free snapshot row with its pages mapped, to fill through `state_rows()` (a
+        snapshot restored from a lower tier), or None when no row or memory is left; keep it
+        with `pin_snapshot` or give it back with `free_snapshot`."""
+        return self.allocator.snapshot_row()
+
     def swap_out(self, reqid: int, num_tokens: int) -> SwapHandle:
         """Preempt `reqid` by swapping: copy its first `num_tokens` tokens (K and V of every
         layer, and its recurrent states) to host memory (pinned on CUDA, in chunks of at
@@ -288,19 +332,27 @@ class KVCache:
         self.allocator.check_swap_out(slot, num_tokens)
         pin = self.backend.device.type == "cuda"
         firsts = self.allocator.first_pages(slot)
-        host = []
-        for b, buf in enumerate(self._bytes):  # the slot's row is contiguous in every buffer
-            chunks = []
-            # a sliding-window kind: only its live pages (those behind the window are unmapped)
-            lo, hi = self._row(b, slot, num_tokens, firsts[self._kind_of[b]])
-            for off in range(lo, hi, SWAP_CHUNK):
-                n = min(SWAP_CHUNK, hi - off)
-                dst = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-                dst.copy_(buf[off:off + n], non_blocking=pin)
-                chunks.append(dst)
-            host.append(chunks)
-        slot, epochs = self.allocator.park(slot)
-        return SwapHandle(slot, epochs, num_tokens, host, first_pages=tuple(firsts))
+        # a sliding-window kind: only its live pages (those behind the window are unmapped)
+        rows = [self._row(b, slot, num_tokens, firsts[self._kind_of[b]]) for b in range(len(self._bytes))]
+        nbytes = sum(hi - lo for lo, hi in rows)
+        self.host.take(nbytes)  # the host store's budget (offload_bytes): OutOfPhysicalMemoryError when full
+        try:
+            host = []
+            for buf, (lo, hi) in zip(self._bytes, rows):  # the slot's row is contiguous in every buffer
+                chunks = []
+                for off in range(lo, hi, SWAP_CHUNK):
+                    n = min(SWAP_CHUNK, hi - off)
+                    dst = self.host.copier.empty(n)
+                    dst.copy_(buf[off:off + n], non_blocking=pin)
+                    chunks.append(dst)
+                host.append(chunks)
+            slot, epochs = self.allocator.park(slot)
+        except BaseException:
+            self.host.give(nbytes)
+            raise
+        handle = SwapHandle(slot, epochs, num_tokens, host, first_pages=tuple(firsts))
+        weakref.finalize(handle, self.host.give, nbytes)  # its bytes go back to the store with it
+        return handle
 
     def _row(self, buffer: int, slot: int, num_tokens: int, first_page: int) -> tuple[int, int]:
         """[start, end) bytes of `buffer`'s byte view that hold `slot`'s first `num_tokens`
@@ -403,8 +455,14 @@ class KVCache:
         return self.allocator.reserve_physical(nbytes)
 
     def stats(self) -> MemoryStats:
-        """Memory figures: mapped, used, free pages, tokens that fit, fragmentation."""
-        return self.allocator.stats()
+        """Memory figures: mapped, used, free pages, tokens that fit, fragmentation; and the
+        bytes the offload tiers hold (`host_bytes`: the host store's prefix blocks and
+        swapped-out requests; `disk_bytes`: its disk tier's files)."""
+        st = self.allocator.stats()
+        host = self.host
+        if host.nbytes or host.disk is not None:
+            st = dataclasses.replace(st, host_bytes=host.nbytes, disk_bytes=host.disk.nbytes if host.disk else 0)
+        return st
 
     def synchronize(self) -> None:
         """Wait for the background pre-mapping started by the last step."""
@@ -456,8 +514,12 @@ def _zero_pages(ref: weakref.ref, buffers: list[int], offsets: list[int]) -> Non
     cache.backend.zero(views, [off // page for off in offsets], page)
 
 
-def _close(allocator: Coordinator, backend: Any) -> None:
+def _close(allocator: Coordinator, backend: Any, host: HostStore) -> None:
     try:
-        allocator.close()
+        try:
+            host.copier.synchronize()
+            host.close()  # its blocks to the disk tier, where there is one
+        finally:
+            allocator.close()
     finally:
         backend.close()

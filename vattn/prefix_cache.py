@@ -27,14 +27,37 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
+import os
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
+from vattn.checks import as_int
 from vattn.errors import InvalidConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from vattn.config import Geometry
+    from vattn.offload.tiers import Tiers
+
+logger = logging.getLogger(__name__)
+
+
+class Hit(NamedTuple):
+    """What a lookup mapped into a request: its first `num_tokens` tokens, the first
+    `device_tokens` of them from pinned pages, then a block from each tier of `lower`
+    ("host" or "disk") restored, `block_tokens` tokens each."""
+
+    num_tokens: int = 0
+    device_tokens: int = 0
+    lower: tuple[str, ...] = ()
+    block_tokens: int = 1
+
+    def tier_tokens(self, tier: str, upto: int | None = None) -> int:
+        """Tokens of the first `upto` (all) that came from `tier` ("host" or "disk")."""
+        upto = self.num_tokens if upto is None else min(upto, self.num_tokens)
+        blocks = max(0, upto - self.device_tokens) // self.block_tokens
+        return self.lower[:blocks].count(tier) * self.block_tokens
 
 
 class PrefixCache:
@@ -51,11 +74,26 @@ class PrefixCache:
     end of the cached K/V chain its lookup found past its longest snapshot (where it parts
     from an earlier prompt: the boundary later prompts with that prefix share). Snapshots are
     evicted with the cache's other pages, least recently used first.
+
+    Offload tiers (`vattn.offload`): with `offload_bytes`, a block is also copied to host
+    memory when it is cached (the cache's host store, `cache.host`, shared with swapped-out
+    requests under that one budget), so that evicting its pages loses nothing; with
+    `offload_dir` and `offload_dir_bytes` the blocks evicted from host memory go to files
+    there, kept across restarts (the salt must name the weights: the engine's does). A lookup
+    maps the blocks in device memory, then restores the chain's next blocks from the nearest
+    tier into fresh pages of the request (`num_host_hit_tokens`, `num_disk_hit_tokens`). A
+    block restores its recurrent states' snapshot with it, or ends no hit; a sliding window's
+    part of a block is kept only where the window had not given its pages back, and a block
+    is restored only where the query after the hit reads no page it lacks. Anything that goes
+    wrong (a damaged file, a failed copy, no memory) is a miss of those blocks, never wrong
+    data. InvalidConfigError at start for settings that cannot work (see `check_offload`).
     """
 
-    def __init__(self, cache: Any, salt: bytes | str = b"") -> None:
+    def __init__(self, cache: Any, salt: bytes | str = b"", *, offload_bytes: int | None = None,
+                 offload_dir: str | os.PathLike | None = None, offload_dir_bytes: int | None = None) -> None:
         g = cache.geometry
         check_sharing_unit(g, cache.backend.granularity)
+        offload_bytes, offload_dir, offload_dir_bytes = check_offload(offload_bytes, offload_dir, offload_dir_bytes)
         self.cache = cache
         self.block_tokens = g.share_tokens  # tokens a key covers
         self.block_pages = g.share_pages  # pages a block is pinned in (a handle each)
@@ -65,7 +103,15 @@ class PrefixCache:
         self.with_states = cache.states is not None
         self.snapshots: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self.num_query_tokens = 0  # prompt tokens looked up
-        self.num_hit_tokens = 0  # of those, found in the cache
+        self.num_hit_tokens = 0  # of those, found in the cache (in any tier)
+        self.num_host_hit_tokens = 0  # of those, restored from host memory
+        self.num_disk_hit_tokens = 0  # of those, restored from disk
+        self.num_restore_failures = 0  # restores that failed (their tokens were computed)
+        self.tiers: Tiers | None = None  # (the host and disk tiers, vattn.offload)
+        if offload_bytes is not None:
+            from vattn.offload import tiers  # (torch: only with the tiers)
+
+            self.tiers = tiers.Tiers(cache, self.salt, self.with_states, offload_bytes, offload_dir, offload_dir_bytes)
 
     def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         """The chained key of every whole block of `token_ids` (a sequence of token ids:
@@ -81,46 +127,167 @@ class PrefixCache:
 
     def map_prefix(self, reqid: int, token_ids: Sequence[int]) -> int:
         """Map the longest cached prefix of `token_ids` into `reqid` (a request that has not
-        run yet); with recurrent states, the longest whose last block keeps a snapshot, which
+        run yet): the blocks in device memory, then the next ones restored from the host or
+        disk tier; with recurrent states, the longest whose last block keeps a snapshot, which
         is restored into `reqid`'s states, and the snapshots this request should take are
         asked for. At least one token is left to compute, so the request still gets logits.
         Returns the number of tokens mapped (0: a miss)."""
         ids = token_array(token_ids)
-        keys, handles = self.lookup(ids)
         self.num_query_tokens += len(ids)
-        if not self.with_states:
-            n = 0
-            if handles:
-                n = self.cache.map_pinned(reqid, handles)
-                self.forget_evicted(keys[:len(handles)], n)
-        else:
-            n = self._map_with_states(reqid, ids, keys, handles)
-        self.num_hit_tokens += n
-        return n
+        hit = self.map_hit(reqid, ids)
+        self.count(hit)
+        return hit.num_tokens
 
-    def _map_with_states(self, reqid: int, ids: array, keys: list[bytes], handles: list[Any]) -> int:
-        u, t = self.block_pages, self.block_tokens
-        chain = len(handles) // u  # leading blocks with cached K/V
+    def count(self, hit: Hit, upto: int | None = None) -> None:
+        """Count the first `upto` (all) tokens of `hit` among the hits, by tier."""
+        n = hit.num_tokens if upto is None else min(upto, hit.num_tokens)
+        self.num_hit_tokens += n
+        self.num_host_hit_tokens += hit.tier_tokens("host", n)
+        self.num_disk_hit_tokens += hit.tier_tokens("disk", n)
+
+    def map_hit(self, reqid: int, ids: array) -> Hit:
+        """`map_prefix` without counting: where the tokens mapped came from."""
+        keys, handles = self.lookup(ids)
         n = 0
-        hit = self._longest_snapshot(keys, chain)
-        if hit:
-            n = self.cache.map_pinned(reqid, handles[:hit * u])
-            self.forget_evicted(keys[:hit], n)
-            if n < hit * t:  # K/V pages were evicted meanwhile: the longest snapshot within what is mapped
-                hit = self._longest_snapshot(keys, n // t)
-                if hit * t < n:
-                    self.cache.truncate_pinned(reqid, hit * t)
-                n = hit * t
-            if hit:
-                key = keys[hit - 1]
-                if self.cache.restore_snapshot(reqid, self.snapshots[key]):
+        if handles:
+            n = self.cache.map_pinned(reqid, handles)
+            self.forget_evicted(keys[:len(handles)], n)
+            if self.tiers is not None:
+                self.tiers.depend(reqid, keys[:n // self.block_tokens])
+        if self.with_states:
+            return self._map_with_states(reqid, ids, keys, n)
+        if self.tiers is None:
+            return Hit(n, n, (), self.block_tokens)
+        dev = n // self.block_tokens
+        lower = self._lower_chain(keys, dev)
+        end = self._lower_end(keys, dev, lower, states=False)
+        if end > dev:
+            hit, n = self._restore(reqid, keys, dev, end, lower)
+            if hit is not None:
+                return hit
+        return Hit(n, n, (), self.block_tokens)
+
+    def _map_with_states(self, reqid: int, ids: array, keys: list[bytes], n: int) -> Hit:
+        t, cache = self.block_tokens, self.cache
+        dev = n // t  # leading blocks whose K/V is mapped
+        lower = self._lower_chain(keys, dev)
+        chain = dev + len(lower)  # the cached K/V chain, every tier's
+        hit = None
+        end = self._lower_end(keys, dev, lower, states=True)
+        if end > dev:
+            hit, n = self._restore(reqid, keys, dev, end, lower)
+        if hit is None:  # the longest snapshot within the blocks mapped from device memory
+            end = self._longest_snapshot(keys, n // t)
+            if end * t < n:
+                try:
+                    cache.truncate_pinned(reqid, end * t)
+                except InvalidRequestError:  # a window's pages before the cut were given back
+                    cache.drop_prefix(reqid)
+                    end = 0
+            n = end * t
+            if end:
+                key = keys[end - 1]
+                if cache.restore_snapshot(reqid, self.snapshots[key]):
                     self.snapshots.move_to_end(key)
-                else:  # evicted, or no memory for the request's states: a miss
-                    self.cache.truncate_pinned(reqid, 0)
+                else:  # no memory for the request's states: a miss
+                    cache.truncate_pinned(reqid, 0)
                     n = 0
-        want = {len(ids) // t * t, chain * t} if chain > hit else {len(ids) // t * t}
-        self.cache.want_snapshots(reqid, sorted(b for b in want if b > n))
-        return n
+            hit = Hit(n, n, (), t)
+        want = {len(ids) // t * t, chain * t} if chain * t > hit.num_tokens else {len(ids) // t * t}
+        cache.want_snapshots(reqid, sorted(b for b in want if b > hit.num_tokens))
+        return hit
+
+    # ---------------------------------------------------------- the lower tiers ----
+    def _lower_chain(self, keys: Sequence[bytes], dev: int) -> list[tuple[str, int]]:
+        """(tier, flags) of each block after the first `dev`, while the host or disk tier
+        holds them (none without tiers)."""
+        chain: list[tuple[str, int]] = []
+        if self.tiers is not None:
+            for key in keys[dev:]:
+                where = self.tiers.locate(key)
+                if where is None:
+                    break
+                chain.append(where)
+        return chain
+
+    def _lower_end(self, keys: Sequence[bytes], dev: int, lower: Sequence[tuple[str, int]], states: bool) -> int:
+        """The most leading blocks a hit may end at, restoring blocks `dev` .. from `lower`:
+        every K/V kind holds the pages the query after it reads (a sliding window's part of a
+        block may be missing), and with states the last block keeps a snapshot (in device
+        memory or with the lower block). `dev` when no such end lies past `dev`."""
+        t, u = self.block_tokens, self.block_pages
+        layout = self.tiers.layout if self.tiers is not None else None
+        for end in range(dev + len(lower), dev, -1):
+            if states:
+                flags = lower[end - 1 - dev][1]
+                if not (flags & layout.state_flag or self._has_snapshot(keys[end - 1])):
+                    continue
+            firsts = self.cache.allocator.first_reads(end * t)
+            if all(lower[j - dev][1] >> k & 1 for k, first in enumerate(firsts)
+                   for j in range(max(dev, first // u), end)):
+                return end
+        return dev
+
+    def _restore(self, reqid: int, keys: list[bytes], dev: int, end: int,
+                 lower: Sequence[tuple[str, int]]) -> tuple[Hit | None, int]:
+        """Restore blocks `dev` .. `end - 1` of `keys` from the lower tiers into `reqid`, which
+        holds the first `dev` from device memory: fresh pages, the blocks' data copied in, then
+        pinned (the blocks are in device memory again), and with states the snapshot at the
+        end. Returns (the hit, tokens held); (None, tokens held) when it could not: a block
+        lost on the way or damaged (a shorter hit then, if any), no memory, a failed copy."""
+        t, u, tiers, cache = self.block_tokens, self.block_pages, self.tiers, self.cache
+        blocks = []
+        for key in keys[dev:end]:
+            block = tiers.fetch(key)
+            if block is None:
+                break
+            blocks.append(block)
+        if len(blocks) < end - dev:  # a file went missing or was bad: what was read still serves
+            lower = [(where, b.flags(tiers.layout)) for (where, _), b in zip(lower, blocks)]
+            end = self._lower_end(keys, dev, lower, states=self.with_states)
+            if end <= dev:
+                return None, dev * t
+        held, fresh = cache.extend_prefix(reqid, end * t)
+        if held < end * t:  # no memory
+            return None, held
+        try:
+            tiers.restore(reqid, keys[dev:end], blocks[:end - dev], dev, fresh)
+        except Exception as e:  # noqa: BLE001 - the request computes them
+            self.num_restore_failures += 1
+            logger.warning("vattn: restoring %d cached blocks failed (%s: %s); they are computed",
+                           end - dev, type(e).__name__, str(e))  # (not e: its traceback holds views)
+            cache.drop_prefix(reqid)
+            return None, 0
+        handles = cache.pin(reqid, end * u)
+        for j in range(dev, end):
+            self.entries[keys[j]] = tuple(handles[j * u:(j + 1) * u])
+        if self.with_states and not self._restore_states(reqid, keys[end - 1], blocks[end - 1 - dev]):
+            cache.drop_prefix(reqid)
+            return None, 0
+        return Hit(end * t, dev * t, tuple(where for where, _ in lower[:end - dev]), t), end * t
+
+    def _restore_states(self, reqid: int, key: bytes, block: Any) -> bool:
+        """`reqid`'s states become the snapshot at the end of `key`'s block: the one in device
+        memory, or the lower tier's restored into a snapshot row (kept, as device memory's).
+        False when none could be had (no row, no memory, a failed copy)."""
+        cache = self.cache
+        if not self._has_snapshot(key):
+            if block.state is None:
+                return False
+            try:
+                row = self.tiers.restore_state(block)
+            except Exception as e:  # noqa: BLE001 - a miss
+                self.num_restore_failures += 1
+                logger.warning("vattn: restoring a state snapshot failed (%s: %s)", type(e).__name__, str(e))
+                return False
+            if row is None:
+                return False
+            self._drop_snapshot(key)
+            self.snapshots[key] = cache.pin_snapshot(row)
+        if not cache.restore_snapshot(reqid, self.snapshots[key]):
+            return False
+        self.snapshots.move_to_end(key)
+        return True
 
     def _longest_snapshot(self, keys: Sequence[bytes], blocks: int) -> int:
         """The most leading blocks of `keys[:blocks]` whose last keeps a snapshot (0: none)."""
@@ -161,6 +328,8 @@ class PrefixCache:
                 self.entries[key] = tuple(handles[i * u:(i + 1) * u])
             if len(self.entries) > 2 * len(self.cache.allocator.pins) + 1024:  # forget evicted blocks
                 self.entries = {k: b for k, b in self.entries.items() if self.pinned(b)}
+            if self.tiers is not None:  # write-through: the host tier gets the blocks it lacks
+                self.tiers.save(reqid, keys, [self._holes(handles[i * u:(i + 1) * u]) for i in range(len(keys))])
         if self.with_states:
             self._keep_snapshots(reqid, len(token_ids), keys)
 
@@ -178,11 +347,21 @@ class PrefixCache:
                 cache.free_snapshot(row)
             else:
                 self.snapshots[key] = cache.pin_snapshot(row)
+                if self.tiers is not None:  # with the block's copy in the host tier
+                    self.tiers.save_state(key, row)
             if key in self.snapshots:
                 self.snapshots.move_to_end(key)
         for key in [k for k, h in self.snapshots.items()  # evicted, or their K/V block was
                     if not cache.snapshot_pinned(h) or k not in self.entries or not self.pinned(self.entries[k])]:
             self._drop_snapshot(key)
+
+    def _holes(self, handles: Sequence[Any]) -> list[bool]:
+        """Per K/V kind, whether one of a block's pin handles is a hole (a page a sliding
+        window had given back): see `vattn.allocator.sharing` for their shape."""
+        if len(self.cache.kv_kind_buffers) == 1:
+            return [any(h[0] is None for h in handles)]
+        return [any(h[0] is None for h in handles),
+                *(any(h[2][k][0] is None for h in handles) for k in range(len(handles[0][2])))]
 
     def _has_snapshot(self, key: bytes) -> bool:
         handle = self.snapshots.get(key)
@@ -202,6 +381,29 @@ class PrefixCache:
     def hit_rate(self) -> float:
         """Prompt tokens found in the cache / prompt tokens looked up."""
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+def check_offload(offload_bytes: Any, offload_dir: Any, offload_dir_bytes: Any) -> tuple[Any, Any, Any]:
+    """The offload settings checked (InvalidConfigError): `offload_bytes` (an int > 0, the host
+    tier), `offload_dir` (a path, with `offload_dir_bytes`, an int > 0; the disk tier lies
+    under the host tier, so it needs `offload_bytes` too)."""
+    def count(value: Any, name: str) -> int | None:
+        return None if value is None else as_int(value, name, InvalidConfigError, low=1,
+                                                  what="None or a number of bytes > 0")
+
+    offload_bytes, offload_dir_bytes = count(offload_bytes, "offload_bytes"), count(offload_dir_bytes,
+                                                                                     "offload_dir_bytes")
+    if offload_dir is not None:
+        if not isinstance(offload_dir, (str, os.PathLike)) or not os.fspath(offload_dir):
+            raise InvalidConfigError(f"offload_dir must be a directory's path, got {offload_dir!r}")
+        if offload_dir_bytes is None:
+            raise InvalidConfigError("offload_dir needs offload_dir_bytes: the bytes of files the disk tier may keep")
+        if offload_bytes is None:
+            raise InvalidConfigError(
+                "offload_dir needs offload_bytes: the disk tier holds the blocks evicted from the host tier")
+    elif offload_dir_bytes is not None:
+        raise InvalidConfigError("offload_dir_bytes needs offload_dir, the directory of the disk tier")
+    return offload_bytes, offload_dir, offload_dir_bytes
 
 
 def check_sharing_unit(g: Geometry, granularity: int) -> None:

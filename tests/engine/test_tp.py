@@ -4,6 +4,7 @@ checks spawns the two ranks once; every join has a deadline, so a hang fails the
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import pickle
 import socket
@@ -61,11 +62,9 @@ def _rank_main(rank: int, ports: list[int], case: str, out_dir: str, args: tuple
 
 
 def _case(case: str) -> Callable[..., Any]:
-    """CASES[case], or another test module's function named "module:function"."""
-    if ":" not in case:
+    """CASES[case], or the function "package.module:name" names (a case of another test file)."""
+    if case in CASES:
         return CASES[case]
-    import importlib
-
     module, name = case.split(":")
     return getattr(importlib.import_module(module), name)
 

@@ -90,6 +90,10 @@ class MemoryStats:
     # "state"), whose sums these are (page groups of different sizes added; bytes exact;
     # the pins are the first kind's). None: one kind.
     kinds: dict[str, MemoryStats] | None = None
+    # The offload tiers under the cache (`KVCache.host`, vattn.offload): bytes of host memory
+    # (prefix blocks and swapped-out requests) and of disk files they hold
+    host_bytes: int = 0
+    disk_bytes: int = 0
 
     @property
     def fragmentation_bytes(self) -> int:

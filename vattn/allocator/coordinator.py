@@ -349,6 +349,23 @@ class Coordinator:
         with self._quiet():
             return sharing.truncate_pinned(self.slots, self._pinned, reqid, num_tokens)
 
+    def extend_prefix(self, reqid: int, num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
+        """See `KVCache.extend_prefix`."""
+        with self._quiet():
+            return sharing.extend_prefix(self.slots, self.kinds, self._carry, reqid, num_tokens, self.layer.fence())
+
+    def drop_prefix(self, reqid: int) -> None:
+        """See `KVCache.drop_prefix`."""
+        with self._quiet():
+            slot = self.slots.check_active(reqid)
+            self.slots.fence_ran(self.layer.fence())
+            sharing.drop_prefix(self.slots, self.kinds, slot)
+
+    def first_reads(self, num_tokens: int) -> list[int]:
+        """Per K/V kind (the kinds of a pin handle, in order), the first page the query right
+        after a slot's first `num_tokens` tokens reads (0 but for a sliding window)."""
+        return [sharing.first_read(kind.books, num_tokens) for kind in self._pinned]
+
     @property
     def pins(self) -> OrderedDict[Any, int]:
         """The first K/V kind's pinned groups -> the generation of their pin, least recently
@@ -434,6 +451,14 @@ class Coordinator:
                 kind.mapper.copy_pages([(g.page_offset(slot, p), g.page_offset(row, p))
                                         for p in range(g.pages_per_slot)])
             return row
+
+    def snapshot_row(self) -> int | None:
+        """A free snapshot row with its pages mapped, for the caller to fill (a snapshot
+        restored from a lower tier), or None when no row or memory is left; keep it with
+        `pin_snapshot` or give it back with `free_snapshot`."""
+        self._state()
+        with self._quiet():
+            return self._new_snapshot_row({})
 
     def pin_snapshot(self, row: int) -> tuple[int, int]:
         """Keep snapshot `row` (a prefix block's states), evictable least recently used first;

@@ -123,6 +123,11 @@ class FullAttention:
     def adopted(self, slot: int) -> None:
         """`slot` got its data from another slot or the host (fork, swap-in; lock held)."""
 
+    def dropped(self, slot: int) -> None:
+        """What a prefix hit put into `slot` before its first step is dropped (lock held,
+        worker stopped): its pages are unmapped."""
+        self.mapper.empty(slot)
+
     def after_step(self, slot: int, start: int, end: int, supply: Callable[..., Any]) -> None:
         """The step that takes `slot` from `start` to `end` tokens was served."""
 
@@ -321,6 +326,10 @@ class RecurrentState(FullAttention):
 
     def adopted(self, slot: int) -> None:
         self.books.has_states.add(slot)
+
+    def dropped(self, slot: int) -> None:
+        """No snapshot is restored into `slot` at its first step (its row is mapped then)."""
+        self.books.unhold(slot)
 
     def after_step(self, slot: int, start: int, end: int, supply: Callable[..., Any]) -> None:
         """The iteration from `start` to `end` runs: the rows the one before it wrote are

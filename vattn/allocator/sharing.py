@@ -225,6 +225,97 @@ def truncate_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, nu
     return unmapped
 
 
+def first_read(books: SlotBooks, num_tokens: int) -> int:
+    """The first page of a slot the query right after its first `num_tokens` tokens reads:
+    0 without a sliding window."""
+    if books.window is None:
+        return 0
+    g = books.geometry
+    return max(0, num_tokens - books.window + 1) * g.token_bytes // g.page_size
+
+
+def extend_prefix(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, reqid: int, num_tokens: int,
+                  fence: Any) -> tuple[int, list[tuple[int, int]]]:
+    """Back `num_tokens` tokens of a request that has not run yet with pages after what
+    `map_pinned` mapped into it (or from its first page), in every K/V kind, for the caller to
+    copy a lower tier's data into (the prefix cache's restore): fresh pages, or those the slot
+    kept of an earlier request that nobody shares. A sliding-window kind gets only the pages
+    the query at `num_tokens` reads: the ones before become holes, given back where the slot
+    mapped pinned pages there. `kinds`: every kind of the cache (the others are left alone).
+
+    Returns (tokens the slot holds now, per K/V kind (first page, pages) the caller fills).
+    When memory is short nothing is mapped and the slot keeps what it held, or holds nothing
+    (0 tokens) where a window kind had given pages back for it."""
+    slot = slots.check_active(reqid)
+    num_tokens = as_index(num_tokens, "num_tokens")
+    pinned = [kind for kind in kinds if kind.pinned_pages]
+    held = slots.max_lens[slot]
+    g = pinned[0].geometry
+    check_unrun(pinned, slot, held)
+    if num_tokens % g.share_tokens or not held < num_tokens <= slots.max_len:
+        raise InvalidRequestError(
+            f"num_tokens={num_tokens} must be a whole number of sharing units ({g.share_tokens} tokens) above the "
+            f"{held} tokens reqid {slot} holds, and at most {slots.max_len}")
+    slots.fence_ran(fence)
+    end = g.pages_for(num_tokens)
+    if not held:  # an earlier request's pages: kept where nobody shares them (the copy overwrites them)
+        for kind in pinned:
+            books = kind.books
+            pages = books.slot_pages[slot]
+            if any(grp is None or books.refs[grp] > 1 for grp in pages):
+                kind.mapper.empty(slot)
+            elif len(pages) > end:
+                kind.mapper.reclaim([(slot, len(pages) - end)], len(pages) - end)
+    gave_back = False  # a window kind's pages before its first read became holes
+    for kind in pinned:
+        first = first_read(kind.books, num_tokens)
+        if first > kind.books.holes(slot):
+            kind.mapper.drop_behind(slot, first)
+            gave_back = True
+    needs: list[list[tuple[int, int, int]]] = []
+    for kind in kinds:
+        start = len(kind.books.slot_pages[slot])
+        needs.append([(slot, start, end - start)] if kind.pinned_pages and end > start else [])
+    plan, _, _ = carry(lambda limit: plan_backing([k.books for k in kinds], needs, {slot: num_tokens}, limit))
+    if plan.failed:
+        if not gave_back:
+            return held, [(0, 0)] * len(pinned)
+        drop_prefix(slots, kinds, slot)
+        return 0, [(0, 0)] * len(pinned)
+    fill = []
+    held_pages = held // g.share_tokens * g.share_pages
+    for kind in pinned:
+        if kind.books.dirty_slots:  # an earlier owner's data: cleared now, not after the copy
+            kind.mapper.zero_dirty([slot])
+        kind.books.shared_slots.add(slot)
+        first = max(held_pages, kind.books.holes(slot))
+        fill.append((first, end - first))
+    slots.max_lens[slot] = slots.prev_lens[slot] = num_tokens  # (a step to it plans no iteration)
+    return num_tokens, fill
+
+
+def check_unrun(kinds: Sequence[FullAttention], slot: int, held: int) -> None:
+    """InvalidRequestError unless `slot` holds just the `held` tokens of pinned pages
+    `map_pinned` mapped into it, or is new (no length yet): it has not run."""
+    for kind in kinds:
+        books, g = kind.books, kind.geometry
+        pages = books.slot_pages[slot]
+        if held and (held * g.share_pages != len(pages) * g.share_tokens or books.slots.prev_lens[slot] != held
+                     or any(grp not in books.pins for grp in pages if grp is not None)):
+            raise InvalidRequestError(
+                f"reqid {slot} does not hold just the pinned pages map_pinned mapped into it (it ran): extend a "
+                "prefix right after map_pinned, before its first step")
+
+
+def drop_prefix(slots: Slots, kinds: Sequence[FullAttention], slot: int) -> None:
+    """Unmap every page of a request that has not run yet (what `map_pinned` and
+    `extend_prefix` mapped into it) in every kind, and forget a snapshot it was to restore:
+    it computes its tokens from the first (a restore that failed)."""
+    for kind in kinds:
+        kind.dropped(slot)
+    slots.max_lens[slot] = slots.prev_lens[slot] = 0
+
+
 def unshare_new_owners(kinds: Sequence[FullAttention], lens: dict[int, int]) -> bool:
     """A new request must not write into pages another slot shares, nor find holes where it
     reads: unmap every page of a freshly allocated slot of the step that still maps a
@@ -249,5 +340,5 @@ def unshare_new_owners(kinds: Sequence[FullAttention], lens: dict[int, int]) -> 
     return changed
 
 
-__all__ = ["Handle", "check_truncate", "fork", "is_pinned", "map_pinned", "num_pinned", "pin",
+__all__ = ["Handle", "check_truncate", "check_unrun", "drop_prefix", "extend_prefix", "first_read", "fork", "is_pinned", "map_pinned", "num_pinned", "pin",
            "pinned_kinds", "split", "truncate_pinned", "truncate_refused", "unshare_new_owners", "window_covers"]

@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "kernel": "kernel",
     "throughput": "throughput",
     "gpu": "gpu",
+    "offload": "offload",
 }
 
 

@@ -1,6 +1,7 @@
 """`EngineConfig`: what `LLM(model, **config)` was asked for."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -15,6 +16,7 @@ from vattn.engine.compile import parse_compile
 from vattn.engine.scheduler import SchedulerConfig
 from vattn.errors import InvalidConfigError
 from vattn.idle import delay_seconds
+from vattn.prefix_cache import check_offload
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -54,6 +56,12 @@ class EngineConfig:
     hides something (CUDA, one rank), True = always (on the host's CPU, and under tensor
     parallelism where rank 0's tokens reach the other ranks on the host, the same outputs with
     nothing hidden), False = never; see `LLM.step`).
+    Offload tiers under the prefix cache (`vattn.offload`): offload_bytes (None, or bytes of
+    host memory for cached blocks evicted from device memory and for swapped-out requests,
+    one budget; pinned on CUDA), offload_dir and offload_dir_bytes (a directory, and the
+    bytes of files in it, for the blocks evicted from host memory; kept across restarts,
+    shareable by processes; needs offload_bytes). They need enable_prefix_caching (a swap-only
+    engine may give offload_bytes alone: its swapped-out requests' budget).
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
     heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`; prefix
     caching and both preemption modes work, their per-rank outcomes agreed between the
@@ -86,6 +94,9 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     compile: bool | str = False
     async_scheduling: bool | None = None
+    offload_bytes: int | None = None
+    offload_dir: str | os.PathLike | None = None
+    offload_dir_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.budget is not None and not isinstance(self.budget, Budget):
@@ -122,6 +133,18 @@ class EngineConfig:
                 "(each running sequence holds one cache slot)")
         self._check_parallel()
         self.scheduler_config()  # validates the token budget and the preemption mode
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        values = check_offload(self.offload_bytes, self.offload_dir, self.offload_dir_bytes)
+        for name, value in zip(("offload_bytes", "offload_dir", "offload_dir_bytes"), values):
+            object.__setattr__(self, name, value)
+        if self.offload_bytes is not None and not (self.enable_prefix_caching or self.preemption_mode == "swap"):
+            raise InvalidConfigError(
+                "offload_bytes holds cached prefix blocks and swapped-out requests: give enable_prefix_caching=True "
+                "(or preemption_mode='swap')")
+        if self.offload_dir is not None and not self.enable_prefix_caching:
+            raise InvalidConfigError("offload_dir holds cached prefix blocks: give enable_prefix_caching=True")
 
     def _check_parallel(self) -> None:
         object.__setattr__(self, "tensor_parallel_size", checks.positive(self.tensor_parallel_size,

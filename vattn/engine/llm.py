@@ -46,9 +46,20 @@ class PrefixCacheStats:
     recomputing after a preemption) is looked up; forked samples are not."""
 
     num_query_tokens: int  # tokens of the sequences looked up
-    num_hit_tokens: int  # of those, mapped from cached pages instead of computed
+    num_hit_tokens: int  # of those, mapped from cached pages instead of computed (every tier's)
     num_pinned_pages: int  # page groups the cache keeps now
     block_tokens: int  # tokens a cached block covers: the sharing granularity (`Geometry.share_tokens`)
+    # the offload tiers (offload_bytes, offload_dir): hits restored from each (inside num_hit_tokens),
+    # and the bytes each holds now (the host tier's include swapped-out requests)
+    num_host_hit_tokens: int = 0
+    num_disk_hit_tokens: int = 0
+    host_bytes: int = 0
+    disk_bytes: int = 0
+
+    @property
+    def num_device_hit_tokens(self) -> int:
+        """Hits mapped from pages in device memory (no copy)."""
+        return self.num_hit_tokens - self.num_host_hit_tokens - self.num_disk_hit_tokens
 
     @property
     def hit_rate(self) -> float:
@@ -282,7 +293,8 @@ class LLM:
 
     # ------------------------------------------------------------------ figures ----
     def memory_stats(self):
-        """The cache's `MemoryStats` (mapped, used, fragmentation, ...)."""
+        """The cache's `MemoryStats` (mapped, used, fragmentation, ...; `host_bytes` and
+        `disk_bytes`: what the offload tiers hold)."""
         return self.runner.cache.stats()
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
@@ -292,7 +304,10 @@ class LLM:
             return None
         with self._lock:
             pinned = self.runner.cache.stats().num_pinned_pages if not self._closed else 0
-            return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.block_tokens)
+            host = self.runner.cache.host
+            return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.block_tokens,
+                                    pc.num_host_hit_tokens, pc.num_disk_hit_tokens, host.nbytes,
+                                    host.disk.nbytes if host.disk is not None else 0)
 
     @property
     def async_scheduling(self) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import logging
 import os
 from typing import Any, NamedTuple
@@ -163,6 +164,35 @@ def seeded_model(config: Any, seed: int, device: torch.device | str | None = Non
     with torch.random.fork_rng(devices=gpus), dev:  # manual_seed seeds the GPU's generator too
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
+
+
+def weights_fingerprint(model: Any) -> bytes:
+    """16 bytes that differ between models whose weights differ (the disk tier's salt): a hash
+    of every parameter's and buffer's name, dtype, shape and bytes (on CUDA, of two
+    position-weighted sums of each tensor's bytes, computed on the device)."""
+    h = hashlib.blake2b(digest_size=16)
+    with torch.no_grad():
+        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [bytes]
+            if raw.device.type == "cpu":
+                h.update(memoryview(raw.numpy()))
+            else:
+                h.update(_device_digest(raw))
+    return h.digest()
+
+
+def _device_digest(raw: torch.Tensor, chunk: int = 1 << 26) -> bytes:
+    """Two sums of `raw`'s bytes (`[N]` uint8 on a device), each byte weighted by a function
+    of its position, wrapping in int64: a checksum that moves when any byte does."""
+    sums = torch.zeros(2, dtype=torch.int64, device=raw.device)
+    for start in range(0, raw.numel(), chunk):
+        x = raw[start:start + chunk].to(torch.int64) + 1  # [n]
+        pos = torch.arange(start, start + x.numel(), dtype=torch.int64, device=raw.device)
+        w1 = pos * 0x1E3779B97F4A7C15 % 0x7FFFFFFFFFFFFFE7 + 1
+        w2 = (pos ^ 0x5DEECE66D) * 0x2545F4914F6CDD1D % 0x7FFFFFFFFFFFFFC5 + 1
+        sums += torch.stack([(x * w1).sum(), (x * x * w2).sum()])
+    return b"".join(int(v).to_bytes(8, "little", signed=True) for v in sums.tolist())
 
 
 def load_tokenizer(path: str) -> Any:
@@ -345,11 +375,31 @@ class ModelRunner:
         self.compiled = (CompiledForward(self.model, compiled, [c for c in self.k_caches + self.v_caches if c is not None])
                          if compiled else None)  # vattn.engine.compile
         self.graphs = self._decode_graphs(config)
+        self.offload = (config.offload_bytes, config.offload_dir, config.offload_dir_bytes)
+        if config.offload_bytes is not None and not config.enable_prefix_caching:  # swapped-out requests only
+            try:
+                self.cache.host.configure(config.offload_bytes)
+            except BaseException:
+                self.close()
+                raise
         self.previous_attention = use_vattn_attention(self.model)
 
     def prefix_cache(self, salt: bytes) -> PrefixCache:
-        """The prefix cache over this runner's cache (every layer kind's part of a block)."""
-        return PrefixCache(self.cache, salt=salt)
+        """The prefix cache over this runner's cache (every layer kind's part of a block), with
+        the offload tiers asked for. A disk tier's salt also names the weights (their
+        fingerprint) and this rank: its files outlive the process."""
+        offload_bytes, offload_dir, offload_dir_bytes = self.offload
+        if offload_dir is not None:
+            salt += weights_fingerprint(self.model) + self.rank_name()
+        return self.make_prefix_cache(salt, offload_bytes=offload_bytes, offload_dir=offload_dir,
+                                      offload_dir_bytes=offload_dir_bytes)
+
+    def make_prefix_cache(self, salt: bytes, **offload: Any) -> PrefixCache:
+        return PrefixCache(self.cache, salt=salt, **offload)
+
+    def rank_name(self) -> bytes:
+        """This runner's tensor-parallel rank, for the disk tier's salt (one process: rank 0 of 1)."""
+        return b"rank 0 of 1"
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | int) -> torch.Tensor:
         """The model on ids, positions `[1, T]` inside a forward context: logits `[S, V]` of

@@ -12,7 +12,7 @@ from vattn.engine.config import EngineConfig
 from vattn.engine.model_runner import ModelRunner, Sampled
 from vattn.engine.parallel.group import ALLOC_REQID, FORK, PREFIX, STEP, SWAP_IN, SWAP_OUT, TensorParallel
 from vattn.errors import NoFreeSlotError, OutOfPhysicalMemoryError, RankCacheError, TensorParallelError
-from vattn.prefix_cache import PrefixCache
+from vattn.prefix_cache import Hit, PrefixCache, token_array
 
 
 class AgreedStep(NamedTuple):
@@ -181,31 +181,29 @@ def raise_agreed(tp: TensorParallel, what: str, error: Exception | None) -> None
 class AgreedPrefixCache(PrefixCache):
     """The prefix cache of one rank: every rank inserts the same prompts, but the pinned pages
     are its own, and memory pressure evicts them on each rank on its own. So how many tokens
-    a new sequence maps (`map_prefix`) is agreed: each rank maps what it still has, and every
-    rank keeps the fewest (`KVCache.truncate_pinned` unmaps the rest, which stays pinned). A
-    rank whose mapping raised makes it a miss on every rank (the same RankCacheError
+    a new sequence maps (`map_prefix`) is agreed: each rank maps what it still has (its pinned
+    pages, and blocks restored from its own offload tiers, pinned again), and every rank keeps
+    the fewest (`KVCache.truncate_pinned` unmaps the rest, which stays pinned). A rank whose
+    mapping raised makes it a miss on every rank (the same RankCacheError
     everywhere; the scheduler computes the whole prompt). One round trip per lookup, miss or
     hit: whether a rank has anything to map is its own. Pinning (`insert`) needs no
     agreement: a rank that pinned fewer pages maps fewer later, and the minimum holds."""
 
-    def __init__(self, cache: Any, tp: TensorParallel, salt: bytes | str = b"") -> None:
-        super().__init__(cache, salt)
+    def __init__(self, cache: Any, tp: TensorParallel, salt: bytes | str = b"", **offload: Any) -> None:
+        super().__init__(cache, salt, **offload)
         self.tp = tp
 
     def map_prefix(self, reqid: int, token_ids: Any) -> int:
-        keys, handles = self.lookup(token_ids)
-        self.num_query_tokens += len(token_ids)
-        mapped, error = 0, None
-        if handles:
-            try:
-                mapped = self.cache.map_pinned(reqid, handles)
-            except Exception as e:  # noqa: BLE001 - agreed below; the books hold (nothing mapped)
-                error = e
-            else:
-                self.forget_evicted(keys[:len(handles)], mapped)
-        agreed = self.tp.agree(PREFIX, error=error is not None, value=mapped)
+        ids = token_array(token_ids)
+        self.num_query_tokens += len(ids)
+        hit, error = Hit(), None
+        try:
+            hit = self.map_hit(reqid, ids)  # the rank's own tiers: device pages, restores from host or disk
+        except Exception as e:  # noqa: BLE001 - agreed below; the books hold
+            error = e
+        agreed = self.tp.agree(PREFIX, error=error is not None, value=hit.num_tokens)
         n = 0 if agreed.errors else min(agreed.values)
-        if mapped > n:
+        if hit.num_tokens > n:
             try:
                 self.cache.truncate_pinned(reqid, n)
             except Exception as e:  # noqa: BLE001 - this rank's slot no longer matches the others'
@@ -213,7 +211,7 @@ class AgreedPrefixCache(PrefixCache):
                                    f"ranks agreed on ({type(e).__name__}: {e})") from e
         if agreed.errors:
             raise_agreed(self.tp, "map_prefix", error)
-        self.num_hit_tokens += n
+        self.count(hit, n)
         return n
 
 
@@ -261,9 +259,12 @@ class TPModelRunner(ModelRunner):
             self.close()
             raise
 
-    def prefix_cache(self, salt: bytes) -> AgreedPrefixCache:
-        """The rank's prefix cache, its hits agreed with the other ranks'."""
-        return AgreedPrefixCache(self.cache, self.tp, salt=salt)
+    def make_prefix_cache(self, salt: bytes, **offload: Any) -> AgreedPrefixCache:
+        """The rank's prefix cache (its own offload tiers), its hits agreed with the other ranks'."""
+        return AgreedPrefixCache(self.cache, self.tp, salt=salt, **offload)
+
+    def rank_name(self) -> bytes:
+        return f"rank {self.tp.rank} of {self.tp.size}".encode()
 
     def _launch(self, scheduled: list) -> Sampled:
         try:

@@ -1,0 +1,194 @@
+"""`Tiers`: what a prefix cache (`vattn.prefix_cache.PrefixCache`) keeps below device memory,
+and the copies between the cache's pages and those tiers.
+
+```
+device   pinned pages (the prefix cache's entries)    map_pinned: no copy
+  | write-through at insert (a block is copied once, when it is cached)
+host     HostStore: blocks by key, LRU (offload_bytes), shared with swapped-out requests
+  | evicted
+disk     DiskTier: one file a block (offload_dir, offload_dir_bytes), kept across restarts
+```
+A hit past the device's blocks is restored from the nearest tier: `fetch` (a disk block is
+read into host memory first), then `restore` copies each block's pages into the fresh pages
+`KVCache.extend_prefix` mapped for the request, page by page (on CUDA on the copy stream; the
+request's next step waits for it). Blocks are copied to the host tier when they are cached
+(write-through, as vLLM's offloading connector and SGLang's HiCache write-through do), so a
+block evicted from device memory needs no copy then: the pages an eviction takes are no
+longer mapped anywhere by that time, and nothing waits for a copy under memory pressure.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from vattn.offload.disk import DiskTier
+from vattn.offload.host import BlockLayout, HostBlock
+
+if TYPE_CHECKING:
+    from vattn.cache import KVCache
+
+FORMAT = b"vattn-kv-offload-1"  # bump when the file format or a block's layout changes
+
+
+def block_layout(cache: KVCache, with_states: bool) -> BlockLayout:
+    """The layout of one prefix block of `cache` (see `BlockLayout`)."""
+    g = cache.geometry
+    kinds = tuple((len(buffers), g.share_pages * cache.page_size) for buffers in cache.kv_kind_buffers)
+    return BlockLayout(kinds, cache.states.row_bytes if with_states and cache.states is not None else 0)
+
+
+def cache_identity(cache: KVCache, salt: bytes, layout: BlockLayout) -> bytes:
+    """16 bytes naming what makes a block of `cache` valid: the salt (the model), the format,
+    and the cache's layout (layer kinds and their buffers, dtype, heads, page geometry)."""
+    c, g = cache.config, cache.geometry
+    described = repr((c.num_layers, c.num_kv_heads, c.head_dim, str(c.dtype), c.layout, cache.page_size,
+                      g.token_bytes, g.share_tokens, g.share_pages, cache.kind_names, cache.kv_kind_buffers,
+                      c.state_bytes, layout))
+    h = hashlib.blake2b(FORMAT, digest_size=16)
+    h.update(len(salt).to_bytes(8, "little"))
+    h.update(salt)
+    h.update(described.encode())
+    return h.digest()
+
+
+class Tiers:
+    """The host and disk tiers of one prefix cache over `cache` (see the module docstring).
+    `offload_bytes`: the host tier's budget (the cache's host store, swapped-out requests
+    included); `offload_dir`, `offload_dir_bytes`: the disk tier. InvalidConfigError at start
+    for what cannot work."""
+
+    def __init__(self, cache: KVCache, salt: bytes, with_states: bool, offload_bytes: int,
+                 offload_dir: str | os.PathLike | None = None, offload_dir_bytes: int | None = None) -> None:
+        self.cache = cache
+        self.store = cache.host
+        self.copier = cache.host.copier
+        self.layout = layout = block_layout(cache, with_states)
+        self.block_pages = cache.geometry.share_pages
+        disk = None
+        if offload_dir is not None:
+            disk = DiskTier(offload_dir, offload_dir_bytes, cache_identity(cache, salt, layout), layout, self.copier)
+        self.store.configure(offload_bytes, layout, disk)
+        self.recent: dict[bytes, Any] = {}  # CUDA: blocks restored whose copies may be in flight -> their event
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self.store.disk
+
+    def locate(self, key: bytes) -> tuple[str, int] | None:
+        """(tier, flags) of the block under `key` in the host or disk tier, or None."""
+        return self.store.locate(key)
+
+    def fetch(self, key: bytes) -> HostBlock | None:
+        """The block under `key` in host memory (read from disk first where it is there only)."""
+        return self.store.fetch(key)
+
+    # ----------------------------------------------------------------- saving ----
+    def save(self, reqid: int, keys: Sequence[bytes], holes: Sequence[Sequence[bool]]) -> int:
+        """Copy the blocks of `keys` (the first blocks of `reqid`, pinned) that the host tier
+        lacks into it; `holes[i][k]`: block i has a page of K/V kind k that a sliding
+        window gave back (that kind's part is not kept; a block of holes only is kept empty,
+        so that a chain runs on through it to blocks whose window pages are there). Returns
+        the blocks copied."""
+        store, u = self.store, self.block_pages
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        new: list[tuple[bytes, HostBlock]] = []
+        for i, key in enumerate(keys):
+            if store.get(key) is not None:  # held already (now recently used)
+                continue
+            parts: list[torch.Tensor | None] = []
+            for k, (buffers, nbytes) in enumerate(self.layout.kinds):
+                if holes[i][k]:
+                    parts.append(None)
+                    continue
+                host = self.copier.empty(buffers * nbytes).view(buffers, nbytes)
+                pairs += zip(self.cache.page_views(k, reqid, i * u, u), host)
+                parts.append(host)
+            new.append((key, HostBlock(parts)))
+        if not new:
+            return 0
+        ready = self.copier.to_host(pairs)
+        disk = self.disk
+        for key, block in new:
+            block.ready = ready
+            block.on_disk = disk is not None and disk.holds(key, block.flags(self.layout))
+            store.put(key, block)
+        return len(new)
+
+    def save_state(self, key: bytes, row: int) -> bool:
+        """Copy snapshot `row` (the states at the end of `key`'s block) into the host tier's
+        block of `key`, if it holds that block without them."""
+        block = self.store.get(key)
+        if block is None or block.state is not None or not self.layout.state_bytes:
+            return False
+        host = self.copier.empty(self.layout.state_bytes)
+        ready = self.copier.to_host([(self.cache.state_rows()[row], host)], in_order=True)  # a row is reused in place
+        return self.store.add_state(key, host, ready)
+
+    # -------------------------------------------------------------- restoring ----
+    def restore(self, reqid: int, keys: Sequence[bytes], blocks: Sequence[HostBlock], first_block: int,
+                fresh: Sequence[tuple[int, int]]) -> None:
+        """Copy `blocks` (the blocks of `keys`: blocks first_block, first_block + 1, ... of
+        `reqid`) into the pages `KVCache.extend_prefix` mapped fresh (`fresh`: per K/V kind,
+        (first page, pages)), a run of pages of a block at a time. Raises when a needed part
+        is not held (the caller checked it is)."""
+        u = self.block_pages
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for k, (start, count) in enumerate(fresh):
+            page = self.layout.kinds[k][1] // u
+            p = start
+            while p < start + count:
+                j, q = divmod(p, u)
+                n = min(start + count, (j + 1) * u) - p  # the run of pages within block j
+                block = blocks[j - first_block]
+                part = block.kinds[k]
+                if part is None:
+                    raise ValueError(f"block {j} holds no pages of layer kind {k}")
+                self.copier.wait(block.ready)  # (a block saved moments ago: its copy in host memory first)
+                for src, dst in zip(part, self.cache.page_views(k, reqid, p, n)):
+                    pairs.append((src[q * page:(q + n) * page], dst))
+                p += n
+        self.copier.to_device(reqid, pairs)
+        event = self.copier.restores.get(reqid)
+        if event is not None:  # CUDA: another request that maps these pages (pinned next) waits for them too
+            self.recent.update(dict.fromkeys(keys, event))
+
+    def depend(self, reqid: int, keys: Sequence[bytes]) -> None:
+        """`reqid` maps the pinned pages of `keys`: on CUDA, its next step also waits for
+        the restores of those blocks still in flight (restored for another request)."""
+        if not self.recent:
+            return
+        self.recent = {k: e for k, e in self.recent.items() if not e.query()}
+        if any(k in self.recent for k in keys):  # (one stream: its latest event covers every earlier copy)
+            self.copier.restores[reqid] = self.copier.last_event
+
+    def restore_state(self, block: HostBlock) -> int | None:
+        """A snapshot row holding `block`'s states (copied from host memory), or None when no
+        row or memory is left. The caller keeps it (`pin_snapshot`) or frees it."""
+        cache = self.cache
+        row = cache.snapshot_row()
+        if row is None:
+            return None
+        try:
+            self.copier.wait(block.ready)
+            self.copier.to_device(None, [(block.state, cache.state_rows()[row])])
+        except BaseException:
+            cache.free_snapshot(row)
+            raise
+        return row
+
+    # ---------------------------------------------------------------- figures ----
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the host tier holds (prefix blocks and swapped-out requests)."""
+        return self.store.nbytes
+
+    @property
+    def disk_bytes(self) -> int:
+        disk = self.disk
+        return disk.nbytes if disk is not None else 0
+
+
+__all__ = ["FORMAT", "Tiers", "block_layout", "cache_identity"]
