@@ -123,6 +123,19 @@ def test_host_then_disk_and_a_restart_hits_disk(tmp_path: Path) -> None:
         assert other.prefix_cache_stats().num_hit_tokens == 0
 
 
+def test_the_tiers_under_asynchronous_scheduling(tmp_path: Path) -> None:
+    """Restores from host memory and disk, and the write-through of cached blocks, when the
+    engine schedules step N+1 before it takes N's outputs (prompts are pinned at launch, a
+    restore is waited for by the step that reads it): the same tokens, hits from both tiers."""
+    convs = chat()
+    kw = dict(offload_bytes=4 * 16 << 10, offload_dir=tmp_path, offload_dir_bytes=16 << 20, async_scheduling=True)
+    with engine(**kw) as llm:
+        assert llm.async_scheduling
+        assert serve(llm, convs) == expected(convs)
+        stats = llm.prefix_cache_stats()
+        assert stats.num_disk_hit_tokens > 0 and stats.num_host_hit_tokens > 0
+
+
 @pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
 def test_hybrid_blocks_carry_their_state_snapshots(family: str) -> None:
     """A block's snapshot of the recurrent states rides with it to host memory; a hit past
