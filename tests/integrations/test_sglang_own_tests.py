@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 TESTS_VAR = "VATTN_SGLANG_TESTS"
 
-# Tests that fail with vattn by design, with why: a test id, a test function or class, or a file.
+# Tests that fail with vattn by design, with why: a test id, a test function (every parameter) or a file.
 _FREE_LIST = ("reads SGLang's free list itself (`free_pages`, `get_all_free_pages()`): under vattn it holds the free "
               "pages of lent chunks only; the pages of chunks not lent yet are counted by available_size() and "
               "appended to the list when an allocation needs them")
