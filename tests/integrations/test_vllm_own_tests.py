@@ -31,20 +31,20 @@ import sys
 import tarfile
 import textwrap
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
+from tests.integrations import own_tests
 from tests.integrations import test_vllm_patch as tvp
+from tests.integrations.own_tests import Report, version_var
 from vattn.integrations import plugins
 
 pytestmark = pytest.mark.slow
 
 CORE = "tests/v1/core"
 PAGE = 64 << 10  # pages smaller than blocks of several layers: what found the segfault
-MAX_CRASHES = 10  # per file: reruns without the test that killed the process
 
 # Tests that fail with vattn by design, with why. A test id, or a test function (every parameter).
 _QUEUE = ("reads vLLM's free_block_queue (its count, head or order): under vattn it holds only the "
@@ -81,24 +81,20 @@ EXTRA_DEPS = ["httpx", "httpcore", "h11", "anyio", "sniffio", "idna", "anthropic
 
 def by_design(test_id: str) -> str | None:
     """Why `test_id` fails with vattn by design, or None."""
-    return BY_DESIGN.get(test_id) or BY_DESIGN.get(test_id.split("[")[0])
+    return own_tests.why_by_design(BY_DESIGN, test_id)
 
 
 # ------------------------------------------------------------------- the files ----
-def _version_var(prefix: str, version: str) -> str:
-    return f"{prefix}_{version.replace('.', '_')}"
-
-
 def vllm_tree(version: str, root: Path) -> Path:
     """`root` holding the release's `vllm/` (the wheel's Python files), its `tests/` (v1/core and
     what they import) and its pyproject.toml (pytest's settings). pytest.skip when missing."""
     with zipfile.ZipFile(tvp._wheel(version)) as z:
         z.extractall(root, [n for n in z.namelist() if n.startswith("vllm/") and not n.endswith(".so")])
-    given = os.environ.get(_version_var("VATTN_VLLM_TESTS", version))
+    given = os.environ.get(version_var("VATTN_VLLM_TESTS", version))
     if given:
         src = Path(given)
         if not (src / CORE).is_dir():
-            pytest.skip(f"{_version_var('VATTN_VLLM_TESTS', version)}={given} holds no {CORE}")
+            pytest.skip(f"{version_var('VATTN_VLLM_TESTS', version)}={given} holds no {CORE}")
         subprocess.run(["cp", "-r", str(src / "tests"), str(root)], check=True)
         if (src / "pyproject.toml").is_file():
             subprocess.run(["cp", str(src / "pyproject.toml"), str(root)], check=True)
@@ -125,59 +121,6 @@ def deps() -> Path:
     return target
 
 
-# -------------------------------------------------------------------- one run ----
-@dataclass
-class FileRun:
-    """One test file in its own process (again without each test that killed it)."""
-
-    outcomes: dict[str, str] = field(default_factory=dict)  # test id -> PASSED, FAILED, ERROR, SKIPPED, ...
-    crashes: dict[str, int] = field(default_factory=dict)  # test id (or the file) -> the process's exit code
-    collect_error: str = ""  # why the file could not be collected ("" when it was)
-
-
-_OUTCOME = re.compile(r"^(\S+::\S+(?: \S+)*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
-
-
-def run_file(root: Path, path: str, env: dict[str, str], plugin: bool, timeout: int = 1800) -> FileRun:
-    """Run vLLM's test file `path` under `root` in a process of its own (`plugin`: vattn's
-    harness on); after a crash, again without the test that was running."""
-    out, deselect = FileRun(), []
-    for _ in range(MAX_CRASHES + 1):
-        args = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--noconftest", "-rA", path]
-        if plugin:
-            (root / "vattn_vllm_plugin.py").write_text(textwrap.dedent(tvp.PLUGIN))
-            args[3:3] = ["-p", "vattn_vllm_plugin"]
-        for t in deselect:
-            args += ["--deselect", t]
-        r = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-        running = None
-        for line in r.stdout.splitlines():
-            m = _OUTCOME.match(line)
-            if m:
-                out.outcomes.setdefault(m.group(1), m.group(2))
-                running = None
-            elif line.startswith(path + "::"):
-                running = line.split()[0]  # `-v` prints the id before the outcome: the test under way
-        if r.returncode in (0, 1, 5):  # passed, failed, nothing collected
-            if "ERROR collecting" in r.stdout or "error during collection" in r.stdout:
-                out.collect_error = _collect_error(r.stdout)
-            return out
-        if r.returncode == 2 and ("ERROR collecting" in r.stdout or "errors during collection" in r.stdout):
-            out.collect_error = _collect_error(r.stdout)
-            return out
-        culprit = running or path
-        out.crashes[culprit] = r.returncode
-        if running is None:
-            return out
-        deselect.append(running)
-    return out
-
-
-def _collect_error(stdout: str) -> str:
-    lines = [x for x in stdout.splitlines() if x.startswith("E  ")]
-    return lines[-1][1:].strip() if lines else "collection error"
-
-
 def _env(root: Path, extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VATTN_VLLM")}
     env.update(PYTHONPATH=os.pathsep.join([str(root), str(REPO), str(deps())]), VLLM_TARGET_DEVICE="cpu",
@@ -188,90 +131,19 @@ def _env(root: Path, extra: dict[str, str]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- a release ----
-@dataclass
-class Report:
-    """vLLM's own tests of one release, stock and with vattn."""
-
-    version: str
-    stock: dict[str, FileRun]
-    vattn: dict[str, FileRun]
-
-    def _all(self, runs: dict[str, FileRun]) -> dict[str, str]:
-        return {t: o for r in runs.values() for t, o in r.outcomes.items()}
-
-    @property
-    def tests(self) -> set[str]:
-        return set(self._all(self.stock)) | set(self._all(self.vattn))
-
-    def passed(self, which: str) -> set[str]:
-        return {t for t, o in self._all(getattr(self, which)).items() if o == "PASSED"}
-
-    def crashes(self, which: str) -> dict[str, int]:
-        return {t: c for r in getattr(self, which).values() for t, c in r.crashes.items()}
-
-    def vattn_only_failures(self) -> list[str]:
-        """Tests that pass stock and not with vattn (failed, errored, crashed or never ran)."""
-        return sorted(self.passed("stock") - self.passed("vattn"))
-
-    def unexplained(self) -> list[str]:
-        return [t for t in self.vattn_only_failures() if not by_design(t)]
-
-    def row(self) -> list:
-        fails = self.vattn_only_failures()
-        return [self.version, len(self.tests), len(self.passed("stock")), len(self.passed("vattn")), len(fails),
-                len(fails) - len(self.unexplained()), len(self.crashes("vattn")),
-                sum(1 for r in self.stock.values() if r.collect_error)]
-
-
-HEADER = ["release", "tests", "pass stock", "pass with vattn", "fail only with vattn", "of them by design",
-          "crashes with vattn", "files that do not import here"]
-
-
 def run_release(version: str, root: Path) -> Report:
     """Every test file of `tests/v1/core`, stock and with vattn, each in its own process."""
     vllm_tree(version, root)
     files = sorted(str(p.relative_to(root)) for p in (root / CORE).rglob("test_*.py"))
-    stock_env, vattn_env = _env(root, ENV_STOCK), _env(root, ENV_VATTN)
-    rep = Report(version, {}, {})
-    for f in files:
-        rep.stock[f] = run_file(root, f, stock_env, plugin=False)
-        rep.vattn[f] = run_file(root, f, vattn_env, plugin=True)
-    return rep
+    (root / "vattn_vllm_plugin.py").write_text(textwrap.dedent(tvp.PLUGIN))  # the harness (-p vattn_vllm_plugin)
+    return own_tests.run_files(version, root, files, BY_DESIGN, _env(root, ENV_STOCK), _env(root, ENV_VATTN),
+                               vattn_plugins=["vattn_vllm_plugin"])
 
 
 @pytest.mark.parametrize("version", plugins.releases("vllm"))
 def test_vllm_own_core_tests_pass_with_vattn_as_stock(version, tmp_path):
-    rep = run_release(version, tmp_path)
-    print(dict(zip(HEADER, rep.row())))
-    for f, r in rep.stock.items():
-        if r.collect_error:
-            print(f"{f} does not import here (stock and with vattn alike): {r.collect_error}")
-    for t in rep.vattn_only_failures():
-        print("fails only with vattn:", t, "--", by_design(t) or "NOT BY DESIGN")
-    assert rep.passed("stock"), "no test passed stock: the environment is broken"
-    assert not rep.crashes("stock"), f"vLLM's tests crash stock here: {rep.crashes('stock')}"
-    assert not rep.crashes("vattn"), f"vLLM's tests crash with vattn: {rep.crashes('vattn')}"
-    assert not rep.unexplained(), f"fail only with vattn, not by design: {rep.unexplained()}"
-    for r_stock, r_vattn in zip(rep.stock.values(), rep.vattn.values()):
-        assert bool(r_stock.collect_error) == bool(r_vattn.collect_error), (r_stock.collect_error,
-                                                                            r_vattn.collect_error)
+    own_tests.verdict(run_release(version, tmp_path), "vLLM")
 
 
 if __name__ == "__main__":  # the table for docs/vllm.md: python -m tests.integrations.test_vllm_own_tests [VERSION...]
-    import tempfile
-
-    from vattn.report import markdown_table
-
-    rows = []
-    for v in sys.argv[1:] or plugins.releases("vllm"):
-        with tempfile.TemporaryDirectory() as d:
-            rep = run_release(v, Path(d))
-        rows.append(rep.row())
-        for t in rep.vattn_only_failures():
-            print(f"{v}: fails only with vattn: {t} -- {by_design(t) or 'NOT BY DESIGN'}")
-        for t, c in rep.crashes("vattn").items():
-            print(f"{v}: crashed with vattn (exit {c}): {t}")
-        for f, r in rep.stock.items():
-            if r.collect_error:
-                print(f"{v}: {f} does not import here: {r.collect_error}")
-    print(markdown_table(HEADER, rows))
+    own_tests.main(run_release, sys.argv[1:] or plugins.releases("vllm"))
