@@ -34,6 +34,7 @@ from vattn.engine.parallel import AgreedSlots, TensorParallel, TPModelRunner
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
+from vattn.engine.turns import TurnLock
 from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
 from vattn.idle import IdleTrim
 
@@ -97,7 +98,8 @@ class LLM:
       aborted; the final outputs of other requests are kept for the next `step()`.
 
     Threads: add_request, abort_request and step may be called from different threads
-    (one lock; abort_request waits for the iteration in flight). generate steps the engine
+    (one lock, handed over in turn: abort_request waits for the iteration in flight, never
+    for the iterations after it; `vattn.engine.turns`). generate steps the engine
     itself: run one generate at a time, and abort its requests from another thread.
     Under tensor parallelism every rank must make the same calls at the same point of its
     schedule, aborts included: a thread cannot time that, so abort_request while another
@@ -162,7 +164,7 @@ class LLM:
         # stay in flight when step() returns: 1 with asynchronous scheduling, else 0
         self._in_flight: deque[tuple[list[ScheduledSequence], InFlight]] = deque()
         self._depth = 1 if self.config.uses_async_scheduling() else 0
-        self._lock = threading.Lock()
+        self._lock = TurnLock()  # handed over between iterations: another thread's abort waits one step, not a generate
         self._closed = False
         self._generating: int | None = None  # the thread in generate, if any
         self.num_idle_trims = 0  # times the idle engine gave its unused pages back
@@ -238,7 +240,8 @@ class LLM:
                 self._launch(batch)  # on the device; with async scheduling it runs on after this step
             outputs = self._postprocess(drain=not batch.scheduled)  # with async: the iteration before's
             self._note_idle()
-            return outputs
+        self._lock.hand_over()  # threads waiting for the lock (an abort, an add) go before the next step
+        return outputs
 
     def generate(self, prompts: str | Seq[int] | Iterable[str | Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
