@@ -206,7 +206,7 @@ def test_compiled_forward_in_the_graph_path(fresh_dynamo) -> None:
     from tests.engine.test_cuda_graphs import EagerGraphs
 
     with _engine(cuda_graphs=False) as llm:
-        g = llm.runner.graphs = EagerGraphs(llm.runner, 8)
+        g = llm.runner.graphs = EagerGraphs(llm.runner.graph_target(), 8)
         outs = run_online(llm, prompts(), greedy_params())
         assert g.num_replays > 0 and llm.runner.compiled.disabled_reason is None
     assert_matches(outs, reference())
