@@ -17,6 +17,8 @@ else:                                 # short: drop your own lock first, then
 release pages; budget.give(n)         # after the pages are really gone
 budget.unregister(token)              # at close, after giving everything back
 ```
+A cache with offload tiers also says what they hold (`register_tiers(fn)`, `fn() -> (host
+bytes, disk bytes)`): not the budget's memory, shown beside it (`tier_bytes`, `vattn top`).
 
 Rules that keep it deadlock-free: the budget never holds its lock while it calls a
 participant's `reclaim`, and a participant never holds its own lock while it calls
@@ -42,6 +44,7 @@ from vattn.errors import InvalidConfigError, InvalidRequestError
 
 Reclaim = Callable[[int], int]
 Cached = Callable[[], int]
+Tiers = Callable[[], "tuple[int, int]"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class BudgetBase(metaclass=ABCMeta):  # ABCMeta: `vattn.Budget` counts every bud
         self._limit = byte_limit(limit)
         self._used = 0
         self._participants: dict[int, tuple[Reclaim, Cached]] = {}
+        self._tiers: dict[int, Tiers] = {}  # what the participants' offload tiers hold (register_tiers)
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ taking ----
@@ -123,10 +127,35 @@ class BudgetBase(metaclass=ABCMeta):  # ABCMeta: `vattn.Budget` counts every bud
             self._participants[token] = (reclaim or _nothing, cached or _none_cached)
             return token
 
+    def register_tiers(self, tiers: Tiers) -> int:
+        """Say what an offload tier holds: `tiers() -> (host bytes, disk bytes)` (called
+        without locks, from any thread: an estimate is fine). Not memory of this budget;
+        `tier_bytes` and `vattn top` show it beside it. Returns a token for `unregister`."""
+        if not callable(tiers):
+            raise InvalidConfigError(f"tiers must be callable, got {tiers!r}")
+        with self._lock:
+            token = next(self._ids)
+            self._tiers[token] = tiers
+            return token
+
+    def tier_bytes(self) -> tuple[int, int]:
+        """(host bytes, disk bytes) the registered offload tiers hold now."""
+        with self._lock:
+            fns = list(self._tiers.values())
+        host = disk = 0
+        for fn in fns:
+            try:
+                h, d = fn()
+                host, disk = host + max(0, int(h)), disk + max(0, int(d))
+            except Exception:  # a tier that cannot say (closing) holds nothing to show
+                pass
+        return host, disk
+
     def unregister(self, token: int) -> None:
         """Leave the budget (idempotent). Give back what you took first."""
         with self._lock:
             self._participants.pop(token, None)
+            self._tiers.pop(token, None)
 
     def reclaim(self, nbytes: int, requester: int | None = None) -> int:
         """Ask the other participants to give back cached pages until `nbytes` are free
@@ -173,4 +202,4 @@ def _none_cached() -> int:
     return 0
 
 
-__all__ = ["BudgetBase", "BudgetStats", "Cached", "Reclaim"]
+__all__ = ["BudgetBase", "BudgetStats", "Cached", "Reclaim", "Tiers"]

@@ -53,14 +53,15 @@ def format_budgets(budgets: list[dict[str, Any]], skipped: Sequence[Skipped] = (
         share = "" if not b["limit"] else f" ({100 * b['used'] / b['limit']:.0f} %)"
         head = (f"budget {b['name']} on {b['device']}: limit {human(b['limit'])}, used {human(b['used'])}{share}, "
                 f"{len(b['members'])} member{'s' * (len(b['members']) != 1)}")
-        rows = [("PID", "NAME", "MAPPED", "USED", "CACHED", "LIMIT", "REFUSALS", "LAST GIVE-BACK", "STATE")]
+        rows = [("PID", "NAME", "MAPPED", "USED", "CACHED", "HOST", "DISK", "LIMIT", "REFUSALS", "LAST GIVE-BACK",
+                 "STATE")]
         for m in b["members"]:
             last = "-" if m["last_give_back_s"] is None else \
                 f"{m['last_give_back_s']:.1f} s ago, {human(m['last_give_back_bytes'])}"
             state = "unresponsive" if m["unresponsive"] else \
                 (f"silent {m['heartbeat_s']:.0f} s" if m["heartbeat_s"] > 5 else "ok")
             rows.append((str(m["pid"]), m["label"][:24], human(m["mapped"]), human(m["used"]), human(m["cached"]),
-                         human(m["limit"]), str(m["refusals"]), last, state))
+                         human(m["host"]), human(m["disk"]), human(m["limit"]), str(m["refusals"]), last, state))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         table = ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         blocks.append("\n".join([head, *table]))
@@ -70,7 +71,8 @@ def format_budgets(budgets: list[dict[str, Any]], skipped: Sequence[Skipped] = (
 def top_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="vattn top", description="The members of each shared memory budget on this "
                                 "machine, live: process, name, bytes mapped (taken from the budget), used, cached "
-                                "(what it would give back), its limit, refused takes, its last give-back.")
+                                "(what it would give back), what its offload tiers hold in host memory and on disk "
+                                "(not the budget's), its limit, refused takes, its last give-back.")
     p.add_argument("--name", default=None, help="only the budget of this name")
     p.add_argument("--json", action="store_true", help='print once as JSON and exit: {"budgets": [...], '
                    '"skipped": [{"path": ..., "why": ...}]} (files named like tables that are not ones this user '

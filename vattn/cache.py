@@ -132,7 +132,10 @@ class KVCache:
         if self.host.copier.cuda:  # a copy may read or write through a slot's mapping: unmap after it
             for groups in self.allocator.layer.kinds:
                 groups.device_sync = self.host.copier.synchronize
-        self._finalizer = weakref.finalize(owner, _close, self.allocator, self.backend, self.host)
+        # what the tiers hold, shown beside the budget (vattn top); no reference back to the store
+        tiers = budget.register_tiers(functools.partial(_tier_bytes, weakref.ref(self.host))) \
+            if hasattr(budget, "register_tiers") else None
+        self._finalizer = weakref.finalize(owner, _close, self.allocator, self.backend, self.host, budget, tiers)
 
     def _budget_bytes(self, g: Geometry, state_bytes: int) -> tuple[int, int]:
         """(the bytes of page groups this cache may create, the bytes of one page of every
@@ -514,12 +517,23 @@ def _zero_pages(ref: weakref.ref, buffers: list[int], offsets: list[int]) -> Non
     cache.backend.zero(views, [off // page for off in offsets], page)
 
 
-def _close(allocator: Coordinator, backend: Any, host: HostStore) -> None:
+def _close(allocator: Coordinator, backend: Any, host: HostStore, budget: Any = None, tiers: int | None = None
+           ) -> None:
     try:
         try:
             host.copier.synchronize()
             host.close()  # its blocks to the disk tier, where there is one
         finally:
+            if tiers is not None:
+                budget.unregister(tiers)
             allocator.close()
     finally:
         backend.close()
+
+
+def _tier_bytes(host: weakref.ref) -> tuple[int, int]:
+    """(host bytes, disk bytes) a cache's offload store holds (0, 0 once it is gone)."""
+    store = host()
+    if store is None:
+        return 0, 0
+    return store.nbytes, store.disk.nbytes if store.disk is not None else 0

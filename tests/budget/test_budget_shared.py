@@ -21,6 +21,7 @@ import pytest
 import vattn
 from tests.conftest import REPO
 from vattn import budget_shared
+from vattn.budget_cli import format_budgets, human
 from vattn.budget_shared import list_budgets
 from vattn.vmem.host import process_page_bytes as memfd_bytes  # physical bytes, read from /proc
 
@@ -343,6 +344,29 @@ def test_vattn_top_shows_the_members(member):
                           cwd=REPO, timeout=120, env=env).stdout
     assert "budget shown on host: limit 512.0 KiB, used 256.0 KiB (50 %), 2 members" in text
     assert f"{a.pid}" in text and "tiny-a" in text and "tiny-b" in text
+
+
+def test_vattn_top_shows_what_the_offload_tiers_hold(budget_dir):
+    """A member's host tier (here a swapped-out request; prefix blocks count the same) is
+    shown beside the budget, not in it: HOST in `vattn top`, "host" in `list_budgets`."""
+    b = vattn.Budget.shared("tiers", LIMIT, label="tiered")
+    try:
+        with vattn.KVCache(num_layers=2, num_kv_heads=2, head_dim=16, max_batch_size=2, max_context_len=512,
+                           dtype="float32", device="cpu", page_size=4096, prefetch=False, budget=b) as c:
+            r = c.alloc_reqid()
+            assert c.step({r: 96})
+            h = c.swap_out(r, 96)  # held while its handle lives
+            held = c.stats().host_bytes
+            assert held > 0 and b.tier_bytes() == (held, 0)
+            wait_for(lambda: row("tiers", os.getpid())["host"] == held, 1)  # published by the responder
+            assert row("tiers", os.getpid())["disk"] == 0
+            text = format_budgets(list_budgets("tiers"))
+            assert "HOST" in text and "DISK" in text and human(held) in text
+            del h
+        assert b.tier_bytes() == (0, 0)  # the cache closed: its tiers left the budget
+        wait_for(lambda: row("tiers", os.getpid())["host"] == 0, 1)
+    finally:
+        b.close()
 
 
 # ------------------------------------------------------------- in one process ----

@@ -286,15 +286,15 @@ class SharedBudget(BudgetBase):
                 self._warn("publish", f"vattn: budget {self.name}: could not write into {self.path} ({e})")
 
     def _publish(self, wait_s: float | None = None) -> None:
-        """Write this process's participant count and cached bytes into its row."""
-        cached = self._local_cached()
+        """Write this process's participant count, cached bytes and tiers into its row."""
+        cached, (host, disk) = self._local_cached(), self.tier_bytes()
         with self._lock:
             parts = len(self._participants)
         with self._table.locked(wait_s) as t:
             self._check_row(t)
-            t.rows["participants"][self._row] = parts
-            t.rows["cached"][self._row] = cached
-            t.rows["heartbeat"][self._row] = time.time()
+            r, i = t.rows, self._row
+            r["participants"][i], r["cached"][i], r["host"][i], r["disk"][i] = parts, cached, host, disk
+            r["heartbeat"][i] = time.time()
 
     def _local_cached(self) -> int:
         return super().reclaimable(None)
@@ -333,13 +333,14 @@ class SharedBudget(BudgetBase):
                     logger.warning("vattn: budget %s: the responder failed", self.name, exc_info=True)
 
     def _respond(self) -> None:
-        cached = self._local_cached()
+        cached, (host, disk) = self._local_cached(), self.tier_bytes()
         with self._lock:
             parts = len(self._participants)
         with self._table.locked() as t:
             self._check_row(t)
             r, i = t.rows, self._row
             r["heartbeat"][i], r["cached"][i], r["participants"][i] = time.time(), cached, parts
+            r["host"][i], r["disk"][i] = host, disk
             seq, want = int(r["ask_seq"][i]), int(r["ask_bytes"][i])
             r["ask_bytes"][i] = 0
             ml = int(r["limit"][i])

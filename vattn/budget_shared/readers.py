@@ -101,7 +101,7 @@ def survey(name: str | None = None) -> Survey:
 def list_budgets(name: str | None = None) -> list[dict[str, Any]]:
     """Every budget with live members on this machine (or those called `name`), as plain
     data: name, device, limit, used, members (pid, label, mapped = bytes taken, cached,
-    used = mapped - cached, limit, refusals, asks, gave, last give-back, heartbeat age).
+    used = mapped - cached, host and disk = what its offload tiers hold, limit, refusals, asks, gave, last give-back, heartbeat age).
     Dead members are cleared on the way; a table with none left is removed. Files that
     are not tables are left out (`survey` names them)."""
     return survey(name).budgets
@@ -127,6 +127,7 @@ def _describe(t: Table) -> dict[str, Any]:
             "refusals": int(r["refusals"][i]), "asks": int(r["ask_seq"][i]), "gave": int(r["gave"][i]),
             "last_give_back_s": None if last == 0 else round(now - last, 3),
             "last_give_back_bytes": int(r["last_give_bytes"][i]),
+            "host": int(r["host"][i]), "disk": int(r["disk"][i]),
             "participants": int(r["participants"][i]), "heartbeat_s": round(now - float(r["heartbeat"][i]), 3),
             "unresponsive": pending and now - float(r["ask_time"][i]) > ANSWER_S,
         })

@@ -48,8 +48,8 @@ HEADER = np.dtype([("magic", "S8"), ("version", "<i8"), ("limit", "<i8"), ("crea
 ROW = np.dtype({  # one member; -1 is "none" for limits; times are time.time()
     "names": ["state", "pid", "nonce", "taken", "peak", "cached", "limit", "refusals", "ask_seq", "ask_bytes",
               "ask_time", "done_seq", "gave", "last_give_time", "last_give_bytes", "heartbeat", "joined",
-              "participants", "label"],
-    "formats": ["<i8"] * 10 + ["<f8", "<i8", "<i8", "<f8", "<i8", "<f8", "<f8", "<i8", "S128"],
+              "participants", "label", "host", "disk"],  # host, disk: what its offload tiers hold (0 in older rows)
+    "formats": ["<i8"] * 10 + ["<f8", "<i8", "<i8", "<f8", "<i8", "<f8", "<f8", "<i8", "S128", "<i8", "<i8"],
     "itemsize": 512})  # room for later fields
 _HEADER_BYTES = 4096
 _SIZE = _HEADER_BYTES + MAX_MEMBERS * ROW.itemsize
