@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from pathlib import Path
 
@@ -31,6 +32,20 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def vattn_mappings() -> tuple[int, int]:
+    """(number of memfd mappings of vattn pages, open memfds of vattn pages) of this process
+    (the host backend's pages)."""
+    with open("/proc/self/maps") as f:
+        maps = sum("vattn-pages" in line for line in f)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += "vattn-pages" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return maps, fds
 
 
 def cuda_ok() -> bool:

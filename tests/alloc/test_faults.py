@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 import vattn
-from tests.conftest import SMALL, check, fill
-from tests.vmem.test_vmem_host import _vattn_mappings
+from tests.conftest import SMALL, check, fill, vattn_mappings
 from vattn.vmem.host import HostBackend
 
 CALLS = ("reserve", "create", "map", "unmap", "release", "fence", "wait")
@@ -146,7 +145,7 @@ def call_counts() -> dict[bool, dict[str, int]]:
 @pytest.mark.parametrize("name", CALLS)
 def test_every_call_fails_in_turn(name, background, call_counts, phases_seen):
     gc.collect()
-    base = _vattn_mappings()
+    base = vattn_mappings()
     n = call_counts[background][name]
     assert n > 0, f"the workload never calls {name}"
     ordinals = sorted({*range(1, min(n, 8) + 1), n // 3, n // 2, n - 1, n} - {0})
@@ -155,7 +154,7 @@ def test_every_call_fails_in_turn(name, background, call_counts, phases_seen):
         if be.fired_in is not None:
             phases_seen.add((name, be.fired_in))
     gc.collect()
-    assert _vattn_mappings() == base  # no mapping and no memfd left behind
+    assert vattn_mappings() == base  # no mapping and no memfd left behind
 
 
 @pytest.fixture(scope="module")

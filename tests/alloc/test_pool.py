@@ -13,7 +13,8 @@ import torch
 
 import vattn
 from tests.alloc.test_faults import FaultyBackend
-from tests.vmem.test_vmem_host import _faulted, _run, _vattn_mappings
+from tests.conftest import vattn_mappings
+from tests.vmem.test_vmem_host import _faulted, _run
 from vattn.vmem.host import HostBackend
 
 PAGE = 4096
@@ -327,18 +328,18 @@ def test_bad_limits_and_buffer_index(pool):
 # ------------------------------------------------------------- real memory ----
 def test_close_gives_every_page_and_mapping_back():
     gc.collect()
-    base = _vattn_mappings()
+    base = vattn_mappings()
     p = make()
     ids = p.alloc(20)
     fill(p, ids, 1)
-    assert _vattn_mappings() != base
+    assert vattn_mappings() != base
     p.close()
-    assert _vattn_mappings() == base
+    assert vattn_mappings() == base
     p2 = make()
     p2.alloc(5)
     del p2
     gc.collect()
-    assert _vattn_mappings() == base  # a forgotten pool is released by its finalizer
+    assert vattn_mappings() == base  # a forgotten pool is released by its finalizer
 
 
 PRELUDE = """

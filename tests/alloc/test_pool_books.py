@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import vattn
 from tests.alloc.test_faults import CALLS, FaultyBackend, Injected
 from tests.alloc.test_pool import check, fill
-from tests.vmem.test_vmem_host import _vattn_mappings
+from tests.conftest import vattn_mappings
 from vattn.vmem.host import HostBackend
 
 PAGE = 4096
@@ -267,10 +267,10 @@ def pool_call_counts() -> dict[int, dict[str, int]]:
 @pytest.mark.parametrize("name", CALLS)
 def test_every_backend_call_fails_in_turn(name, block_floats, pool_call_counts):
     gc.collect()
-    base = _vattn_mappings()
+    base = vattn_mappings()
     n = pool_call_counts[block_floats][name]
     assert n > 0, f"the workload never calls {name}"
     for k in sorted({*range(1, min(n, 6) + 1), n // 3, n // 2, n - 1, n} - {0}):
         _run(name, k, block_floats)
     gc.collect()
-    assert _vattn_mappings() == base  # no mapping and no memfd left behind
+    assert vattn_mappings() == base  # no mapping and no memfd left behind

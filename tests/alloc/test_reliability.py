@@ -199,14 +199,14 @@ def test_a_view_keeps_the_memory_of_a_collected_cache_alive():
     # until the view goes too, then everything is released.
     code = PRELUDE + """
 import gc
-from tests.vmem.test_vmem_host import _vattn_mappings
+from tests.conftest import vattn_mappings
 k = c.k_cache(0)
 del c
 gc.collect()
 print("sum", float(k[r, :64].sum()), flush=True)   # faults if the pages were unmapped
 del k
 gc.collect()
-assert _vattn_mappings() == (0, 0), _vattn_mappings()
+assert vattn_mappings() == (0, 0), vattn_mappings()
 print("released", flush=True)
 """
     p = _run(code)
@@ -218,10 +218,10 @@ print("released", flush=True)
 def test_forgotten_cache_is_released_by_gc_in_every_mode(kw):
     import gc
 
-    from tests.vmem.test_vmem_host import _vattn_mappings
+    from tests.conftest import vattn_mappings
 
     gc.collect()
-    base = _vattn_mappings()
+    base = vattn_mappings()
     c = vattn.KVCache(**SMALL, device="cpu", page_size=4096, **kw)
     r = c.alloc_reqid()
     assert c.step({r: 300})
@@ -229,7 +229,7 @@ def test_forgotten_cache_is_released_by_gc_in_every_mode(kw):
     c.synchronize()
     del c
     gc.collect()
-    assert _vattn_mappings() == base
+    assert vattn_mappings() == base
 
 
 def test_zero_reused_pages_never_clears_shared_pinned_or_swapped_data():

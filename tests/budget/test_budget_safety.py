@@ -295,6 +295,24 @@ def test_the_device_must_exist(budget_dir, device):
     assert list(budget_dir.iterdir()) == []
 
 
+@pytest.mark.parametrize("how", ["label", "argv", "again"])
+def test_a_label_utf8_cannot_hold_shows_escaped(budget_dir, monkeypatch, how):
+    """A lone surrogate (what sys.argv holds for a byte that is not UTF-8), in the label given,
+    in the command the default label is taken from, or in the label of a second join, is
+    written escaped: the join works, `vattn top` shows it, leaving removes the table."""
+    monkeypatch.setattr(sys, "argv", ["caf\udce9.py"] if how == "argv" else ["serve.py"])
+    first = "caf\udce9" if how == "label" else None
+    b = _join("lbl", label=first)
+    try:
+        if how == "again":  # the same member, its label changed
+            assert _join("lbl", label="caf\udce9") is b
+        label = budget_shared.list_budgets("lbl")[0]["members"][0]["label"]
+        assert label == ("caf\\udce9.py" if how == "argv" else "caf\\udce9"), label
+    finally:
+        b.close()
+    assert list(budget_dir.iterdir()) == []  # nothing left behind
+
+
 # ------------------------------------------------------ 6. leaving always works ----
 _LEAVE = textwrap.dedent("""
     import json, logging, os, sys

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 import vattn
-from tests.conftest import SMALL, fill
+from tests.conftest import SMALL, fill, vattn_mappings
 from vattn import _C
 
 
@@ -66,19 +66,6 @@ def test_reclaimed_page_no_longer_readable_by_its_old_slot():
     assert "moved" in p.stdout and _faulted(p), (p.returncode, p.stdout, p.stderr)
 
 
-def _vattn_mappings() -> tuple[int, int]:
-    """(number of memfd mappings of vattn pages, open memfds of vattn pages) of this process."""
-    with open("/proc/self/maps") as f:
-        maps = sum("vattn-pages" in line for line in f)
-    fds = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds += "vattn-pages" in os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return maps, fds
-
-
 def _reserved_bytes(addr: int) -> int:
     with open("/proc/self/maps") as f:
         for line in f:
@@ -91,21 +78,21 @@ def _reserved_bytes(addr: int) -> int:
 @pytest.mark.parametrize("drop_tensors_first", [True, False])
 def test_close_releases_physical_and_virtual_memory(drop_tensors_first):
     gc.collect()
-    base = _vattn_mappings()
+    base = vattn_mappings()
     c = vattn.KVCache(**SMALL, device="cpu", page_size=4096)
     r = c.alloc_reqid()
     assert c.step({r: 300})
     fill(c, r, 0, 300, 1)
     c.synchronize()
     addr = c.k_cache(0).data_ptr()
-    maps, fds = _vattn_mappings()
+    maps, fds = vattn_mappings()
     assert maps > base[0] and fds > base[1]
     assert _reserved_bytes(addr) > 0
     k = c.k_cache(0)
     if drop_tensors_first:
         del k
     c.close()
-    assert _vattn_mappings() == base  # every page unmapped, every memfd closed
+    assert vattn_mappings() == base  # every page unmapped, every memfd closed
     if drop_tensors_first:
         assert _reserved_bytes(addr) == 0  # the address space is gone too
     else:
@@ -117,14 +104,14 @@ def test_close_releases_physical_and_virtual_memory(drop_tensors_first):
 
 def test_forgotten_cache_is_released_by_gc():
     gc.collect()
-    base = _vattn_mappings()
+    base = vattn_mappings()
     c = vattn.KVCache(**SMALL, device="cpu", page_size=4096)
     r = c.alloc_reqid()
     assert c.step({r: 300})
     c.synchronize()
     del c
     gc.collect()
-    assert _vattn_mappings() == base
+    assert vattn_mappings() == base
 
 
 def test_map_count_limit_is_a_clear_error():
@@ -224,7 +211,7 @@ def test_close_while_another_thread_steps():
     import threading
 
     gc.collect()
-    base = _vattn_mappings()
+    base = vattn_mappings()
     c = vattn.KVCache(**SMALL, device="cpu", page_size=4096)
     r = c.alloc_reqid()
     outcome = []
@@ -251,7 +238,7 @@ def test_close_while_another_thread_steps():
     c.close()
     t.join(timeout=30)
     assert outcome == ["closed"]
-    assert _vattn_mappings() == base  # nothing a late step mapped survived close
+    assert vattn_mappings() == base  # nothing a late step mapped survived close
 
 
 def test_range_keepalive_goes_before_the_range():

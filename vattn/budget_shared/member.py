@@ -446,7 +446,7 @@ def join(name: str, limit: int | None = None, *, device: Any = None, member_limi
     if label is not None and not isinstance(label, str):
         raise InvalidConfigError(f"label must be a str or None, got {label!r}")
     key = device_key(device)
-    label = label if label is not None else _default_label()
+    label = _table_label(label if label is not None else _default_label())
     where = place(create=True)
     path = where.path(name, key)
     with _registry_lock:
@@ -496,6 +496,12 @@ def _abandon(table: Table, row: int, nonce: int, sock: socket.socket | None) -> 
         table.close()
     if sock is not None:
         sock.close()
+
+
+def _table_label(label: str) -> str:
+    """`label` as the table holds it (UTF-8): a character UTF-8 cannot hold, such as the lone
+    surrogate sys.argv has for a byte that is not UTF-8, shows as its escape ("caf\\udce9")."""
+    return label.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _default_label() -> str:

@@ -31,7 +31,7 @@ import hashlib
 import itertools
 import logging
 import os
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -314,6 +314,27 @@ class ModelRunner:
     """Runs the model on a batch of scheduled sequences and samples their next tokens."""
 
     def __init__(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
+        # What close() undoes, each set once it is built: an __init__ that raises closes what it
+        # built (the cache, the state mixers' binding, the graphs, the attention), nothing else
+        self.cache: KVCache | None = None
+        self._unbind_states: Callable[[], None] | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.previous_attention: str | None = None  # the model's attention before vattn's (None: not switched)
+        self._last: InFlight | None = None  # the iteration launched last: its tokens feed the next one's placeholders
+        self.k_caches: list[Any] = []
+        self.v_caches: list[Any] = []
+        try:
+            self._build(model, dtype, device, config)
+        except BaseException:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the caller must see why __init__ failed, not this
+                logger.exception("closing a model runner whose construction failed")
+            raise
+
+    def _build(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
+        """__init__'s work: every refusal that needs no cache first, then the cache and what
+        runs on it."""
         from vattn.integrations.hf import check_model, layer_windows, use_vattn_attention
 
         self.device, self.dtype = device, dtype
@@ -340,6 +361,13 @@ class ModelRunner:
         windows = layer_windows(hf)  # by the model's layer index; the cache's by its K/V layer
         kv_windows = tuple(windows[layer] for layer in kv_layers) or (None,)
         specs = states.state_specs(self.model) if has_states else []
+        # A batch whose forward raised is run again request by request, unless a layer keeps a
+        # state: the layers that ran moved it on
+        self.rerun_alone = not specs
+        self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
+        want_graphs = self._graphs_wanted(config)  # InvalidConfigError for cuda_graphs=True where they cannot run
+        # UnsupportedModelError: the model cannot route its attention through vattn's
+        self.previous_attention = use_vattn_attention(self.model)
         try:
             self.cache = KVCache(num_layers=max(1, len(kv_layers)), num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  max_batch_size=config.max_batch_size, max_context_len=self.max_context_len,
@@ -354,35 +382,22 @@ class ModelRunner:
                                  if specs and config.enable_prefix_caching else 0)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
-        try:
-            self._unbind_states = states.bind(self.model, self.cache, specs)
-        except BaseException:
-            self.cache.close()
-            raise
-        # A batch whose forward raised is run again request by request, unless a layer keeps a
-        # state: the layers that ran moved it on
-        self.rerun_alone = not specs
+        self._unbind_states = states.bind(self.model, self.cache, specs)
         self.slot_tokens = self.cache.geometry.slot_tokens
         # by the model's layer index: [B, T, H_kv, D] each, None for a layer without attention
-        self.k_caches: list[Any] = [None] * num_layers
-        self.v_caches: list[Any] = [None] * num_layers
+        self.k_caches = [None] * num_layers
+        self.v_caches = [None] * num_layers
         for i, layer in enumerate(kv_layers):
             self.k_caches[layer], self.v_caches[layer] = self.cache.k_cache(i), self.cache.v_cache(i)
-        self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
         self.sampler = Sampler(self.device, config.seed)
-        self._last: InFlight | None = None  # the iteration launched last: its tokens feed the next one's placeholders
         self.num_fed_tokens = 0  # input tokens read on the device from the iteration before (async scheduling)
         self.compiled = (CompiledForward(self.model, compiled, [c for c in self.k_caches + self.v_caches if c is not None])
                          if compiled else None)  # vattn.engine.compile
-        self.graphs = self._decode_graphs(config)
+        if want_graphs:
+            self.graphs = DecodeGraphs(self.graph_target(), config.max_num_seqs or config.max_batch_size)
         self.offload = (config.offload_bytes, config.offload_dir, config.offload_dir_bytes)
         if config.offload_bytes is not None and not config.enable_prefix_caching:  # swapped-out requests only
-            try:
-                self.cache.host.configure(config.offload_bytes)
-            except BaseException:
-                self.close()
-                raise
-        self.previous_attention = use_vattn_attention(self.model)
+            self.cache.host.configure(config.offload_bytes)
 
     def prefix_cache(self, salt: bytes) -> PrefixCache:
         """The prefix cache over this runner's cache (every layer kind's part of a block), with
@@ -408,11 +423,12 @@ class ModelRunner:
             return self.compiled(ids, positions, keep)
         return self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
 
-    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
-        """Decode under CUDA graphs (`EngineConfig.cuda_graphs`; see vattn.engine.cuda_graphs)."""
+    def _graphs_wanted(self, config: EngineConfig) -> bool:
+        """Whether decode runs under CUDA graphs (`EngineConfig.cuda_graphs`; see
+        vattn.engine.cuda_graphs); InvalidConfigError for cuda_graphs=True where they cannot."""
         want = config.cuda_graphs
         if want is False:
-            return None
+            return False
         why_not = None
         if self.device.type != "cuda":
             why_not = f"they need a CUDA device, not {self.device}"
@@ -422,11 +438,9 @@ class ModelRunner:
             why_not = "they are not supported under tensor parallelism"
         elif self.kernel.name not in GRAPH_KERNELS:
             why_not = f"they need attention={GRAPH_KERNELS[0]!r}, not {self.kernel.name!r}"
-        if why_not is None:
-            return DecodeGraphs(self.graph_target(), config.max_num_seqs or config.max_batch_size)
-        if want:
+        if why_not is not None and want:
             raise InvalidConfigError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=None (where they apply) or False")
-        return None
+        return why_not is None
 
     def graph_target(self) -> GraphTarget:
         """What a captured decode of this runner runs (`vattn.engine.cuda_graphs`)."""
@@ -542,15 +556,27 @@ class ModelRunner:
         self.sampler.release(seq_id)
 
     def close(self) -> None:
+        """Wait for the iteration in flight, then undo what this runner built: the graphs,
+        the state mixers' binding, the cache, the model's attention. Also closes a runner whose
+        __init__ raised (only what it had built)."""
         from vattn.integrations.hf import restore_attention
 
-        if self._last is not None:  # nothing may write into the cache once it is closed
-            self._last.result()
-            self._last = None
-
-        restore_attention(self.model, self.previous_attention)
-        if self.graphs is not None:
-            self.graphs.close()
-        self._unbind_states()
-        self.k_caches, self.v_caches = [], []
-        self.cache.close()
+        try:
+            if self._last is not None:  # nothing may write into the cache once it is closed
+                self._last.result()
+                self._last = None
+        finally:
+            try:
+                if self.graphs is not None:
+                    self.graphs.close()
+                    self.graphs = None
+                if self._unbind_states is not None:
+                    self._unbind_states()
+                    self._unbind_states = None
+                self.k_caches, self.v_caches = [], []
+                if self.cache is not None:
+                    self.cache.close()
+            finally:
+                if self.previous_attention is not None:
+                    restore_attention(self.model, self.previous_attention)
+                    self.previous_attention = None
