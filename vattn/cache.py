@@ -364,7 +364,8 @@ class KVCache:
             return slot * self.states.row_bytes, (slot + 1) * self.states.row_bytes
         g = self.geometry
         start = g.page_offset(slot, 0)
-        return start + first_page * g.page_size, start + num_tokens * g.token_bytes
+        lo = start + first_page * g.page_size
+        return lo, max(lo, start + num_tokens * g.token_bytes)  # (swap_out refuses a count behind the window)
 
     def swap_in(self, handle: SwapHandle) -> int:
         """Bring a swapped-out request back; returns its (new) reqid. No copy when its old

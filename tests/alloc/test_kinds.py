@@ -287,6 +287,30 @@ def test_a_request_without_states_of_its_own_is_not_snapshotted() -> None:
         cache.allocator.check_invariants()
 
 
+def test_a_window_kind_refuses_a_swap_out_count_behind_its_window() -> None:
+    """swap_out at a count whose keys the window gave back used to book negative bytes in
+    the host store and make a handle that failed at the step after swap_in."""
+    with kinds_cache(layer_windows=(None, 8)) as cache:
+        r = cache.alloc_reqid()
+        assert cache.step({r: 300})
+        for n in (301, 302):
+            assert cache.step({r: n})
+        for layer in range(2):
+            cache.k_cache(layer)[r, 290:302] = 3.0
+        with pytest.raises(vattn.InvalidRequestError, match="gave back the pages before token 288"):
+            cache.swap_out(r, 10)
+        assert cache.host.leased == 0 and cache.allocator.num_tokens(r) == 302  # nothing changed
+        handle = cache.swap_out(r, 302)
+        assert cache.host.leased > 0
+        other = cache.alloc_reqid()
+        assert cache.step({other: 400})  # takes the parked slot's pages: the swap-in copies
+        back = cache.swap_in(handle)
+        assert handle.copied_in and cache.step({back: 303})
+        for layer in range(2):
+            assert float(cache.k_cache(layer)[back, 295:302].sum()) == 3.0 * 7 * 2 * 64
+        cache.allocator.check_invariants()
+
+
 def test_revert_step_takes_the_last_step_back() -> None:
     """What a tensor-parallel rank does with a slot another rank could not back: its length
     goes back to before the step (as if the step had failed it here too), so that the next

@@ -145,6 +145,15 @@ class SlidingWindow(FullAttention):
             f"reqid {parent}'s sliding-window layers gave back pages the child's first query (at token "
             f"{num_tokens}) reads: fork before the parent moves a window past it, or compute the prompt")
 
+    def check_swap_out(self, slot: int, num_tokens: int) -> None:
+        """The parked tokens must hold every key the request's next query (at `num_tokens`)
+        reads: refused when the window gave back pages it sees (a count too far behind)."""
+        if not self.books.reads_held(slot, num_tokens):
+            raise InvalidRequestError(
+                f"slot {slot}'s sliding-window layers gave back the pages before token "
+                f"{self.geometry.tokens_in(self.books.holes(slot))}, which a request "
+                f"resumed at {num_tokens} tokens reads: swap it out at a count its window still holds (its length)")
+
     def first_page(self, slot: int) -> int:
         return self.books.holes(slot)
 
