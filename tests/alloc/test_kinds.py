@@ -311,6 +311,28 @@ def test_a_window_kind_refuses_a_swap_out_count_behind_its_window() -> None:
         cache.allocator.check_invariants()
 
 
+def test_reserve_physical_counts_the_groups_a_kind_holds_already() -> None:
+    """A full kind with many groups beside a window kind with few: reserving n groups of
+    every kind must not take the window kind to n when the total would pass the budget."""
+    with kinds_cache(layer_windows=(None, 8), max_batch_size=2, physical_memory=20 * 4 * PAGE) as cache:
+        alloc = cache.allocator  # 20 units of 4 pages (K and V of each kind): 40 groups of 2 pages
+        r = cache.alloc_reqid()
+        for n in range(8, 225, 8):
+            assert cache.step({r: n})
+        created = [k.books.physical.num_created for k in alloc.kinds]
+        cache.trim()  # the window kind's groups behind the window go
+        created = [k.books.physical.num_created for k in alloc.kinds]
+        assert created[0] == 28 and created[1] < 12
+        with pytest.raises(vattn.OutOfPhysicalMemoryError, match="over the budget"):
+            alloc.reserve_physical(15 * alloc.unit_bytes)  # 28 + 15 groups > 40
+        assert [k.books.physical.num_created for k in alloc.kinds] == created
+        alloc.check_invariants()
+        assert alloc.reserve_physical(12 * alloc.unit_bytes) == 12 - created[1]  # 28 + 12: the whole budget
+        assert [k.books.physical.num_created for k in alloc.kinds] == [28, 12]
+        assert alloc.layer.created_bytes == alloc.max_bytes
+        alloc.check_invariants()
+
+
 def test_revert_step_takes_the_last_step_back() -> None:
     """What a tensor-parallel rank does with a slot another rank could not back: its length
     goes back to before the step (as if the step had failed it here too), so that the next

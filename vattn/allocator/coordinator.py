@@ -600,10 +600,12 @@ class Coordinator:
         unit = self.unit_bytes
         n = -(-nbytes // unit)
         with self._quiet():
-            if n * unit > self.max_bytes:
+            # a kind holding more than n groups keeps them: count the bytes there will be
+            after = sum(max(n, b.physical.num_created) * b.geometry.group_bytes for b in self._books)
+            if after > self.max_bytes:
                 raise OutOfPhysicalMemoryError(
-                    f"{nbytes} bytes is {n} page groups, over the budget of {self.max_pages} "
-                    f"({self.max_pages * unit} bytes); raise physical_memory")
+                    f"{nbytes} bytes is {n} page groups of every kind: {after} bytes with the groups that exist "
+                    f"now, over the budget of {self.max_bytes} bytes; raise physical_memory (or trim() first)")
             created = 0
             for books in self._books:
                 physical = books.physical
