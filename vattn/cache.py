@@ -325,8 +325,8 @@ class KVCache:
         layer, and its recurrent states) to host memory (pinned on CUDA, in chunks of at
         most 256 MiB), then free its slot. The slot keeps its pages (deferred reclamation):
         `swap_in` takes it back with no copy at all while nobody else took the slot or its
-        pages. Recurrent states are right at the slot's length only: InvalidRequestError for
-        fewer tokens."""
+        pages. Recurrent states are right at the slot's length only, and a sliding window's
+        pages behind it are given back: InvalidRequestError for fewer tokens than they need."""
         num_tokens = as_int(num_tokens, "num_tokens", InvalidRequestError)
         held = self.allocator.num_tokens(reqid)
         slot = as_int(reqid, "reqid", InvalidRequestError)  # valid: num_tokens checked it
@@ -364,7 +364,8 @@ class KVCache:
             return slot * self.states.row_bytes, (slot + 1) * self.states.row_bytes
         g = self.geometry
         start = g.page_offset(slot, 0)
-        return start + first_page * g.page_size, start + num_tokens * g.token_bytes
+        lo = start + first_page * g.page_size
+        return lo, max(lo, start + num_tokens * g.token_bytes)  # (swap_out refuses a count behind the window)
 
     def swap_in(self, handle: SwapHandle) -> int:
         """Bring a swapped-out request back; returns its (new) reqid. No copy when its old

@@ -91,6 +91,8 @@ class PrefixCache:
 
     def __init__(self, cache: Any, salt: bytes | str = b"", *, offload_bytes: int | None = None,
                  offload_dir: str | os.PathLike | None = None, offload_dir_bytes: int | None = None) -> None:
+        if not isinstance(salt, (str, bytes, bytearray, memoryview)):  # (bytes(5) would be 5 zero bytes)
+            raise InvalidConfigError(f"salt must be str or bytes naming the model's weights, got {salt!r}")
         g = cache.geometry
         check_sharing_unit(g, cache.backend.granularity)
         offload_bytes, offload_dir, offload_dir_bytes = check_offload(offload_bytes, offload_dir, offload_dir_bytes)

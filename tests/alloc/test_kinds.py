@@ -185,6 +185,154 @@ def test_snapshots_are_pages_of_the_budget_kept_least_recently_used() -> None:
         assert cache.allocator.layer.created_bytes <= 7 * unit
 
 
+def run_child(code: str) -> str:
+    """Run `code` in a child process (a SIGSEGV there fails one test only); its stdout."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
+    return out.stdout
+
+
+def test_a_slots_own_state_row_is_never_kept_as_a_snapshot() -> None:
+    """pin_snapshot of a live slot's row used to keep it as a snapshot: trim() evicted it,
+    unmapping the slot's states, and reading them was a SIGSEGV."""
+    out = run_child("""
+        import vattn
+        c = vattn.KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=3, max_context_len=256,
+                          dtype="float32", page_size=4096, state_bytes=3000, num_snapshots=2, background=False,
+                          prefetch=False)
+        r = c.alloc_reqid(); assert c.step({r: 5}); c.state_rows()[r].fill_(7)
+        try:
+            c.pin_snapshot(r)
+        except vattn.InvalidRequestError as e:
+            print("refused:", e)
+        c.trim()
+        print(int(c.state_rows()[r].sum()))  # (a SIGSEGV when trim() unmapped the slot's row)
+        c.allocator.check_invariants()
+    """)
+    assert "refused: pin_snapshot(0): row 0 is slot 0's own state row" in out
+    assert int(out.split()[-1]) == 7 * PAGE
+
+
+def test_snapshot_rows_are_handed_out_once_and_bad_handles_are_refused() -> None:
+    with state_cache(num_snapshots=3) as cache:
+        r = cache.alloc_reqid()
+        assert cache.step({r: 5})
+        row = cache.snapshot(r)
+        assert row is not None
+        cache.allocator.check_invariants()  # a row the caller holds is accounted for
+        cache.free_snapshot(row)
+        for bad, what in ((row, "is free"), (r, "own state row"), (99, "not a row of this cache"),
+                          ("x", "an int"), (1.0, "an int")):
+            with pytest.raises(vattn.InvalidRequestError, match=what):
+                cache.free_snapshot(bad)
+            with pytest.raises(vattn.InvalidRequestError, match=what):
+                cache.pin_snapshot(bad)
+        handle = cache.pin_snapshot(cache.snapshot_row())
+        with pytest.raises(vattn.InvalidRequestError, match="kept already"):
+            cache.pin_snapshot(handle[0])
+        for bad in ((1, 2, 3), ("a", 1), 5):
+            if bad != 5:  # (an int is a row for free_snapshot)
+                with pytest.raises(vattn.InvalidRequestError, match="handle pin_snapshot returned"):
+                    cache.free_snapshot(bad)
+            with pytest.raises(vattn.InvalidRequestError, match="handle pin_snapshot returned"):
+                cache.restore_snapshot(r, bad)
+        cache.free_snapshot(handle)
+        cache.free_snapshot(handle)  # freed (or evicted) already: nothing
+        rows = [cache.snapshot_row() for _ in range(3)]
+        assert sorted(rows) == [3, 4, 5]  # every snapshot row once, no slot's
+        cache.allocator.check_invariants()
+        for x in rows:
+            cache.free_snapshot(x)
+        with pytest.raises(vattn.InvalidRequestError, match="boundary"):
+            cache.want_snapshots(r, [-5])
+        with pytest.raises(vattn.InvalidRequestError, match="upto"):
+            cache.take_snapshots(r, "x")
+        cache.allocator.check_invariants()
+
+
+def test_a_request_without_states_of_its_own_is_not_snapshotted() -> None:
+    """Before its first step a slot's state row is unmapped (snapshot() read it: SIGSEGV),
+    holds an earlier request's states (a reused slot), or is about to get a kept snapshot's
+    (a pending restore): snapshot() refuses all three."""
+    out = run_child("""
+        import vattn
+        c = vattn.KVCache(num_layers=1, num_kv_heads=2, head_dim=64, max_batch_size=3, max_context_len=256,
+                          dtype="float32", page_size=4096, state_bytes=3000, num_snapshots=2, background=False,
+                          prefetch=False)
+        r = c.alloc_reqid()
+        try:
+            c.snapshot(r)
+        except vattn.InvalidRequestError as e:
+            print("refused:", e)
+    """)
+    assert "refused: reqid 0 has no recurrent states of its own yet" in out
+    with state_cache() as cache:
+        rows = cache.state_rows()
+        r = cache.alloc_reqid()
+        assert cache.step({r: 5})
+        rows[r] = 7
+        kept = cache.pin_snapshot(cache.snapshot(r))
+        cache.free_reqid(r)
+        again = cache.alloc_reqid()
+        assert again == r and int(rows[again].sum()) == 7 * PAGE  # the earlier request's states
+        with pytest.raises(vattn.InvalidRequestError, match="step it first"):
+            cache.snapshot(again)
+        assert cache.restore_snapshot(again, kept)
+        with pytest.raises(vattn.InvalidRequestError, match="with the snapshot it restores"):
+            cache.snapshot(again)
+        assert cache.step({again: 6})
+        row = cache.snapshot(again)
+        assert row is not None and int(rows[row].sum()) == 7 * PAGE
+        cache.free_snapshot(row)
+        cache.allocator.check_invariants()
+
+
+def test_a_window_kind_refuses_a_swap_out_count_behind_its_window() -> None:
+    """swap_out at a count whose keys the window gave back used to book negative bytes in
+    the host store and make a handle that failed at the step after swap_in."""
+    with kinds_cache(layer_windows=(None, 8)) as cache:
+        r = cache.alloc_reqid()
+        assert cache.step({r: 300})
+        for n in (301, 302):
+            assert cache.step({r: n})
+        for layer in range(2):
+            cache.k_cache(layer)[r, 290:302] = 3.0
+        with pytest.raises(vattn.InvalidRequestError, match="gave back the pages before token 288"):
+            cache.swap_out(r, 10)
+        assert cache.host.leased == 0 and cache.allocator.num_tokens(r) == 302  # nothing changed
+        handle = cache.swap_out(r, 302)
+        assert cache.host.leased > 0
+        other = cache.alloc_reqid()
+        assert cache.step({other: 400})  # takes the parked slot's pages: the swap-in copies
+        back = cache.swap_in(handle)
+        assert handle.copied_in and cache.step({back: 303})
+        for layer in range(2):
+            assert float(cache.k_cache(layer)[back, 295:302].sum()) == 3.0 * 7 * 2 * 64
+        cache.allocator.check_invariants()
+
+
+def test_reserve_physical_counts_the_groups_a_kind_holds_already() -> None:
+    """A full kind with many groups beside a window kind with few: reserving n groups of
+    every kind must not take the window kind to n when the total would pass the budget."""
+    with kinds_cache(layer_windows=(None, 8), max_batch_size=2, physical_memory=20 * 4 * PAGE) as cache:
+        alloc = cache.allocator  # 20 units of 4 pages (K and V of each kind): 40 groups of 2 pages
+        r = cache.alloc_reqid()
+        for n in range(8, 225, 8):
+            assert cache.step({r: n})
+        created = [k.books.physical.num_created for k in alloc.kinds]
+        cache.trim()  # the window kind's groups behind the window go
+        created = [k.books.physical.num_created for k in alloc.kinds]
+        assert created[0] == 28 and created[1] < 12
+        with pytest.raises(vattn.OutOfPhysicalMemoryError, match="over the budget"):
+            alloc.reserve_physical(15 * alloc.unit_bytes)  # 28 + 15 groups > 40
+        assert [k.books.physical.num_created for k in alloc.kinds] == created
+        alloc.check_invariants()
+        assert alloc.reserve_physical(12 * alloc.unit_bytes) == 12 - created[1]  # 28 + 12: the whole budget
+        assert [k.books.physical.num_created for k in alloc.kinds] == [28, 12]
+        assert alloc.layer.created_bytes == alloc.max_bytes
+        alloc.check_invariants()
+
+
 def test_revert_step_takes_the_last_step_back() -> None:
     """What a tensor-parallel rank does with a slot another rank could not back: its length
     goes back to before the step (as if the step had failed it here too), so that the next

@@ -319,14 +319,33 @@ def test_swapped_requests_and_blocks_share_one_host_budget(make_cache):
     assert len(c.host.blocks) == 1 and c.host.nbytes <= 6 * BLOCK
     q = c.alloc_reqid()
     assert c.step({q: 128})
-    with pytest.raises(OutOfPhysicalMemoryError, match="host store has no room"):
+    with pytest.raises(OutOfPhysicalMemoryError, match="bytes other swapped-out requests hold"):
         c.swap_out(q, 128)  # full of swapped-out requests: the scheduler recomputes instead
+    assert len(c.host.blocks) == 1 and c.host.num_evicted == 2  # a refusal evicts nothing
     back = c.swap_in(h)
     check(c, back, 96, 2)
     del h, h2
     assert c.host.leased == 0  # their bytes went back with the handles
     c.free_reqid(back)
     c.free_reqid(q)
+
+
+def test_a_swap_out_larger_than_the_host_store_is_refused_before_evicting_a_block(make_cache, tmp_path):
+    """A refused swap_out changes nothing: the host tier keeps every block (it used to push
+    them all out first, to disk or to nothing), and the request stays live and whole."""
+    c = make_cache(page_size=4 * KB, prefetch=False)
+    pc = PrefixCache(c, salt="m", offload_bytes=8 * blk(c), offload_dir=tmp_path, offload_dir_bytes=64 * blk(c))
+    cached(c, pc, PROMPT, 1)  # 3 blocks in host memory
+    big = c.alloc_reqid()
+    assert c.step({big: 10 * TPP})  # 10 pages of 4 buffers: more than offload_bytes
+    fill(c, big, 0, 10 * TPP, 2)
+    with pytest.raises(OutOfPhysicalMemoryError, match=f"more than offload_bytes={8 * blk(c)}"):
+        c.swap_out(big, 10 * TPP)
+    assert len(c.host.blocks) == 3 and c.host.num_evicted == 0 and c.host.leased == 0 and not disk_files(tmp_path)
+    check(c, big, 10 * TPP, 2)
+    c.free_reqid(big)
+    c.trim()
+    assert hit(c, pc, PROMPT + [5], 1) == 96 and pc.num_host_hit_tokens == 96
 
 
 def test_host_and_disk_blocks_make_one_hit(make_cache, tmp_path):

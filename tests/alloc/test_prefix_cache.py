@@ -224,3 +224,12 @@ def test_a_unit_no_prompt_could_share_is_refused_with_what_fits(make_cache):
     with pytest.raises(vattn.InvalidConfigError, match="no layout or page size"):  # 56 B tokens: 512 a block
         PrefixCache(make_cache(page_size=4 * KB, head_dim=7, num_layers=1, max_context_len=512))
     PrefixCache(make_cache(**ODD, max_context_len=UNIT + 1))
+
+
+def test_a_salt_that_is_not_str_or_bytes_is_refused(make_cache):
+    """salt=5 used to become 5 zero bytes (bytes(5)), naming no model; salt=None a raw TypeError."""
+    c = make_cache(page_size=4 * KB, prefetch=False)
+    for bad in (None, 5):
+        with pytest.raises(vattn.InvalidConfigError, match="salt must be str or bytes"):
+            PrefixCache(c, salt=bad)
+    assert PrefixCache(c, salt=bytearray(b"m")).salt == PrefixCache(c, salt="m").salt == b"m"

@@ -47,6 +47,7 @@ from vattn.allocator.plan import (
     short_and_edge,
 )
 from vattn.allocator.premap import Premapper, map_ahead, plan_premap
+from vattn.checks import as_int, is_int
 from vattn.errors import InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError
 from vattn.pages import PageLayer
 
@@ -412,7 +413,7 @@ class Coordinator:
         books = self._state().books
         with self.slots.lock:
             slot = self.slots.check_active(reqid)
-            want = {as_index(b, "boundary") for b in boundaries}
+            want = {as_int(b, "boundary", InvalidRequestError, low=1) for b in boundaries}
             if want:
                 books.wants[slot] = want
             else:
@@ -431,60 +432,105 @@ class Coordinator:
         """The snapshot rows `reqid`'s computed iterations wrote at token counts up to `upto`
         ({count: row}): the caller keeps each (`pin_snapshot`) or frees it."""
         books = self._state().books
+        upto = as_index(upto, "upto")
         with self.slots.lock:
             slot = self.slots.check_active(reqid)
             out: dict[int, int] = {}
             for held in (books.taken.get(slot), books.planned.get(slot)):
                 for b in [b for b in held or () if b <= upto]:
                     out[b] = held.pop(b)
+            books.loose.update(out.values())
             return out
 
     def snapshot(self, reqid: int) -> int | None:
         """A snapshot row holding `reqid`'s states as they are now, or None (no row, or no
-        memory even after evicting cached snapshots)."""
+        memory even after evicting cached snapshots). InvalidRequestError when `reqid` has no
+        states of its own yet: not stepped since its slot was allocated (its row is unmapped,
+        or holds an earlier request's), or a restore is pending (`restore_snapshot`)."""
         kind = self._state()
         with self._quiet():
             slot = self.slots.check_active(reqid)
+            if slot not in kind.books.has_states or slot in kind.books.restores:
+                raise InvalidRequestError(
+                    f"reqid {slot} has no recurrent states of its own yet (they come at its first step"
+                    f"{', with the snapshot it restores' if slot in kind.books.restores else ''}): step it first")
             row = self._new_snapshot_row({})
             if row is not None:
                 g = kind.geometry
                 kind.mapper.copy_pages([(g.page_offset(slot, p), g.page_offset(row, p))
                                         for p in range(g.pages_per_slot)])
+                kind.books.loose.add(row)
             return row
 
     def snapshot_row(self) -> int | None:
         """A free snapshot row with its pages mapped, for the caller to fill (a snapshot
         restored from a lower tier), or None when no row or memory is left; keep it with
         `pin_snapshot` or give it back with `free_snapshot`."""
-        self._state()
+        books = self._state().books
         with self._quiet():
-            return self._new_snapshot_row({})
+            row = self._new_snapshot_row({})
+            if row is not None:
+                books.loose.add(row)
+            return row
+
+    def _loose_row(self, books: StateBooks, row: Any, call: str) -> int:
+        """`row` when it is a snapshot row the caller holds (from `take_snapshots`,
+        `snapshot` or `snapshot_row`, not kept or freed since), else InvalidRequestError
+        saying what it is. Lock held."""
+        row = as_int(row, "row", InvalidRequestError, what="a snapshot row (an int)")
+        if row in books.loose:
+            return row
+        if 0 <= row < books.num_slots:
+            what = f"slot {row}'s own state row, not a snapshot row"
+        elif not books.num_slots <= row < books.num_slots + books.num_snapshots:
+            what = f"not a row of this cache (snapshot rows are {books.num_slots} .. " \
+                   f"{books.num_slots + books.num_snapshots - 1})"
+        elif row in books.cached:
+            what = "kept already (free it by the handle pin_snapshot returned)"
+        elif row in books.free_rows:
+            what = "free (given back already, or never handed out)"
+        else:
+            what = "planned for a request's iteration (take_snapshots hands it out once written)"
+        raise InvalidRequestError(f"{call}({row}): row {row} is {what}; pass a row that take_snapshots, snapshot "
+                                  "or snapshot_row returned, once")
+
+    @staticmethod
+    def _handle(handle: Any, call: str) -> tuple[int, int]:
+        """A kept snapshot's (row, generation) handle, or InvalidRequestError."""
+        if not (isinstance(handle, tuple) and len(handle) == 2 and all(is_int(x) for x in handle)):
+            raise InvalidRequestError(f"{call} takes the (row, generation) handle pin_snapshot returned, got {handle!r}")
+        return int(handle[0]), int(handle[1])
 
     def pin_snapshot(self, row: int) -> tuple[int, int]:
         """Keep snapshot `row` (a prefix block's states), evictable least recently used first;
-        a (row, generation) handle."""
+        a (row, generation) handle. `row` is one the caller holds (InvalidRequestError else)."""
         books = self._state().books
         with self.slots.lock:
+            row = self._loose_row(books, row, "pin_snapshot")
+            books.loose.discard(row)
             gen = next(books._snap_generation)
             books.cached[row] = gen
             return row, gen
 
     def snapshot_pinned(self, handle: tuple[int, int]) -> bool:
         """Whether the snapshot `handle` names is still kept (not evicted since)."""
-        return self._states[0].books.cached.get(handle[0]) == handle[1] if self._states else False
+        row, gen = self._handle(handle, "snapshot_pinned")
+        return self._states[0].books.cached.get(row) == gen if self._states else False
 
     def free_snapshot(self, handle: int | tuple[int, int]) -> None:
-        """Give back a snapshot row (`take_snapshots`' or `snapshot`'s), or a kept snapshot's
-        handle (nothing when it was evicted since)."""
+        """Give back a snapshot row the caller holds (`take_snapshots`', `snapshot`'s,
+        `snapshot_row`'s), or a kept snapshot's handle (nothing when it was evicted or freed
+        since). InvalidRequestError for anything else (a slot's row, a row freed already)."""
         books = self._state().books
         with self.slots.lock:
             if isinstance(handle, tuple):
-                row, gen = handle
+                row, gen = self._handle(handle, "free_snapshot")
                 if books.cached.get(row) != gen:
                     return
                 del books.cached[row]
             else:
-                row = handle
+                row = self._loose_row(books, handle, "free_snapshot")
+                books.loose.discard(row)
             books.free_rows.append(row)
 
     def restore_snapshot(self, reqid: int, handle: tuple[int, int]) -> bool:
@@ -492,9 +538,9 @@ class Coordinator:
         row is mapped then); the snapshot is not evicted meanwhile. False when it was
         evicted already (nothing changed)."""
         books = self._state().books
+        row, gen = self._handle(handle, "restore_snapshot")
         with self.slots.lock:
             slot = self.slots.check_active(reqid)
-            row, gen = handle
             if books.cached.get(row) != gen:
                 return False
             books.hold(slot, row)
@@ -554,10 +600,12 @@ class Coordinator:
         unit = self.unit_bytes
         n = -(-nbytes // unit)
         with self._quiet():
-            if n * unit > self.max_bytes:
+            # a kind holding more than n groups keeps them: count the bytes there will be
+            after = sum(max(n, b.physical.num_created) * b.geometry.group_bytes for b in self._books)
+            if after > self.max_bytes:
                 raise OutOfPhysicalMemoryError(
-                    f"{nbytes} bytes is {n} page groups, over the budget of {self.max_pages} "
-                    f"({self.max_pages * unit} bytes); raise physical_memory")
+                    f"{nbytes} bytes is {n} page groups of every kind: {after} bytes with the groups that exist "
+                    f"now, over the budget of {self.max_bytes} bytes; raise physical_memory (or trim() first)")
             created = 0
             for books in self._books:
                 physical = books.physical

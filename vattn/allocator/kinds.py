@@ -145,6 +145,15 @@ class SlidingWindow(FullAttention):
             f"reqid {parent}'s sliding-window layers gave back pages the child's first query (at token "
             f"{num_tokens}) reads: fork before the parent moves a window past it, or compute the prompt")
 
+    def check_swap_out(self, slot: int, num_tokens: int) -> None:
+        """The parked tokens must hold every key the request's next query (at `num_tokens`)
+        reads: refused when the window gave back pages it sees (a count too far behind)."""
+        if not self.books.reads_held(slot, num_tokens):
+            raise InvalidRequestError(
+                f"slot {slot}'s sliding-window layers gave back the pages before token "
+                f"{self.geometry.tokens_in(self.books.holes(slot))}, which a request "
+                f"resumed at {num_tokens} tokens reads: swap it out at a count its window still holds (its length)")
+
     def first_page(self, slot: int) -> int:
         return self.books.holes(slot)
 
@@ -173,6 +182,7 @@ class StateBooks(SlotBooks):
         self.taken: dict[int, dict[int, int]] = {}  # slot -> {boundary: row} written, not cached yet
         self.restores: dict[int, int] = {}  # slot -> cached row copied into it at its first step
         self.held: dict[int, int] = {}  # cached row -> slots about to restore it (not evicted meanwhile)
+        self.loose: set[int] = set()  # rows handed to the caller (taken, snapshot): kept or freed by it
         # slots whose row holds their request's states (stepped, forked, swapped in): a new owner's
         # row holds an earlier request's, and a prefix mapped into a slot brings none
         self.has_states: set[int] = set()
@@ -248,10 +258,10 @@ class StateBooks(SlotBooks):
         assert all(s in self.slots.active and len(self.slot_pages[s]) == self.geometry.pages_per_slot
                    for s in self.has_states), "a slot with states has no state row"
         held = [r for rows in (*self.planned.values(), *self.taken.values()) for r in rows.values()]
-        rows = held + self.free_rows + list(self.cached)
+        rows = held + self.free_rows + list(self.cached) + list(self.loose)
         assert sorted(rows) == list(range(self.num_slots, self.num_slots + self.num_snapshots)), \
             "a snapshot row is lost or in two places"
-        for r in held + list(self.cached):
+        for r in held + list(self.cached) + list(self.loose):
             assert len(self.slot_pages[r]) == self.geometry.pages_per_slot, f"snapshot row {r} is not mapped"
         holders: dict[int, int] = {}
         for s, r in self.restores.items():

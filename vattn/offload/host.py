@@ -125,11 +125,19 @@ class HostStore:
     # ----------------------------------------------------------- swapped-out ----
     def take(self, nbytes: int) -> None:
         """Book `nbytes` for a swapped-out request (blocks are evicted to make room), or raise
-        OutOfPhysicalMemoryError: the store is full of other requests' copies."""
+        OutOfPhysicalMemoryError and change nothing (no block evicted): the request does not
+        fit offload_bytes beside other requests' copies."""
+        if nbytes < 0:
+            raise ValueError(f"a swapped-out request takes >= 0 bytes, got {nbytes}")
         if not self._make_room(nbytes):
+            if nbytes > self.limit:
+                why = f"more than offload_bytes={self.limit}"
+            else:
+                why = (f"offload_bytes={self.limit} has {self.limit - self.leased} bytes left beside the "
+                       f"{self.leased} bytes other swapped-out requests hold")
             raise OutOfPhysicalMemoryError(
-                f"the host store has no room for {nbytes} bytes of a swapped-out request (offload_bytes="
-                f"{self.limit}, {self.leased} bytes held by other swapped-out requests); raise offload_bytes")
+                f"the host store has no room for a swapped-out request of {nbytes} bytes ({why}); raise "
+                "offload_bytes, or preempt by recomputing")
         self.leased += nbytes
 
     def give(self, nbytes: int) -> None:
@@ -141,6 +149,8 @@ class HostStore:
         """Keep `block` under `key` (most recently used), evicting others; False (not kept)
         when it does not fit."""
         if not self.holds_blocks:
+            return False
+        if not self._fits(block.nbytes):  # (checked first: the block held under `key` stays)
             return False
         old = self.blocks.pop(key, None)
         if old is not None:
@@ -196,10 +206,19 @@ class HostStore:
                 self.put(key, block)
         return block
 
+    def _fits(self, nbytes: int, keep: bytes | None = None) -> bool:
+        """Whether `nbytes` more fit the limit once every block but `keep` is evicted
+        (swapped-out requests' copies are not evictable)."""
+        kept = self.blocks[keep].nbytes if keep in self.blocks else 0
+        return self.limit is None or self.leased + kept + nbytes <= self.limit
+
     def _make_room(self, nbytes: int, keep: bytes | None = None) -> bool:
-        """Evict blocks, least recently used first, until `nbytes` more fit the limit."""
+        """Evict blocks, least recently used first, until `nbytes` more fit the limit; False,
+        with nothing evicted, when they cannot fit even then."""
         if self.limit is None:
             return True
+        if not self._fits(nbytes, keep):
+            return False
         while self.nbytes + nbytes > self.limit:
             victim = next((k for k in self.blocks if k != keep), None)
             if victim is None:
