@@ -79,7 +79,7 @@ class PrefixCache:
     memory when it is cached (the cache's host store, `cache.host`, shared with swapped-out
     requests under that one budget), so that evicting its pages loses nothing; with
     `offload_dir` and `offload_dir_bytes` the blocks evicted from host memory go to files
-    there, kept across restarts (the salt must name the weights: the engine's does). A lookup
+    there, kept across restarts (the salt must name the weights, and may not be empty: the engine's does). A lookup
     maps the blocks in device memory, then restores the chain's next blocks from the nearest
     tier into fresh pages of the request (`num_host_hit_tokens`, `num_disk_hit_tokens`). A
     block restores its recurrent states' snapshot with it, or ends no hit; a sliding window's
@@ -96,6 +96,10 @@ class PrefixCache:
         g = cache.geometry
         check_sharing_unit(g, cache.backend.granularity)
         offload_bytes, offload_dir, offload_dir_bytes = check_offload(offload_bytes, offload_dir, offload_dir_bytes)
+        if offload_dir is not None and not salt:  # files outlive the process: another model would read them
+            raise InvalidConfigError(
+                "offload_dir keeps blocks for later processes, keyed by the salt: give salt= naming the model's "
+                "weights (vattn.LLM passes a fingerprint of them), or no offload_dir")
         self.cache = cache
         self.block_tokens = g.share_tokens  # tokens a key covers
         self.block_pages = g.share_pages  # pages a block is pinned in (a handle each)

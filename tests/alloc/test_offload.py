@@ -24,6 +24,7 @@ TPP = 32  # SMALL at 4 KiB pages: 128-byte tokens, 32 a page; a block is one pag
 BLOCK = 4 * 4 * KB  # a block's bytes (host tier) on the host; its file adds a header
 PROMPT = list(range(100))  # 3 whole blocks (the last token is always computed)
 MB = 1 << 20
+SALT = "tiny-test-model"  # a disk tier needs a salt naming the weights
 
 
 def blk(cache: vattn.KVCache) -> int:
@@ -159,7 +160,7 @@ def corrupt(path: Path, how: str, other: Path) -> None:
 @pytest.mark.parametrize("how", ["flipped", "truncated", "empty", "header", "foreign"])
 def test_a_damaged_or_foreign_file_is_a_miss_never_wrong_data(make_cache, tmp_path, how):
     c = make_cache(page_size=4 * KB, prefetch=False)
-    pc = PrefixCache(c, offload_bytes=64 * blk(c), offload_dir=tmp_path, offload_dir_bytes=64 * blk(c))
+    pc = PrefixCache(c, salt=SALT, offload_bytes=64 * blk(c), offload_dir=tmp_path, offload_dir_bytes=64 * blk(c))
     cached(c, pc, PROMPT, 6)
     c.close()
     files = disk_files(tmp_path)
@@ -167,7 +168,7 @@ def test_a_damaged_or_foreign_file_is_a_miss_never_wrong_data(make_cache, tmp_pa
     second = next(p for p in files if p.name.startswith(keys[1].hex()))
     corrupt(second, how, next(p for p in files if p.name.startswith(keys[2].hex())))
     again = make_cache(page_size=4 * KB, prefetch=False)
-    pc2 = PrefixCache(again, offload_bytes=64 * blk(c), offload_dir=tmp_path, offload_dir_bytes=64 * blk(c))
+    pc2 = PrefixCache(again, salt=SALT, offload_bytes=64 * blk(c), offload_dir=tmp_path, offload_dir_bytes=64 * blk(c))
     assert hit(again, pc2, PROMPT + [3], 6) == 32  # the first block; the bad one ends the hit
     assert pc2.tiers.disk.num_bad_files == 1 and not second.exists()  # removed
     assert hit(again, pc2, PROMPT + [3], 6) == 32  # (and it stays a miss)
@@ -178,20 +179,21 @@ def test_an_unwritable_dir_or_a_byte_count_that_does_not_fit_is_refused_at_start
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(InvalidConfigError, match="not a directory this process can write"):
-        PrefixCache(c, offload_bytes=MB, offload_dir=blocker / "kv", offload_dir_bytes=MB)
+        PrefixCache(c, salt=SALT, offload_bytes=MB, offload_dir=blocker / "kv", offload_dir_bytes=MB)
     with pytest.raises(InvalidConfigError, match="holds no prefix block"):
         PrefixCache(c, offload_bytes=BLOCK - 1)
     with pytest.raises(InvalidConfigError, match="more than the host has available"):
         PrefixCache(c, offload_bytes=1 << 60)
     with pytest.raises(InvalidConfigError, match="holds no block"):
-        PrefixCache(c, offload_bytes=MB, offload_dir=tmp_path, offload_dir_bytes=BLOCK)
+        PrefixCache(c, salt=SALT, offload_bytes=MB, offload_dir=tmp_path, offload_dir_bytes=BLOCK)
     with pytest.raises(InvalidConfigError, match="more than"):
-        PrefixCache(c, offload_bytes=MB, offload_dir=tmp_path, offload_dir_bytes=1 << 62)
+        PrefixCache(c, salt=SALT, offload_bytes=MB, offload_dir=tmp_path, offload_dir_bytes=1 << 62)
     for kw, msg in ((dict(offload_dir=tmp_path, offload_dir_bytes=MB), "needs offload_bytes"),
                     (dict(offload_bytes=MB, offload_dir=tmp_path), "needs offload_dir_bytes"),
                     (dict(offload_bytes=MB, offload_dir_bytes=MB), "needs offload_dir"),
                     (dict(offload_bytes=0), "offload_bytes must be"),
-                    (dict(offload_bytes=MB, offload_dir=3, offload_dir_bytes=MB), "offload_dir must be")):
+                    (dict(offload_bytes=MB, offload_dir=3, offload_dir_bytes=MB), "offload_dir must be"),
+                    (dict(offload_bytes=MB, offload_dir=tmp_path, offload_dir_bytes=MB), "give salt= naming")):
         with pytest.raises(InvalidConfigError, match=msg):
             PrefixCache(c, **kw)
     c.close()
@@ -201,7 +203,7 @@ def test_a_full_disk_shrinks_the_tier_and_fails_no_request(make_cache, tmp_path,
     """ENOSPC from the writes (a seam: the real thing needs a small filesystem, below): the
     tier evicts its own files and tries once more, then skips; requests never see it."""
     c = make_cache(page_size=4 * KB, prefetch=False)
-    pc = PrefixCache(c, offload_bytes=blk(c), offload_dir=tmp_path, offload_dir_bytes=64 * blk(c))
+    pc = PrefixCache(c, salt=SALT, offload_bytes=blk(c), offload_dir=tmp_path, offload_dir_bytes=64 * blk(c))
     real, full = disk_mod.write_file, []
 
     def write_file(path, parts):
@@ -237,7 +239,7 @@ def test_a_really_full_disk(tmp_path):
         pytest.skip("mounting a small tmpfs needs root on Linux")
     try:
         c = vattn.KVCache(**SMALL, device="cpu", page_size=4 * KB, prefetch=False)
-        pc = PrefixCache(c, offload_bytes=BLOCK, offload_dir=mnt, offload_dir_bytes=128 * KB)
+        pc = PrefixCache(c, salt=SALT, offload_bytes=BLOCK, offload_dir=mnt, offload_dir_bytes=128 * KB)
         cached(c, pc, list(range(97)), 1)  # 3 blocks: 2 to disk
         (mnt / "filler").write_bytes(b"x" * (160 * KB - 3 * 4 * KB - 2 * (BLOCK + 4 * KB)))
         for i in range(6):
