@@ -11,7 +11,7 @@ import torch
 from vattn.budget import Budget
 from vattn.errors import ClosedError
 from vattn.idle import IdleTrim
-from vattn.integrations.hf_cb.caches import evict_cached_blocks
+from vattn.integrations.hf_cb.caches import evict_cached_blocks, paused
 from vattn.pool import ElasticPool, PoolStats
 
 logger = logging.getLogger("vattn.hf_cb")
@@ -67,8 +67,8 @@ class ElasticCB:
         `allow_block_sharing=True`, the default) hold their memory until transformers evicts
         them under memory pressure; `trim` evicts them first, through `manager` (a
         `ContinuousBatchingManager`) or else every manager that built a live cache of this
-        handle: inside `manager.pause()` while its loop runs (5.18+), or while the loop is
-        stopped (5.17 cannot pause its loop: there they stay until it stops)."""
+        handle: while its loop is stopped, or inside a pause of the running loop
+        (`caches.paused`: 5.18+'s `pause()`, 5.17's `LoopPause`)."""
         for m in [manager] if manager is not None else self.managers:
             cache = getattr(getattr(m, "batch_processor", None), "cache", None)
             if cache is None or getattr(cache, "vattn_pool", None) is None:
@@ -76,10 +76,10 @@ class ElasticCB:
             try:
                 if not m.is_running():
                     evict_cached_blocks(cache)
-                elif hasattr(m, "pause"):
-                    with m.pause():
+                else:
+                    with paused(m):
                         evict_cached_blocks(cache)
-            except RuntimeError:  # the loop stopped in between: pause() refuses; nothing to evict now
+            except RuntimeError:  # the loop stopped in between: the pause refuses; nothing to evict now
                 if m.is_running():  # anything else (a CUDA error...) is the caller's to see
                     raise
         return sum(p.trim() for p in self.pools)
