@@ -62,7 +62,6 @@ rm -f "$OUT/results.json" "$OUT/summary.md"  # a rerun into the same OUTDIR star
 PY=${PYTHON:-python3}
 BUDGET=${VATTN_SUITE_BUDGET:-$([ $MODE = fa4 ] && echo 170 || echo 450)}
 SITE=${VATTN_SITE:-/tmp/site}
-SITE_TF=$SITE-tf  # transformers 5.24, carried for the two-server stage only (gpu_wheels.sh says why)
 FA4_KEEP=/tmp/fa4  # call 1 leaves the first half of FlashAttention 4's cu13 libraries here for call 2
 T0=$(date +%s)
 if [ -z "${VATTN_COMMIT:-}" ]; then
@@ -183,12 +182,7 @@ if [ $MODE = main ]; then
         fi
         "$0" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
         echo "installed $(ls .whl/*.whl | wc -l) wheels into $site"
-        rm -rf "$2" && mkdir -p "$2"
-        if compgen -G ".whl/tf/*.whl" >/dev/null; then  # transformers 5.24, for the two-server stage alone
-            "$0" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" .whl/tf/*.whl || exit 1
-            echo "installed $(ls .whl/tf) into $2 (multi_server only)"
-        fi
-        "$0" benchmarks/gpu_summary.py --check-requirements "$site"' "$PY" "$SITE" "$SITE_TF"
+        "$0" benchmarks/gpu_summary.py --check-requirements "$site"' "$PY" "$SITE"
 else
     step install_fa4 60 150 "imported|PROBLEM|missing|Error|error" bash -c '
         site=$1 keep=$2
@@ -298,13 +292,8 @@ else
     # ----------------------------------------------------------- 2. multi_server ----
     if [ $RUN = 1 ]; then
         if [ $HAVE_CUDA = 1 ]; then MS=(--device cuda --cycles 2 --gap-s 0.5); else MS=(--device cpu --quick --gap-s 0.5); fi
-        MS_PATH=$PYTHONPATH
-        if compgen -G "$SITE_TF/transformers-*.dist-info" >/dev/null; then
-            MS_PATH=$SITE_TF:$PYTHONPATH  # the servers on transformers 5.24 (on 5.17 a shared budget fails: gpu_wheels.sh)
-            say "  (multi_server: transformers $(basename "$SITE_TF"/transformers-*.dist-info .dist-info | cut -d- -f2), carried)"
-        fi
         step multi_server 90 150 "same greedy answers|shared_over_static|peak of A|Error|exited" \
-            env PYTHONPATH="$MS_PATH" "$PY" benchmarks/multi_server.py "${MS[@]}"
+            "$PY" benchmarks/multi_server.py "${MS[@]}"
     else
         skip multi_server "no CUDA"
     fi

@@ -45,12 +45,6 @@ SERVE_WHEELS=(
     pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2
     openai==2.54.0 jiter==0.12.0 distro==1.9.0 sniffio==1.3.1
 )
-# transformers 5.24 for the two-server benchmark alone (.whl/tf, installed apart, in /tmp/site-tf):
-# on the image's 5.17 a server on a shared budget cannot give back the blocks transformers keeps
-# for prefix sharing while its loop runs (5.17 cannot pause it), and the other server's burst
-# fails (reproduced on the CPU: docs/gpu.md "The next run"). Its needs (huggingface-hub >= 1.31,
-# tokenizers 0.23, safetensors >= 0.8, typer) are the image's.
-SERVE_TF=transformers==5.24.0
 # FlashAttention 4 (flash_attn.cute): the CuTe-DSL kernels and their compiler. The
 # nvidia-cutlass-dsl meta wheel names -libs-cu12 without an extra; the cu13 libraries are the
 # ones for this driver (CUDA 13), installed with --no-deps. einops, cuda-bindings, protobuf
@@ -74,7 +68,6 @@ download() {  # DIR NAME==VERSION...
 if [ $CHECK_ONLY = 0 ]; then
     rm -rf .whl
     download .whl "${SERVE_WHEELS[@]}"
-    download .whl/tf "$SERVE_TF"
     if [ $FA4 = 1 ]; then
         rm -rf .fa4
         download .fa4/b "${FA4_WHEELS[@]}"  # the small wheels go with the second part
@@ -99,7 +92,7 @@ if [ $CHECK_ONLY = 0 ]; then
 fi
 
 # Each wheel's Requires-Dist against the carried wheels and the image's packages.
-"$PY" - .whl .fa4/a .fa4/b .whl/tf <<'EOF'
+"$PY" - .whl .fa4/a .fa4/b <<'EOF'
 import re, sys, zipfile
 from pathlib import Path
 from packaging.markers import default_environment
@@ -142,7 +135,7 @@ for d in map(Path, sys.argv[1:]):
             with zipfile.ZipFile(w) as z:
                 meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
                 metas.append((w, z.read(meta).decode()))
-if Path(sys.argv[3], "cutlass-dsl-libs-cu13.tar.xz.part2").exists():  # (argv: .whl .fa4/a .fa4/b .whl/tf)  # the big wheel, as a split tar.xz
+if Path(sys.argv[3], "cutlass-dsl-libs-cu13.tar.xz.part2").exists():  # the big wheel, as a split tar.xz
     carried["nvidia-cutlass-dsl-libs-cu13"] = (Version("4.8.1"), Path(sys.argv[2], "cutlass-dsl-libs-cu13.tar.xz.part1"))
 problems, image_needs = [], set()
 for w, text in metas:

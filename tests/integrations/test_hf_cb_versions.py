@@ -8,7 +8,8 @@ modules run in a subprocess: the greedy-equality tests (Llama, Qwen2, sliding-wi
 Mistral), the memory, limit and budget tests, `vattn serve` over HTTP (answers equal to
 `generate`, memory rising under a burst and falling back when idle, and its contract:
 refusals at each release's own block count, restarts, `n`, `[DONE]`, draining on SIGTERM),
-and a test that checks the version it ran on. None may be skipped.
+and a test that checks the version it ran on. None may be skipped (the `gpu` tests, which
+need a CUDA GPU, are left out: the GPU suite runs them).
 Marked `slow` (downloads, about a minute a release):
 `python -m pytest -m slow tests/integrations/test_hf_cb_versions.py`.
 The cache directory is $VATTN_TRANSFORMERS_CACHE or ~/.cache/vattn/transformers.
@@ -87,7 +88,8 @@ def test_hf_cb_tests_pass_on(minor):
     path = [] if metadata.version("transformers") == version else [str(install(version))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, str(REPO)]), VATTN_EXPECT_TRANSFORMERS=version,
                OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+    # gpu tests deselected: without a GPU they would be skipped, and here none may
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
                           "tests/integrations/test_hf_cb.py", "tests/integrations/test_serve.py"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=900)
     out = run.stdout + run.stderr

@@ -3,10 +3,12 @@
 (`make_classes`), and the stand-ins that hand transformers the pool's tensors and blocks."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable, Protocol
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -27,8 +29,9 @@ class CacheOwner(Protocol):
     caches are written against this, so they do not import the handle (which imports them)."""
 
     def new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
-                 device: Any) -> ElasticPool:
-        """A pool for one cache, on the owner's settings (limit, budget, page size)."""
+                 device: Any, trash: list[int]) -> ElasticPool:
+        """A pool for one cache, on the owner's settings (limit, budget, page size); `trash`:
+        the blocks the cache pins for good (never reclaimable)."""
 
     def touch(self) -> None:
         """A block was handed out or given back (the idle policy's clock restarts)."""
@@ -112,9 +115,9 @@ def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], 
     transformers keeps for padding tokens, mapped at once and for good, cleared (the read
     trash must read zeros; 5.18+ put them first). When memory cannot back them,
     OutOfPhysicalMemoryError (the cache's constructor then closes the pool)."""
-    pool = build["handle"].new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
-    build["pool"] = pool
     trash = list(range(TRASH_SECTORS)) if build["kind"] == "sectors" else [num_blocks, num_blocks + 1]
+    pool = build["handle"].new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device, trash)
+    build["pool"] = pool
     pool.pin(trash, f"the {TRASH_SECTORS} trash blocks of the continuous-batching cache",
              "raise memory_limit or the budget", zero=True)
     return pool
@@ -122,7 +125,7 @@ def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], 
 
 def evict_cached_blocks(cache: Any) -> None:
     """Drop the prefix-sharing blocks no request uses (their memory becomes free), with
-    transformers' own code. The generation loop must not run meanwhile."""
+    transformers' own code. The generation loop must be stopped or paused (`paused`)."""
     if hasattr(cache, "evict_cached_blocks"):  # sectors
         cache.evict_cached_blocks()
         cache.pool.try_to_free_sectors()
@@ -130,6 +133,98 @@ def evict_cached_blocks(cache: Any) -> None:
         bm = cache._block_manager
         if bm._init_block_ids:
             bm.has_enough_free_blocks(len(bm._uninit_block_ids) + len(bm._init_block_ids))
+
+
+class LoopPause:
+    """("blocks", 5.17) A stand-in for 5.18+'s `ContinuousBatchingManager.pause()`, which
+    5.17 lacks: `with LoopPause.of(manager)():` runs its body while the generation loop is
+    parked between two iterations (`_generation_loop_body`), where transformers' loop thread
+    holds no reference into its BlockManager: `trim` evicts the prefix-sharing blocks there,
+    as 5.18+ does inside `pause()`. Without it a running 5.17 server could not give them back
+    to another model of its budget, while its books counted them as reclaimable.
+
+    ```
+    loop thread:  body | body | park ............ | body ...
+    caller:              ask --wake--> parked: evict, unmap; leave -> loop resumes
+    ```
+    `install` puts a function in front of the manager's `_generation_loop_body` (transformers'
+    `_run_generation_loop` calls it through `self`, each iteration) that parks first when a
+    pause was asked for; the ask wakes an idle loop through `_has_new_requests` (which it
+    waits on for 0.1 s at most otherwise). Several threads may hold the pause at once; the
+    loop resumes when the last one leaves. Like 5.18+'s, asking raises RuntimeError when no
+    loop runs or when it stops before it parked, and waits as long as the loop's current
+    iteration takes."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = weakref.ref(manager)  # the manager holds this object: no strong reference back
+        self._cond = threading.Condition()
+        self._asked = 0  # threads that asked for the pause and have not left it
+        self._parked = False
+
+    @classmethod
+    def install(cls, manager: Any) -> LoopPause:
+        """The pause of `manager`, installed once."""
+        pause = manager.__dict__.get("vattn_pause")
+        if pause is None:
+            pause = cls(manager)
+            body, ref = type(manager)._generation_loop_body, weakref.ref(manager)
+
+            def loop_body(*args: Any, **kwargs: Any) -> Any:  # refers to the manager weakly: no cycle
+                pause.park()
+                return body(ref(), *args, **kwargs)
+
+            manager.vattn_pause = pause
+            manager._generation_loop_body = loop_body
+        return pause
+
+    @staticmethod
+    def of(manager: Any) -> LoopPause | None:
+        return getattr(manager, "vattn_pause", None)
+
+    def park(self) -> None:
+        """The loop thread, before each iteration: wait here while a pause is held."""
+        if not self._asked:  # read without the lock: an ask seen one iteration late is still served
+            return
+        with self._cond:
+            if self._asked:
+                self._parked = True
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: not self._asked)
+                self._parked = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        manager = self._manager()
+        if manager is None or not manager.is_running():
+            raise RuntimeError("Cannot pause generation while no generation loop is running.")
+        if threading.current_thread() is getattr(manager, "_generation_thread", None):
+            raise RuntimeError("the generation loop cannot pause itself")
+        with self._cond:
+            self._asked += 1
+        try:
+            manager._has_new_requests.set()  # an idle loop waits on it: the next iteration parks now
+            with self._cond:
+                while not self._parked:
+                    if not manager.is_running():
+                        raise RuntimeError("The generation loop stopped before it paused.")
+                    self._cond.wait(0.05)
+            yield
+        finally:
+            with self._cond:
+                self._asked -= 1
+                self._cond.notify_all()
+
+
+def paused(manager: Any) -> contextlib.AbstractContextManager:
+    """A context in which `manager`'s running generation loop is paused: its own `pause()`
+    (5.18+), or the `LoopPause` vattn installed on it (5.17). RuntimeError when it cannot
+    pause (no loop running, or a 5.17 manager whose cache vattn did not build)."""
+    if hasattr(manager, "pause"):
+        return manager.pause()
+    pause = LoopPause.of(manager)
+    if pause is None:
+        raise RuntimeError(f"{type(manager).__name__} has no pause and vattn installed none on it")
+    return pause()
 
 
 def _calling_manager(manager_cls: type | None) -> Any:
@@ -290,7 +385,10 @@ class _ElasticCache:
                 cache_mod.torch = saved
                 _intercept.build = None
         self.vattn_pool = pool
-        handle.track(_calling_manager(getattr(self.vattn_api, "ContinuousBatchingManager", None)))
+        manager = _calling_manager(getattr(self.vattn_api, "ContinuousBatchingManager", None))
+        if manager is not None and kind == "blocks":  # 5.17's loop cannot pause: vattn's stand-in
+            LoopPause.install(manager)
+        handle.track(manager)
 
     def _adopt_sectors(self, pool: ElasticPool | None, handle: CacheOwner) -> None:
         """Swap the CachePool for one whose sector calls go through `pool`."""

@@ -11,7 +11,7 @@ import torch
 from vattn.budget import Budget
 from vattn.errors import ClosedError
 from vattn.idle import IdleTrim
-from vattn.integrations.hf_cb.caches import TRASH_SECTORS, evict_cached_blocks
+from vattn.integrations.hf_cb.caches import evict_cached_blocks, paused
 from vattn.pool import ElasticPool, PoolStats
 
 logger = logging.getLogger("vattn.hf_cb")
@@ -31,6 +31,7 @@ class ElasticCB:
         self.page_size = page_size
         self._unregister = unregister
         self._pools: list[weakref.ref] = []
+        self._pinned: weakref.WeakKeyDictionary[ElasticPool, frozenset[int]] = weakref.WeakKeyDictionary()  # pages
         self._managers: list[weakref.ref] = []  # the ContinuousBatchingManagers that built the caches
         self.num_caches = 0  # PagedAttentionCaches built on vattn memory so far
         self.num_idle_trims = 0  # times the idle policy gave memory back
@@ -66,8 +67,8 @@ class ElasticCB:
         `allow_block_sharing=True`, the default) hold their memory until transformers evicts
         them under memory pressure; `trim` evicts them first, through `manager` (a
         `ContinuousBatchingManager`) or else every manager that built a live cache of this
-        handle: inside `manager.pause()` while its loop runs (5.18+), or while the loop is
-        stopped (5.17 cannot pause its loop: there they stay until it stops)."""
+        handle: while its loop is stopped, or inside a pause of the running loop
+        (`caches.paused`: 5.18+'s `pause()`, 5.17's `LoopPause`)."""
         for m in [manager] if manager is not None else self.managers:
             cache = getattr(getattr(m, "batch_processor", None), "cache", None)
             if cache is None or getattr(cache, "vattn_pool", None) is None:
@@ -75,10 +76,10 @@ class ElasticCB:
             try:
                 if not m.is_running():
                     evict_cached_blocks(cache)
-                elif hasattr(m, "pause"):
-                    with m.pause():
+                else:
+                    with paused(m):
                         evict_cached_blocks(cache)
-            except RuntimeError:  # the loop stopped in between: pause() refuses; nothing to evict now
+            except RuntimeError:  # the loop stopped in between: the pause refuses; nothing to evict now
                 if m.is_running():  # anything else (a CUDA error...) is the caller's to see
                     raise
         return sum(p.trim() for p in self.pools)
@@ -149,15 +150,20 @@ class ElasticCB:
             return 0
 
     def _budget_cached(self) -> int:
-        """What `_budget_reclaim` could give now beyond the pools' free pages (an estimate,
-        read without locks: a pool calls it under its own): the blocks in use but the trash
-        ones, while no request is in flight."""
+        """What `_budget_reclaim` gives now beyond the pools' own cached pages (which they
+        report themselves), exactly: while no request is in flight, every block in use but
+        the trash is one transformers keeps for prefix sharing, and the trim gives back the
+        pages under them, all but those that hold a trash block too. Pages, not blocks: a
+        page may hold several blocks, or a trash block beside data ones (5.17's trash blocks
+        come last, and a GPU's 2 MiB page holds many). Nothing while busy (the reclaim then
+        gives nothing). Read without locks (a pool calls it under its own)."""
         if self.busy():
             return 0
         total = 0
         for p in self.pools:
-            c = p.config
-            total += max(0, c.num_blocks - p.num_free_blocks - TRASH_SECTORS) * c.block_bytes * c.num_buffers
+            books = p._books  # lock-free reads of two counters; the pool's stats() would take its lock
+            in_use = books.num_mapped - len(books.cached)  # mapped pages with a block in use
+            total += max(0, in_use - len(self._pinned.get(p, ()))) * books.group_bytes
         return total
 
     def set_limit(self, limit: int | None) -> None:
@@ -176,11 +182,14 @@ class ElasticCB:
             self._unregister(model)
 
     def new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
-                  device: torch.device | str) -> ElasticPool:
-        """A pool for one cache of this handle, on its settings (the caches' call)."""
+                 device: torch.device | str, trash: list[int]) -> ElasticPool:
+        """A pool for one cache of this handle, on its settings; `trash`: the blocks the cache
+        pins for good (the caches' call)."""
         pool = ElasticPool(num_blocks, block_shape, dtype, num_buffers, device=torch.device(device),
                            page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device",
                            zero_new=True)
+        books = pool._books
+        self._pinned[pool] = frozenset(q for b in trash for q in range(books.pages_of(b)[0], books.pages_of(b)[1] + 1))
         self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
         self.num_caches += 1
         if self.budget is not None and self._budget_token is None:  # after the pool: asked after its free pages
