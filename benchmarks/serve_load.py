@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -217,6 +218,7 @@ def main() -> None:
     bodies = [{"prompt": "".join(rng.choice(letters) for _ in range(rng.randint(*args.prompt_chars))),
                "max_tokens": args.max_tokens, "temperature": 0} for _ in range(args.requests)]
     runs: list[dict] = []
+    load = os.getloadavg()[0]  # what else this host ran: a shared host's rounds swing more
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = char_checkpoint(Path(tmp) / "ckpt", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                                num_hidden_layers=args.layers, max_position_embeddings=1024)
@@ -231,10 +233,10 @@ def main() -> None:
                 print(f"  round {r} {kind:12}: {run['served']}/{run['sent']} served, TTFT p50 "
                       f"{run['ttft_s']['p50'] * 1e3:.0f} ms, {run['output_tok_s']:.0f} output tok/s, "
                       f"{run['cpu_ms_per_token']:.2f} CPU ms a token", flush=True)
-    report(runs, args)
+    report(runs, args, f"{os.cpu_count()} CPUs, load average {load:.2f} at the start")
 
 
-def report(runs: list[dict], args: argparse.Namespace) -> None:
+def report(runs: list[dict], args: argparse.Namespace, machine: str) -> None:
     rounds = sorted({r["round"] for r in runs})
     by = {(r["round"], r["server"]): r for r in runs}
     others = [k for k in ("vattn", "vattn-before") if (rounds[0], k) in by]
@@ -257,10 +259,13 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
                  "CPU ms/token"], rows)
     same = {k: all(by[(i, "stock")]["texts"] == by[(i, k)]["texts"] for i in rounds) for k in others}
     median = {k: {x: sorted(r[x] for r in ratios[k])[len(ratios[k]) // 2] for x in keys} for k in others}
+    geomean = {k: {x: _geomean_ci([r[x] for r in ratios[k]]) for x in keys} for k in others}
     for k in others:
-        m = median[k]
+        m, g = median[k], geomean[k]
         print(f"median over rounds, {k}/stock: TTFT p50 {m['ttft_p50']:.3f}x, p99 {m['ttft_p99']:.3f}x, output tok/s "
               f"{m['output_tok_s']:.3f}x, CPU a token {m['cpu_ms_per_token']:.3f}x; greedy answers equal: {same[k]}")
+        print(f"geometric mean over rounds [95 % bootstrap interval], {k}/stock: "
+              + ", ".join(f"{x} {g[x]['geomean']:.3f}x [{g[x]['ci95'][0]:.3f}-{g[x]['ci95'][1]:.3f}]" for x in keys))
     for run in runs:
         run.pop("texts")
     fig = None
@@ -282,14 +287,26 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
         ax.set_xticks(rounds, [f"round {i}" for i in rounds])
         ax.set_ylabel("over transformers serve")
         mode = "servers at once" if args.together else "alternating"
-        ax.set_title(f"{args.requests} streamed completions at concurrency {args.concurrency}, {mode} (host, shared)",
+        ax.set_title(f"{args.requests} streamed completions at concurrency {args.concurrency}, {mode} (host)",
                      fontsize=9)
         ax.legend(loc="lower right", fontsize=7)
     except ImportError:
         pass
     save("serve_load_together_cpu" if args.together else "serve_load_cpu", {"env": environment("cpu"), "args": vars(args), "omp_num_threads": 1,
-                            "machine": "2 CPUs shared with other jobs", "ratios": ratios, "median_ratios": median,
+                            "machine": machine, "ratios": ratios, "median_ratios": median,
+                            "geomean_ratios": geomean,
                             "answers_equal": same, "runs": runs}, fig, out=args.out)
+
+
+def _geomean_ci(values: list[float], resamples: int = 10000) -> dict:
+    """The geometric mean of per-round ratios and its 95 % bootstrap interval (seeded: the
+    same rounds give the same interval). Rounds of a shared host swing 0.7-1.4x: a median of
+    a few says little, the interval says what the rounds can resolve."""
+    logs = [math.log(v) for v in values]
+    rng = random.Random(0)
+    means = sorted(sum(rng.choices(logs, k=len(logs))) / len(logs) for _ in range(resamples))
+    lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    return {"geomean": math.exp(sum(logs) / len(logs)), "ci95": [math.exp(lo), math.exp(hi)]}
 
 
 def _row(i: int, run: dict) -> list:
