@@ -207,7 +207,11 @@ def main() -> None:
                     help="run the servers at once, each with the same load, instead of one after the other")
     ap.add_argument("--quick", action="store_true", help="64 requests, one round")
     ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
+    ap.add_argument("--replot", metavar="JSON", default=None, help="only draw this results file's PNG again")
     args = ap.parse_args()
+    if args.replot:
+        replot(args.replot)
+        return
     if args.quick:
         args.requests, args.rounds = 64, 1
 
@@ -268,34 +272,49 @@ def report(runs: list[dict], args: argparse.Namespace, machine: str) -> None:
               + ", ".join(f"{x} {g[x]['geomean']:.3f}x [{g[x]['ci95'][0]:.3f}-{g[x]['ci95'][1]:.3f}]" for x in keys))
     for run in runs:
         run.pop("texts")
-    fig = None
+    fig = plot(ratios, geomean, args.together, args.requests, args.concurrency)
+    save("serve_load_together_cpu" if args.together else "serve_load_cpu", {"env": environment("cpu"), "args": vars(args), "omp_num_threads": 1,
+                            "machine": machine, "ratios": ratios, "median_ratios": median,
+                            "geomean_ratios": geomean,
+                            "answers_equal": same, "runs": runs}, fig, out=args.out)
+
+
+def plot(ratios: dict, geomean: dict, together: bool, requests: int, concurrency: int) -> Any:
+    """Each round's ratios over stock as bars; None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7.5, 3.8))
-        bars = [(k, x) for k in others for x in ("ttft_p50", "output_tok_s", "cpu_ms_per_token")]
-        width = 0.8 / len(bars)
-        for j, (k, x) in enumerate(bars):
-            ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in rounds], [r[x] for r in ratios[k]], width,
-                   label=f"{k}: {x.replace('_', ' ')}")
-        ax.axhline(1.0, color="k", lw=0.8)
-        for bound in (0.95, 1.05):
-            ax.axhline(bound, color="grey", lw=0.8, ls="--")
-        ax.set_xticks(rounds, [f"round {i}" for i in rounds])
-        ax.set_ylabel("over transformers serve")
-        mode = "servers at once" if args.together else "alternating"
-        ax.set_title(f"{args.requests} streamed completions at concurrency {args.concurrency}, {mode} (host)",
-                     fontsize=9)
-        ax.legend(loc="lower right", fontsize=7)
     except ImportError:
-        pass
-    save("serve_load_together_cpu" if args.together else "serve_load_cpu", {"env": environment("cpu"), "args": vars(args), "omp_num_threads": 1,
-                            "machine": machine, "ratios": ratios, "median_ratios": median,
-                            "geomean_ratios": geomean,
-                            "answers_equal": same, "runs": runs}, fig, out=args.out)
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    bars = [(k, x) for k in ratios for x in ("ttft_p50", "output_tok_s", "cpu_ms_per_token")]
+    width = 0.8 / len(bars)
+    for j, (k, x) in enumerate(bars):
+        rounds = [r["round"] for r in ratios[k]]
+        ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in rounds], [r[x] for r in ratios[k]], width,
+               label=f"{k}: {x.replace('_', ' ')} (geometric mean {geomean[k][x]['geomean']:.3f}x)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    for bound in (0.95, 1.05):
+        ax.axhline(bound, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(rounds, [str(i) if len(rounds) <= 12 or i % 5 == 0 else "" for i in rounds])
+    ax.set_xlabel("round")
+    ax.set_ylabel("over transformers serve")
+    mode = "servers at once" if together else "alternating"
+    ax.set_title(f"{requests} streamed completions at concurrency {concurrency}, {mode} (host)", fontsize=9)
+    ax.legend(loc="lower right", fontsize=7)
+    return fig
+
+
+def replot(path: str) -> None:
+    """Draw a results JSON's PNG again (beside it) from the ratios it holds."""
+    d = json.loads(Path(path).read_text())
+    fig = plot(d["ratios"], d["geomean_ratios"], d["args"]["together"], d["args"]["requests"], d["args"]["concurrency"])
+    if fig is not None:
+        fig.tight_layout()
+        fig.savefig(Path(path).with_suffix(".png"), dpi=120)
+        print(f"wrote {Path(path).with_suffix('.png')}")
 
 
 def _geomean_ci(values: list[float], resamples: int = 10000) -> dict:
