@@ -309,7 +309,7 @@ else
     if [ $RUN = 1 ]; then
         E2E_HELP=$(timeout 60 "$PY" -m vattn.bench._e2e --help 2>/dev/null || true)
         ASYNC=()
-        for flag in --async-scheduling --async; do  # issue 32's async scheduling, when the tree has it
+        for flag in --compare-async --async-scheduling --async; do  # issue 32: asynchronous (the default on CUDA) against synchronous
             if grep -q -- "$flag\b" <<<"$E2E_HELP"; then ASYNC=("$flag"); break; fi
         done
         [ ${#ASYNC[@]} = 0 ] && say "  (no async scheduling in this tree's e2e benchmark: the step stage measures the compiled step)"
