@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from _common import environment, print_table, save
 
@@ -81,7 +82,31 @@ def main() -> None:
     rows = [[name, i, f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}", f"{r['mean_us']:.0f}", f"{r['max_ms']:.1f}",
              f"{r['over_1ms']} of {r['calls']}"] for name, rs in results.items() for i, r in enumerate(rs)]
     print_table(["checkout", "run", "p50 us", "p99 us", "mean us", "max ms", "over 1 ms"], rows)
-    save("gil_wait_host", dict(environment("cpu"), args=vars(args), results=results), out=args.out)
+    save("gil_wait_host", dict(environment("cpu"), args=vars(args), load_average=os.getloadavg()[0], results=results),
+         plot(results), out=args.out)
+
+
+def plot(results: dict[str, list[dict]]) -> Any:
+    """p50, mean and p99 of each checkout's runs (log scale); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    stats = ("p50_us", "mean_us", "p99_us")
+    width = 0.8 / len(results)
+    for j, (name, rs) in enumerate(results.items()):
+        xs = [k + (j - (len(results) - 1) / 2) * width for k in range(len(stats))]
+        ax.bar(xs, [statistics.median(r[x] for r in rs) for x in stats], width, label=name)
+    ax.set_xticks(range(len(stats)), [x.replace("_us", "") for x in stats])
+    ax.set_yscale("log")
+    ax.set_ylabel("map + unmap of a page, us (median of runs)")
+    ax.set_title("a host page map beside a thread running Python", fontsize=9)
+    ax.legend(fontsize=8)
+    return fig
 
 
 if __name__ == "__main__":
