@@ -321,7 +321,9 @@ def _geomean_ci(values: list[float], resamples: int = 10000) -> dict:
     """The geometric mean of per-round ratios and its 95 % bootstrap interval (seeded: the
     same rounds give the same interval). Rounds of a shared host swing 0.7-1.4x: a median of
     a few says little, the interval says what the rounds can resolve."""
-    logs = [math.log(v) for v in values]
+    logs = [math.log(v) for v in values if v > 0]  # (a round with nothing served has no ratio to speak of)
+    if not logs:
+        return {"geomean": float("nan"), "ci95": [float("nan"), float("nan")]}
     rng = random.Random(0)
     means = sorted(sum(rng.choices(logs, k=len(logs))) / len(logs) for _ in range(resamples))
     lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]

@@ -80,3 +80,23 @@ def test_a_refused_engine_leaves_nothing_behind(kind: str, refusal: str, tmp_pat
         assert budget.stats().num_participants == 1
         assert len(llm.generate([[5, 6, 7]], vattn.SamplingParams(max_tokens=2))[0].token_ids) == 2
     assert budget.stats().num_participants == 0 and model.config._attn_implementation == attention
+
+
+def test_a_close_whose_first_step_fails_still_gives_the_memory_back() -> None:
+    """Closing runs every step of the runner's close: the graphs' close raising (a CUDA
+    error, say) does not keep the cache's memory and budget participant until the garbage
+    collector finds them; the error is still raised."""
+    budget = vattn.Budget(1 << 22)
+    llm = LLM(build_model(tiny_config()), device="cpu", max_batch_size=2, max_context_len=128, page_size=PAGE,
+              budget=budget)
+    out = llm.generate([[5, 6, 7]], vattn.SamplingParams(max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) == 2 and budget.used > 0
+
+    class FailingGraphs:  # the graphs of a GPU whose close meets a device error
+        def close(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    llm.runner.graphs = FailingGraphs()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        llm.close()
+    assert budget.stats().num_participants == 0 and budget.used == 0  # without a gc: closed, not collected

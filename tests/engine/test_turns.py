@@ -5,10 +5,10 @@ and an abort from another thread could wait out a whole `generate` (CI saw the a
 request finished)."""
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 import time
-
-import pytest
 
 from vattn.engine.turns import TurnLock
 
@@ -52,26 +52,49 @@ def test_hand_over_without_waiters_returns_at_once_and_the_lock_is_not_reentrant
 
 
 def test_an_interrupted_waiter_is_not_waited_for() -> None:
-    """A waiter whose acquire raises (KeyboardInterrupt in the main thread) leaves the count:
-    the stepper's next hand_over does not wait for it forever."""
-    lock = TurnLock()
+    """A waiter interrupted while it waits (a KeyboardInterrupt landing on any line of
+    `__enter__` up to its blocking acquire, where a waiting thread spends its time) leaves no
+    trace: the stepper's next hand_over returns at once, not after its patience (here 60 s),
+    and never hangs."""
+    src, first = inspect.getsourcelines(TurnLock.__enter__)
+    body = [(first + i, text.strip()) for i, text in enumerate(src)]
+    last = next(n for n, text in body if text == "self._lock.acquire()")
+    lines = [n for n, text in body if n <= last and text and text != "return self" and not text.startswith(("def", '"'))]
+    assert len(lines) >= 5
+    for at in lines:
+        lock, release = TurnLock(patience_s=60), threading.Event()
+        held = threading.Event()
 
-    class Interrupted(BaseException):
-        pass
+        def stepper() -> None:  # holds the lock while the waiter is interrupted
+            with lock:
+                held.set()
+                release.wait(10)
 
-    class Raising:
-        def acquire(self, blocking: bool = True) -> bool:
-            if not blocking:
-                return False
-            raise Interrupted
+        t = threading.Thread(target=stepper)
+        t.start()
+        held.wait(10)
 
-    real, lock._lock = lock._lock, Raising()
-    with pytest.raises(Interrupted):
-        with lock:
+        def tracer(frame, event, arg, at=at):
+            if frame.f_code is not TurnLock.__enter__.__code__:
+                return None
+
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == at:
+                    raise KeyboardInterrupt(f"at line {at}")
+                return local
+            return local
+
+        sys.settrace(tracer)
+        try:
+            with lock:
+                raise AssertionError(f"entered although interrupted at line {at}")
+        except KeyboardInterrupt:
             pass
-    lock._lock = real
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (lock.hand_over(), done.set()))
-    t.start()
-    t.join(10)
-    assert done.is_set()
+        finally:
+            sys.settrace(None)
+        release.set()
+        t.join(10)
+        done = threading.Event()
+        threading.Thread(target=lambda: (lock.hand_over(), done.set()), daemon=True).start()
+        assert done.wait(10), f"hand_over hung after an interrupt at line {at} of __enter__"
+        assert not lock._waiting and not lock.locked()

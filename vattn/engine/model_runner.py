@@ -558,25 +558,33 @@ class ModelRunner:
     def close(self) -> None:
         """Wait for the iteration in flight, then undo what this runner built: the graphs,
         the state mixers' binding, the cache, the model's attention. Also closes a runner whose
-        __init__ raised (only what it had built)."""
+        __init__ raised (only what it had built). Every step runs even where one before it
+        raised (a CUDA error in the graphs' close must not keep the cache's memory); the first
+        error is raised after them."""
         from vattn.integrations.hf import restore_attention
 
-        try:
-            if self._last is not None:  # nothing may write into the cache once it is closed
-                self._last.result()
-                self._last = None
-        finally:
+        failures: list[BaseException] = []
+
+        def undo(step: Callable[[], Any]) -> None:  # every step runs, whatever the ones before did
             try:
-                if self.graphs is not None:
-                    self.graphs.close()
-                    self.graphs = None
-                if self._unbind_states is not None:
-                    self._unbind_states()
-                    self._unbind_states = None
-                self.k_caches, self.v_caches = [], []
-                if self.cache is not None:
-                    self.cache.close()
-            finally:
-                if self.previous_attention is not None:
-                    restore_attention(self.model, self.previous_attention)
-                    self.previous_attention = None
+                step()
+            except BaseException as e:  # noqa: BLE001 - the first is raised below
+                failures.append(e)
+
+        if self._last is not None:  # nothing may write into the cache once it is closed
+            last, self._last = self._last, None
+            undo(last.result)
+        if self.graphs is not None:
+            graphs, self.graphs = self.graphs, None
+            undo(graphs.close)
+        if self._unbind_states is not None:
+            unbind, self._unbind_states = self._unbind_states, None
+            undo(unbind)
+        self.k_caches, self.v_caches = [], []
+        if self.cache is not None:
+            undo(self.cache.close)
+        if self.previous_attention is not None:
+            previous, self.previous_attention = self.previous_attention, None
+            undo(lambda: restore_attention(self.model, previous))
+        if failures:
+            raise failures[0]

@@ -16,6 +16,7 @@ Plain Python (no torch).
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -26,22 +27,26 @@ class TurnLock:
     Uncontended, entering costs one `Lock.acquire(blocking=False)`; only a thread that has to
     wait is counted (under a second, short-held lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, patience_s: float = 1.0) -> None:
         self._lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
-        self._arrived = 0  # threads that had to wait, counted when they started waiting
-        self._entered = 0  # of those, the ones that got the lock (or gave up: an interrupt)
+        self._tickets = itertools.count()
+        self._waiting: set[int] = set()  # a ticket per thread waiting for the lock
+        # the longest hand_over waits: a waiter that a third thread's long hold keeps out
+        # costs the stepper no more (a backstop: nothing can make a waiter wait for it)
+        self.patience_s = patience_s
 
     def __enter__(self) -> TurnLock:
         if self._lock.acquire(blocking=False):
             return self
-        with self._cond:
-            self._arrived += 1
+        ticket = next(self._tickets)
         try:
-            self._lock.acquire()
-        finally:  # a KeyboardInterrupt in acquire: no longer waiting, nobody waits for it
             with self._cond:
-                self._entered += 1
+                self._waiting.add(ticket)
+            self._lock.acquire()
+        finally:  # also on a KeyboardInterrupt anywhere in here: no longer waiting
+            with self._cond:
+                self._waiting.discard(ticket)
                 self._cond.notify_all()
         return self
 
@@ -53,9 +58,9 @@ class TurnLock:
 
     def hand_over(self) -> None:
         """Wait (not holding the lock) until every thread that was waiting for it has had
-        it. Returns at once when nobody waits."""
-        if self._entered == self._arrived:  # read without the lock: one that arrives later is let in next time
+        it, at most `patience_s`. Returns at once when nobody waits."""
+        if not self._waiting:  # read without the lock: one that arrives later is let in next time
             return
         with self._cond:
-            due = self._arrived
-            self._cond.wait_for(lambda: self._entered >= due)
+            due = set(self._waiting)
+            self._cond.wait_for(lambda: due.isdisjoint(self._waiting), self.patience_s)
