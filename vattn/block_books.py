@@ -19,7 +19,7 @@ import heapq
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from vattn.errors import ClosedError, OutOfPhysicalMemoryError, UnknownBlockError
 from vattn.pages import PageGroups
@@ -163,6 +163,10 @@ class BlockBooks:
     def pages_of(self, block: int) -> tuple[int, int]:
         """First and last page of `block`."""
         return block * self.block_bytes // self.page_size, ((block + 1) * self.block_bytes - 1) // self.page_size
+
+    def pages_under(self, blocks: Iterable[int]) -> set[int]:
+        """Every page that holds part of one of `blocks`."""
+        return {p for b in blocks for p in range(self.pages_of(b)[0], self.pages_of(b)[1] + 1)}
 
     def blocks_on(self, page: int) -> range:
         p, bb = self.page_size, self.block_bytes

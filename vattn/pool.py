@@ -190,6 +190,7 @@ class ElasticPool:
             if backend is None:
                 self.backend.close()
             raise
+        self._pinned: frozenset[int] = frozenset()  # blocks taken with pin and not freed
         self._finalizer = weakref.finalize(self, _close, self._books, self.backend)
 
     # ----------------------------------------------------------------- tensors ----
@@ -232,13 +233,23 @@ class ElasticPool:
         ids = self._ids(ids)
         if self.take(ids) is None:
             books = self._books
-            pages = {p for b in ids for p in range(books.pages_of(b)[0], books.pages_of(b)[1] + 1)}
+            pages = books.pages_under(ids)
             under = "" if books.limit is None else f" under a limit of {books.limit} bytes"
             raise error(f"no memory for {what} ({len(pages)} page group(s) of {books.group_bytes} bytes{under}); "
                         f"{hint}")
+        self._pinned = self._pinned | set(ids)  # replaced, never changed in place: read without the lock
         if zero:
             self._zero_blocks(ids)
         return ids
+
+    def unpinned_bytes_in_use(self) -> int:
+        """Bytes of the mapped pages under blocks in use, but those holding a block taken with
+        `pin` (which stay however the others go): what freeing every unpinned block and then
+        `trim` would give back. Read without the lock (a budget's `cached()` calls it from
+        under other locks): an estimate while another thread allocates or frees."""
+        books = self._books
+        in_use = books.num_mapped - len(books.cached)  # mapped pages with a block in use
+        return max(0, in_use - len(books.pages_under(self._pinned))) * books.group_bytes
 
     def _alloc(self, n: int | None, ids: list[int] | None) -> list[int] | None:
         books = self._books
@@ -264,6 +275,8 @@ class ElasticPool:
         ids = self._ids(ids)
         with self._books.lock:
             self._books.free(ids)
+        if self._pinned.intersection(ids):
+            self._pinned = self._pinned.difference(ids)
 
     def _ids(self, ids: Iterable[int]) -> list[int]:
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):

@@ -29,9 +29,8 @@ class CacheOwner(Protocol):
     caches are written against this, so they do not import the handle (which imports them)."""
 
     def new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
-                 device: Any, trash: list[int]) -> ElasticPool:
-        """A pool for one cache, on the owner's settings (limit, budget, page size); `trash`:
-        the blocks the cache pins for good (never reclaimable)."""
+                 device: Any) -> ElasticPool:
+        """A pool for one cache, on the owner's settings (limit, budget, page size)."""
 
     def touch(self) -> None:
         """A block was handed out or given back (the idle policy's clock restarts)."""
@@ -115,9 +114,9 @@ def _new_cache_pool(build: dict, num_blocks: int, block_shape: tuple[int, ...], 
     transformers keeps for padding tokens, mapped at once and for good, cleared (the read
     trash must read zeros; 5.18+ put them first). When memory cannot back them,
     OutOfPhysicalMemoryError (the cache's constructor then closes the pool)."""
-    trash = list(range(TRASH_SECTORS)) if build["kind"] == "sectors" else [num_blocks, num_blocks + 1]
-    pool = build["handle"].new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device, trash)
+    pool = build["handle"].new_pool(num_blocks + TRASH_SECTORS, block_shape, dtype, num_buffers, device)
     build["pool"] = pool
+    trash = list(range(TRASH_SECTORS)) if build["kind"] == "sectors" else [num_blocks, num_blocks + 1]
     pool.pin(trash, f"the {TRASH_SECTORS} trash blocks of the continuous-batching cache",
              "raise memory_limit or the budget", zero=True)
     return pool

@@ -31,7 +31,6 @@ class ElasticCB:
         self.page_size = page_size
         self._unregister = unregister
         self._pools: list[weakref.ref] = []
-        self._pinned: weakref.WeakKeyDictionary[ElasticPool, frozenset[int]] = weakref.WeakKeyDictionary()  # pages
         self._managers: list[weakref.ref] = []  # the ContinuousBatchingManagers that built the caches
         self.num_caches = 0  # PagedAttentionCaches built on vattn memory so far
         self.num_idle_trims = 0  # times the idle policy gave memory back
@@ -159,12 +158,7 @@ class ElasticCB:
         gives nothing). Read without locks (a pool calls it under its own)."""
         if self.busy():
             return 0
-        total = 0
-        for p in self.pools:
-            books = p._books  # lock-free reads of two counters; the pool's stats() would take its lock
-            in_use = books.num_mapped - len(books.cached)  # mapped pages with a block in use
-            total += max(0, in_use - len(self._pinned.get(p, ()))) * books.group_bytes
-        return total
+        return sum(p.unpinned_bytes_in_use() for p in self.pools)  # (the trash blocks are pinned)
 
     def set_limit(self, limit: int | None) -> None:
         """A new limit on the mapped bytes of this model's caches (this one and later ones)."""
@@ -182,14 +176,11 @@ class ElasticCB:
             self._unregister(model)
 
     def new_pool(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, num_buffers: int,
-                 device: torch.device | str, trash: list[int]) -> ElasticPool:
-        """A pool for one cache of this handle, on its settings; `trash`: the blocks the cache
-        pins for good (the caches' call)."""
+                 device: torch.device | str) -> ElasticPool:
+        """A pool for one cache of this handle, on its settings (the caches' call)."""
         pool = ElasticPool(num_blocks, block_shape, dtype, num_buffers, device=torch.device(device),
                            page_size=self.page_size, limit=self.memory_limit, budget=self.budget, sync="device",
                            zero_new=True)
-        books = pool._books
-        self._pinned[pool] = frozenset(q for b in trash for q in range(books.pages_of(b)[0], books.pages_of(b)[1] + 1))
         self._pools = [r for r in self._pools if r() is not None] + [weakref.ref(pool)]
         self.num_caches += 1
         if self.budget is not None and self._budget_token is None:  # after the pool: asked after its free pages
