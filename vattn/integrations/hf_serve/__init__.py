@@ -213,7 +213,7 @@ def _check_room(srv: Any, handle: Any, memory_limit: int | None, budget: Budget 
     handle.memory_limit = None
     probe = model.init_continuous_batching(generation_config=copy.deepcopy(model.generation_config),
                                            continuous_batching_config=srv._generation_state._cb_config)
-    cache = None
+    cache, refused = None, True
     try:
         probe.start()
         deadline = time.monotonic() + CACHE_WAIT_S
@@ -235,11 +235,15 @@ def _check_room(srv: Any, handle: Any, memory_limit: int | None, budget: Budget 
                     f"token and one new token needs {need - hf_cb.TRASH_SECTORS} more (on pages of "
                     f"{pool.stats().group_bytes} bytes); the smallest limit that serves one request is {smallest} "
                     f"bytes: raise {name.split(' (')[-1].rstrip(')')} to at least that (more serves more at once)")
+        refused = False
     finally:
         handle.memory_limit = memory_limit
         probe.stop(block=False, hard_stop=True)  # its loop takes a second or so to end: the pool closes after it
         pool = getattr(cache, "vattn_pool", None)
-        threading.Thread(target=_close_after, args=(probe, pool), name="vattn-serve-probe", daemon=True).start()
+        if refused:  # the process ends now: a loop still in a forward at the interpreter's exit aborts it
+            _close_after(probe, pool)
+        else:
+            threading.Thread(target=_close_after, args=(probe, pool), name="vattn-serve-probe", daemon=True).start()
 
 
 def _close_after(probe: Any, pool: Any) -> None:
