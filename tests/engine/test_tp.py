@@ -606,8 +606,8 @@ def _collectives(rank: int, ports: list[int]) -> dict:
         sampler = llm.runner.sampler.sampler  # rank 0's: the one that samples
         real_sample = sampler.sample
 
-        def sample_fails_once(logits, seq_ids, params):
-            out = real_sample(logits, seq_ids, params)
+        def sample_fails_once(logits, seq_ids, params, **history):
+            out = real_sample(logits, seq_ids, params, **history)
             if rank == 0 and not res.get("sample failed on rank 0"):
                 res["sample failed on rank 0"] = True
                 out.errors[seq_ids[0]] = "injected: sampling failed"
