@@ -141,7 +141,7 @@ def test_masks_equal_transformers_warpers() -> None:
     x[0, :10] = x[0, 0]  # ties
     ks, ps, mins = [1, 5, 300, 50, 299, 10], [0.9, 1.0, 0.3, 0.99, 0.5, 0.01], [0.0, 0.1, 0.5, 0.9, 1.0, 0.05]
     inf = float("-inf")
-    top_k = apply_top_k_top_p(x, torch.tensor(ks)[:, None], None)
+    top_k = apply_top_k_top_p(x, ks, None)
     top_p = apply_top_k_top_p(x, None, torch.tensor(ps)[:, None])
     min_p = apply_min_p(x, torch.tensor(mins)[:, None])
     for r in range(6):

@@ -107,22 +107,28 @@ def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Logits `[R, V]` with the tokens outside each row's top-k (`[R, 1]` int64, V = off), then
-    outside its top-p nucleus (`[R, 1]`, 1 = off), at -inf: one ascending sort for both, the
-    masks of transformers' TopKLogitsWarper (ties with the k-th kept) and TopPLogitsWarper
-    (drop the tokens whose ascending cumulative probability is <= 1 - p, never the top one)."""
-    sorted_x, order = x.sort(dim=-1, descending=False)  # [R, V]
+def apply_top_k_top_p(x: torch.Tensor, top_k: list[int] | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Logits `[R, V]` with the tokens outside each row's top-k (one int a row, >= V = off), then
+    outside its top-p nucleus (`[R, 1]`, 1 = off), at -inf: the masks of transformers'
+    TopKLogitsWarper (ties with the k-th kept) and TopPLogitsWarper (drop the tokens whose
+    ascending cumulative probability is <= 1 - p, never the most likely one). Top-k takes one
+    `topk` of the largest k asked; top-p one ascending sort, cheap where top-k left few tokens."""
     vocab = x.shape[-1]
     if top_k is not None:
-        kth = sorted_x.gather(-1, (vocab - top_k).clamp(min=0))  # [R, 1]: the k-th largest
-        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        max_k = max((k for k in top_k if k < vocab), default=0)
+        if max_k:
+            k = torch.tensor(top_k, dtype=torch.int64).to(x.device, non_blocking=True)[:, None]  # [R, 1]
+            top = x.topk(max_k, dim=-1).values  # [R, K]
+            kth = top.gather(-1, k.clamp(max=max_k) - 1)  # [R, 1]: the k-th largest
+            kth = kth.masked_fill(k >= vocab, float("-inf"))  # rows without top-k keep every token
+            x = x.masked_fill(x < kth, float("-inf"))
     if top_p is not None:
+        sorted_x, order = x.sort(dim=-1, descending=False)  # [R, V]
         cumulative = sorted_x.softmax(-1).cumsum(-1)  # [R, V]
         drop = cumulative <= 1 - top_p
         drop[:, -1] = False
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+        x = x.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+    return x
 
 
 class TokenCounts:
@@ -292,8 +298,7 @@ class Sampler:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
         use_k, use_p = any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in ps)
         if use_k or use_p:
-            xs = apply_top_k_top_p(xs, torch.tensor(top_k, dtype=torch.int64).to(x.device)[:, None] if use_k else None,
-                                   _column([p.top_p for p in ps], xs) if use_p else None)
+            xs = apply_top_k_top_p(xs, top_k if use_k else None, _column([p.top_p for p in ps], xs) if use_p else None)
         probs = xs.softmax(-1)  # [R, V]
         unseeded = [j for j, p in enumerate(ps) if p.seed is None]
         if unseeded:
