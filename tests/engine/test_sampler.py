@@ -238,6 +238,20 @@ def test_stop_strings_cut_the_text_across_token_boundaries() -> None:
     assert never.token_ids == ref and never.text == words(ref) and never.outputs[0].stop_reason is None
 
 
+def test_streamed_text_never_shows_part_of_a_stop_string() -> None:
+    """Online, each step's text is a prefix of the final one: the characters that may start a
+    stop string are held back until they are known not to (vLLM's rule)."""
+    ref = list(reference()[1])
+    stop = f"{str(ref[3])[-1]} w{str(ref[4])[0]}"
+    with engine(tokenizer=word_tokenizer()) as llm:
+        rid = llm.add_request(words(prompts()[1]), SamplingParams(temperature=0, max_tokens=20, stop=[stop, "w1234"]))
+        texts = []
+        while llm.has_unfinished():
+            texts += [o.text for o in llm.step() if o.request_id == rid]
+    assert texts[-1] == words(ref)[:words(ref).index(stop)]
+    assert all(texts[-1].startswith(t) for t in texts) and len(set(texts)) > 2
+
+
 def test_stop_strings_need_a_tokenizer() -> None:
     with engine() as llm:
         with pytest.raises(InvalidRequestError, match="tokenizer"):

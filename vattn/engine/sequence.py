@@ -146,8 +146,14 @@ class Sequence:
 
     @property
     def text(self) -> str | None:
-        """Its generated tokens detokenized so far (cut at a stop string), or None without a tokenizer."""
-        return None if self.detokenizer is None else self.detokenizer.text
+        """Its generated tokens detokenized so far (cut at a stop string), or None without a
+        tokenizer. While it runs with `stop` strings, the last (longest stop - 1) characters are
+        held back (vLLM's): they may be the start of a stop string, which a stream must never show."""
+        text = None if self.detokenizer is None else self.detokenizer.text
+        p = self.params
+        if text is None or not p.stop or p.include_stop_str_in_output or self.is_finished:
+            return text
+        return text[:max(0, len(text) - (max(map(len, p.stop)) - 1))]
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.request_id}.{self.index}, {self.status.value}, slot={self.slot}, "
