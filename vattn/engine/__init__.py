@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineConfig",
-    "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "TensorParallelError", "RankCacheError",
+    "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "TensorParallelError",
+    "RankCacheError",
 ]
 
 # Loaded on first use (PEP 562): the scheduler and the sequences are plain Python, and

@@ -58,7 +58,7 @@ class RunOutput(NamedTuple):
 
     tokens: dict[SeqId, int]  # the sampled token of every sequence whose computed tokens reached its end
     errors: dict[SeqId, str]  # why a sequence failed (it finishes with "error"); its tokens are not computed
-    logprobs: dict[SeqId, TokenLogprobs] = {}  # of the sampled token, for sequences that asked (SamplingParams.logprobs)
+    logprobs: dict[SeqId, TokenLogprobs] = {}  # of sequences that asked (SamplingParams.logprobs); never mutated
 
 
 class InFlight:

@@ -398,8 +398,9 @@ class Scheduler:
                     logprobs: Mapping[SeqId, Any] | None = None) -> list[Sequence]:
         """Take the outputs of a committed iteration: a sequence that sampled gets its token
         (`tokens`, in place of its placeholder; its `logprobs` entry too, when it asked) and
-        finishes on a stop token, a stop string or max_tokens; one in `errors` finishes with "error". A sequence that finished since the iteration
-        was launched (an abort, or its previous token stopped it) drops its token. The samples
+        finishes on a stop token, a stop string or max_tokens; one in `errors` finishes with
+        "error". A sequence that finished since the iteration was launched (an abort, or its
+        previous token stopped it) drops its token. The samples
         of a fan-out get their first token and wait for a slot. Returns every sequence that
         got a token or finished."""
         now = time.perf_counter() if now is None else now
