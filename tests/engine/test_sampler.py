@@ -319,3 +319,34 @@ def test_min_tokens_is_bounded_by_max_tokens() -> None:
     assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3
     with pytest.raises(InvalidRequestError, match="min_tokens.*max_tokens=3"):
         SamplingParams(max_tokens=3, min_tokens=4)
+
+
+# ------------------------------------------------------------------------------- CUDA ----
+@pytest.mark.gpu
+def test_the_sampler_on_cuda_matches_the_host() -> None:
+    """The masks and penalties on the device equal the host's; a seeded row draws the same
+    token alone and in a batch; logprobs come back as on the host."""
+    from vattn.engine.sampler import Sampler
+    from vattn.engine.sequence import Sequence
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 300, generator=g) * 3
+    cuda = torch.device("cuda")
+    ks, ps = [1, 5, 300, 50], torch.tensor([[0.9], [1.0], [0.3], [0.5]])
+    mins = torch.tensor([[0.0], [0.1], [0.5], [0.9]])
+    inf = float("-inf")
+    assert torch.equal(apply_top_k_top_p(x.to(cuda), ks, ps.to(cuda)).cpu() == inf, apply_top_k_top_p(x, ks, ps) == inf)
+    assert torch.equal(apply_min_p(x.to(cuda), mins.to(cuda)).cpu() == inf, apply_min_p(x, mins) == inf)
+    seeded = SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.5, seed=3, logprobs=2)
+    rows = [seeded, SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.8),
+            SamplingParams(temperature=0, repetition_penalty=1.3, min_tokens=2)]
+    seqs = [Sequence(i, [5, 6, 7], p, 0.0) for i, p in enumerate(rows)]
+    ids = [s.seq_id for s in seqs]
+    alone = Sampler(cuda, 0).sample(x[:1].to(cuda), ids[:1], rows[:1], seqs=seqs[:1], eos_token_ids={2})
+    batch = Sampler(cuda, 0).sample(x.to(cuda), ids, rows, seqs=seqs, eos_token_ids={2})
+    assert batch.tokens.device.type == "cuda" and not batch.errors
+    assert int(alone.tokens[0]) == int(batch.tokens[0])
+    assert int(batch.tokens[1]) == int(x[1].argmax())
+    entry = batch.logprobs[0].to_host()[ids[0]]
+    raw = x[0].log_softmax(-1)
+    assert entry[int(batch.tokens[0])].logprob == pytest.approx(float(raw[int(batch.tokens[0])]), abs=1e-4)
