@@ -153,6 +153,17 @@ def test_masks_equal_transformers_warpers() -> None:
             assert torch.equal(min_p[r] == inf, MinPLogitsWarper(mins[r])(None, row.clone())[0] == inf)
         kept = top_k[r] != inf
         assert torch.equal(top_k[r][kept], x[r][kept])  # kept logits are untouched
+    # both: top-k then top-p, with a row without top-k (one sort) and with top-k in every row
+    # (no ties: which of tokens tied at the nucleus' edge goes is the sort's choice)
+    y = torch.randn(6, 300, generator=g) * 3
+    for k_rows in (ks, [1, 5, 40, 50, 299, 10]):
+        both = apply_top_k_top_p(y, k_rows, torch.tensor(ps)[:, None])
+        for r in range(6):
+            want = TopKLogitsWarper(k_rows[r])(None, y[r:r + 1].clone())
+            if ps[r] < 1:
+                want = TopPLogitsWarper(ps[r])(None, want)
+            assert torch.equal(both[r] == inf, want[0] == inf), (k_rows, r)
+            assert torch.equal(both[r][both[r] != inf], y[r][both[r] != inf])
 
 
 def test_min_p_one_is_greedy() -> None:

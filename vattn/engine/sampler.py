@@ -7,7 +7,7 @@ logits [S, V] --log_softmax--> raw logprobs of the rows that asked (SamplingPara
   -> min_tokens: stop tokens -inf in rows that generated fewer   (one index_put)
   -> penalties: repetition, frequency, presence from token counts (rows that have one)
   -> greedy rows: argmax
-  -> other rows: / temperature -> min_p -> top_k -> top_p (one sort) -> softmax -> draw
+  -> other rows: / temperature -> min_p -> top_k (one topk) -> top_p (one sort) -> softmax -> draw
 ```
 Draws: the unseeded rows draw together from the engine's generator (one `torch.multinomial`);
 a seeded row draws from its own generator (sample i of a request with `seed`: seeded with
@@ -122,6 +122,8 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: list[int] | None, top_p: torch.Ten
             kth = top.gather(-1, k.clamp(max=max_k) - 1)  # [R, 1]: the k-th largest
             kth = kth.masked_fill(k >= vocab, float("-inf"))  # rows without top-k keep every token
             x = x.masked_fill(x < kth, float("-inf"))
+            if top_p is not None and max_k == max(top_k) and x.device.type == "cpu":
+                return _top_p_of_few(x, top_p)
     if top_p is not None:
         sorted_x, order = x.sort(dim=-1, descending=False)  # [R, V]
         cumulative = sorted_x.softmax(-1).cumsum(-1)  # [R, V]
@@ -129,6 +131,19 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: list[int] | None, top_p: torch.Ten
         drop[:, -1] = False
         x = x.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
     return x
+
+
+def _top_p_of_few(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p of logits `[R, V]` of which top-k left few finite ones in every row: sorted by one
+    `topk` of the most finite entries of a row (ties with the k-th included) instead of a sort of
+    the whole vocabulary; the mask TopPLogitsWarper gives after TopKLogitsWarper. On the host,
+    where reading that count costs no device sync."""
+    width = int(torch.isfinite(x).sum(-1).max())
+    top = x.topk(max(width, 1), dim=-1)  # [R, W] descending
+    values, ids = top.values.flip(-1), top.indices.flip(-1)  # ascending, as TopPLogitsWarper sorts
+    drop = values.softmax(-1).cumsum(-1) <= 1 - top_p  # [R, W]
+    drop[:, -1] = False
+    return x.scatter(-1, ids, values.masked_fill(drop, float("-inf")))
 
 
 class TokenCounts:
