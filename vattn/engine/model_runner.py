@@ -20,6 +20,9 @@ ids on the device = where(feed >= 0, previous tokens [S'] at feed, input_ids)
 ```
 On the host (the CPU backend) the forward has run when `launch` returns.
 
+The rows are sampled by `vattn.engine.sampler.Sampler` (batched on the device; `Sampler`,
+`Sampled` and `argmax_tokens` are importable from here too).
+
 Failures (see `ModelRunner.launch`): one request's sampling that raises fails that request
 only; a forward that raises cannot be pinned on one request, so every sequence of the
 batch is run again alone, and only those that fail alone fail.
