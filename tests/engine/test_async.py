@@ -154,15 +154,15 @@ def test_failures_inside_an_iteration_end_the_same_requests_as_synchronously(mon
     for on in (False, True):
         with make_llm(async_scheduling=on) as llm:
             fail_forward(llm, monkeypatch, lambda i, ids: bool((ids == POISON).any()))
-            real, count = llm.runner.sampler.sample_one, [0]
+            real, count = llm.runner.sampler.draw, [0]
 
-            def sample_one(logits: Any, sid: Any, p: SamplingParams, _real: Callable = real) -> Any:
+            def draw(probs: Any, sid: Any, p: SamplingParams, _real: Callable = real) -> Any:
                 count[0] += 1
                 if count[0] == 3:
                     raise RuntimeError("injected sampling failure")
-                return _real(logits, sid, p)
+                return _real(probs, sid, p)
 
-            monkeypatch.setattr(llm.runner.sampler, "sample_one", sample_one)
+            monkeypatch.setattr(llm.runner.sampler, "draw", draw)
             outs = run_online(llm, ps, params, (0, 0, 2, 2, 3))
             runs[on] = [(o.token_ids, o.finish_reason, o.error) for o in outs]
             monkeypatch.undo()

@@ -48,10 +48,10 @@ class LogitsLog:
         sampler = llm.runner.sampler
         sample = sampler.sample
 
-        def spy(logits, seq_ids, params):
+        def spy(logits, seq_ids, params, **history):
             for i, sid in enumerate(seq_ids):
                 self.rows.setdefault(sid[0], []).append(logits[i].float().cpu())
-            return sample(logits, seq_ids, params)
+            return sample(logits, seq_ids, params, **history)
 
         sampler.sample = spy
 

@@ -81,17 +81,17 @@ def test_a_request_whose_sampling_raises_fails_alone(monkeypatch: Any) -> None:
         bad = SamplingParams(temperature=0.9, max_tokens=10)
         object.__setattr__(bad, "seed", 2**70)
         # A second request whose sampling raises on its third token.
-        real = llm.runner.sampler.sample_one
+        real = llm.runner.sampler.draw
         counts = {"n": 0}
 
-        def sample_one(logits: Any, rid: int, p: SamplingParams) -> int:
+        def draw(probs: Any, sid: Any, p: SamplingParams) -> Any:
             if p.seed == 11:
                 counts["n"] += 1
                 if counts["n"] == 3:
                     raise RuntimeError("injected sampling failure")
-            return real(logits, rid, p)
+            return real(probs, sid, p)
 
-        monkeypatch.setattr(llm.runner.sampler, "sample_one", sample_one)
+        monkeypatch.setattr(llm.runner.sampler, "draw", draw)
         params = greedy_params()[:2] + [seeded, bad, SamplingParams(temperature=0.9, max_tokens=10, seed=11)]
         outs = llm.generate([ps[0], ps[1], ps[2], ps[3], ps[4]], params)
         assert_matches(outs[:2], reference()[:2])

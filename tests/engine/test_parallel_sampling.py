@@ -243,16 +243,16 @@ def test_scheduler_fans_out_then_forks_into_free_slots() -> None:
 def test_a_failed_sample_makes_its_request_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sample that fails (here its sampling raises) is an error of the request too, naming
     the sample: never hidden behind sample 0's "length" (issue 30)."""
-    from vattn.engine.model_runner import Sampler
+    from vattn.engine.sampler import Sampler
 
-    real = Sampler.sample_one
+    real = Sampler.draw
 
-    def failing(self: Sampler, logits: Any, seq_id: tuple[int, int], p: SamplingParams) -> int:
+    def failing(self: Sampler, probs: Any, seq_id: tuple[int, int], p: SamplingParams) -> Any:
         if seq_id[1] == 2:
             raise RuntimeError("injected")
-        return real(self, logits, seq_id, p)
+        return real(self, probs, seq_id, p)
 
-    monkeypatch.setattr(Sampler, "sample_one", failing)
+    monkeypatch.setattr(Sampler, "draw", failing)
     with LLM(tiny_config(), seed=0, page_size=PAGE, max_batch_size=4) as llm:
         out = llm.generate(prompts()[1], SamplingParams(temperature=0.8, seed=5, max_tokens=6, n=3))[0]
     assert [o.finish_reason for o in out.outputs] == ["length", "length", "error"]

@@ -99,7 +99,7 @@ def test_extreme_seeds_and_tiny_temperature_run() -> None:
 def test_greedy_argmax_follows_torch_argmax() -> None:
     """The sampler's row-wise argmax (numpy's on the CPU): torch.argmax's result, ties to the
     first maximum, a NaN counts as the maximum; inference tensors and strided rows too."""
-    from vattn.engine.model_runner import argmax_tokens
+    from vattn.engine.sampler import argmax_tokens
 
     def argmax_rows(t: torch.Tensor) -> list[int]:
         out = argmax_tokens(t)  # [S] int64 on the logits' device

@@ -186,7 +186,13 @@ def _extra_cases() -> list[tuple[str, Any, Any]]:
     sliding = tiny_config("qwen2", 2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     return [("bias", tiny_config("llama", 2, attention_bias=True, mlp_bias=True), greedy_params()[:3]),
             ("n=3", tiny_config(), SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=12)),
-            ("sliding", sliding, [SamplingParams(temperature=0, max_tokens=40, n=2)] * 3)]
+            ("sliding", sliding, [SamplingParams(temperature=0, max_tokens=40, n=2)] * 3),
+            # rank 0's batched sampler with every field: its token counts, masks and logprobs
+            ("fields", tiny_config(), [
+                SamplingParams(temperature=0.8, seed=2, max_tokens=12, presence_penalty=0.5, repetition_penalty=1.2,
+                               top_k=20, min_p=0.05),
+                SamplingParams(temperature=0, max_tokens=10, frequency_penalty=1.0, logprobs=2),
+                SamplingParams(temperature=1.0, seed=4, max_tokens=10, min_tokens=5, top_p=0.9, n=2)])]
 
 
 def _agreement(rank: int, ports: list[int]) -> dict:
@@ -606,8 +612,8 @@ def _collectives(rank: int, ports: list[int]) -> dict:
         sampler = llm.runner.sampler.sampler  # rank 0's: the one that samples
         real_sample = sampler.sample
 
-        def sample_fails_once(logits, seq_ids, params):
-            out = real_sample(logits, seq_ids, params)
+        def sample_fails_once(logits, seq_ids, params, **history):
+            out = real_sample(logits, seq_ids, params, **history)
             if rank == 0 and not res.get("sample failed on rank 0"):
                 res["sample failed on rank 0"] = True
                 out.errors[seq_ids[0]] = "injected: sampling failed"

@@ -252,12 +252,12 @@ def run_vattn(model: Any, prompts: list[list[int]], args: argparse.Namespace, dt
         sampler = llm.runner.sampler
         sample = sampler.sample
 
-        def capture(logits: torch.Tensor, seq_ids: list, params: list) -> Any:
+        def capture(logits: torch.Tensor, seq_ids: list, params: list, **history: Any) -> Any:
             for i, sid in enumerate(seq_ids):
                 rid = sid[0] if isinstance(sid, tuple) else sid  # (request id, sample index)
                 if rid not in first_logits:
                     first_logits[rid] = logits[i].detach().float().clone()  # [V], stays on the device
-            return sample(logits, seq_ids, params)
+            return sample(logits, seq_ids, params, **history)
 
         sampler.sample = capture
 

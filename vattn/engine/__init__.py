@@ -18,11 +18,13 @@ if TYPE_CHECKING:
     from vattn.engine.parallel import RankCacheError, TensorParallelError
     from vattn.engine.sampling_params import SamplingParams
     from vattn.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-    from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, SequenceStatus
+    from vattn.engine.sequence import (CompletionOutput, Logprob, RequestMetrics, RequestOutput, Sequence,
+                                       SequenceStatus)
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "TensorParallelError", "RankCacheError",
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineConfig",
+    "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "TensorParallelError",
+    "RankCacheError",
 ]
 
 # Loaded on first use (PEP 562): the scheduler and the sequences are plain Python, and
@@ -34,6 +36,6 @@ _EXPORTS = {
     "SchedulerConfig": "vattn.engine.scheduler", "SchedulerOutput": "vattn.engine.scheduler",
     "CompletionOutput": "vattn.engine.sequence", "RequestMetrics": "vattn.engine.sequence",
     "RequestOutput": "vattn.engine.sequence", "Sequence": "vattn.engine.sequence",
-    "SequenceStatus": "vattn.engine.sequence",
+    "SequenceStatus": "vattn.engine.sequence", "Logprob": "vattn.engine.sequence",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

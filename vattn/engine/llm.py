@@ -29,6 +29,7 @@ import torch
 
 from vattn.checks import is_int
 from vattn.engine.config import EngineConfig
+from vattn.engine.detokenizer import make_detokenizer
 from vattn.engine.model_runner import InFlight, LoadedModel, ModelRunner, load_model, prefix_salt
 from vattn.engine.parallel import AgreedSlots, TensorParallel, TPModelRunner
 from vattn.engine.sampling_params import SamplingParams
@@ -157,6 +158,7 @@ class LLM:
             self.prefix_cache = self.runner.prefix_cache(prefix_salt(loaded.model, loaded.dtype))
         self.scheduler = Scheduler(self.config.scheduler_config(), kv,
                                    eos_token_ids=_eos_token_ids(loaded.model), prefix_cache=self.prefix_cache)
+        self.runner.eos_token_ids = self.scheduler.eos_token_ids  # the sampler masks them under min_tokens
         self.max_context_len = self.runner.max_context_len
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
@@ -328,7 +330,7 @@ class LLM:
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids: Iterable[int]) -> None:
-        self.scheduler.eos_token_ids = frozenset(ids)
+        self.scheduler.eos_token_ids = self.runner.eos_token_ids = frozenset(ids)
 
     @property
     def cache(self):
@@ -398,12 +400,18 @@ class LLM:
             raise InvalidRequestError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
                 + (" (write SamplingParams(**d))" if isinstance(params, Mapping) else ""))
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                f"stop strings ({params.stop!r}) need a tokenizer to find them in the text, and this engine has "
+                "none; pass tokenizer= to LLM (or load a checkpoint that has one), or stop on stop_token_ids")
         text, ids = self._tokenize(prompt)
         if len(ids) + params.max_tokens > self.max_context_len:
             raise ContextLengthError(
                 f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds max_context_len="
                 f"{self.max_context_len}; shorten the prompt, lower max_tokens or raise max_context_len")
         seq = Sequence(self._next_id, ids, params, time.perf_counter(), prompt=text)
+        if self.tokenizer is not None:  # the text grows token by token (its samples get their own)
+            seq.detokenizer = make_detokenizer(self.tokenizer, params.skip_special_tokens)
         if self.tp is not None:
             self.tp.note_request(seq.request_id, ids, params)
         self._next_id += 1
@@ -463,7 +471,7 @@ class LLM:
         while self._in_flight and (drain or len(self._in_flight) > self._depth or not self.scheduler.has_unfinished()):
             scheduled, run = self._in_flight.popleft()
             result = run.result()  # waits for the device
-            changed = self.scheduler.postprocess(scheduled, result.tokens, result.errors)
+            changed = self.scheduler.postprocess(scheduled, result.tokens, result.errors, logprobs=result.logprobs)
             for samples in _requests_of(changed):
                 out = self._output(samples)
                 if out.finished:
@@ -476,19 +484,11 @@ class LLM:
         for seq in samples:
             self.runner.release(seq.seq_id)
 
-    def _decode(self, seq: Sequence) -> str | None:
-        if self.tokenizer is None:
-            return None
-        try:
-            return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        except Exception:  # noqa: BLE001 - a tokenizer bug must not lose the tokens
-            logger.warning("vattn: the tokenizer could not decode request %d", seq.request_id, exc_info=True)
-            return None
-
     def _output(self, samples: list[Sequence]) -> RequestOutput:
         """The RequestOutput of one request, from its samples (index order)."""
         first = samples[0]
-        outputs = [CompletionOutput(s.index, s.output_token_ids, self._decode(s), s.finish_reason, s.error)
+        outputs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason, s.error, s.stop_reason,
+                                    None if s.logprobs is None else list(s.logprobs), s.cumulative_logprob)
                    for s in samples]
         finished = all(s.is_finished for s in samples)
         first_times = [s.first_token_time for s in samples if s.first_token_time is not None]

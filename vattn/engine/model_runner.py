@@ -20,6 +20,9 @@ ids on the device = where(feed >= 0, previous tokens [S'] at feed, input_ids)
 ```
 On the host (the CPU backend) the forward has run when `launch` returns.
 
+The rows are sampled by `vattn.engine.sampler.Sampler` (batched on the device; `Sampler`,
+`Sampled` and `argmax_tokens` are importable from here too).
+
 Failures (see `ModelRunner.launch`): one request's sampling that raises fails that request
 only; a forward that raises cannot be pinned on one request, so every sequence of the
 batch is run again alone, and only those that fail alone fail.
@@ -42,8 +45,9 @@ from vattn.engine.compile import CompiledForward, compile_mode
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
 from vattn.engine import states
 from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
-from vattn.engine.sampling_params import SamplingParams
+from vattn.engine.sampler import NOTHING_SAMPLED, Sampled, Sampler, argmax_tokens  # noqa: F401 - importable here too
 from vattn.engine.scheduler import ScheduledSequence, SeqId
+from vattn.engine.sequence import TokenLogprobs
 from vattn.errors import InvalidConfigError
 from vattn.prefix_cache import PrefixCache
 
@@ -57,24 +61,7 @@ class RunOutput(NamedTuple):
 
     tokens: dict[SeqId, int]  # the sampled token of every sequence whose computed tokens reached its end
     errors: dict[SeqId, str]  # why a sequence failed (it finishes with "error"); its tokens are not computed
-
-
-class Sampled(NamedTuple):
-    """What sampling rows of logits gave, on the device."""
-
-    seq_ids: list[SeqId]  # the sequence of each row
-    tokens: torch.Tensor | None  # [S] int64 on the device, one token a row (0 in a row that failed); None: no row
-    errors: dict[SeqId, str]  # sequences that failed (their rows' tokens mean nothing)
-
-    @staticmethod
-    def merge(parts: list[Sampled]) -> Sampled:
-        """The rows of `parts` one after the other, and all their errors."""
-        tokens = [p.tokens for p in parts if p.tokens is not None]
-        return Sampled([sid for p in parts for sid in p.seq_ids], torch.cat(tokens) if tokens else None,
-                       {sid: e for p in parts for sid, e in p.errors.items()})
-
-
-NOTHING_SAMPLED = Sampled([], None, {})
+    logprobs: dict[SeqId, TokenLogprobs] = {}  # of sequences that asked (SamplingParams.logprobs); never mutated
 
 
 class InFlight:
@@ -86,6 +73,7 @@ class InFlight:
         self.rows = {sid: row for row, sid in enumerate(sampled.seq_ids)}  # each sampled sequence's row
         self.tokens = sampled.tokens  # [S] int64 on the device, or None
         self.errors = sampled.errors
+        self.logprobs = sampled.logprobs  # on the device; read by result(), after the tokens' copy
         self._host = self.tokens  # on CUDA a pinned copy, written when the device gets there
         self._copied: Any = None  # the CUDA event after that copy
         if self.tokens is not None and self.tokens.device.type == "cuda":
@@ -100,7 +88,9 @@ class InFlight:
             self._copied.synchronize()
         ids = self._host.tolist() if self._host is not None else []
         errors = self.errors
-        return RunOutput({sid: ids[row] for sid, row in self.rows.items() if sid not in errors}, errors)
+        logprobs = {sid: entry for rows in self.logprobs for sid, entry in rows.to_host().items()
+                    if sid not in errors}
+        return RunOutput({sid: ids[row] for sid, row in self.rows.items() if sid not in errors}, errors, logprobs)
 
 
 
@@ -237,79 +227,6 @@ def _check_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax of `[S, V]` float32 logits: `[S]` int64 on their device, the first maximum
-    of each row, a NaN counting as the maximum (torch.argmax's rules). On the CPU numpy's
-    vectorized argmax does it (about 20x faster than torch's CPU argmax at V = 32000); elsewhere
-    torch's."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        try:
-            return torch.from_numpy(logits.numpy().argmax(-1).astype("int64", copy=False))
-        except RuntimeError:  # torch built without numpy
-            pass
-    return logits.argmax(dim=-1)
-
-
-class Sampler:
-    """Greedy, or temperature / top-k / top-p sampling with one generator per seeded
-    sequence: sample i of a request with `seed` draws from its own generator seeded with
-    `params.sample_seed(i)` (seed + i); unseeded ones share the engine's generator."""
-
-    def __init__(self, device: torch.device, seed: int) -> None:
-        self.device = device
-        self.default_generator = torch.Generator(device=device).manual_seed(seed)
-        self.generators: dict[SeqId, torch.Generator] = {}
-
-    def generator(self, seq_id: SeqId, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self.default_generator
-        g = self.generators.get(seq_id)
-        if g is None:
-            seed = params.sample_seed(seq_id[1])
-            g = self.generators[seq_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return g
-
-    def release(self, seq_id: SeqId) -> None:
-        self.generators.pop(seq_id, None)
-
-    def sample(self, logits: torch.Tensor, seq_ids: list[SeqId], params: list[SamplingParams]) -> Sampled:
-        """logits `[S, V]` -> one token per row, on the device (nothing waits for it). A row
-        whose sampling raises (e.g. NaN logits) is reported in `errors`; the other rows keep
-        their tokens."""
-        logits = logits.float()
-        greedy = any(p.greedy for p in params)
-        tokens = argmax_tokens(logits) if greedy else torch.zeros(len(seq_ids), dtype=torch.long, device=logits.device)
-        errors: dict[SeqId, str] = {}
-        if not greedy or not all(p.greedy for p in params):
-            for i, (sid, p) in enumerate(zip(seq_ids, params)):
-                if p.greedy:  # greedy rows are done
-                    continue
-                try:
-                    tokens[i] = self.sample_one(logits[i], sid, p)
-                except Exception as e:  # noqa: BLE001 - this sequence fails, not the batch
-                    logger.warning("vattn: sampling request %d (sample %d) failed", sid[0], sid[1], exc_info=True)
-                    errors[sid] = f"sampling request {sid[0]} failed: {type(e).__name__}: {e}"
-                    tokens[i] = 0  # a valid id: the next iteration may read it before the error is seen
-        return Sampled(list(seq_ids), tokens, errors)
-
-    def sample_one(self, logits: torch.Tensor, seq_id: SeqId, p: SamplingParams) -> torch.Tensor | int:
-        """logits `[V]` of one sequence -> its next token (a 0-d tensor on the device), with
-        temperature, top-k, top-p."""
-        x = logits / p.temperature  # [V]
-        if p.top_k > 0 and p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=True)  # [V]
-            sorted_p = sorted_x.softmax(-1)
-            drop_sorted = sorted_p.cumsum(-1) - sorted_p >= p.top_p  # mass before it already >= top_p
-            drop = torch.empty_like(drop_sorted)
-            drop[order] = drop_sorted
-            x = x.masked_fill(drop, float("-inf"))
-        probs = x.softmax(-1)
-        return torch.multinomial(probs, 1, generator=self.generator(seq_id, p))[0]
-
-
 class ModelRunner:
     """Runs the model on a batch of scheduled sequences and samples their next tokens."""
 
@@ -390,6 +307,7 @@ class ModelRunner:
         for i, layer in enumerate(kv_layers):
             self.k_caches[layer], self.v_caches[layer] = self.cache.k_cache(i), self.cache.v_cache(i)
         self.sampler = Sampler(self.device, config.seed)
+        self.eos_token_ids: frozenset[int] = frozenset()  # masked under min_tokens (LLM keeps it the scheduler's)
         self.num_fed_tokens = 0  # input tokens read on the device from the iteration before (async scheduling)
         self.compiled = (CompiledForward(self.model, compiled, [c for c in self.k_caches + self.v_caches if c is not None])
                          if compiled else None)  # vattn.engine.compile
@@ -530,7 +448,8 @@ class ModelRunner:
             return NOTHING_SAMPLED
         if len(rows) != len(sample_rows):
             logits = logits[to_device(rows, logits.device)]  # [S', V]: fan-out rows repeated
-        return self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
+        return self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling],
+                                   seqs=sampling, eos_token_ids=self.eos_token_ids)
 
     def _input_ids(self, input_ids: list[int], placeholders: list[tuple[int, int]],
                    fed: torch.Tensor | None) -> torch.Tensor:

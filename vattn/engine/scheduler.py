@@ -394,11 +394,13 @@ class Scheduler:
                 seq.num_placeholders += 1  # it samples
 
     def postprocess(self, scheduled: list[ScheduledSequence], tokens: Mapping[SeqId, int],
-                    errors: Mapping[SeqId, str], now: float | None = None) -> list[Sequence]:
+                    errors: Mapping[SeqId, str], now: float | None = None,
+                    logprobs: Mapping[SeqId, Any] | None = None) -> list[Sequence]:
         """Take the outputs of a committed iteration: a sequence that sampled gets its token
-        (`tokens`, in place of its placeholder) and finishes on a stop token or max_tokens;
-        one in `errors` finishes with "error". A sequence that finished since the iteration
-        was launched (an abort, or its previous token stopped it) drops its token. The samples
+        (`tokens`, in place of its placeholder; its `logprobs` entry too, when it asked) and
+        finishes on a stop token, a stop string or max_tokens; one in `errors` finishes with
+        "error". A sequence that finished since the iteration was launched (an abort, or its
+        previous token stopped it) drops its token. The samples
         of a fan-out get their first token and wait for a slot. Returns every sequence that
         got a token or finished."""
         now = time.perf_counter() if now is None else now
@@ -409,7 +411,7 @@ class Scheduler:
                 if child.is_finished:  # aborted with its request while the iteration ran
                     continue
                 if child.seq_id in tokens:
-                    self._append_token(child, tokens[child.seq_id], now)
+                    self._append_token(child, tokens[child.seq_id], now, logprobs)
                     if not child.is_finished:
                         child.status = SequenceStatus.WAITING
                         self._enqueue(child)
@@ -427,20 +429,41 @@ class Scheduler:
             if token is None:  # a prompt chunk that does not reach the end yet
                 continue
             seq.num_placeholders -= 1
-            self._append_token(seq, token, now)
+            self._append_token(seq, token, now, logprobs)
             if seq.error is not None and not seq.is_finished:  # failed while this token was in flight
                 self.finish(seq, "error", seq.error, now)
             changed.append(seq)
         return changed
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, now: float,
+                      logprobs: Mapping[SeqId, Any] | None = None) -> None:
+        """Append a sampled token (its logprobs, its text) and finish `seq` if it stops there:
+        a stop token, a stop string its text now contains (none before min_tokens), max_tokens."""
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
+        if seq.logprobs is not None and logprobs and seq.seq_id in logprobs:
+            entry = logprobs[seq.seq_id]
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[token].logprob
+        new_text = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
         p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            self.finish(seq, "stop", now=now)
-        elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:  # (not counting a token in flight)
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens  # (not counting a token in flight)
+        if num_output >= p.min_tokens:
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                self.finish(seq, "stop", now=now)
+                return
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self.finish(seq, "stop", now=now)
+                return
+            if p.stop and new_text:
+                stop = seq.detokenizer.find_stop(p.stop, len(new_text), p.include_stop_str_in_output)
+                if stop is not None:
+                    seq.stop_reason = stop
+                    self.finish(seq, "stop", now=now)
+                    return
+        if num_output >= p.max_tokens:
             self.finish(seq, "length", now=now)
 
     # -------------------------------------------------------------- state changes ----

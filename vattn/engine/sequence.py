@@ -29,11 +29,35 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, Protocol
 
 from vattn.engine.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Logprob(NamedTuple):
+    """One token's log-probability (vLLM's `Logprob`, without the decoded token): `rank` 1
+    is the most likely token."""
+
+    logprob: float
+    rank: int
+
+
+# Per generated token: token id -> Logprob, the sampled token first, then the top alternatives.
+TokenLogprobs = dict[int, Logprob]
+
+
+class Detokenizer(Protocol):
+    """What a sequence's incremental detokenizer does (`vattn.engine.detokenizer` makes them)."""
+
+    text: str | None  # the text so far (None: the tokenizer failed)
+
+    def add(self, token_id: int) -> str: ...
+
+    def find_stop(self, stops: tuple[str, ...], num_new_chars: int, include: bool) -> str | None: ...
+
+    def fresh(self) -> Detokenizer: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -70,11 +94,18 @@ class Sequence:
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        self.detokenizer: Detokenizer | None = None  # the engine's tokenizer, fed token by token
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+        asked = params.logprobs is not None
+        self.logprobs: list[TokenLogprobs] | None = [] if asked else None  # one per generated token
+        self.cumulative_logprob: float | None = 0.0 if asked else None  # sum of the sampled tokens' logprobs
 
     def spawn(self, index: int) -> Sequence:
         """A sibling sample (PENDING) of this request, sharing its `samples` list."""
         seq = Sequence(self.request_id, self.prompt_token_ids, self.params, self.arrival_time, self.prompt, index)
         seq.status = SequenceStatus.PENDING
+        if self.detokenizer is not None:
+            seq.detokenizer = self.detokenizer.fresh()
         seq.samples = self.samples
         self.samples.append(seq)
         return seq
@@ -113,6 +144,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def text(self) -> str | None:
+        """Its generated tokens detokenized so far (cut at a stop string), or None without a
+        tokenizer. While it runs with `stop` strings, the last (longest stop - 1) characters are
+        held back (vLLM's): they may be the start of a stop string, which a stream must never show."""
+        text = None if self.detokenizer is None else self.detokenizer.text
+        p = self.params
+        if text is None or not p.stop or p.include_stop_str_in_output or self.is_finished:
+            return text
+        return text[:max(0, len(text) - (max(map(len, p.stop)) - 1))]
+
     def __repr__(self) -> str:
         return (f"Sequence(id={self.request_id}.{self.index}, {self.status.value}, slot={self.slot}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens}, prompt={self.num_prompt_tokens}"
@@ -150,10 +192,18 @@ class RequestMetrics:
 class CompletionOutput:
     """One sample of a request (vLLM's name): its generated tokens so far, or final ones.
 
-    `finish_reason`: "stop" (an end-of-sequence or stop token, kept as the last token),
-    "length" (max_tokens reached), "abort" (`LLM.abort_request`), "error" (the sample
-    could not continue; `error` says why: it does not fit into physical_memory even alone,
-    its sampling or its forward failed, see `LLM`), None while running.
+    `finish_reason`: "stop" (an end-of-sequence or stop token, kept as the last token, or a
+    stop string), "length" (max_tokens reached), "abort" (`LLM.abort_request`), "error" (the
+    sample could not continue; `error` says why: it does not fit into physical_memory even
+    alone, its sampling or its forward failed, see `LLM`), None while running.
+    `stop_reason` (vLLM's): the `stop_token_ids` entry or `stop` string that finished it;
+    None for an end-of-sequence token, or any other reason.
+    `text`: the generated tokens detokenized incrementally (`SamplingParams.skip_special_tokens`),
+    cut before a stop string (or after it, with include_stop_str_in_output); None when the
+    engine has no tokenizer (or its tokenizer failed).
+    `logprobs` (`SamplingParams.logprobs`, else None): per generated token a dict token id ->
+    `Logprob`, the sampled token's first, then the top alternatives (vLLM's shape);
+    `cumulative_logprob` the sum of the sampled tokens' logprobs.
     """
 
     index: int  # which sample, 0 .. n-1
@@ -161,6 +211,9 @@ class CompletionOutput:
     text: str | None  # the generated tokens decoded, when the engine has a tokenizer
     finish_reason: FinishReason | None
     error: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -226,20 +226,23 @@ class RankZeroSampler:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sampler, name)
 
-    def sample(self, logits: torch.Tensor, seq_ids: list, params: list) -> Sampled:
+    def sample(self, logits: torch.Tensor, seq_ids: list, params: list, **history: Any) -> Sampled:
+        """Rank 0's `Sampler.sample` (`history`: its seqs and eos_token_ids); its logprobs stay
+        on rank 0, the one that reports outputs."""
         tokens = torch.full((len(seq_ids),), -1, dtype=torch.int64)
         errors: dict = {}
+        logprobs: tuple = ()
         if self.tp.rank == 0:
-            out = self.sampler.sample(logits, seq_ids, params)
+            out = self.sampler.sample(logits, seq_ids, params, **history)
             tokens = out.tokens.to("cpu", torch.int64, copy=True)
-            errors = out.errors
+            errors, logprobs = out.errors, out.logprobs
             for row, sid in enumerate(seq_ids):
                 if sid in errors:
                     tokens[row] = -1
         self.tp.broadcast(tokens)
         if tokens.numel() and int(tokens.min()) < 0:
             errors = self.tp.broadcast_object(errors)
-        return Sampled(list(seq_ids), tokens.clamp(min=0).to(logits.device), errors)
+        return Sampled(list(seq_ids), tokens.clamp(min=0).to(logits.device), errors, logprobs)
 
 
 class TPModelRunner(ModelRunner):
