@@ -144,6 +144,28 @@ class PrefixCache:
         self.count(hit)
         return hit.num_tokens
 
+    def load(self, token_ids: Sequence[int], start: bool = True) -> bool:
+        """Whether `token_ids`' cached chain goes on, past its blocks in device memory, with
+        blocks read from disk in the background: those the disk tier alone holds are asked
+        for here (`start`; the reads run off the caller's thread). Never blocks. True: come
+        back later (the scheduler leaves the request waiting, as vLLM's WAITING_FOR_REMOTE_KVS,
+        and admits others meanwhile); False: nothing to wait for (no disk tier, nothing on
+        disk only, or the reads ended: `map_prefix` then finds the blocks in host memory, or
+        misses those that failed)."""
+        tiers = self.tiers
+        if tiers is None or tiers.io is None:
+            return False
+        keys, _ = self.lookup(token_ids)
+        dev = 0
+        while dev < len(keys) and keys[dev] in self.entries and self.pinned(self.entries[keys[dev]]):
+            dev += 1
+        return tiers.load(keys[dev:], start)
+
+    def wait_loads(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a disk read `load` started to finish (none: no wait)."""
+        if self.tiers is not None:
+            self.tiers.wait_reads(timeout)
+
     def count(self, hit: Hit, upto: int | None = None) -> None:
         """Count the first `upto` (all) tokens of `hit` among the hits, by tier."""
         n = hit.num_tokens if upto is None else min(upto, hit.num_tokens)
@@ -154,6 +176,8 @@ class PrefixCache:
     def map_hit(self, reqid: int, ids: array) -> Hit:
         """`map_prefix` without counting: where the tokens mapped came from."""
         keys, handles = self.lookup(ids)
+        if self.tiers is not None:
+            self.tiers.poll()  # disk reads that finished: host blocks now
         n = 0
         if handles:
             n = self.cache.map_pinned(reqid, handles)

@@ -196,11 +196,11 @@ def test_a_full_disk_fails_no_request(tmp_path: Path, monkeypatch: pytest.Monkey
     writes = [0]
     real = disk_mod.write_file
 
-    def write_file(path: str, parts: Any) -> None:
+    def write_file(path: str, parts: Any, mode: int = 0o600) -> None:
         writes[0] += 1
         if writes[0] > 3:
             raise OSError(28, "No space left on device")
-        real(path, parts)
+        real(path, parts, mode)
 
     monkeypatch.setattr(disk_mod, "write_file", write_file)
     with engine(offload_bytes=4 * 16 << 10, offload_dir=tmp_path, offload_dir_bytes=16 << 20) as llm:
