@@ -7,6 +7,8 @@ every case."""
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,66 @@ def test_sliding_window_blocks() -> None:
     with engine(model="mistral-window", physical_memory=256 << 10, offload_bytes=HOST, max_num_batched_tokens=32) as llm:
         assert serve(llm, convs, trim=True) == expected(convs)
         assert llm.prefix_cache_stats().num_host_hit_tokens > 0
+
+
+def test_disk_reads_run_off_the_engine_thread_and_the_requests_behind_go_first(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a restart, a request whose history is on disk waits for its blocks (read on the
+    reader thread: a slow disk here) while a request behind it is admitted and runs; it is
+    admitted once they are read, and its blocks are disk hits. Every disk read and write ran
+    on the tier's threads, and the tokens are generate's."""
+    convs = chat()
+    kw = dict(offload_bytes=4 * 16 << 10, offload_dir=tmp_path, offload_dir_bytes=16 << 20)
+    with engine(**kw) as llm:
+        assert serve(llm, convs, range(TURNS - 1)) == expected(convs, range(TURNS - 1))
+    threads: set[str] = set()
+    real_get, real_put = disk_mod.DiskTier.get, disk_mod.DiskTier.put
+
+    def get(self: Any, key: bytes) -> Any:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)  # a slow disk
+        return real_get(self, key)
+
+    def put(self: Any, key: bytes, block: Any) -> bool:
+        threads.add(threading.current_thread().name)
+        return real_put(self, key, block)
+
+    monkeypatch.setattr(disk_mod.DiskTier, "get", get)
+    monkeypatch.setattr(disk_mod.DiskTier, "put", put)
+    fresh = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(11)).tolist()
+    want_fresh = hf_greedy(build_model(_config("llama")), fresh, ANSWER)
+    with engine(**kw) as again:
+        admitted: list[int] = []
+        real_admit = again.scheduler._admit
+
+        def admit(seq: Any) -> bool:
+            admitted.append(seq.request_id)
+            return real_admit(seq)
+
+        again.scheduler._admit = admit
+        params = SamplingParams(temperature=0, max_tokens=ANSWER, ignore_eos=True)
+        outs = again.generate([list(convs[0][-1][0]), fresh], params)
+        assert [o.outputs[0].token_ids for o in outs] == [list(convs[0][-1][1]), want_fresh]
+        first, second = outs[0].request_id, outs[1].request_id
+        assert admitted.index(second) < admitted.index(first)  # the one behind went first
+        assert again.prefix_cache_stats().num_disk_hit_tokens >= 2 * 32
+        assert not again.scheduler.loading
+    assert threads and threads <= {"vattn-disk-reader", "vattn-disk-writer"}, threads
+
+
+def test_a_disk_read_that_fails_is_a_miss_and_the_request_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    convs = chat()
+    kw = dict(offload_bytes=4 * 16 << 10, offload_dir=tmp_path, offload_dir_bytes=16 << 20)
+    with engine(**kw) as llm:
+        serve(llm, convs, range(TURNS - 1))
+
+    def get(self: Any, key: bytes) -> Any:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(disk_mod.DiskTier, "get", get)
+    with engine(**kw) as again:
+        assert serve(again, convs, range(TURNS - 1, TURNS)) == expected(convs, range(TURNS - 1, TURNS))
+        assert again.prefix_cache_stats().num_disk_hit_tokens == 0 and not again.scheduler.loading
 
 
 # ------------------------------------------------------------------------- faults ----

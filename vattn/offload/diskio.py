@@ -178,19 +178,35 @@ class DiskIO:
                 self.num_dropped_at_close += len(blocks) - i
                 break
         self._closed = True
-        for thread, q in ((self._writer, self.writes), (self._reader, self.reads)):
-            if thread is None:
-                continue
-            try:
-                q.put(None, timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Full:
-                pass
-            thread.join(max(0.0, deadline - time.monotonic()) if thread is self._writer else 0.0)
-        left = self.num_dropped_at_close + (self.writes.qsize() if self._writer is not None
-                                            and self._writer.is_alive() else 0)
-        if left:
-            logger.warning("vattn: closing the disk tier took its %.0f s: %d offloaded blocks were not written",
-                           self.close_s, left)
+        if self._writer is not None:
+            self._stop(self._writer, self.writes, deadline)
+            while True:  # out of time: what is still queued is dropped (the writer finishes the one it has)
+                try:
+                    item = self.writes.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self.num_dropped_at_close += 1
+                    with self.lock:
+                        if self.pending.get(item[0]) is item[1]:
+                            del self.pending[item[0]]
+            if self._writer.is_alive():
+                self.writes.put_nowait(None)
+        if self._reader is not None:
+            self._stop(self._reader, self.reads, None)
+        if self.num_dropped_at_close:
+            logger.warning("vattn: closing the disk tier took its %.1f s: %d offloaded blocks were not written",
+                           self.close_s, self.num_dropped_at_close)
+
+    @staticmethod
+    def _stop(thread: threading.Thread, q: queue.Queue, deadline: float | None) -> None:
+        """Ask `thread` to end after what `q` holds; wait for it until `deadline` (None: no wait)."""
+        left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            q.put(None, timeout=left)
+        except queue.Full:
+            return
+        thread.join(left)
 
     @property
     def disk_bytes(self) -> int:
