@@ -7,6 +7,7 @@ every case."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.alloc.test_offload_safety import public, second_user  # noqa: E402,F401 (fixtures)
 from tests.helpers import PAGE, build_model, hf_greedy, tiny_config  # noqa: E402
 
 from vattn.engine import LLM, SamplingParams  # noqa: E402
@@ -251,6 +253,42 @@ def test_damaged_files_and_failed_restores_are_computed(tmp_path: Path, monkeypa
         assert serve(llm, convs) == expected(convs)
         assert llm.prefix_cache.tiers.disk.num_bad_files > 0
         assert llm.prefix_cache.num_restore_failures > 0
+
+
+def test_another_users_blocks_are_never_served(tmp_path: Path, second_user: Any, public: Path) -> None:
+    """The reviewer's attack, in the engine: every block file rewritten with another block's
+    K/V under a valid header and checksum for its own key, owned by another user (uid 65534):
+    all misses (removed), the tokens are generate's. A directory another user made
+    (world-writable) is refused at start."""
+    import os
+    import subprocess
+
+    from tests.alloc.test_offload_safety import NOBODY
+    from vattn.errors import UnsafeOffloadDirError
+
+    convs = chat()
+    kw = dict(offload_bytes=4 * 16 << 10, offload_dir=tmp_path, offload_dir_bytes=16 << 20)
+    with engine(**kw) as llm:
+        serve(llm, convs, range(TURNS - 1))
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert len(files) > 2
+    payloads = [p.read_bytes()[disk_mod.HEADER.size:] for p in files]
+    for i, p in enumerate(files):
+        magic, identity, key, flags, _, _ = disk_mod.HEADER.unpack_from(p.read_bytes())
+        other = payloads[(i + 1) % len(payloads)]  # another block's K/V, checked as this key's
+        header = disk_mod.HEADER.pack(magic, identity, key, flags, len(other),
+                                      hashlib.blake2b(other, digest_size=16).digest())
+        p.write_bytes(header + other)
+        os.chown(p, NOBODY, NOBODY)
+    with engine(**kw) as again:
+        assert serve(again, convs, range(TURNS - 1, TURNS)) == expected(convs, range(TURNS - 1, TURNS))
+        assert again.prefix_cache_stats().num_disk_hit_tokens == 0
+        assert again.prefix_cache.tiers.disk.num_bad_files > 0
+    theirs = public / "kv"
+    second_user(f"mkdir -m 0777 {theirs}")
+    subprocess.run(["cp", "-r", *map(str, tmp_path.iterdir()), str(theirs)], check=True)
+    with pytest.raises(UnsafeOffloadDirError, match="owned by uid 65534"):
+        engine(**{**kw, "offload_dir": theirs})
 
 
 def test_a_full_disk_fails_no_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
