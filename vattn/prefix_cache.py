@@ -114,6 +114,7 @@ class PrefixCache:
         self.num_disk_hit_tokens = 0  # of those, restored from disk
         self.num_restore_failures = 0  # restores that failed (their tokens were computed)
         self.tiers: Tiers | None = None  # (the host and disk tiers, vattn.offload)
+        self.reads_ahead = False  # the caller reads disk blocks ahead (`load`): lookups read none
         if offload_bytes is not None:
             from vattn.offload import tiers  # (torch: only with the tiers)
 
@@ -151,10 +152,12 @@ class PrefixCache:
         back later (the scheduler leaves the request waiting, as vLLM's WAITING_FOR_REMOTE_KVS,
         and admits others meanwhile); False: nothing to wait for (no disk tier, nothing on
         disk only, or the reads ended: `map_prefix` then finds the blocks in host memory, or
-        misses those that failed)."""
+        misses those that failed). Once called, lookups read no disk block themselves: a block
+        on disk only ends a hit (it is computed), so no caller's thread ever waits for a read."""
         tiers = self.tiers
         if tiers is None or tiers.io is None:
             return False
+        self.reads_ahead = True
         keys, _ = self.lookup(token_ids)
         dev = 0
         while dev < len(keys) and keys[dev] in self.entries and self.pinned(self.entries[keys[dev]]):
@@ -233,8 +236,9 @@ class PrefixCache:
         holds them (none without tiers)."""
         chain: list[tuple[str, int]] = []
         if self.tiers is not None:
+            disk = not self.reads_ahead  # (read ahead: a block still on disk only is a miss, never read here)
             for key in keys[dev:]:
-                where = self.tiers.locate(key)
+                where = self.tiers.locate(key, disk)
                 if where is None:
                     break
                 chain.append(where)

@@ -85,9 +85,9 @@ class Tiers:
         self.store.configure(offload_bytes, layout, self.io)
         self.recent: dict[bytes, Any] = {}  # CUDA: blocks restored whose copies may be in flight -> their event
 
-    def locate(self, key: bytes) -> tuple[str, int] | None:
+    def locate(self, key: bytes, disk: bool = True) -> tuple[str, int] | None:
         """(tier, flags) of the block under `key` in the host tier (or queued for the disk),
-        else the disk tier; None: no tier holds it."""
+        else the disk tier (unless not `disk`); None: no tier holds it."""
         block = self.store.peek(key)
         if block is not None:  # (one read ahead from disk for this request is the disk's hit)
             return "disk" if block.from_disk else "host", block.flags(self.layout)
@@ -95,7 +95,7 @@ class Tiers:
             block = self.io.pending_block(key)
             if block is not None:
                 return "host", block.flags(self.layout)
-            flags = self.disk.locate(key)
+            flags = self.disk.locate(key) if disk else None
             if flags is not None:
                 return "disk", flags
         return None
@@ -111,23 +111,27 @@ class Tiers:
                 block = self.disk.get(key)  # (the engine read it ahead where it could: `load`)
             if block is not None:
                 self.store.put(key, block)
-        if block is not None:
-            block.from_disk = False  # (restored now: a later hit on it is the host tier's)
         return block
 
     # ---------------------------------------------------------- reading ahead ----
     def load(self, keys: Sequence[bytes], start: bool = True) -> bool:
         """Whether blocks of the chain `keys` (a prompt's blocks after those in device memory)
         are being read from disk: the leading ones the disk alone holds are asked for first
-        (`start`; O(1) a block, the reads run on the reader thread). False at once when no
-        read is needed or in flight: the chain's blocks are in host memory then, or nowhere."""
+        (`start`; O(1) a block, the reads run on the reader thread), as many as the host tier
+        can hold beside the chain's blocks it has. False at once when no read is needed or in
+        flight: the chain's blocks are in host memory then, or nowhere."""
         io = self.io
         if io is None:
             return False
         self.poll()
-        wanted, busy = [], False
+        store = self.store
+        room = max(1, (store.limit - store.leased) // self.layout.nbytes(self.layout.full_flags))  # blocks
+        wanted, busy, held = [], False, 0
         for key in keys:
-            if self.store.peek(key) is not None or io.pending_block(key) is not None:
+            if held >= room:
+                break
+            held += 1
+            if store.peek(key) is not None or io.pending_block(key) is not None:
                 continue
             if key in io.loading:
                 busy = True
@@ -237,6 +241,8 @@ class Tiers:
                     pairs.append((src[q * page:(q + n) * page], dst))
                 p += n
         self.copier.to_device(reqid, pairs)
+        for block in blocks:
+            block.from_disk = False  # (restored: a later hit on it is the host tier's)
         event = self.copier.restores.get(reqid)
         if event is not None:  # CUDA: another request that maps these pages (pinned next) waits for them too
             self.recent.update(dict.fromkeys(keys, event))
