@@ -86,7 +86,10 @@ class PrefixCache:
     part of a block is kept only where the window had not given its pages back, and a block
     is restored only where the query after the hit reads no page it lacks. Anything that goes
     wrong (a damaged file, a failed copy, no memory) is a miss of those blocks, never wrong
-    data. InvalidConfigError at start for settings that cannot work (see `check_offload`).
+    data. InvalidConfigError at start for settings that cannot work (see `check_offload`),
+    UnsafeOffloadDirError for an `offload_dir` another user could write. Disk I/O runs on the
+    tiers' threads: writes always; reads when the caller reads ahead with `load` (the engine's
+    scheduler does), else in `map_prefix`.
     """
 
     def __init__(self, cache: Any, salt: bytes | str = b"", *, offload_bytes: int | None = None,

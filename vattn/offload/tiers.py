@@ -16,7 +16,8 @@ into host memory first), then `restore` copies each block's pages into the fresh
 request's next step waits for it). The engine reads disk blocks before that, off its thread:
 the scheduler asks `PrefixCache.load` at admission, which starts the reads (`load`) and keeps
 the request waiting until they end (`poll` takes them into the host store), so that its
-lookup finds host blocks; a plain `map_prefix` on a block on disk only reads it there and then.
+lookup finds host blocks (and, read ahead, reads none itself); without reading ahead (the slot
+API, tensor parallelism) `map_prefix` reads a block on disk only there and then.
 Blocks are copied to the host tier when they are cached (write-through, as vLLM's offloading
 connector and SGLang's HiCache write-through do), so a block evicted from device memory needs
 no copy then: the pages an eviction takes are no longer mapped anywhere by that time, and
