@@ -25,6 +25,7 @@ offload_dir            yours, writable by no one else (0700)   or a group's on p
 """
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
@@ -160,7 +161,7 @@ def read_block(where: Place, path: str, size: int) -> tuple[bytearray | None, st
     except FileNotFoundError:
         return None, None
     except OSError as e:
-        if e.errno == 40:  # ELOOP: a symbolic link (O_NOFOLLOW), removed (unlink never follows one)
+        if e.errno == errno.ELOOP:  # a symbolic link (O_NOFOLLOW), removed (unlink never follows one)
             unlink(path)
             return None, "a symbolic link"
         raise
