@@ -148,15 +148,16 @@ class PrefixCache:
         self.count(hit)
         return hit.num_tokens
 
-    def load(self, token_ids: Sequence[int], start: bool = True) -> bool:
+    def load(self, token_ids: Sequence[int]) -> bool:
         """Whether `token_ids`' cached chain goes on, past its blocks in device memory, with
-        blocks read from disk in the background: those the disk tier alone holds are asked
-        for here (`start`; the reads run off the caller's thread). Never blocks. True: come
-        back later (the scheduler leaves the request waiting, as vLLM's WAITING_FOR_REMOTE_KVS,
-        and admits others meanwhile); False: nothing to wait for (no disk tier, nothing on
-        disk only, or the reads ended: `map_prefix` then finds the blocks in host memory, or
-        misses those that failed). Once called, lookups read no disk block themselves: a block
-        on disk only ends a hit (it is computed), so no caller's thread ever waits for a read."""
+        blocks being read from disk in the background: those the disk tier alone holds are
+        asked for here (the reads run off the caller's thread; they wait in host memory for
+        this request's lookup). Never blocks. True: come back later (the scheduler leaves the
+        request waiting, as vLLM's WAITING_FOR_REMOTE_KVS, and admits others meanwhile);
+        False: nothing to wait for (no disk tier, nothing on disk only, or the reads ended:
+        `map_prefix` then finds the blocks in host memory, or misses those that failed). Once
+        called, lookups read no disk block themselves: a block on disk only ends a hit (it is
+        computed), so no caller's thread ever waits for a read."""
         tiers = self.tiers
         if tiers is None or tiers.io is None:
             return False
@@ -165,7 +166,7 @@ class PrefixCache:
         dev = 0
         while dev < len(keys) and keys[dev] in self.entries and self.pinned(self.entries[keys[dev]]):
             dev += 1
-        return tiers.load(keys[dev:], start)
+        return tiers.load(keys[dev:])
 
     def wait_loads(self, timeout: float) -> None:
         """Wait up to `timeout` seconds for a disk read `load` started to finish (none: no wait)."""
@@ -239,6 +240,7 @@ class PrefixCache:
         holds them (none without tiers)."""
         chain: list[tuple[str, int]] = []
         if self.tiers is not None:
+            self.tiers.release(keys[dev:])  # blocks read ahead for this lookup: host blocks now
             disk = not self.reads_ahead  # (read ahead: a block still on disk only is a miss, never read here)
             for key in keys[dev:]:
                 where = self.tiers.locate(key, disk)

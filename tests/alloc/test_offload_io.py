@@ -203,3 +203,39 @@ def test_close_writes_every_block_when_the_disk_keeps_up(tmp_path):
         cached(c, pc, one_block(i), i)
     c.close()
     assert len(list(Path(tmp_path).rglob("*.kv"))) == 20 and pc.tiers.io.num_dropped_at_close == 0
+
+
+def test_blocks_read_ahead_wait_in_the_host_budget_for_their_lookup(tmp_path, monkeypatch):
+    """`PrefixCache.load` reads a prompt's blocks on disk only in the background; they wait
+    for its lookup booked in the host tier's budget (never evicted by other blocks), the
+    lookup takes them (a disk hit, no read on its thread), and one nobody takes goes after
+    STAGE_S."""
+    from vattn.offload import tiers as tiers_mod
+
+    c = cache()
+    pc = PrefixCache(c, salt=SALT, offload_bytes=2 * BLOCK, offload_dir=tmp_path, offload_dir_bytes=4 * MB)
+    tiers, store = pc.tiers, c.host
+    try:
+        for i in range(4):
+            cached(c, pc, one_block(i), i)  # blocks 0 and 1 go to disk
+        assert tiers.flush()
+        c.trim()
+        key = pc.block_hashes(one_block(0))[0]
+        assert tiers.locate(key) == ("disk", 1)
+        assert pc.load(one_block(0) + [1])  # come back later: its read runs on the reader thread
+        assert tiers.flush() and key in tiers.staged and store.leased == BLOCK
+        for i in range(4, 7):
+            cached(c, pc, one_block(i), i)  # the host tier turns over: the staged block stays
+        assert key in tiers.staged and not pc.load(one_block(0) + [1])
+        reads = tiers.io.num_reads
+        r = c.alloc_reqid()
+        assert pc.map_prefix(r, one_block(0) + [1]) == 32 and pc.num_disk_hit_tokens == 32
+        c.free_reqid(r)
+        assert not tiers.staged and store.leased == 0 and tiers.io.num_reads == reads
+        key = pc.block_hashes(one_block(1))[0]
+        assert pc.load(one_block(1) + [1]) and tiers.flush() and key in tiers.staged
+        monkeypatch.setattr(tiers_mod, "STAGE_S", 0.0)  # nobody came for it
+        tiers.poll()
+        assert not tiers.staged and store.leased == 0
+    finally:
+        c.close()

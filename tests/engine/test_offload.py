@@ -226,7 +226,9 @@ def test_a_disk_read_that_fails_is_a_miss_and_the_request_runs(tmp_path: Path, m
 
     monkeypatch.setattr(disk_mod.DiskTier, "get", get)
     with engine(**kw) as again:
+        t0 = time.monotonic()
         assert serve(again, convs, range(TURNS - 1, TURNS)) == expected(convs, range(TURNS - 1, TURNS))
+        assert time.monotonic() - t0 < 5  # (a failed read is not asked for again: nobody waits out its patience)
         assert again.prefix_cache_stats().num_disk_hit_tokens == 0 and not again.scheduler.loading
 
 

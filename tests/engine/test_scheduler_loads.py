@@ -19,12 +19,12 @@ class Reads:
 
     def __init__(self, *busy: int) -> None:
         self.busy = set(busy)
-        self.loads: list[tuple[int, bool]] = []  # (prompt length, start)
+        self.loads: list[int] = []  # prompt lengths asked
         self.waits = 0
         self.mapped: list[int] = []
 
-    def load(self, token_ids: list[int], start: bool = True) -> bool:
-        self.loads.append((len(token_ids), start))
+    def load(self, token_ids: list[int]) -> bool:
+        self.loads.append(len(token_ids))
         return len(token_ids) in self.busy
 
     def wait_loads(self, timeout: float) -> None:
@@ -47,10 +47,10 @@ def test_a_request_waiting_for_its_reads_lets_the_ones_behind_it_go_first() -> N
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == [b, c]  # a keeps its place, the others run
     assert list(sched.waiting) == [a] and a.seq_id in sched.loading
-    assert cache.loads[0] == (10, True)
+    assert cache.loads[0] == 10
     fake_advance(sched, out)
-    out = sched.schedule()  # still reading: asked without starting anything again
-    assert a not in [s.seq for s in out.scheduled] and cache.loads[-1] == (10, False)
+    out = sched.schedule()  # still reading
+    assert a not in [s.seq for s in out.scheduled] and cache.loads[-1] == 10
     fake_advance(sched, out)
     cache.busy.clear()  # its reads ended
     out = sched.schedule()
@@ -84,7 +84,7 @@ def test_an_aborted_waiting_request_leaves_no_read_behind() -> None:
 @pytest.mark.parametrize("error", [RuntimeError("reader died"), OSError(5, "I/O error")])
 def test_a_load_that_raises_admits_the_request(error) -> None:
     class Broken(Reads):
-        def load(self, token_ids: list[int], start: bool = True) -> bool:
+        def load(self, token_ids: list[int]) -> bool:
             raise error
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), FakeKV(4), prefix_cache=Broken())

@@ -296,24 +296,19 @@ class Scheduler:
 
     def _loading(self, seq: Sequence) -> bool:
         """Whether waiting `seq` waits for its cached blocks read from disk (`PrefixCache.load`
-        started the reads the first time it was asked; off the engine's thread). It is
-        admitted once they ended, failed or not, or after LOAD_PATIENCE_S: never forever."""
+        starts the reads, off the engine's thread). It is admitted once they ended, failed or
+        not, or after LOAD_PATIENCE_S: never forever."""
         load = getattr(self.prefix_cache, "load", None)
         if load is None or seq.swap is not None:
             return False
         now = time.monotonic()
-        started = self.loading.get(seq.seq_id)
         try:
-            if started is None:
-                if load(seq.token_ids):
-                    self.loading[seq.seq_id] = now
-                    return True
-                return False
-            if now - started < LOAD_PATIENCE_S and load(seq.token_ids, start=False):
+            if now - self.loading.get(seq.seq_id, now) < LOAD_PATIENCE_S and load(seq.token_ids):
+                self.loading.setdefault(seq.seq_id, now)
                 return True
         except FatalEngineError:  # e.g. a failed collective: the engine stops
             raise
-        except Exception as e:  # noqa: BLE001 - not read ahead: its lookup reads or misses them
+        except Exception as e:  # noqa: BLE001 - not read ahead: its lookup misses those blocks
             logger.warning("vattn: reading request %d's cached blocks ahead failed (%s: %s)",
                            seq.request_id, type(e).__name__, e)
         self.loading.pop(seq.seq_id, None)

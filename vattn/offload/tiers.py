@@ -15,7 +15,8 @@ into host memory first), then `restore` copies each block's pages into the fresh
 `KVCache.extend_prefix` mapped for the request, page by page (on CUDA on the copy stream; the
 request's next step waits for it). The engine reads disk blocks before that, off its thread:
 the scheduler asks `PrefixCache.load` at admission, which starts the reads (`load`) and keeps
-the request waiting until they end (`poll` takes them into the host store), so that its
+the request waiting until they end (`poll` stages them in host memory, booked in the host
+store's budget and never evicted, until the request's lookup `release`s them), so that its
 lookup finds host blocks (and, read ahead, reads none itself); without reading ahead (the slot
 API, tensor parallelism) `map_prefix` reads a block on disk only there and then.
 Blocks are copied to the host tier when they are cached (write-through, as vLLM's offloading
@@ -29,10 +30,12 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from vattn.errors import OutOfPhysicalMemoryError
 from vattn.offload.disk import DiskTier
 from vattn.offload.diskio import DiskIO
 from vattn.offload.host import BlockLayout, HostBlock
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from vattn.cache import KVCache
 
 FORMAT = b"vattn-kv-offload-1"  # bump when the file format or a block's layout changes
+STAGE_S = 30.0  # a block read ahead waits this long at most for its request's lookup
 
 
 def block_layout(cache: KVCache, with_states: bool) -> BlockLayout:
@@ -85,14 +89,20 @@ class Tiers:
             self.io = DiskIO(self.disk)
         self.store.configure(offload_bytes, layout, self.io)
         self.recent: dict[bytes, Any] = {}  # CUDA: blocks restored whose copies may be in flight -> their event
+        self.staged: OrderedDict[bytes, tuple[HostBlock, float]] = OrderedDict()  # read ahead -> (block, since)
+        self.failed: OrderedDict[bytes, float] = OrderedDict()  # reads ahead that missed -> when (not retried)
 
     def locate(self, key: bytes, disk: bool = True) -> tuple[str, int] | None:
-        """(tier, flags) of the block under `key` in the host tier (or queued for the disk),
-        else the disk tier (unless not `disk`); None: no tier holds it."""
+        """(tier, flags) of the block under `key` in the host tier (or queued for the disk;
+        "disk" for one read ahead), else the disk tier (unless not `disk`); None: no tier
+        holds it."""
         block = self.store.peek(key)
         if block is not None:  # (one read ahead from disk for this request is the disk's hit)
             return "disk" if block.from_disk else "host", block.flags(self.layout)
         if self.io is not None:
+            staged = self.staged.get(key)
+            if staged is not None:
+                return "disk", staged[0].flags(self.layout)
             block = self.io.pending_block(key)
             if block is not None:
                 return "host", block.flags(self.layout)
@@ -102,54 +112,94 @@ class Tiers:
         return None
 
     def fetch(self, key: bytes) -> HostBlock | None:
-        """The block under `key` in host memory: the host tier's, one queued for the disk
-        (taken back), or read from disk here (kept in host memory then); None when no tier
-        holds it, or its file was bad."""
+        """The block under `key` in host memory: the host tier's, one read ahead (it joins the
+        host tier now), one queued for the disk (taken back), or read from disk here (kept in
+        host memory then); None when no tier holds it, or its file was bad."""
         block = self.store.get(key)
         if block is None and self.io is not None:
-            block = self.io.pending_block(key)
+            block = self._unstage(key)
             if block is None:
-                block = self.disk.get(key)  # (the engine read it ahead where it could: `load`)
+                block = self.io.pending_block(key)
+            if block is None:
+                block = self.disk.get(key)  # (not when the caller reads ahead: see `load`)
             if block is not None:
                 self.store.put(key, block)
         return block
 
     # ---------------------------------------------------------- reading ahead ----
-    def load(self, keys: Sequence[bytes], start: bool = True) -> bool:
+    def load(self, keys: Sequence[bytes]) -> bool:
         """Whether blocks of the chain `keys` (a prompt's blocks after those in device memory)
-        are being read from disk: the leading ones the disk alone holds are asked for first
-        (`start`; O(1) a block, the reads run on the reader thread), as many as the host tier
-        can hold beside the chain's blocks it has. False at once when no read is needed or in
-        flight: the chain's blocks are in host memory then, or nowhere."""
+        are being read from disk: the leading ones the disk alone holds are asked for here
+        (O(1) a block; the reader thread reads them), as many as the host tier has room for.
+        A block read waits in host memory for its request (`staged`: booked in the host
+        tier's budget like a swapped-out request's copy, never evicted) until a lookup takes
+        it, or STAGE_S. True: come back later (reads in flight, or no room yet while other
+        requests' reads hold it); False: nothing to wait for."""
         io = self.io
         if io is None:
             return False
         self.poll()
         store = self.store
-        room = max(1, (store.limit - store.leased) // self.layout.nbytes(self.layout.full_flags))  # blocks
-        wanted, busy, held = [], False, 0
+        free = (store.limit - store.leased) // self.layout.nbytes(self.layout.full_flags) - len(io.loading)
+        wanted, busy, mine, full = [], False, 0, False
         for key in keys:
-            if held >= room:
-                break
-            held += 1
+            if key in self.staged or key in io.loading:
+                mine += 1
+                busy = busy or key in io.loading
+                continue
             if store.peek(key) is not None or io.pending_block(key) is not None:
                 continue
-            if key in io.loading:
-                busy = True
-                continue
-            if not start or self.disk.locate(key) is None:
+            if key in self.failed or self.disk.locate(key) is None:  # (a read that failed is not retried soon)
+                break
+            if len(wanted) >= free:
+                full = True
                 break
             wanted.append(key)
         if wanted:
             io.load(wanted)
-        return busy or bool(wanted)
+        # no room for any: wait for the requests whose blocks hold it (they are admitted first)
+        others = len(self.staged) + len(io.loading) - mine
+        return busy or bool(wanted) or (full and not mine and others > 0)
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """A lookup of the chain `keys` is done: its blocks still staged join the host tier."""
+        if self.staged:
+            for key in keys:
+                block = self._unstage(key)
+                if block is not None:
+                    self.store.put(key, block)
 
     def poll(self) -> None:
-        """Take the disk reads that finished into the host tier (the engine's thread)."""
-        if self.io is not None and self.io.done:
-            for key, block in self.io.completed():
-                if block is not None and self.store.peek(key) is None:
-                    self.store.put(key, block)
+        """Take the disk reads that finished into host memory, staged for their requests
+        (dropped where the host tier has no room: a miss), and let go of those staged longer
+        than STAGE_S (their request went away); a read that missed is not tried again for
+        STAGE_S. The engine's thread."""
+        io, now = self.io, time.monotonic()
+        if io is not None and io.done:
+            for key, block in io.completed():
+                if block is None:
+                    self.failed[key] = now
+                if block is None or key in self.staged or self.store.peek(key) is not None:
+                    continue
+                try:
+                    self.store.take(block.nbytes)
+                except OutOfPhysicalMemoryError:
+                    continue
+                self.staged[key] = (block, now)
+        while self.staged:
+            key, (block, since) = next(iter(self.staged.items()))
+            if now - since < STAGE_S:
+                break
+            self._unstage(key)
+        while self.failed and now - next(iter(self.failed.values())) >= STAGE_S:
+            self.failed.popitem(last=False)
+
+    def _unstage(self, key: bytes) -> HostBlock | None:
+        entry = self.staged.pop(key, None)
+        if entry is None:
+            return None
+        self.store.give(entry[0].nbytes)
+        return entry[0]
 
     def wait_reads(self, timeout: float) -> None:
         """Wait up to `timeout` seconds for a disk read to finish (no read: no wait)."""

@@ -193,7 +193,7 @@ class AgreedPrefixCache(PrefixCache):
         super().__init__(cache, salt, **offload)
         self.tp = tp
 
-    def load(self, token_ids: Any, start: bool = True) -> bool:
+    def load(self, token_ids: Any) -> bool:
         """No reading ahead: each rank's reads would end at its own time, and the ranks'
         schedules must be the same (a rank reads its disk blocks in `map_prefix`)."""
         return False
