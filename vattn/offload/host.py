@@ -4,7 +4,8 @@ for the prefix cache's offloaded blocks and for swapped-out requests.
 ```
 HostStore (offload_bytes)
  |- blocks   prefix blocks by key, least recently used first -> evicted: handed to the sink
- '- leases   swapped-out requests' host copies (never evicted; given back with their handle)
+ '- leases   swapped-out requests' host copies, and blocks the tiers read ahead from disk for a
+             waiting request (never evicted; given back with their handle, or when taken)
 ```
 Without a limit (no `offload_bytes`) the store holds no prefix blocks and swapping takes
 what it needs, as host memory allows. The store knows nothing of the tiers below it: the
