@@ -29,6 +29,7 @@ from vattn.errors import (
     OutOfPhysicalMemoryError,
     OutOfVirtualMemoryError,
     UnknownReqIdError,
+    UnsafeOffloadDirError,
     UnsupportedModelError,
     VattnError,
 )
@@ -111,7 +112,7 @@ __all__ = [
     "k_cache", "v_cache", "close", "VattnError", "InvalidConfigError", "InvalidRequestError",
     "UnknownReqIdError", "ContextLengthError", "NoFreeSlotError", "OutOfVirtualMemoryError",
     "OutOfPhysicalMemoryError", "MapCountLimitError", "BackendError", "NotInitializedError", "ClosedError",
-    "FatalEngineError", "UnsupportedModelError",
+    "FatalEngineError", "UnsupportedModelError", "UnsafeOffloadDirError",
     "ElasticPool", "PoolStats", "UnknownBlockError", "Budget",
 ]
 

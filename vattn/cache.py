@@ -464,8 +464,8 @@ class KVCache:
         swapped-out requests; `disk_bytes`: its disk tier's files)."""
         st = self.allocator.stats()
         host = self.host
-        if host.nbytes or host.disk is not None:
-            st = dataclasses.replace(st, host_bytes=host.nbytes, disk_bytes=host.disk.nbytes if host.disk else 0)
+        if host.nbytes or host.sink is not None:
+            st = dataclasses.replace(st, host_bytes=host.nbytes, disk_bytes=host.sink.disk_bytes if host.sink else 0)
         return st
 
     def synchronize(self) -> None:
@@ -523,7 +523,7 @@ def _close(allocator: Coordinator, backend: Any, host: HostStore, budget: Any = 
     try:
         try:
             host.copier.synchronize()
-            host.close()  # its blocks to the disk tier, where there is one
+            host.close()  # its blocks to the disk tier, where there is one (written within a bound)
         finally:
             if tiers is not None:
                 budget.unregister(tiers)
@@ -537,4 +537,4 @@ def _tier_bytes(host: weakref.ref) -> tuple[int, int]:
     store = host()
     if store is None:
         return 0, 0
-    return store.nbytes, store.disk.nbytes if store.disk is not None else 0
+    return store.nbytes, store.sink.disk_bytes if store.sink is not None else 0

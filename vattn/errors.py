@@ -110,6 +110,18 @@ class UnsafeTableError(InvalidConfigError):
         self.path, self.why, self.st = path, why, st
 
 
+class UnsafeOffloadDirError(InvalidConfigError):
+    """An `offload_dir` (or a directory vattn made under it) that another user could write:
+    not a directory, a link, owned by someone else, or writable by its group (without the
+    set-group-ID bit that shares it on purpose) or by everyone. Blocks read from there could
+    be another user's K/V, served as this model's: refused at start. `path` is the directory,
+    `why` what is wrong, `st` its `os.stat` (or None). See docs/shared-pages.md."""
+
+    def __init__(self, message: str, *, path: object = None, why: str = "", st: object = None) -> None:
+        super().__init__(message)
+        self.path, self.why, self.st = path, why, st
+
+
 class DamagedTableError(InvalidRequestError):
     """The table of a shared budget this process is a member of was changed under it by
     another process (cut short, its row cleared or taken), or its books stayed locked:

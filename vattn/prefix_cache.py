@@ -86,7 +86,10 @@ class PrefixCache:
     part of a block is kept only where the window had not given its pages back, and a block
     is restored only where the query after the hit reads no page it lacks. Anything that goes
     wrong (a damaged file, a failed copy, no memory) is a miss of those blocks, never wrong
-    data. InvalidConfigError at start for settings that cannot work (see `check_offload`).
+    data. InvalidConfigError at start for settings that cannot work (see `check_offload`),
+    UnsafeOffloadDirError for an `offload_dir` another user could write. Disk I/O runs on the
+    tiers' threads: writes always; reads when the caller reads ahead with `load` (the engine's
+    scheduler does), else in `map_prefix`.
     """
 
     def __init__(self, cache: Any, salt: bytes | str = b"", *, offload_bytes: int | None = None,
@@ -114,6 +117,7 @@ class PrefixCache:
         self.num_disk_hit_tokens = 0  # of those, restored from disk
         self.num_restore_failures = 0  # restores that failed (their tokens were computed)
         self.tiers: Tiers | None = None  # (the host and disk tiers, vattn.offload)
+        self.reads_ahead = False  # the caller reads disk blocks ahead (`load`): lookups read none
         if offload_bytes is not None:
             from vattn.offload import tiers  # (torch: only with the tiers)
 
@@ -144,6 +148,31 @@ class PrefixCache:
         self.count(hit)
         return hit.num_tokens
 
+    def load(self, token_ids: Sequence[int]) -> bool:
+        """Whether `token_ids`' cached chain goes on, past its blocks in device memory, with
+        blocks being read from disk in the background: those the disk tier alone holds are
+        asked for here (the reads run off the caller's thread; they wait in host memory for
+        this request's lookup). Never blocks. True: come back later (the scheduler leaves the
+        request waiting, as vLLM's WAITING_FOR_REMOTE_KVS, and admits others meanwhile);
+        False: nothing to wait for (no disk tier, nothing on disk only, or the reads ended:
+        `map_prefix` then finds the blocks in host memory, or misses those that failed). Once
+        called, lookups read no disk block themselves: a block on disk only ends a hit (it is
+        computed), so no caller's thread ever waits for a read."""
+        tiers = self.tiers
+        if tiers is None or tiers.io is None:
+            return False
+        self.reads_ahead = True
+        keys, _ = self.lookup(token_ids)
+        dev = 0
+        while dev < len(keys) and keys[dev] in self.entries and self.pinned(self.entries[keys[dev]]):
+            dev += 1
+        return tiers.load(keys[dev:])
+
+    def wait_loads(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a disk read `load` started to finish (none: no wait)."""
+        if self.tiers is not None:
+            self.tiers.wait_reads(timeout)
+
     def count(self, hit: Hit, upto: int | None = None) -> None:
         """Count the first `upto` (all) tokens of `hit` among the hits, by tier."""
         n = hit.num_tokens if upto is None else min(upto, hit.num_tokens)
@@ -154,6 +183,8 @@ class PrefixCache:
     def map_hit(self, reqid: int, ids: array) -> Hit:
         """`map_prefix` without counting: where the tokens mapped came from."""
         keys, handles = self.lookup(ids)
+        if self.tiers is not None:
+            self.tiers.poll()  # disk reads that finished: host blocks now
         n = 0
         if handles:
             n = self.cache.map_pinned(reqid, handles)
@@ -209,8 +240,10 @@ class PrefixCache:
         holds them (none without tiers)."""
         chain: list[tuple[str, int]] = []
         if self.tiers is not None:
+            self.tiers.release(keys[dev:])  # blocks read ahead for this lookup: host blocks now
+            disk = not self.reads_ahead  # (read ahead: a block still on disk only is a miss, never read here)
             for key in keys[dev:]:
-                where = self.tiers.locate(key)
+                where = self.tiers.locate(key, disk)
                 if where is None:
                     break
                 chain.append(where)

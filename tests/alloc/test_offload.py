@@ -40,6 +40,8 @@ def cached(cache: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float)
     fill(cache, r, n, len(prompt), tag)
     pc.insert(r, prompt)
     cache.free_reqid(r)
+    if pc.tiers is not None:
+        assert pc.tiers.flush()  # (the disk writes run on the writer thread)
 
 
 def hit(cache: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float | None) -> int:
@@ -109,7 +111,7 @@ def test_blocks_go_to_disk_and_survive_a_restart(make_cache, tmp_path):
     c.trim()
     assert hit(c, pc, PROMPT + [9], 4) == 96
     assert pc.num_disk_hit_tokens == 32 and pc.num_host_hit_tokens == 64
-    c.close()  # the host tier's blocks go to disk too
+    c.close()  # the host tier's blocks go to disk too (close waits for the writes)
     assert len(disk_files(tmp_path)) == 3
 
     again = make_cache(page_size=4 * KB, prefetch=False)
@@ -206,10 +208,10 @@ def test_a_full_disk_shrinks_the_tier_and_fails_no_request(make_cache, tmp_path,
     pc = PrefixCache(c, salt=SALT, offload_bytes=blk(c), offload_dir=tmp_path, offload_dir_bytes=64 * blk(c))
     real, full = disk_mod.write_file, []
 
-    def write_file(path, parts):
+    def write_file(path, parts, mode=0o600):
         if full:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, parts)
+        real(path, parts, mode)
 
     monkeypatch.setattr(disk_mod, "write_file", write_file)
     cached(c, pc, list(range(65)), 1)  # two blocks: one in host memory, one on disk
@@ -228,7 +230,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     if sys.platform != "linux" or os.geteuid() != 0:
         return False
     path.mkdir(exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
                           capture_output=True).returncode == 0
 
 

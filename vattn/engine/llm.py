@@ -312,7 +312,7 @@ class LLM:
             host = self.runner.cache.host
             return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.block_tokens,
                                     pc.num_host_hit_tokens, pc.num_disk_hit_tokens, host.nbytes,
-                                    host.disk.nbytes if host.disk is not None else 0)
+                                    host.sink.disk_bytes if host.sink is not None else 0)
 
     @property
     def async_scheduling(self) -> bool:

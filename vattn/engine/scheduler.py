@@ -50,7 +50,11 @@ leaves the sample waiting (FCFS: nothing behind it is admitted in that iteration
 
 Prefix caching (a `prefix_cache`, see `vattn.prefix_cache.PrefixCache`): a sequence that
 gets a new slot maps the longest cached prefix of its tokens into it (`map_prefix`: no
-copy, at least one token left to compute) and starts with those tokens computed. When a
+copy, at least one token left to compute) and starts with those tokens computed. With a
+disk tier, a waiting sequence whose cached blocks are on disk only first waits for them to
+be read in the background (`load`, as vLLM's WAITING_FOR_REMOTE_KVS): it keeps its place,
+the sequences behind it may be admitted meanwhile, and it is admitted when the reads end
+(its blocks are host hits then), failed or not, or after LOAD_PATIENCE_S. When a
 sequence's prompt is computed, the pages of its whole prompt blocks (whole tokens in whole
 pages) are pinned in the cache (`insert`); a sequence preempted for memory pins the whole
 blocks of everything it computed, so that its recomputation maps them back unless memory
@@ -94,6 +98,8 @@ from vattn.errors import FatalEngineError, InvalidConfigError, NoFreeSlotError, 
 logger = logging.getLogger(__name__)
 
 MAX_FAILURES = 2  # failed iterations in a row after which a sequence finishes with "error"
+LOAD_PATIENCE_S = 10.0  # a request waits this long at most for its blocks read from disk
+LOAD_POLL_S = 0.005  # a schedule with only such requests waits this long for a read, not spinning
 
 SeqId = tuple[int, int]  # (request_id, sample index)
 
@@ -203,6 +209,7 @@ class Scheduler:
         self.num_swapped_out = 0  # preemptions by swapping (their tokens copied to host)
         self.num_swapped_in = 0  # re-admissions by swapping in
         self.num_computed_tokens = 0  # tokens computed (forward passes) over the scheduler's life
+        self.loading: dict[SeqId, float] = {}  # waiting sequences whose blocks are read from disk -> since
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, given as its sample 0 (O(1): see `_enqueue`). With
@@ -238,18 +245,24 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             plan.append(ScheduledSequence(seq, n))
             budget -= n
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+        skip = 0  # waiting sequences left waiting for their blocks read from disk: those behind go first
+        while (len(self.waiting) > skip and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self.kv.num_free_reqids > 0):
-            seq = self.waiting[0]
+            seq = self.waiting[skip]
+            if self._loading(seq):
+                skip += 1
+                continue
             if not self._admit(seq):
                 break
-            self.waiting.popleft()
+            del self.waiting[skip]
             seq.status, seq.has_run = SequenceStatus.RUNNING, False
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             plan.append(ScheduledSequence(seq, n))
             budget -= n
 
+        if skip and not plan:  # nothing to run but reads from disk: wait a little for one, not spin
+            getattr(self.prefix_cache, "wait_loads", time.sleep)(LOAD_POLL_S)
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
         while plan:
@@ -280,6 +293,26 @@ class Scheduler:
                 preempted.append(victim)
             plan = [s for s in plan if s.seq is not victim]
         return SchedulerOutput([self._with_fan_out(s) for s in plan], preempted, finished)
+
+    def _loading(self, seq: Sequence) -> bool:
+        """Whether waiting `seq` waits for its cached blocks read from disk (`PrefixCache.load`
+        starts the reads, off the engine's thread). It is admitted once they ended, failed or
+        not, or after LOAD_PATIENCE_S: never forever."""
+        load = getattr(self.prefix_cache, "load", None)
+        if load is None or seq.swap is not None:
+            return False
+        now = time.monotonic()
+        try:
+            if now - self.loading.get(seq.seq_id, now) < LOAD_PATIENCE_S and load(seq.token_ids):
+                self.loading.setdefault(seq.seq_id, now)
+                return True
+        except FatalEngineError:  # e.g. a failed collective: the engine stops
+            raise
+        except Exception as e:  # noqa: BLE001 - not read ahead: its lookup misses those blocks
+            logger.warning("vattn: reading request %d's cached blocks ahead failed (%s: %s)",
+                           seq.request_id, type(e).__name__, e)
+        self.loading.pop(seq.seq_id, None)
+        return False
 
     def _admit(self, seq: Sequence) -> bool:
         """Give waiting `seq` a slot (and what of its tokens the slot already holds), or
@@ -519,6 +552,7 @@ class Scheduler:
             self.kv.free_reqid(seq.slot)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.loading.pop(seq.seq_id, None)
         now = time.perf_counter() if now is None else now
         seq.swap = None  # its host copy, if swapped out
         for s in [seq, *seq.pending_samples]:

@@ -3,25 +3,25 @@ for the prefix cache's offloaded blocks and for swapped-out requests.
 
 ```
 HostStore (offload_bytes)
- |- blocks   prefix blocks by key, least recently used first -> evicted to the disk tier (or dropped)
- '- leases   swapped-out requests' host copies (never evicted; given back with their handle)
+ |- blocks   prefix blocks by key, least recently used first -> evicted: handed to the sink
+ '- leases   swapped-out requests' host copies, and blocks the tiers read ahead from disk for a
+             waiting request (never evicted; given back with their handle, or when taken)
 ```
 Without a limit (no `offload_bytes`) the store holds no prefix blocks and swapping takes
-what it needs, as host memory allows.
+what it needs, as host memory allows. The store knows nothing of the tiers below it: the
+blocks it evicts (and, at close, those it holds) go to a `Sink` its owner gave it (the
+tiers' disk writer, `vattn.offload.tiers`), or nowhere.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
 from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError
 from vattn.offload.copier import Copier
-
-if TYPE_CHECKING:
-    from vattn.offload.disk import DiskTier
 
 
 EMPTY_BYTES = 64  # what a block of holes only (a sliding window gave every page back) counts
@@ -55,6 +55,10 @@ class BlockLayout:
         n = sum(self.kind_bytes(k) for k in range(len(self.kinds)) if flags >> k & 1)
         return n + (self.state_bytes if flags & self.state_flag else 0)
 
+    def kind_flags(self, holes: Sequence[bool]) -> int:
+        """The flags of a block holding every K/V kind but those with `holes` (no snapshot)."""
+        return sum(1 << k for k, hole in enumerate(holes) if not hole)
+
     def valid(self, flags: int) -> bool:
         """Whether `flags` names parts this layout has (none: a block of holes only)."""
         return flags & ~self.full_flags == 0
@@ -70,6 +74,7 @@ class HostBlock:
     state: torch.Tensor | None = None
     ready: Any = None  # the CUDA event the copies into it finish at (None: done)
     on_disk: bool = field(default=False)  # the disk tier holds it as it is
+    from_disk: bool = field(default=False)  # read from disk, not restored since (a hit counts as the disk's)
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +89,21 @@ class HostBlock:
         return bits | (layout.state_flag if self.state is not None else 0)
 
 
+class Sink(Protocol):
+    """Where a host store's victims go (the tiers below it)."""
+
+    def put(self, key: bytes, block: HostBlock) -> None:
+        """Take a block the store let go of (O(1): the engine's thread calls it)."""
+
+    def close(self, blocks: Iterable[tuple[bytes, HostBlock]]) -> None:
+        """The store closed: `blocks` (those it held that the tiers below lack) and those
+        handed over so far are dealt with, within a bound."""
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the tiers below hold."""
+
+
 class HostStore:
     """One cache's host memory for prefix blocks and swapped-out requests (see the module
     docstring). Called by one thread at a time (the cache's user, the engine's lock)."""
@@ -92,7 +112,7 @@ class HostStore:
         self.copier = copier
         self.limit: int | None = None  # offload_bytes; None: no prefix blocks, swap unbounded
         self.layout: BlockLayout | None = None
-        self.disk: DiskTier | None = None
+        self.sink: Sink | None = None  # where evicted blocks go (None: dropped)
         self.blocks: OrderedDict[bytes, HostBlock] = OrderedDict()  # least recently used first
         self.block_bytes = 0
         self.leased = 0  # bytes of swapped-out requests' copies
@@ -107,10 +127,10 @@ class HostStore:
     def holds_blocks(self) -> bool:
         return self.limit is not None and self.layout is not None
 
-    def configure(self, limit: int, layout: BlockLayout | None = None, disk: DiskTier | None = None) -> None:
+    def configure(self, limit: int, layout: BlockLayout | None = None, sink: Sink | None = None) -> None:
         """Take at most `limit` bytes (offload_bytes); with `layout`, hold prefix blocks of
-        that layout, evicted to `disk` when there is one. InvalidConfigError when `limit`
-        holds no block or is more than the host has available now."""
+        that layout, those evicted handed to `sink` when there is one. InvalidConfigError when
+        `limit` holds no block or is more than the host has available now."""
         if layout is not None and limit < layout.nbytes(layout.full_flags):
             raise InvalidConfigError(
                 f"offload_bytes={limit} holds no prefix block ({layout.nbytes(layout.full_flags)} bytes each); give "
@@ -119,7 +139,7 @@ class HostStore:
         if available is not None and limit > available:
             raise InvalidConfigError(
                 f"offload_bytes={limit} is more than the host has available now ({available} bytes); give less")
-        self.limit, self.layout, self.disk = limit, layout, disk
+        self.limit, self.layout, self.sink = limit, layout, sink
         self._make_room(0)
 
     # ----------------------------------------------------------- swapped-out ----
@@ -182,29 +202,9 @@ class HostStore:
         self.block_bytes += block.nbytes - before
         return True
 
-    def locate(self, key: bytes) -> tuple[str, int] | None:
-        """(tier, flags) of the block under `key`: "host" first, then "disk"; None: no tier
-        holds it."""
-        block = self.blocks.get(key)
-        if block is not None:
-            return "host", block.flags(self.layout)
-        if self.disk is not None:
-            flags = self.disk.locate(key)
-            if flags is not None:
-                return "disk", flags
-        return None
-
-    def fetch(self, key: bytes) -> HostBlock | None:
-        """The block under `key` in host memory, read from the disk tier first when it is
-        there only (kept in host memory then, as its most recently used); None when no tier
-        holds it, or its file was bad."""
-        block = self.get(key)
-        if block is None and self.disk is not None:
-            block = self.disk.get(key)
-            if block is not None:
-                block.on_disk = True
-                self.put(key, block)
-        return block
+    def peek(self, key: bytes) -> HostBlock | None:
+        """The block under `key` in host memory (not counted as a use), or None."""
+        return self.blocks.get(key)
 
     def _fits(self, nbytes: int, keep: bytes | None = None) -> bool:
         """Whether `nbytes` more fit the limit once every block but `keep` is evicted
@@ -230,17 +230,16 @@ class HostStore:
         block = self.blocks.pop(key)
         self.block_bytes -= block.nbytes
         self.num_evicted += 1
-        if self.disk is not None and not block.on_disk:
-            self.disk.put(key, block)
+        if self.sink is not None and not block.on_disk:
+            self.sink.put(key, block)
 
     def close(self) -> None:
-        """Write the blocks the disk tier does not hold to it (they survive a restart there)."""
+        """Hand the blocks the tiers below do not hold to the sink (they survive a restart
+        there), then close it."""
         blocks, self.blocks, self.block_bytes = self.blocks, OrderedDict(), 0
-        if self.disk is None:
+        if self.sink is None:
             return
-        for key, block in blocks.items():
-            if not block.on_disk:
-                self.disk.put(key, block)
+        self.sink.close([(key, block) for key, block in blocks.items() if not block.on_disk])
 
 
 def host_available() -> int | None:
@@ -255,4 +254,4 @@ def host_available() -> int | None:
     return None
 
 
-__all__ = ["EMPTY_BYTES", "BlockLayout", "HostBlock", "HostStore", "host_available"]
+__all__ = ["EMPTY_BYTES", "BlockLayout", "HostBlock", "HostStore", "Sink", "host_available"]

@@ -193,6 +193,11 @@ class AgreedPrefixCache(PrefixCache):
         super().__init__(cache, salt, **offload)
         self.tp = tp
 
+    def load(self, token_ids: Any) -> bool:
+        """No reading ahead: each rank's reads would end at its own time, and the ranks'
+        schedules must be the same (a rank reads its disk blocks in `map_prefix`)."""
+        return False
+
     def map_prefix(self, reqid: int, token_ids: Any) -> int:
         ids = token_array(token_ids)
         self.num_query_tokens += len(ids)
