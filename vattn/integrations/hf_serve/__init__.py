@@ -54,7 +54,7 @@ from typing import Any
 from vattn.budget import Budget
 from vattn.errors import InvalidConfigError
 from vattn.integrations import hf_cb
-from vattn.integrations.hf_serve import extensions, offload
+from vattn.integrations.hf_serve import cancel, extensions, offload
 # The parts, re-exported: `vattn.integrations.hf_serve.X` keeps working for every name below
 from vattn.integrations.hf_serve.contract import MAX_N, Refusal, Room, _asked, admit  # noqa: F401
 from vattn.integrations.hf_serve.gate import DONE, _Gate, _server_class  # noqa: F401
@@ -86,7 +86,9 @@ def _classes() -> Any:
         """transformers' continuous-batching manager of the server: every request is checked
         (`admit`) before it is queued, with its extensions (`ignore_eos`, `min_tokens`); a
         new loop gets the `min_tokens` logits processor and its cache is waited for, so that
-        even the first request is checked; `stop` is a hard stop (nothing may keep the process up)."""
+        even the first request is checked, and its scheduler lets cancelled requests (cut
+        streams) lift its hold on new ones (`cancel`); `stop` is a hard stop (nothing may keep
+        the process up)."""
 
         def init_cb(self, model: Any, gen_config: Any) -> None:
             if self._cb is not None:
@@ -100,6 +102,8 @@ def _classes() -> Any:
             deadline = time.monotonic() + CACHE_WAIT_S
             while cb.batch_processor is None and cb.is_running() and time.monotonic() < deadline:
                 time.sleep(0.002)  # the loop's thread builds the cache (virtual memory: quick)
+            if cb.batch_processor is not None:  # before any request is queued: this call holds the event loop
+                cancel.install(cb.batch_processor.scheduler)
 
         def room(self) -> Room | None:
             cache = getattr(getattr(self._cb, "batch_processor", None), "cache", None)
