@@ -40,6 +40,23 @@ def post_head(path: str, length: int, host: str = "x") -> bytes:
             f"Content-Length: {length}\r\n\r\n").encode()
 
 
+def read_answer(sock: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of an answer read from `sock` (by its Content-Length)."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before an answer: {got!r}"
+        got += chunk
+    head, body = got.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    length = int(next(v for k, _, v in (h.partition(":") for h in lines[1:]) if k.lower() == "content-length"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed inside the answer: {got!r}"
+        body += chunk
+    return int(lines[0].split()[1]), json.loads(body[:length])
+
+
 def cut_stream(base: str, ckpt: str, rng: random.Random) -> int:  # noqa: F811
     """A streamed completion without max_tokens (it would run to the end of its room: the
     cache fills), read for 1-10 events, then cut: closed (FIN) or reset (RST, SO_LINGER 0).
@@ -103,3 +120,50 @@ def test_clients_that_cut_their_streams_leave_nothing_behind(server, ckpt, expec
     cancelled = [r.getMessage().split()[3] for r in caplog.records if "cancelled (its client went away)" in r.getMessage()]
     assert cancelled and len(cancelled) == len(set(cancelled)), "each cancelled request is logged once"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a cut stream is no error"
+
+
+# ------------------------------------------------------------ what no client should send ----
+def test_a_lone_surrogate_is_a_400_that_names_the_field(server, ckpt, expected):  # noqa: F811
+    """JSON's escapes can spell a lone UTF-16 surrogate, which no tokenizer encodes: it was a
+    500 from transformers' handler. It is a 400 with an OpenAI error body naming the field; a
+    surrogate pair (a real character) passes; a normal request after it is answered."""
+    _, client = server()
+    base = base_of(client)
+    cases = [  # (path, raw body, param)
+        ("/v1/completions", '{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % ckpt, "prompt"),
+        ("/v1/completions", '{"model": "%s", "prompt": "\\udfff", "max_tokens": 2, "stream": true}' % ckpt, "prompt"),
+        ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "hi \\udc80"}], '
+         '"max_tokens": 2}' % ckpt, "messages[0].content"),
+        ("/v1/completions", '{"model": "%s", "prompt": "hi", "user": "\\ud800", "max_tokens": 2}' % ckpt, "user"),
+    ]
+    for path, raw, param in cases:
+        status, answer = post_raw(base, path, raw)
+        assert status == 400, (raw, answer)
+        error = answer["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_unicode", error
+        assert error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
+        answered(client, ckpt, expected)
+    status, answer = post_raw(base, "/v1/completions", '{"model": "%s", "prompt": "\\ud83d\\ude00 hi", '
+                              '"max_tokens": 2, "temperature": 0}' % ckpt)
+    assert status == 200 and answer["usage"]["prompt_tokens"] == 4, answer  # the pair is one (unknown) character
+    status, answer = post_raw(base, "/v1/completions", "[" * 100_000)  # nested past json's depth: was a 500 too
+    assert status == 400 and answer["error"]["code"] == "invalid_json", answer
+    answered(client, ckpt, expected)
+
+
+def test_a_length_over_the_cap_is_a_413_before_the_body_comes(server, ckpt, expected):  # noqa: F811
+    """The 413 is decided by the Content-Length: a client that sends a huge length and then no
+    body (or waits for `100 Continue` first) gets it at once; it waited for the body before."""
+    _, client = server()
+    base = base_of(client)
+    for expect in ("", "Expect: 100-continue\r\n"):
+        with socket.create_connection(address(base), timeout=10) as sock:
+            head = post_head("/v1/completions", 1 << 40)
+            sock.sendall(head[:-2] + expect.encode() + b"\r\n")
+            start = time.monotonic()
+            status, body = read_answer(sock)
+            took = time.monotonic() - start
+        assert status == 413 and body["error"]["code"] == "request_too_large", body
+        assert f"is {1 << 40} bytes" in body["error"]["message"]
+        assert took < 5, f"the 413 took {took:.1f} s"
+    answered(client, ckpt, expected)

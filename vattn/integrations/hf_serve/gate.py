@@ -1,7 +1,7 @@
 """`vattn serve`'s lifecycle: the outermost ASGI layer (`_Gate`: a body larger than
-`--max-body-bytes` is refused with 413 before it is read; every event stream ends with
-[DONE]; SIGTERM drains, then ends what is still open) and the uvicorn server that drains on
-its first signal."""
+`--max-body-bytes` is refused with 413 before it is read, by its Content-Length; every event
+stream ends with [DONE]; SIGTERM drains, then ends what is still open) and the uvicorn server
+that drains on its first signal."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +19,7 @@ logger = logging.getLogger("vattn.serve")
 DONE = b"data: [DONE]\n\n"
 MAX_BODY_BYTES = 4 << 20  # default --max-body-bytes: about a million tokens of text, past any cache of the tests
 DRAIN_BYTES = 64 << 20  # of a body refused with 413, read and dropped so that the client can read the answer
+DRAIN_IDLE_S = 2.0  # ... while it comes: a pause this long ends the reading (a length was sent, and no body)
 
 
 class _Gate:
@@ -87,19 +88,24 @@ class _Gate:
         return replayed
 
     async def _too_large(self, receive: Callable, send: Callable, size: str, more: bool = True) -> None:
-        """413, once the body (up to DRAIN_BYTES) was read and dropped: a client that sends the
-        whole body before it reads the answer gets it (cheap: nothing of it is parsed)."""
+        """413 at once, by the length the client gave or the bytes that came: the whole answer
+        is sent before any more of the body is read (a client that sends a Content-Length and
+        then nothing, or waits for `100 Continue`, has it at once). Then what the client still
+        sends of the body is read and dropped (`_drain`) before the connection closes, so that a
+        client that sends its whole body before it reads gets this answer, not a reset."""
         if self.on_refused is not None:
             self.on_refused("request_too_large")
-        drained = 0
-        while more and drained < DRAIN_BYTES:
-            message = await receive()
-            drained += len(message.get("body", b""))
-            more = message["type"] == "http.request" and message.get("more_body", False)
-        await _send_json(send, 413, _error(
+        data = json.dumps(_error(
             f"the request body {size}, more than this server takes (--max-body-bytes {self.max_body_bytes}): send a "
             "shorter prompt, or start vattn serve with a larger --max-body-bytes", "invalid_request_error",
-            code="request_too_large"), [(b"connection", b"close")])  # the body left unread ends the connection
+            code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+            (b"connection", b"close")]})  # the body left unread ends the connection
+        await send({"type": "http.response.body", "body": data, "more_body": more})  # all of it: the client has it
+        if more:
+            await _drain(receive)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def drain(self) -> None:
         """Take no new requests; the open ones have `shutdown_timeout` seconds. (Safe in a signal handler.)"""
@@ -162,6 +168,19 @@ class _Exchange:
             if self.streaming:
                 tail = b"data: " + json.dumps(_error(message, "server_shutting_down", code=503)).encode() + b"\n\n" + DONE
             await self._send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def _drain(receive: Callable) -> None:
+    """Read and drop what the client sends of a refused body: up to DRAIN_BYTES, until it is
+    all there, the client goes away, or nothing came for DRAIN_IDLE_S."""
+    drained, more = 0, True
+    while more and drained < DRAIN_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
+        except asyncio.TimeoutError:
+            return
+        drained += len(message.get("body", b""))
+        more = message["type"] == "http.request" and message.get("more_body", False)
 
 
 async def _send_json(send: Callable, status: int, body: dict, headers: list | None = None) -> None:
