@@ -5,8 +5,12 @@ transformers builds the app (its routes, tokenization, generation and streaming)
 holds it to this contract (the README's "vattn serve" states it):
 
 - **Malformed, 400** (an OpenAI error body naming the field): a body that is not a strict
-  JSON object, a field of the wrong type or range (`contract.read_body`); **413** for a body
-  over `max_body_bytes`; a long prompt is tokenized off the event loop (`offload`).
+  JSON object, text that is not Unicode (a lone surrogate: `contract.check_text`), a field of
+  the wrong type or range (`contract.read_body`); **413** for a body over `max_body_bytes`,
+  sent as soon as its Content-Length is read; a long prompt is tokenized off the event loop
+  (`offload`).
+- **A client that cuts its stream** (FIN or RST) cancels its request, whose blocks are freed;
+  a loop whose running requests were all cancelled serves the waiting ones (`cancel`).
 - **Extensions**: `ignore_eos` and `min_tokens` (vLLM's and SGLang's) honoured (`extensions`).
 - **Refused, 400** (an OpenAI error body that says why and what the limit is), alone: an
   empty prompt; a prompt longer than one request can ever hold (`Room`: the cache's
@@ -37,7 +41,8 @@ signal drains (`_server_class`) runs it.
 Here: `serve` and `main` (the server's start, run and stop) and transformers' serving
 classes; `contract` (what one request may ask, `Refusal`, `Room`, `admit`), `routes` (the
 routes that replace transformers'), `gate` (the body cap, draining, [DONE]), `extensions`
-(`ignore_eos`, `min_tokens`), `offload` (long prompts tokenized off the loop), `metrics`.
+(`ignore_eos`, `min_tokens`), `offload` (long prompts tokenized off the loop), `cancel`
+(cancelled requests in transformers' scheduler), `metrics`.
 """
 from __future__ import annotations
 
