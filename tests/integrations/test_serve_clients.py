@@ -60,7 +60,8 @@ def read_answer(sock: socket.socket) -> tuple[int, dict]:
 def cut_stream(base: str, ckpt: str, rng: random.Random) -> int:  # noqa: F811
     """A streamed completion without max_tokens (it would run to the end of its room: the
     cache fills), read for 1-10 events, then cut: closed (FIN) or reset (RST, SO_LINGER 0).
-    Returns the events read (fewer when none came within STREAM_WAIT_S)."""
+    Returns the events read (fewer when the stream ended first, or when none came within
+    STREAM_WAIT_S)."""
     body = json.dumps({"model": ckpt, "prompt": "cut " + "xyz"[rng.randrange(3)] * rng.randint(1, 40),
                        "stream": True, "temperature": 0}).encode()
     want, seen, got = rng.randint(1, 10), 0, b""
@@ -69,7 +70,7 @@ def cut_stream(base: str, ckpt: str, rng: random.Random) -> int:  # noqa: F811
         deadline = time.monotonic() + STREAM_WAIT_S
         try:
             while (seen := got.count(b"\ndata: ") + got.startswith(b"data: ")) < want \
-                    and time.monotonic() < deadline:
+                    and b"data: [DONE]" not in got and time.monotonic() < deadline:  # (it may end first: EOS)
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
