@@ -7,6 +7,7 @@ Content-Length over `--max-body-bytes` is a 413 before any of the body came.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import random
@@ -57,20 +58,20 @@ def read_answer(sock: socket.socket) -> tuple[int, dict]:
     return int(lines[0].split()[1]), json.loads(body[:length])
 
 
-def cut_stream(base: str, ckpt: str, rng: random.Random) -> int:  # noqa: F811
-    """A streamed completion without max_tokens (it would run to the end of its room: the
-    cache fills), read for 1-10 events, then cut: closed (FIN) or reset (RST, SO_LINGER 0).
-    Returns the events read (fewer when the stream ended first, or when none came within
-    STREAM_WAIT_S)."""
-    body = json.dumps({"model": ckpt, "prompt": "cut " + "xyz"[rng.randrange(3)] * rng.randint(1, 40),
-                       "stream": True, "temperature": 0}).encode()
-    want, seen, got = rng.randint(1, 10), 0, b""
+def cut_stream(base: str, ckpt: str, rng: random.Random, cut: list) -> None:  # noqa: F811
+    """A streamed completion (1 in 8 with n=2) with `ignore_eos` and without max_tokens: it
+    runs to the end of its room unless cancelled (the cache fills). Read for 1-10 events, then
+    cut: closed (FIN) or reset (RST, SO_LINGER 0). Appends to `cut` the ids of the batch
+    requests it stood for, once its answer started (nothing came within STREAM_WAIT_S: none)."""
+    n = 2 if rng.random() < 1 / 8 else 1
+    body = json.dumps({"model": ckpt, "prompt": "cut " + "xyz"[rng.randrange(3)] * rng.randint(1, 40), "n": n,
+                       "stream": True, "temperature": 0, "ignore_eos": True}).encode()
+    want, got = rng.randint(1, 10), b""
     with socket.create_connection(address(base), timeout=STREAM_WAIT_S) as sock:
         sock.sendall(post_head("/v1/completions", len(body)) + body)
         deadline = time.monotonic() + STREAM_WAIT_S
         try:
-            while (seen := got.count(b"\ndata: ") + got.startswith(b"data: ")) < want \
-                    and b"data: [DONE]" not in got and time.monotonic() < deadline:  # (it may end first: EOS)
+            while got.count(b"data: ") < want and time.monotonic() < deadline:
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
@@ -79,7 +80,16 @@ def cut_stream(base: str, ckpt: str, rng: random.Random) -> int:  # noqa: F811
             pass
         if rng.random() < 0.5:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
-    return seen
+    assert b"data: [DONE]" not in got, "a stream with ignore_eos and no max_tokens ended before its cut"
+    headers = got.split(b"\r\n\r\n", 1)[0].decode(errors="replace").split("\r\n")[1:]
+    request_id = next((v.strip() for k, _, v in (h.partition(":") for h in headers) if k.lower() == "x-request-id"), None)
+    if request_id is not None:
+        cut.extend([request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)])
+
+
+def cancelled_ids(records: list) -> list[str]:
+    """The request ids of vattn serve's "cancelled" log lines."""
+    return [r.getMessage().split()[3] for r in records if "cancelled (its client went away)" in r.getMessage()]
 
 
 def books(base: str) -> dict:
@@ -92,9 +102,12 @@ def test_clients_that_cut_their_streams_leave_nothing_behind(server, ckpt, expec
     """The reviewer's wedge: clients that cut streams while transformers' loop held new
     requests back (a full cache made it offload requests) left it idle for good with
     running=0, waiting=1; every later request timed out. After each round of 40 cut streams
-    a normal request is answered at once, running and waiting go back to 0, and after the
-    rounds every prompt is answered as `generate` answers it and a trim leaves exactly the KV
-    in use before (every cancelled request's blocks were freed)."""
+    every cut stream's request is cancelled (logged once at INFO, no error; a stream whose
+    write was waiting when it was cut had run on to the end of its room, until the garbage
+    collector finalized it), a normal request is answered at once, running and waiting go back
+    to 0; after the rounds every prompt is answered as `generate` answers it, a trim leaves
+    exactly the KV in use before (every cancelled request's blocks were freed), and no
+    cancelled request's result handler is left."""
     srv, client = server()
     base, quick = base_of(client), client.with_options(timeout=RECOVER_S)
     answered(quick, ckpt, expected)
@@ -103,23 +116,33 @@ def test_clients_that_cut_their_streams_leave_nothing_behind(server, ckpt, expec
     assert before == {"kv_used_bytes": TRASH, "num_requests_running": 0, "num_requests_waiting": 0}, before
     caplog.set_level(logging.INFO, logger="vattn.serve")
     rng = random.Random(38)
+    cut: list[str] = []
     for round_ in range(ROUNDS):
         seeds = [rng.random() for _ in range(STREAMS)]
-        clients = [threading.Thread(target=cut_stream, args=(base, ckpt, random.Random(s))) for s in seeds]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join()
-        start = time.monotonic()
+        clients = [threading.Thread(target=cut_stream, args=(base, ckpt, random.Random(s), cut)) for s in seeds]
+        gc.disable()  # a stream left open until the collector finalizes it must not be rescued by a collection
+        try:
+            for t in clients:
+                t.start()
+            for t in clients:
+                t.join()
+            start = time.monotonic()
+            assert wait_for(lambda: set(cut) <= set(cancelled_ids(caplog.records)), RECOVER_S), \
+                (round_, sorted(set(cut) - set(cancelled_ids(caplog.records))))  # every cut stream's request
+        finally:
+            gc.enable()
         answered(quick, ckpt, expected, PROMPTS[round_])
         assert wait_for(lambda: books(base)["num_requests_running"] == books(base)["num_requests_waiting"] == 0,
                         RECOVER_S), (round_, books(base))
         assert time.monotonic() - start < RECOVER_S
+    assert len(cut) >= STREAMS
     assert burst(quick, ckpt) == expected
     srv.vattn.trim()  # the blocks transformers keeps for prefix sharing go: what is left is in use
     assert books(base) == before
-    cancelled = [r.getMessage().split()[3] for r in caplog.records if "cancelled (its client went away)" in r.getMessage()]
-    assert cancelled and len(cancelled) == len(set(cancelled)), "each cancelled request is logged once"
+    manager = srv._generation_state._cb_manager._cb
+    assert not manager.output_router.result_handlers, "a cancelled request's result handler stays"
+    cancelled = cancelled_ids(caplog.records)
+    assert len(cancelled) == len(set(cancelled)), "each cancelled request is logged once"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a cut stream is no error"
 
 

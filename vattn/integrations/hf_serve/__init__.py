@@ -108,7 +108,7 @@ def _classes() -> Any:
             while cb.batch_processor is None and cb.is_running() and time.monotonic() < deadline:
                 time.sleep(0.002)  # the loop's thread builds the cache (virtual memory: quick)
             if cb.batch_processor is not None:  # before any request is queued: this call holds the event loop
-                cancel.install(cb.batch_processor.scheduler)
+                cancel.install(cb.batch_processor)
 
         def room(self) -> Room | None:
             cache = getattr(getattr(self._cb, "batch_processor", None), "cache", None)

@@ -14,6 +14,12 @@ What the loop misses (transformers 5.24; `install` adds it to the scheduler of e
   any more: the loop idles at 0 CPU with `running=0, waiting=N` for good, and every request
   after waits forever. Here a cancelled running request lifts the hold as a finished one does,
   and a hold with no running request left (nothing could lift it) is lifted before scheduling.
+- **A cancelled request's result handler stays** (`OutputRouter.result_handlers` drops a
+  handler only with its request's last output, which a cancelled request never has): each cut
+  stream left its handler, its streamer and the queue of text nobody read, for good. Here the
+  handler goes one step after its request was dropped (an output already on its way, with
+  asynchronous batching, reaches a handler that ignores it; none is left for the shared
+  output queue, which nobody reads in a server).
 
 ```
 cache full -> offload, hold on | running requests cancelled (cut streams) -> blocks freed
@@ -21,7 +27,7 @@ cache full -> offload, hold on | running requests cancelled (cut streams) -> blo
   here:         hold lifted with the cancel (or at the next schedule): waiting ones run
 ```
 
-- **A cancelled request is logged once, at INFO** (one line naming it; not an error).
+A cancelled request is logged once, at INFO (one line naming it; it is no error).
 """
 from __future__ import annotations
 
@@ -32,18 +38,26 @@ from typing import Any
 logger = logging.getLogger("vattn.serve")
 
 
-def install(scheduler: Any) -> None:
-    """Make `scheduler` (the transformers `Scheduler` of a running batching loop) lift its hold
-    on new requests when a running request is cancelled or none is left, and log each cancelled
-    request (idempotent)."""
+def install(batch_processor: Any) -> None:
+    """Make the scheduler of `batch_processor` (transformers' `ContinuousBatchProcessor` of a
+    running loop) lift its hold on new requests when a running request is cancelled or none is
+    left, drop the result handlers of cancelled requests, and log each one (idempotent)."""
+    scheduler = batch_processor.scheduler
+    scheduler.vattn_router = getattr(batch_processor, "output_router", None)
+    scheduler.vattn_dropped = []  # request ids dropped at the last clear: their handlers go at the next
     if not getattr(type(scheduler), "_vattn_cancels", False):
         scheduler.__class__ = _lifting(type(scheduler))
+
+
+def _ignore(_output: Any) -> None:
+    """The handler of a cancelled request until it goes: an output still on its way is dropped."""
 
 
 @functools.cache
 def _lifting(cls: type) -> type:
     """transformers' scheduler class `cls` whose hold on new requests (`block_new_requests`) ends
-    with the running requests it waits for, cancelled or finished."""
+    with the running requests it waits for, cancelled or finished, and whose cancelled requests
+    leave no result handler behind."""
 
     class Lifting(cls):  # type: ignore[misc, valid-type]
         _vattn_cancels = True
@@ -57,7 +71,22 @@ def _lifting(cls: type) -> type:
                     self.block_new_requests = False
                 logger.info("vattn serve: request %s cancelled (its client went away) while %s; its blocks are "
                             "free", state.request_id, "running" if was_running else "waiting")
+            self._drop_handlers([s.request_id for s in cancelled])
             return cancelled
+
+        def _drop_handlers(self, dropped: list[str]) -> None:
+            """Remove the handlers of the requests dropped at the last clear (a step ago: no output
+            of theirs is in flight any more) and silence those of `dropped`."""
+            router, gone, self.vattn_dropped = self.vattn_router, self.vattn_dropped, dropped
+            if router is None or not (gone or dropped):
+                return
+            with router._lock:
+                for request_id in gone:
+                    router.result_handlers.pop(request_id, None)
+                for request_id in dropped:
+                    entry = router.result_handlers.get(request_id)
+                    if entry is not None:
+                        router.result_handlers[request_id] = (_ignore, entry[1])
 
         def schedule_batch(self, *args: Any, **kwargs: Any) -> Any:
             if getattr(self, "block_new_requests", False) and not self.active_requests:

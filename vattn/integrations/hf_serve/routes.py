@@ -5,6 +5,7 @@ the event loop) around transformers' handlers."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from typing import Any, Awaitable, Callable
@@ -58,15 +59,16 @@ def _replace_routes(app: Any, srv: Any) -> None:
 
 async def _answer(handler: Any, body: dict, request_id: str, n: int) -> Any:
     """transformers' handler, once, or n times as n requests of the batch merged into one
-    answer whose choice i is request i's (streamed: their chunks interleaved)."""
+    answer whose choice i is request i's (streamed: their chunks interleaved). A streamed
+    answer closes its event stream when it ends, however it ends (`_closing`)."""
+    from fastapi.responses import StreamingResponse
+
     if n == 1:
-        return await handler.handle_request(body, request_id)
+        return _closing(await handler.handle_request(body, request_id))
     answers = await _gather([handler.handle_request(dict(body), f"{request_id}-{i}") for i in range(n)])
     if body.get("stream"):
-        from fastapi.responses import StreamingResponse
-
-        return StreamingResponse(_interleave([a.body_iterator for a in answers], request_id),
-                                 media_type="text/event-stream")
+        return _closing(StreamingResponse(_interleave([a.body_iterator for a in answers], request_id),
+                                          media_type="text/event-stream"))
     from fastapi.responses import JSONResponse
 
     parts = [json.loads(a.body) for a in answers]
@@ -75,6 +77,38 @@ async def _answer(handler: Any, body: dict, request_id: str, n: int) -> Any:
         prompt, new = merged["usage"]["prompt_tokens"], sum(p["usage"]["completion_tokens"] for p in parts)
         merged["usage"] = dict(merged["usage"], completion_tokens=new, total_tokens=prompt + new)
     return JSONResponse(merged)
+
+
+def _closing(response: Any) -> Any:
+    """`response`; a streamed one (starlette's `StreamingResponse`) whose event stream is
+    closed (`aclose`) when the answer ends, however it ends.
+
+    A client that cuts its stream ends the answer: starlette cancels the task that writes it.
+    When the cancel lands inside the event stream (waiting for tokens), transformers' stream
+    cancels its request; when it lands elsewhere (the write waiting for the socket), the stream
+    was left open, cancelled only when the garbage collector finalized it: until then its
+    request went on generating, up to its whole room, and kept its blocks. Closing it here
+    cancels the request at once (transformers' stream does so on `GeneratorExit`)."""
+    from starlette.responses import StreamingResponse
+
+    if isinstance(response, StreamingResponse):
+        response.__class__ = _closing_class(type(response))
+    return response
+
+
+@functools.cache
+def _closing_class(cls: type) -> type:
+    class Closing(cls):  # type: ignore[misc, valid-type]
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # a stream already ended: nothing; one left at a yield: GeneratorExit
+
+    Closing.__name__, Closing.__qualname__ = cls.__name__, cls.__qualname__
+    return Closing
 
 
 async def _gather(calls: list[Awaitable]) -> list:
