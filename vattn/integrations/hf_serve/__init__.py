@@ -9,8 +9,10 @@ holds it to this contract (the README's "vattn serve" states it):
   the wrong type or range (`contract.read_body`); **413** for a body over `max_body_bytes`,
   sent as soon as its Content-Length is read; a long prompt is tokenized off the event loop
   (`offload`).
-- **A client that cuts its stream** (FIN or RST) cancels its request, whose blocks are freed;
-  a loop whose running requests were all cancelled serves the waiting ones (`cancel`).
+- **A client that cuts its stream** (FIN or RST) cancels its request at once (its stream is
+  closed when the answer ends, however it ends: `routes._closing`), whose blocks and result
+  handler are freed; a loop whose running requests were all cancelled serves the waiting ones
+  (`cancel`).
 - **Extensions**: `ignore_eos` and `min_tokens` (vLLM's and SGLang's) honoured (`extensions`).
 - **Refused, 400** (an OpenAI error body that says why and what the limit is), alone: an
   empty prompt; a prompt longer than one request can ever hold (`Room`: the cache's
