@@ -3,11 +3,14 @@
 random points, by a close (FIN) and by a reset (RST), in rounds of 40 while the cache is full,
 leave nothing behind (their requests cancelled, their blocks free, the batching loop serving
 normal requests at once, as `generate` answers); a lone surrogate in a prompt is a 400; a
-Content-Length over `--max-body-bytes` is a 413 before any of the body came.
+Content-Length over `--max-body-bytes` is a 413 before any of the body came; requests that
+share an `X-Request-ID` are answered each alone.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import gc
+import http.client
 import json
 import logging
 import random
@@ -190,4 +193,32 @@ def test_a_length_over_the_cap_is_a_413_before_the_body_comes(server, ckpt, expe
         assert status == 413 and body["error"]["code"] == "request_too_large", body
         assert f"is {1 << 40} bytes" in body["error"]["message"]
         assert took < 5, f"the 413 took {took:.1f} s"
+    answered(client, ckpt, expected)
+
+
+def test_requests_that_share_an_x_request_id_are_answered_alone(server, ckpt, expected):  # noqa: F811
+    """transformers' batch keys a request by the id its middleware takes from `X-Request-ID`:
+    9 requests in flight with one id (retries, or clients that send a fixed one) killed the
+    batching loop (an embedding index out of range; the others timed out or got 503). Each is
+    answered as `generate` answers it, the header echoes the client's id, and the loop lives."""
+    srv, client = server()
+    base = base_of(client)
+
+    def ask(prompt: str) -> tuple[str, str]:
+        conn = http.client.HTTPConnection(*address(base), timeout=RECOVER_S)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(
+                {"model": ckpt, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}),
+                {"Content-Type": "application/json", "X-Request-ID": "the-same-id"})
+            r = conn.getresponse()
+            assert r.status == 200, r.read()
+            return r.getheader("x-request-id"), json.loads(r.read())["choices"][0]["text"]
+        finally:
+            conn.close()
+
+    prompts = PROMPTS[:3] * 3
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+        answers = list(ex.map(ask, prompts))
+    assert answers == [("the-same-id", expected[p]) for p in prompts]
+    assert srv._generation_state.num_restarts == 0
     answered(client, ckpt, expected)

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import json
 import time
+import uuid
 from typing import Any, Awaitable, Callable
 
 from vattn.integrations.hf_serve import offload
@@ -32,9 +33,10 @@ def _replace_routes(app: Any, srv: Any) -> None:
         async def endpoint(request: Any) -> Any:
             body = parse_json(await request.body())
             n, asked = read_body(body, chat)
+            request_id = _batch_id(request)
             token = _asked.set(asked)
             try:
-                return await offload.tokenizing_off_loop(lambda: _answer(handler, body, request.state.request_id, n))
+                return await offload.tokenizing_off_loop(lambda: _answer(handler, body, request_id, n))
             finally:
                 _asked.reset(token)
 
@@ -55,6 +57,19 @@ def _replace_routes(app: Any, srv: Any) -> None:
         return JSONResponse(_error(str(e), "invalid_request_error", e.param, e.code), status_code=e.status)
 
     app.add_exception_handler(Refusal, refused)
+
+
+def _batch_id(request: Any) -> str:
+    """The id of a request in transformers' batch (and of its answer): the one transformers'
+    middleware gave it, which is the client's `X-Request-ID` when it sent one (the response
+    header echoes that), then made unique with a suffix. The batch keys everything by this id:
+    two requests in flight with one id (a client's retry, or two clients) killed the batching
+    loop (an embedding index out of range), and a retry right after a cut was dropped with the
+    cancelled request it shared its id with."""
+    request_id = request.state.request_id
+    if request.headers.get("x-request-id") is not None:
+        request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+    return request_id
 
 
 async def _answer(handler: Any, body: dict, request_id: str, n: int) -> Any:
