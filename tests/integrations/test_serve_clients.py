@@ -2,7 +2,8 @@
 127.0.0.1 (docs/servers.md, "`vattn serve`: what a client can count on"): streams cut at
 random points, by a close (FIN) and by a reset (RST), in rounds of 40 while the cache is full,
 leave nothing behind (their requests cancelled, their blocks free, the batching loop serving
-normal requests at once, as `generate` answers); a lone surrogate in a prompt is a 400; a
+normal requests at once, as `generate` answers), and so do clients that leave before their
+answer (their requests cancelled); a lone surrogate in a prompt is a 400; a
 Content-Length over `--max-body-bytes` is a 413 before any of the body came; requests that
 share an `X-Request-ID` are answered each alone.
 """
@@ -222,3 +223,40 @@ def test_requests_that_share_an_x_request_id_are_answered_alone(server, ckpt, ex
     assert answers == [("the-same-id", expected[p]) for p in prompts]
     assert srv._generation_state.num_restarts == 0
     answered(client, ckpt, expected)
+
+
+def test_clients_that_leave_before_their_answer_cancel_their_requests(server, ckpt, expected, caplog):  # noqa: F811
+    """A non-streamed request whose client went away ran on for nobody, to its end: here
+    (`ignore_eos`, no max_tokens) the end of its room. Eight such clients close (FIN) or reset
+    (RST) once their requests are in the batch; each request is cancelled, the batch empties,
+    and a normal request is answered."""
+    srv, client = server()
+    base = base_of(client)
+    caplog.set_level(logging.INFO, logger="vattn.serve")
+    socks = []
+    for i in range(8):
+        body = json.dumps({"model": ckpt, "prompt": f"leave {i} " + "q" * 5 * i, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        sock = socket.create_connection(address(base), timeout=RECOVER_S)
+        head = post_head("/v1/completions", len(body))
+        sock.sendall(head[:-2] + f"X-Request-ID: gone-{i}\r\n\r\n".encode() + body)
+        socks.append(sock)
+    try:
+        assert wait_for(lambda: sum(books(base)[k] for k in ("num_requests_running", "num_requests_waiting")) >= 8,
+                        RECOVER_S), books(base)
+    finally:
+        for i, sock in enumerate(socks):
+            if i % 2:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+
+    def all_cancelled() -> bool:
+        ids = cancelled_ids(caplog.records)
+        return all(any(c.startswith(f"gone-{i}-") for c in ids) for i in range(8))
+
+    assert wait_for(all_cancelled, RECOVER_S), cancelled_ids(caplog.records)
+    assert wait_for(lambda: books(base)["num_requests_running"] == books(base)["num_requests_waiting"] == 0,
+                    RECOVER_S), books(base)
+    answered(client, ckpt, expected)
+    assert not srv._generation_state._cb_manager._cb.output_router.result_handlers
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a client that left is no error"

@@ -9,10 +9,11 @@ holds it to this contract (the README's "vattn serve" states it):
   the wrong type or range (`contract.read_body`); **413** for a body over `max_body_bytes`,
   sent as soon as its Content-Length is read; a long prompt is tokenized off the event loop
   (`offload`).
-- **A client that cuts its stream** (FIN or RST) cancels its request at once (its stream is
-  closed when the answer ends, however it ends: `routes._closing`), whose blocks and result
-  handler are freed; a loop whose running requests were all cancelled serves the waiting ones
-  (`cancel`).
+- **A client that goes away** (FIN or RST) cancels its request at once, whose blocks and
+  result handler are freed: a cut stream (its event stream closed and its requests cancelled
+  when the answer ends, however it ends: `routes._closing`), and a client that leaves before
+  its answer started (the gate watches it: `gate._Exchange`); a loop whose running requests
+  were all cancelled serves the waiting ones (`cancel`).
 - **Extensions**: `ignore_eos` and `min_tokens` (vLLM's and SGLang's) honoured (`extensions`).
 - **Refused, 400** (an OpenAI error body that says why and what the limit is), alone: an
   empty prompt; a prompt longer than one request can ever hold (`Room`: the cache's
@@ -48,6 +49,7 @@ routes that replace transformers'), `gate` (the body cap, draining, [DONE]), `ex
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import importlib.util
@@ -121,14 +123,22 @@ def _classes() -> Any:
             asked = _asked.get()
             admit(len(inputs["input_ids"]), gen_config, self.room(), asked)
             gen_config = extensions.request_config(gen_config, asked)
-            return super().generate_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+            queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+            cancel.note_stream(streamer)  # the answer cancels it if it ends first (routes._closing)
+            return queue, streamer
 
         async def generate_non_streaming(self, model: Any, processor: Any, inputs: Any, gen_config: Any, *args: Any,
                                          **kwargs: Any) -> Any:
             asked = _asked.get()
             admit(len(inputs["input_ids"]), gen_config, self.room(), asked)
             gen_config = extensions.request_config(gen_config, asked)
-            return await super().generate_non_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+            try:
+                return await super().generate_non_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+            except asyncio.CancelledError:  # its client went away (the gate cancels the answer): drop the request
+                request_id = kwargs.get("request_id", args[0] if args else None)
+                if request_id is not None and self._cb is not None:
+                    self._cb.cancel_request(request_id)
+                raise
 
         def stop(self) -> None:
             if self._cb is not None:

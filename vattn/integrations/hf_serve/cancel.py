@@ -28,14 +28,36 @@ cache full -> offload, hold on | running requests cancelled (cut streams) -> blo
 ```
 
 A cancelled request is logged once, at INFO (one line naming it; it is no error).
+
+The answer's side (`opened`, `cancel_streams`): the streams one HTTP request opened in the
+batch are noted while it is handled, so that an answer that ends before its streams did (a
+cut, a cancel before its event stream even started) cancels their requests itself.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from typing import Any
 
 logger = logging.getLogger("vattn.serve")
+
+# The streamers (transformers' CBStreamer) of the batch requests the HTTP request being handled opened
+opened: contextvars.ContextVar[list | None] = contextvars.ContextVar("vattn_serve_opened", default=None)
+
+
+def note_stream(streamer: Any) -> None:
+    """Note a streamer opened for the HTTP request being handled (`opened`; none: not noted)."""
+    streams = opened.get()
+    if streams is not None:
+        streams.append(streamer)
+
+
+def cancel_streams(streams: list) -> None:
+    """Cancel the batch requests of `streams` (transformers' `cancel_request`: a request
+    already finished or cancelled is left as it is)."""
+    for streamer in streams:
+        streamer.cancel()
 
 
 def install(batch_processor: Any) -> None:

@@ -53,7 +53,7 @@ class _Gate:
         exchange = _Exchange(send)
         self.open.add(exchange)
         try:
-            await exchange.run(self.app(scope, receive, exchange.send))
+            await exchange.run(self.app(scope, exchange.watching(receive), exchange.send))
         finally:
             self.open.discard(exchange)
 
@@ -120,17 +120,44 @@ class _Gate:
 
 
 class _Exchange:
-    """One request through the gate: its answer (a task, so that it can be ended) and what
-    of it was sent."""
+    """One request through the gate: its answer (a task, so that it can be ended), what of it
+    was sent, and whether its client went away before the answer started (`gone`: the answer
+    is cancelled, and with it the request in the batch; a streamed answer has started, and
+    starlette watches its client from then on)."""
 
     def __init__(self, send: Callable) -> None:
         self._send = send
         self.task: asyncio.Future | None = None
-        self.started = self.streaming = self.done = self.expired = False
+        self.started = self.streaming = self.done = self.expired = self.gone = False
+        self._watch: asyncio.Future | None = None
+
+    def watching(self, receive: Callable) -> Callable:
+        """`receive` for the app: once the app has the whole body, the client is watched
+        until the answer starts (`_watch_client`)."""
+        async def received() -> dict:
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False) \
+                    and self._watch is None and not self.started:
+                self._watch = asyncio.ensure_future(self._watch_client(receive))
+            return message
+
+        return received
+
+    async def _watch_client(self, receive: Callable) -> None:
+        """Cancel the answer if the client goes away before it starts (a non-streamed request
+        ran on to its end, up to its whole room, for nobody)."""
+        while not self.started:
+            if (await receive())["type"] == "http.disconnect":
+                if not self.started and self.task is not None:
+                    self.gone = True
+                    self.task.cancel()
+                return
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
             self.started = True
+            if self._watch is not None:  # the app watches its client from now on (a stream), or is done
+                self._watch.cancel()
             content_type = dict(message.get("headers") or ()).get(b"content-type", b"")
             self.streaming = content_type.startswith(b"text/event-stream")
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -144,6 +171,8 @@ class _Exchange:
         try:
             await self.task
         except asyncio.CancelledError:
+            if self.gone:  # its client went away: no one to answer (the batch logs the cancel)
+                return
             if not self.expired:  # cancelled from outside (uvicorn): not ours to answer
                 raise
             await self._end("vattn serve shut down before this request finished (its --shutdown-timeout ran out); "
@@ -153,6 +182,9 @@ class _Exchange:
                 raise
             logger.exception("vattn serve: an answer failed after it started")
             await self._end("vattn serve failed while answering this request; retry")
+        finally:
+            if self._watch is not None:
+                self._watch.cancel()
 
     def expire(self) -> None:
         self.expired = True
