@@ -162,6 +162,11 @@ def check_text(body: dict) -> None:
     `\\uXXXX` escapes can spell a lone UTF-16 surrogate (`"\\ud800"`), which Python's json
     module takes as it is, and which no tokenizer can encode (transformers' handler failed with
     a 500). The error names the field (`messages[0].content`) and where in it."""
+    try:  # one pass in C (a 4 MiB body of small strings: 0.1 s, the walk below 0.7 s, on the event loop)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return
+    except (UnicodeEncodeError, RecursionError):  # a surrogate somewhere (or nesting at the limit): find where
+        pass
     stack: list[tuple[str, bool, Any]] = [("", False, body)]  # (field, a key of it?, value)
     while stack:  # not recursive: json.loads takes nesting as deep as Python's recursion limit
         param, key, value = stack.pop()
