@@ -5,8 +5,15 @@ transformers builds the app (its routes, tokenization, generation and streaming)
 holds it to this contract (the README's "vattn serve" states it):
 
 - **Malformed, 400** (an OpenAI error body naming the field): a body that is not a strict
-  JSON object, a field of the wrong type or range (`contract.read_body`); **413** for a body
-  over `max_body_bytes`; a long prompt is tokenized off the event loop (`offload`).
+  JSON object, text that is not Unicode (a lone surrogate: `contract.check_text`), a field of
+  the wrong type or range (`contract.read_body`); **413** for a body over `max_body_bytes`,
+  sent as soon as its Content-Length is read; a long prompt is tokenized off the event loop
+  (`offload`).
+- **A client that goes away** (FIN or RST) cancels its request at once, whose blocks and
+  result handler are freed: a cut stream (its event stream closed and its requests cancelled
+  when the answer ends, however it ends: `routes._closing`), and a client that leaves before
+  its answer started (the gate watches it: `gate._Exchange`); a loop whose running requests
+  were all cancelled serves the waiting ones (`cancel`).
 - **Extensions**: `ignore_eos` and `min_tokens` (vLLM's and SGLang's) honoured (`extensions`).
 - **Refused, 400** (an OpenAI error body that says why and what the limit is), alone: an
   empty prompt; a prompt longer than one request can ever hold (`Room`: the cache's
@@ -37,10 +44,12 @@ signal drains (`_server_class`) runs it.
 Here: `serve` and `main` (the server's start, run and stop) and transformers' serving
 classes; `contract` (what one request may ask, `Refusal`, `Room`, `admit`), `routes` (the
 routes that replace transformers'), `gate` (the body cap, draining, [DONE]), `extensions`
-(`ignore_eos`, `min_tokens`), `offload` (long prompts tokenized off the loop), `metrics`.
+(`ignore_eos`, `min_tokens`), `offload` (long prompts tokenized off the loop), `cancel`
+(cancelled requests in transformers' scheduler), `metrics`.
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import importlib.util
@@ -54,7 +63,7 @@ from typing import Any
 from vattn.budget import Budget
 from vattn.errors import InvalidConfigError
 from vattn.integrations import hf_cb
-from vattn.integrations.hf_serve import extensions, offload
+from vattn.integrations.hf_serve import cancel, extensions, offload
 # The parts, re-exported: `vattn.integrations.hf_serve.X` keeps working for every name below
 from vattn.integrations.hf_serve.contract import MAX_N, Refusal, Room, _asked, admit  # noqa: F401
 from vattn.integrations.hf_serve.gate import DONE, _Gate, _server_class  # noqa: F401
@@ -86,7 +95,9 @@ def _classes() -> Any:
         """transformers' continuous-batching manager of the server: every request is checked
         (`admit`) before it is queued, with its extensions (`ignore_eos`, `min_tokens`); a
         new loop gets the `min_tokens` logits processor and its cache is waited for, so that
-        even the first request is checked; `stop` is a hard stop (nothing may keep the process up)."""
+        even the first request is checked, and its scheduler lets cancelled requests (cut
+        streams) lift its hold on new ones (`cancel`); `stop` is a hard stop (nothing may keep
+        the process up)."""
 
         def init_cb(self, model: Any, gen_config: Any) -> None:
             if self._cb is not None:
@@ -100,6 +111,8 @@ def _classes() -> Any:
             deadline = time.monotonic() + CACHE_WAIT_S
             while cb.batch_processor is None and cb.is_running() and time.monotonic() < deadline:
                 time.sleep(0.002)  # the loop's thread builds the cache (virtual memory: quick)
+            if cb.batch_processor is not None:  # before any request is queued: this call holds the event loop
+                cancel.install(cb.batch_processor)
 
         def room(self) -> Room | None:
             cache = getattr(getattr(self._cb, "batch_processor", None), "cache", None)
@@ -110,14 +123,22 @@ def _classes() -> Any:
             asked = _asked.get()
             admit(len(inputs["input_ids"]), gen_config, self.room(), asked)
             gen_config = extensions.request_config(gen_config, asked)
-            return super().generate_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+            queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+            cancel.note_stream(streamer)  # the answer cancels it if it ends first (routes._closing)
+            return queue, streamer
 
         async def generate_non_streaming(self, model: Any, processor: Any, inputs: Any, gen_config: Any, *args: Any,
                                          **kwargs: Any) -> Any:
             asked = _asked.get()
             admit(len(inputs["input_ids"]), gen_config, self.room(), asked)
             gen_config = extensions.request_config(gen_config, asked)
-            return await super().generate_non_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+            try:
+                return await super().generate_non_streaming(model, processor, inputs, gen_config, *args, **kwargs)
+            except asyncio.CancelledError:  # its client went away (the gate cancels the answer): drop the request
+                request_id = kwargs.get("request_id", args[0] if args else None)
+                if request_id is not None and self._cb is not None:
+                    self._cb.cancel_request(request_id)
+                raise
 
         def stop(self) -> None:
             if self._cb is not None:

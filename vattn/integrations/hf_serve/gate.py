@@ -1,7 +1,7 @@
 """`vattn serve`'s lifecycle: the outermost ASGI layer (`_Gate`: a body larger than
-`--max-body-bytes` is refused with 413 before it is read; every event stream ends with
-[DONE]; SIGTERM drains, then ends what is still open) and the uvicorn server that drains on
-its first signal."""
+`--max-body-bytes` is refused with 413 before it is read, by its Content-Length; every event
+stream ends with [DONE]; SIGTERM drains, then ends what is still open) and the uvicorn server
+that drains on its first signal."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +19,7 @@ logger = logging.getLogger("vattn.serve")
 DONE = b"data: [DONE]\n\n"
 MAX_BODY_BYTES = 4 << 20  # default --max-body-bytes: about a million tokens of text, past any cache of the tests
 DRAIN_BYTES = 64 << 20  # of a body refused with 413, read and dropped so that the client can read the answer
+DRAIN_IDLE_S = 2.0  # ... while it comes: a pause this long ends the reading (a length was sent, and no body)
 
 
 class _Gate:
@@ -52,7 +53,7 @@ class _Gate:
         exchange = _Exchange(send)
         self.open.add(exchange)
         try:
-            await exchange.run(self.app(scope, receive, exchange.send))
+            await exchange.run(self.app(scope, exchange.watching(receive), exchange.send))
         finally:
             self.open.discard(exchange)
 
@@ -87,19 +88,24 @@ class _Gate:
         return replayed
 
     async def _too_large(self, receive: Callable, send: Callable, size: str, more: bool = True) -> None:
-        """413, once the body (up to DRAIN_BYTES) was read and dropped: a client that sends the
-        whole body before it reads the answer gets it (cheap: nothing of it is parsed)."""
+        """413 at once, by the length the client gave or the bytes that came: the whole answer
+        is sent before any more of the body is read (a client that sends a Content-Length and
+        then nothing, or waits for `100 Continue`, has it at once). Then what the client still
+        sends of the body is read and dropped (`_drain`) before the connection closes, so that a
+        client that sends its whole body before it reads gets this answer, not a reset."""
         if self.on_refused is not None:
             self.on_refused("request_too_large")
-        drained = 0
-        while more and drained < DRAIN_BYTES:
-            message = await receive()
-            drained += len(message.get("body", b""))
-            more = message["type"] == "http.request" and message.get("more_body", False)
-        await _send_json(send, 413, _error(
+        data = json.dumps(_error(
             f"the request body {size}, more than this server takes (--max-body-bytes {self.max_body_bytes}): send a "
             "shorter prompt, or start vattn serve with a larger --max-body-bytes", "invalid_request_error",
-            code="request_too_large"), [(b"connection", b"close")])  # the body left unread ends the connection
+            code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+            (b"connection", b"close")]})  # the body left unread ends the connection
+        await send({"type": "http.response.body", "body": data, "more_body": more})  # all of it: the client has it
+        if more:
+            await _drain(receive)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def drain(self) -> None:
         """Take no new requests; the open ones have `shutdown_timeout` seconds. (Safe in a signal handler.)"""
@@ -114,17 +120,44 @@ class _Gate:
 
 
 class _Exchange:
-    """One request through the gate: its answer (a task, so that it can be ended) and what
-    of it was sent."""
+    """One request through the gate: its answer (a task, so that it can be ended), what of it
+    was sent, and whether its client went away before the answer started (`gone`: the answer
+    is cancelled, and with it the request in the batch; a streamed answer has started, and
+    starlette watches its client from then on)."""
 
     def __init__(self, send: Callable) -> None:
         self._send = send
         self.task: asyncio.Future | None = None
-        self.started = self.streaming = self.done = self.expired = False
+        self.started = self.streaming = self.done = self.expired = self.gone = False
+        self._watch: asyncio.Future | None = None
+
+    def watching(self, receive: Callable) -> Callable:
+        """`receive` for the app: once the app has the whole body, the client is watched
+        until the answer starts (`_watch_client`)."""
+        async def received() -> dict:
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False) \
+                    and self._watch is None and not self.started:
+                self._watch = asyncio.ensure_future(self._watch_client(receive))
+            return message
+
+        return received
+
+    async def _watch_client(self, receive: Callable) -> None:
+        """Cancel the answer if the client goes away before it starts (a non-streamed request
+        ran on to its end, up to its whole room, for nobody)."""
+        while not self.started:
+            if (await receive())["type"] == "http.disconnect":
+                if not self.started and self.task is not None:
+                    self.gone = True
+                    self.task.cancel()
+                return
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
             self.started = True
+            if self._watch is not None:  # the app watches its client from now on (a stream), or is done
+                self._watch.cancel()
             content_type = dict(message.get("headers") or ()).get(b"content-type", b"")
             self.streaming = content_type.startswith(b"text/event-stream")
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -138,6 +171,8 @@ class _Exchange:
         try:
             await self.task
         except asyncio.CancelledError:
+            if self.gone:  # its client went away: no one to answer (the batch logs the cancel)
+                return
             if not self.expired:  # cancelled from outside (uvicorn): not ours to answer
                 raise
             await self._end("vattn serve shut down before this request finished (its --shutdown-timeout ran out); "
@@ -147,6 +182,9 @@ class _Exchange:
                 raise
             logger.exception("vattn serve: an answer failed after it started")
             await self._end("vattn serve failed while answering this request; retry")
+        finally:
+            if self._watch is not None:
+                self._watch.cancel()
 
     def expire(self) -> None:
         self.expired = True
@@ -162,6 +200,19 @@ class _Exchange:
             if self.streaming:
                 tail = b"data: " + json.dumps(_error(message, "server_shutting_down", code=503)).encode() + b"\n\n" + DONE
             await self._send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def _drain(receive: Callable) -> None:
+    """Read and drop what the client sends of a refused body: up to DRAIN_BYTES, until it is
+    all there, the client goes away, or nothing came for DRAIN_IDLE_S."""
+    drained, more = 0, True
+    while more and drained < DRAIN_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
+        except asyncio.TimeoutError:
+            return
+        drained += len(message.get("body", b""))
+        more = message["type"] == "http.request" and message.get("more_body", False)
 
 
 async def _send_json(send: Callable, status: int, body: dict, headers: list | None = None) -> None:
