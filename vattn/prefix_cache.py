@@ -31,7 +31,7 @@ import logging
 import os
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from vattn.checks import as_int
 from vattn.errors import InvalidConfigError, InvalidRequestError
@@ -113,6 +113,8 @@ class PrefixCache:
         self.num_host_hit_tokens = 0  # of those, restored from host memory
         self.num_disk_hit_tokens = 0  # of those, restored from disk
         self.num_restore_failures = 0  # restores that failed (their tokens were computed)
+        self.num_restores_held_back = 0  # lookups that restored fewer blocks than the tiers held: no room
+        self._counted: dict[int, tuple[int, Hit]] = {}  # reqid -> what its last map_prefix counted
         self.tiers: Tiers | None = None  # (the host and disk tiers, vattn.offload)
         if offload_bytes is not None:
             from vattn.offload import tiers  # (torch: only with the tiers)
@@ -131,18 +133,36 @@ class PrefixCache:
             keys.append(prev)
         return keys
 
-    def map_prefix(self, reqid: int, token_ids: Sequence[int]) -> int:
+    def map_prefix(self, reqid: int, token_ids: Sequence[int], fits: Callable[[int], bool] | None = None) -> int:
         """Map the longest cached prefix of `token_ids` into `reqid` (a request that has not
         run yet): the blocks in device memory, then the next ones restored from the host or
         disk tier; with recurrent states, the longest whose last block keeps a snapshot, which
         is restored into `reqid`'s states, and the snapshots this request should take are
         asked for. At least one token is left to compute, so the request still gets logits.
-        Returns the number of tokens mapped (0: a miss)."""
+        `fits(n)`: whether the request can run this iteration holding `n` tokens (the
+        scheduler plans it with the running requests: `KVCache.can_step`); a restore stops
+        at the longest prefix that fits (a restore the request could not keep is thrash).
+        Returns the number of tokens mapped (0: a miss). `uncount` takes back what this
+        lookup counted, for a request that is not admitted after all."""
         ids = token_array(token_ids)
         self.num_query_tokens += len(ids)
-        hit = self.map_hit(reqid, ids)
+        hit = self.map_hit(reqid, ids, fits)
         self.count(hit)
+        self._counted[reqid] = (len(ids), hit)
         return hit.num_tokens
+
+    def uncount(self, reqid: int) -> None:
+        """Take back the counts of `reqid`'s last `map_prefix` (the scheduler left the request
+        waiting after all: its next admission looks it up again, and a prompt counts once per
+        admission). No-op when nothing was counted for it since."""
+        counted = self._counted.pop(reqid, None)
+        if counted is None:
+            return
+        query, hit = counted
+        self.num_query_tokens -= query
+        self.num_hit_tokens -= hit.num_tokens
+        self.num_host_hit_tokens -= hit.tier_tokens("host")
+        self.num_disk_hit_tokens -= hit.tier_tokens("disk")
 
     def count(self, hit: Hit, upto: int | None = None) -> None:
         """Count the first `upto` (all) tokens of `hit` among the hits, by tier."""
@@ -151,7 +171,7 @@ class PrefixCache:
         self.num_host_hit_tokens += hit.tier_tokens("host", n)
         self.num_disk_hit_tokens += hit.tier_tokens("disk", n)
 
-    def map_hit(self, reqid: int, ids: array) -> Hit:
+    def map_hit(self, reqid: int, ids: array, fits: Callable[[int], bool] | None = None) -> Hit:
         """`map_prefix` without counting: where the tokens mapped came from."""
         keys, handles = self.lookup(ids)
         n = 0
@@ -161,25 +181,26 @@ class PrefixCache:
             if self.tiers is not None:
                 self.tiers.depend(reqid, keys[:n // self.block_tokens])
         if self.with_states:
-            return self._map_with_states(reqid, ids, keys, n)
+            return self._map_with_states(reqid, ids, keys, n, fits)
         if self.tiers is None:
             return Hit(n, n, (), self.block_tokens)
         dev = n // self.block_tokens
         lower = self._lower_chain(keys, dev)
-        end = self._lower_end(keys, dev, lower, states=False)
+        end = self._lower_end(keys, dev, lower, states=False, fits=fits)
         if end > dev:
             hit, n = self._restore(reqid, keys, dev, end, lower)
             if hit is not None:
                 return hit
         return Hit(n, n, (), self.block_tokens)
 
-    def _map_with_states(self, reqid: int, ids: array, keys: list[bytes], n: int) -> Hit:
+    def _map_with_states(self, reqid: int, ids: array, keys: list[bytes], n: int,
+                         fits: Callable[[int], bool] | None) -> Hit:
         t, cache = self.block_tokens, self.cache
         dev = n // t  # leading blocks whose K/V is mapped
         lower = self._lower_chain(keys, dev)
         chain = dev + len(lower)  # the cached K/V chain, every tier's
         hit = None
-        end = self._lower_end(keys, dev, lower, states=True)
+        end = self._lower_end(keys, dev, lower, states=True, fits=fits)
         if end > dev:
             hit, n = self._restore(reqid, keys, dev, end, lower)
         if hit is None:  # the longest snapshot within the blocks mapped from device memory
@@ -216,14 +237,24 @@ class PrefixCache:
                 chain.append(where)
         return chain
 
-    def _lower_end(self, keys: Sequence[bytes], dev: int, lower: Sequence[tuple[str, int]], states: bool) -> int:
+    def _lower_end(self, keys: Sequence[bytes], dev: int, lower: Sequence[tuple[str, int]], states: bool,
+                   fits: Callable[[int], bool] | None = None) -> int:
         """The most leading blocks a hit may end at, restoring blocks `dev` .. from `lower`:
         every K/V kind holds the pages the query after it reads (a sliding window's part of a
-        block may be missing), and with states the last block keeps a snapshot (in device
-        memory or with the lower block). `dev` when no such end lies past `dev`."""
+        block may be missing), with states the last block keeps a snapshot (in device
+        memory or with the lower block), and the request can run holding them (`fits`, see
+        `map_prefix`). `dev` when no such end lies past `dev`."""
         t, u = self.block_tokens, self.block_pages
         layout = self.tiers.layout if self.tiers is not None else None
-        for end in range(dev + len(lower), dev, -1):
+        top = dev + len(lower)
+        if fits is not None and top > dev and not fits(top * t):
+            lo, hi = dev, top - 1  # what a request needs grows with its length: the most that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid * t) else (lo, mid - 1)
+            top = lo
+            self.num_restores_held_back += 1
+        for end in range(top, dev, -1):
             if states:
                 flags = lower[end - 1 - dev][1]
                 if not (flags & layout.state_flag or self._has_snapshot(keys[end - 1])):

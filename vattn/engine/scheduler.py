@@ -85,7 +85,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Mapping, NamedTuple, Protocol
+from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Protocol
 
 from vattn.checks import as_int
 from vattn.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -107,14 +107,17 @@ class StepOutcome(Protocol):
 class PrefixSlots(Protocol):
     """What the scheduler needs of a prefix cache (`vattn.prefix_cache.PrefixCache` fits)."""
 
-    def map_prefix(self, reqid: int, token_ids: list[int]) -> int: ...
+    def map_prefix(self, reqid: int, token_ids: list[int], fits: Callable[[int], bool] | None = None) -> int: ...
+
+    def uncount(self, reqid: int) -> None: ...
 
     def insert(self, reqid: int, token_ids: list[int]) -> None: ...
 
 
 class KVSlots(Protocol):
     """What the scheduler needs of the cache (`vattn.KVCache` fits). `can_fork` and `fork`
-    are called only for requests with n > 1."""
+    are called only for requests with n > 1; `can_step` is optional (without it, admission
+    is decided by the step alone, as with tensor parallelism)."""
 
     @property
     def num_free_reqids(self) -> int: ...
@@ -124,6 +127,8 @@ class KVSlots(Protocol):
     def free_reqid(self, reqid: int) -> None: ...
 
     def step(self, seq_lens: Mapping[int, int]) -> StepOutcome: ...
+
+    def can_step(self, seq_lens: Mapping[int, int]) -> bool: ...
 
     def can_fork(self, reqid: int, num_tokens: int) -> bool: ...
 
@@ -203,6 +208,9 @@ class Scheduler:
         self.num_swapped_out = 0  # preemptions by swapping (their tokens copied to host)
         self.num_swapped_in = 0  # re-admissions by swapping in
         self.num_computed_tokens = 0  # tokens computed (forward passes) over the scheduler's life
+        self.num_admissions_held = 0  # admissions left waiting: the request could not run beside the others
+        self.num_unadmitted = 0  # admitted, then sent back before running: the step could not back it
+        self._looked_up: set[int] = set()  # slots given a prefix lookup in this schedule (see `_release`)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, given as its sample 0 (O(1): see `_enqueue`). With
@@ -238,14 +246,17 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             plan.append(ScheduledSequence(seq, n))
             budget -= n
+        admitted: list[Sequence] = []
+        self._looked_up.clear()
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self.kv.num_free_reqids > 0):
             seq = self.waiting[0]
-            if not self._admit(seq):
+            if not self._admit(seq, plan, budget):
                 break
             self.waiting.popleft()
             seq.status, seq.has_run = SequenceStatus.RUNNING, False
             self.running.append(seq)
+            admitted.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             plan.append(ScheduledSequence(seq, n))
             budget -= n
@@ -263,6 +274,12 @@ class Scheduler:
                 break
             if backed:
                 break
+            if admitted and len(self.running) > 1:  # never preempt a running sequence for an admission:
+                victim = admitted.pop()  # the newest admitted goes back to waiting (it has not run)
+                self._unadmit(victim)
+                preempted.append(victim)
+                plan = [s for s in plan if s.seq is not victim]
+                continue
             if len(self.running) == 1:  # then it is the whole plan: a shorter prompt chunk may fit (what a
                 shorter = _shorter_chunks(plan, backed.failed)  # chunk needs grows with its length: a sliding
                 if shorter is not None:                          # window's pages, not only the prompt's)
@@ -281,9 +298,14 @@ class Scheduler:
             plan = [s for s in plan if s.seq is not victim]
         return SchedulerOutput([self._with_fan_out(s) for s in plan], preempted, finished)
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, plan: list[ScheduledSequence], budget: int) -> bool:
         """Give waiting `seq` a slot (and what of its tokens the slot already holds), or
-        return False to leave it waiting."""
+        return False to leave it waiting. `plan`: this iteration's sequences so far, `budget`
+        the tokens left. With prefix caching the lookup restores from a lower tier only
+        what the request can then run with beside `plan` (`kv.can_step`), and a request that
+        cannot run beside `plan` even with its device hit is left waiting (while `plan` runs:
+        its sequences free memory), so an admission never takes the pages of a running
+        sequence and never restores blocks it cannot keep."""
         if seq.swap is not None:
             try:
                 seq.slot = self.kv.swap_in(seq.swap)
@@ -316,15 +338,65 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_prompt_tokens
                 return True
         seq.slot = self.kv.alloc_reqid()
+        fits = self._fits(seq, plan, budget)
         if self.prefix_cache is not None:
+            self._looked_up.add(seq.slot)
             try:
-                seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids)
+                if fits is None:
+                    seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids)
+                else:
+                    seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids, fits=fits)
             except FatalEngineError:  # e.g. a failed collective: the engine stops
                 raise
             except Exception as e:  # noqa: BLE001 - a miss: the books hold, the sequence computes it all
                 logger.warning("vattn: mapping cached prefix pages for request %d failed (%s: %s)",
                                seq.request_id, type(e).__name__, e)
+        if plan and fits is not None and not fits(seq.num_computed_tokens):
+            self.num_admissions_held += 1
+            self._release(seq)
+            return False
         return True
+
+    def _fits(self, seq: Sequence, plan: list[ScheduledSequence], budget: int) -> Callable[[int], bool] | None:
+        """`fits(n)`: whether `seq`, holding its first `n` tokens in its new slot, can run its
+        first chunk this iteration beside `plan` (planned by `kv.can_step`, nothing mapped);
+        None when the cache cannot tell (the step decides)."""
+        can_step = getattr(self.kv, "can_step", None)
+        if can_step is None:
+            return None
+        lens = {s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in plan}
+        slot, total = seq.slot, seq.num_tokens
+
+        def fits(n: int) -> bool:
+            lens[slot] = n + min(total - n, budget)
+            try:
+                return bool(can_step(lens))
+            except FatalEngineError:  # e.g. a failed collective: the engine stops
+                raise
+            except Exception:  # noqa: BLE001 - the step itself will say what is wrong
+                return True
+
+        return fits
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back the slot `_admit` gave `seq` (it stays waiting; what it mapped stays
+        cached) and take back its lookup's counts: it is looked up again when admitted."""
+        if self.prefix_cache is not None and seq.slot in self._looked_up:
+            self._looked_up.discard(seq.slot)
+            uncount = getattr(self.prefix_cache, "uncount", None)
+            if uncount is not None:
+                uncount(seq.slot)
+        self.kv.free_reqid(seq.slot)
+        seq.slot, seq.num_computed_tokens = None, 0
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Send `seq`, admitted in this schedule, back to waiting before it ran (the step
+        could not back it): no preemption, nothing computed to keep."""
+        self.running.remove(seq)
+        self.num_unadmitted += 1
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
 
     def _fork_source(self, seq: Sequence) -> Sequence | None:
         """A running sibling of `seq` whose slot holds the whole prompt and can be forked
