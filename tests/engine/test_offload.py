@@ -285,3 +285,56 @@ def test_tiers_on_a_gpu(tmp_path: Path) -> None:
         again = chat_on(llm, 1)
         assert llm.prefix_cache_stats().num_disk_hit_tokens > 0
     assert sum(a == b for a, b in zip(again, want[:3])) >= 2
+
+
+# ------------------------------------------------------------------- under pressure ----
+PRESSURE_USERS = 6  # in flight together; device memory (KV: 256 tokens) holds about two conversations
+
+
+@functools.lru_cache(maxsize=None)
+def pressure_chat() -> tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]:
+    """PRESSURE_USERS conversations of TURNS turns (~100 tokens each at the end), as `chat`."""
+    model = build_model(tiny_config())
+    g = torch.Generator().manual_seed(11)
+    convs = []
+    for _ in range(PRESSURE_USERS):
+        history: list[int] = torch.randint(3, 128, (40,), generator=g).tolist()
+        turns = []
+        for _ in range(TURNS):
+            prompt = history + torch.randint(3, 128, (20,), generator=g).tolist()
+            answer = _greedy_past_eos(model, prompt, ANSWER)
+            turns.append((tuple(prompt), tuple(answer)))
+            history = prompt + answer
+        convs.append(tuple(turns))
+    return tuple(convs)
+
+
+def _greedy_past_eos(model: Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, an EOS taken as any other token (`ignore_eos`)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_under_pressure_the_host_tier_never_computes_more_than_device_only() -> None:
+    """Every user's turn in flight together, more than device memory holds: the host tier's
+    restores are planned with the step (a request is restored and admitted only when it can run
+    beside the running ones), so it computes at most what device-only prefix caching computes,
+    with no more preemptions, and each prompt is looked up once per admission (again only
+    after a preemption). Before, restores at admission took the pages of running requests and
+    every iteration admitted requests the step then sent back, each looked up again."""
+    convs = pressure_chat()
+    kw = dict(max_batch_size=PRESSURE_USERS, max_num_batched_tokens=64)
+    prompts = sum(len(c[t][0]) for c in convs for t in range(TURNS))
+    longest = max(len(c[-1][0]) + ANSWER for c in convs)
+    runs = {}
+    for name, extra in (("device", {}), ("host", dict(offload_bytes=HOST))):
+        with engine(**kw, **extra) as llm:
+            assert serve(llm, convs) == expected(convs), name
+            stats = llm.prefix_cache_stats()
+            runs[name] = (computed(llm), llm.num_preemptions, stats.num_query_tokens, stats.num_host_hit_tokens)
+    (device, device_preempt, _, _), (host, host_preempt, queried, host_hits) = runs["device"], runs["host"]
+    assert host_hits > 0 and host <= device and host_preempt <= device_preempt, runs
+    assert prompts <= queried <= prompts + host_preempt * longest, runs

@@ -191,6 +191,34 @@ def _shorter_chunks(plan: list[ScheduledSequence], failed: Collection[int]) -> l
             if item.seq.slot in failed and item.num_new_tokens > 1 else item for item in plan]
 
 
+class _Fits:
+    """`fits(n)` of one admission (see `Scheduler._fits`). `sticky` (other sequences run this
+    iteration): once a length is refused every later ask is, so a lookup restores its whole
+    chain from the lower tiers or nothing, and the scheduler leaves the request waiting
+    (`refused`): a request restored in part computes the rest, and needs the same pages for
+    it a little later, where it preempts the newest running sequence (measured: 5x the
+    preemptions of waiting)."""
+
+    def __init__(self, can_step: Callable[[Mapping[int, int]], bool], lens: dict[int, int], slot: int,
+                 total: int, budget: int, sticky: bool) -> None:
+        self.can_step, self.lens, self.slot, self.total, self.budget = can_step, lens, slot, total, budget
+        self.sticky = sticky
+        self.refused = False
+
+    def __call__(self, n: int) -> bool:
+        if self.refused and self.sticky:
+            return False
+        self.lens[self.slot] = n + min(self.total - n, self.budget)
+        try:
+            ok = bool(self.can_step(self.lens))
+        except FatalEngineError:  # e.g. a failed collective: the engine stops
+            raise
+        except Exception:  # noqa: BLE001 - the step itself will say what is wrong
+            ok = True
+        self.refused |= not ok
+        return ok
+
+
 class Scheduler:
     """FCFS continuous batching with a token budget, chunked prefill, preemption and
     parallel sampling by forking."""
@@ -351,13 +379,13 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a miss: the books hold, the sequence computes it all
                 logger.warning("vattn: mapping cached prefix pages for request %d failed (%s: %s)",
                                seq.request_id, type(e).__name__, e)
-        if plan and fits is not None and not fits(seq.num_computed_tokens):
+        if plan and fits is not None and (fits.refused or not fits(seq.num_computed_tokens)):
             self.num_admissions_held += 1
             self._release(seq)
             return False
         return True
 
-    def _fits(self, seq: Sequence, plan: list[ScheduledSequence], budget: int) -> Callable[[int], bool] | None:
+    def _fits(self, seq: Sequence, plan: list[ScheduledSequence], budget: int) -> _Fits | None:
         """`fits(n)`: whether `seq`, holding its first `n` tokens in its new slot, can run its
         first chunk this iteration beside `plan` (planned by `kv.can_step`, nothing mapped);
         None when the cache cannot tell (the step decides)."""
@@ -365,18 +393,7 @@ class Scheduler:
         if can_step is None:
             return None
         lens = {s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in plan}
-        slot, total = seq.slot, seq.num_tokens
-
-        def fits(n: int) -> bool:
-            lens[slot] = n + min(total - n, budget)
-            try:
-                return bool(can_step(lens))
-            except FatalEngineError:  # e.g. a failed collective: the engine stops
-                raise
-            except Exception:  # noqa: BLE001 - the step itself will say what is wrong
-                return True
-
-        return fits
+        return _Fits(can_step, lens, seq.slot, seq.num_tokens, budget, sticky=bool(plan))
 
     def _release(self, seq: Sequence) -> None:
         """Give back the slot `_admit` gave `seq` (it stays waiting; what it mapped stays
