@@ -81,7 +81,10 @@ class PrefixCache:
     `offload_dir` and `offload_dir_bytes` the blocks evicted from host memory go to files
     there, kept across restarts (the salt must name the weights, and may not be empty: the engine's does). A lookup
     maps the blocks in device memory, then restores the chain's next blocks from the nearest
-    tier into fresh pages of the request (`num_host_hit_tokens`, `num_disk_hit_tokens`). A
+    tier into fresh pages of the request (`num_host_hit_tokens`, `num_disk_hit_tokens`), as far
+as the request can then run (`map_prefix`'s `fits`: the scheduler plans the restore with the
+step, so that it never takes the pages of a running request nor restores blocks the request
+could not keep). A
     block restores its recurrent states' snapshot with it, or ends no hit; a sliding window's
     part of a block is kept only where the window had not given its pages back, and a block
     is restored only where the query after the hit reads no page it lacks. Anything that goes

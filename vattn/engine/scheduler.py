@@ -17,9 +17,15 @@ Every iteration:
 1. running sequences: decodes first (one token each), then unfinished prompts in arrival
    order, each a chunk of at most what is left of the token budget;
 2. waiting sequences in arrival order (FCFS) while a slot, a seat (max_num_seqs) and
-   budget are left: each gets a slot and a first chunk;
+   budget are left: each gets a slot and a first chunk, planned with the step: while other
+   sequences run this iteration, a request is admitted only when its cached prefix and first
+   chunk fit beside them (`kv.can_step`, decided from the books; its restore from a lower
+   tier is all or nothing), else it and everything behind it waits (the running sequences
+   free memory as they finish): an admission never takes a running sequence's pages;
 3. `kv.step({slot: num_computed_tokens + num_new_tokens})` backs the batch with pages.
-   When it cannot, the newest running sequence is preempted and step is tried again. A
+   When it cannot, a sequence admitted in this iteration goes back to waiting first (the
+   newest: it has not run; not a preemption), then the newest running sequence is
+   preempted, and step is tried again. A
    sequence left alone whose prompt chunk still cannot be backed runs a shorter chunk
    (halved until it fits: what a chunk needs grows with its length, a sliding window's
    pages too, not only the prompt's); one that cannot be backed even alone, one token at a
@@ -50,11 +56,18 @@ leaves the sample waiting (FCFS: nothing behind it is admitted in that iteration
 
 Prefix caching (a `prefix_cache`, see `vattn.prefix_cache.PrefixCache`): a sequence that
 gets a new slot maps the longest cached prefix of its tokens into it (`map_prefix`: no
-copy, at least one token left to compute) and starts with those tokens computed. When a
+copy, at least one token left to compute; blocks restored from the host or disk tier only
+where the request can then run, see 2. above) and starts with those tokens computed. A
+prompt counts in the cache's `num_query_tokens` once per admission: a request sent back to
+waiting before it ran takes its lookup back (`uncount`). When a
 sequence's prompt is computed, the pages of its whole prompt blocks (whole tokens in whole
 pages) are pinned in the cache (`insert`); a sequence preempted for memory pins the whole
 blocks of everything it computed, so that its recomputation maps them back unless memory
-pressure evicted them first (least recently used first).
+pressure evicted them first (least recently used first). With a host tier (`offload_bytes`)
+those blocks are written through to host memory as they are pinned, so the re-admission of a
+preempted sequence restores them from there rather than computing them again: in "recompute"
+mode only the tokens after its last whole block are computed again (a swap of whole blocks,
+no second copy of what the host tier holds already).
 
 Asynchronous scheduling (the engine's `EngineConfig.async_scheduling`): the engine schedules
 and launches iteration N+1 before it takes N's outputs. `commit` has counted N's tokens
