@@ -33,9 +33,11 @@ Every engine has a slot per user (`max_batch_size`) and runs `--concurrency` of 
 
 The systems' engines are open together and step in turn (`Chat`, `serve_together`): each
 counts only its own steps' time, so a load on the shared machine falls on all of them. Per
-system: prompt tokens computed, time to first token p50/p99 (engine time), output tokens/s,
-hits per tier, and whether every answer equals transformers' `generate` on the same weights
-(computed first; the conversations are built from those answers). Then a restart: a new engine on the
+system: prompt tokens computed and looked up (`queried`: once per admission, again after a
+preemption), time to first token p50/p99 (engine time) and the wait from arrival to admission
+p50 (memory, when requests in flight do not fit), each `llm.step()`'s time p99, preemptions,
+output tokens/s, hits per tier, and whether every answer equals transformers' `generate` on the
+same weights (computed first; the conversations are built from those answers). Then a restart: a new engine on the
 `host+disk` system's directory serves every user's next turn (`restart`), beside a cold engine
 without it (`cold`): the first turn's hits from disk and its TTFT.
 
@@ -187,6 +189,8 @@ class Chat:
         self.arrived: dict[int, float] = {}  # request id -> the clock when it was added
         self.ttft: list[float] = []
         self.steps: list[float] = []  # each llm.step()'s seconds
+        self.waits: list[float] = []  # engine time from a request's arrival to the step that first admitted it
+        self.queued: dict[int, float] = {}  # request id -> arrival, until first admitted
         self.clock = 0.0
         self.next = 0
 
@@ -202,7 +206,7 @@ class Chat:
             prompt, answer = self.convs[u][t]
             params = SamplingParams(temperature=0, max_tokens=len(answer), ignore_eos=True)
             rid = self.llm.add_request(prompt, params)
-            self.pending[rid], self.arrived[rid] = (u, t), self.clock
+            self.pending[rid], self.arrived[rid], self.queued[rid] = (u, t), self.clock, self.clock
             self.next += 1
         start = time.perf_counter()
         outs = self.llm.step()
@@ -210,6 +214,9 @@ class Chat:
         took = time.perf_counter() - start
         self.clock += took
         self.steps.append(took)
+        requests = self.llm.scheduler.requests
+        for rid in [r for r in self.queued if requests.get(r) is None or requests[r][0].slot is not None]:
+            self.waits.append(self.clock - self.queued.pop(rid))
         for out in outs:
             rid = out.request_id
             if rid in self.arrived and out.outputs[0].token_ids:  # its first token
@@ -220,7 +227,7 @@ class Chat:
     def served(self) -> dict[str, Any]:
         """Answers (user by user, turn by turn), TTFTs, engine seconds, output tokens."""
         return dict(answers=[self.answers[(u, t)] for u in range(len(self.convs)) for t in self.turns],
-                    ttft=self.ttft, steps=self.steps, wall=self.clock,
+                    ttft=self.ttft, steps=self.steps, waits=self.waits, wall=self.clock,
                     output_tokens=sum(len(a) for a in self.answers.values()))
 
 
@@ -259,8 +266,9 @@ def figures(llm: Any, served: dict[str, Any], ref: list[list[int]], base: dict[s
     decode = sum(len(a) - 1 for a in served["answers"])  # each answer token but the last is fed back once
     lat = latency_stats(served["ttft"])
     steps = latency_stats(served["steps"])
+    waits = latency_stats(served["waits"])
     row = dict(prefill_computed=now.pop("computed") - decode, ttft_p50_ms=1e3 * lat["p50"],
-               ttft_p99_ms=1e3 * lat["p99"], step_p50_ms=1e3 * steps["p50"], step_p99_ms=1e3 * steps["p99"],
+               ttft_p99_ms=1e3 * lat["p99"], admit_wait_p50_ms=1e3 * waits["p50"], step_p50_ms=1e3 * steps["p50"], step_p99_ms=1e3 * steps["p99"],
                output_tok_s=served["output_tokens"] / served["wall"],
                wall_s=served["wall"], agreement=agreement(served["answers"], ref), **now)
     stats = llm.prefix_cache_stats()
@@ -363,6 +371,8 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
         out["ttft_p50_host_over_unlimited"] = s["host"]["ttft_p50_ms"] / s["unlimited"]["ttft_p50_ms"]
     if "host+disk" in s and "host_small" in s:
         out["step_p99_disk_over_host_small"] = s["host+disk"]["step_p99_ms"] / s["host_small"]["step_p99_ms"]
+    if "host+disk" in s and "host" in s:  # (the same hits: host+disk's reads and writes of files on the thread)
+        out["step_p99_disk_over_host"] = s["host+disk"]["step_p99_ms"] / s["host"]["step_p99_ms"]
     if "restart" in result and "cold" in result:
         out["ttft_p50_cold_over_restart"] = result["cold"]["ttft_p50_ms"] / result["restart"]["ttft_p50_ms"]
     return out
@@ -437,7 +447,7 @@ def bandwidth(args: argparse.Namespace, device: str, dtype: torch.dtype, repeats
 
 
 # ------------------------------------------------------------------------ output ----
-HEADERS = ["shape / system", "prefill computed", "queried", "TTFT p50 ms", "TTFT p99 ms", "step p99 ms",
+HEADERS = ["shape / system", "prefill computed", "queried", "TTFT p50 ms", "TTFT p99 ms", "wait p50 ms", "step p99 ms",
            "output tok/s", "hits device", "hits host", "hits disk", "preempt", "= generate"]
 
 
@@ -448,7 +458,7 @@ def table(result: dict) -> tuple[list[str], list[list]]:
         named = [*r["systems"].items(), *((k, r[k]) for k in ("cold", "restart") if k in r)]
         for name, s in named:
             rows.append([f"{shape} {name}", s["prefill_computed"], s.get("queried", "-"), round(s["ttft_p50_ms"], 1),
-                         round(s["ttft_p99_ms"], 1), round(s["step_p99_ms"], 1), round(s["output_tok_s"], 1),
+                         round(s["ttft_p99_ms"], 1), round(s["admit_wait_p50_ms"], 1), round(s["step_p99_ms"], 1), round(s["output_tok_s"], 1),
                          s.get("hits_device", "-"), s.get("hits_host", "-"), s.get("hits_disk", "-"),
                          s["preemptions"], s["agreement"]["equal"]])
         for k, v in r["ratios"].items():
