@@ -22,9 +22,9 @@ restart round runs after `chat`'s):
 - `chat`: 16 users, 4 requests in flight, 4,096 tokens of device memory (about 6 of the 16
   contexts at their end): the contexts are evicted between a user's turns, every running
   request fits;
-- `pressure`: 6 users, 4 in flight, 1,400 tokens of device memory (about 2 contexts at their
-  end): the requests in flight do not fit together, so some wait for memory and running ones
-  are preempted. Before admission planned restores with the step, the host tier's restores
+- `pressure`: 8 users, all 8 in flight, 1,400 tokens of device memory (about 2 contexts at
+  their end), 128-token prompt chunks: the requests in flight do not fit together, so some
+  wait for memory and running ones are preempted as they grow. Before admission planned restores with the step, the host tier's restores
   took pages the running requests needed (more preemptions than device-only) and every
   iteration admitted requests the step then sent back (their prompts counted again each time).
 
@@ -72,8 +72,9 @@ NEEDS_GPU = False
 
 SYSTEMS = ("no_prefix", "device", "host", "host+disk", "host_small", "unlimited")
 # --shape: the defaults each shape changes (see the module docstring)
-SHAPES: dict[str, dict[str, Any]] = {"chat": dict(users=16, concurrency=4, device_tokens=4096),
-                                     "pressure": dict(users=6, concurrency=4, device_tokens=1400)}
+SHAPES: dict[str, dict[str, Any]] = {
+    "chat": dict(users=16, concurrency=4, device_tokens=4096, max_num_batched_tokens=512),
+    "pressure": dict(users=8, concurrency=8, device_tokens=1400, max_num_batched_tokens=128)}
 TARGETS = dict(prefill_vs_device=1 / 2, ttft_gain_vs_device=2.0, ttft_vs_unlimited=1.3, bandwidth_vs_copy=0.8,
                step_p99_disk_vs_host_small=1.1)
 
@@ -97,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=None,
                    help="page size in bytes (default: 32 KiB on the CPU, the GPU's granularity on CUDA)")
     p.add_argument("--layout", default="per-layer", choices=("per-layer", "fused"))
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="(default: the shape's)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=512)
