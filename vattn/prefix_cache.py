@@ -117,7 +117,8 @@ could not keep). A
         self.num_disk_hit_tokens = 0  # of those, restored from disk
         self.num_restore_failures = 0  # restores that failed (their tokens were computed)
         self.num_restores_held_back = 0  # lookups that restored fewer blocks than the tiers held: no room
-        self._counted: dict[int, tuple[int, Hit]] = {}  # reqid -> what its last map_prefix counted
+        # reqid -> what its last map_prefix counted: (query, hit, host hit, disk hit tokens)
+        self._counted: dict[int, tuple[int, int, int, int]] = {}
         self.tiers: Tiers | None = None  # (the host and disk tiers, vattn.offload)
         if offload_bytes is not None:
             from vattn.offload import tiers  # (torch: only with the tiers)
@@ -149,9 +150,9 @@ could not keep). A
         lookup counted, for a request that is not admitted after all."""
         ids = token_array(token_ids)
         self.num_query_tokens += len(ids)
+        self._counted[reqid] = (len(ids), 0, 0, 0)  # (until its hit is counted: a lookup may raise)
         hit = self.map_hit(reqid, ids, fits)
-        self.count(hit)
-        self._counted[reqid] = (len(ids), hit)
+        self.count(hit, reqid=reqid, query=len(ids))
         return hit.num_tokens
 
     def uncount(self, reqid: int) -> None:
@@ -161,18 +162,23 @@ could not keep). A
         counted = self._counted.pop(reqid, None)
         if counted is None:
             return
-        query, hit = counted
+        query, hits, host, disk = counted
         self.num_query_tokens -= query
-        self.num_hit_tokens -= hit.num_tokens
-        self.num_host_hit_tokens -= hit.tier_tokens("host")
-        self.num_disk_hit_tokens -= hit.tier_tokens("disk")
+        self.num_hit_tokens -= hits
+        self.num_host_hit_tokens -= host
+        self.num_disk_hit_tokens -= disk
 
-    def count(self, hit: Hit, upto: int | None = None) -> None:
-        """Count the first `upto` (all) tokens of `hit` among the hits, by tier."""
+    def count(self, hit: Hit, upto: int | None = None, *, reqid: int | None = None, query: int = 0) -> None:
+        """Count the first `upto` (all) tokens of `hit` among the hits, by tier. With `reqid`:
+        the lookup of that request (`query` tokens, counted by the caller), which `uncount`
+        can take back."""
         n = hit.num_tokens if upto is None else min(upto, hit.num_tokens)
+        host, disk = hit.tier_tokens("host", n), hit.tier_tokens("disk", n)
         self.num_hit_tokens += n
-        self.num_host_hit_tokens += hit.tier_tokens("host", n)
-        self.num_disk_hit_tokens += hit.tier_tokens("disk", n)
+        self.num_host_hit_tokens += host
+        self.num_disk_hit_tokens += disk
+        if reqid is not None:
+            self._counted[reqid] = (query, n, host, disk)
 
     def map_hit(self, reqid: int, ids: array, fits: Callable[[int], bool] | None = None) -> Hit:
         """`map_prefix` without counting: where the tokens mapped came from."""
