@@ -83,9 +83,10 @@ Turn = tuple[list[int], list[int]]  # (prompt, generate's answer)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES),
-                   help="the workloads, one round of engines each (see above): users, in flight and device "
-                        "memory; the options below given explicitly apply to every shape")
+    p.add_argument("--shape", nargs="+", default=None, choices=list(SHAPES),
+                   help="the workloads, one round of engines each (see above; default: both, with --quick chat "
+                        "only): users, in flight, device memory and chunk; the options below given explicitly apply "
+                        "to every shape")
     p.add_argument("--users", type=int, default=None, help="users (default: the shape's)")
     p.add_argument("--turns", type=int, default=6, help="turns of every conversation (then one more after a restart)")
     p.add_argument("--first", type=int, default=300, help="tokens of a user's first message")
@@ -298,7 +299,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.page_size is None and not cuda:
         args.page_size = 32 << 10  # (CUDA: the backend's, its granularity)
     dtype = torch.float16 if cuda else torch.float32
-    shapes = {name: shape_args(args, name) for name in args.shape}
+    names = args.shape or (["chat"] if args.quick else list(SHAPES))  # (--quick: the GPU suite's short stage)
+    shapes = {name: shape_args(args, name) for name in names}
     # one model for every engine (each uses it in place; the same weights): one copy of it in memory
     model = build_model(model_config(args), device, dtype, seed=args.seed)
     # one set of conversations (seeded user by user): a shape of fewer users takes the first ones
