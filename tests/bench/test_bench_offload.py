@@ -15,8 +15,8 @@ from vattn import bench  # noqa: E402
 from vattn.bench import offload  # noqa: E402
 
 MODEL = ["--device", "cpu", "--turns", "2", "--first", "40", "--message", "20", "--answer", "4", "--page-size", "4096",
-         "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "256",
-         "--max-num-batched-tokens", "64"]
+         "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
+         "--vocab", "256", "--max-num-batched-tokens", "64"]
 TINY = [*MODEL, "--users", "4", "--concurrency", "2", "--device-tokens", "128", "--bandwidth-blocks", "3"]
 
 

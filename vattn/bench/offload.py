@@ -24,9 +24,10 @@ restart round runs after `chat`'s):
   request fits;
 - `pressure`: 8 users, all 8 in flight, 1,400 tokens of device memory (about 2 contexts at
   their end), 128-token prompt chunks: the requests in flight do not fit together, so some
-  wait for memory and running ones are preempted as they grow. Before admission planned restores with the step, the host tier's restores
-  took pages the running requests needed (more preemptions than device-only) and every
-  iteration admitted requests the step then sent back (their prompts counted again each time).
+  wait for memory and running ones are preempted as they grow. Before admission planned
+  restores with the step, the host tier's restores took pages the running requests needed
+  (more preemptions than device-only) and every iteration admitted requests the step then
+  sent back (their prompts counted again each time).
 
 Every engine has a slot per user (`max_batch_size`) and runs `--concurrency` of them
 (`max_num_seqs`): memory, not slots, is what the systems differ in.
@@ -246,7 +247,8 @@ def counters(llm: Any) -> dict[str, int]:
     out = dict(computed=llm.scheduler.num_computed_tokens, preemptions=llm.num_preemptions)
     stats = llm.prefix_cache_stats()
     if stats is not None:
-        out.update(queried=stats.num_query_tokens, hits_device=stats.num_device_hit_tokens, hits_host=stats.num_host_hit_tokens,
+        out.update(queried=stats.num_query_tokens, hits_device=stats.num_device_hit_tokens,
+                   hits_host=stats.num_host_hit_tokens,
                    hits_disk=stats.num_disk_hit_tokens)
     return out
 
@@ -270,7 +272,8 @@ def figures(llm: Any, served: dict[str, Any], ref: list[list[int]], base: dict[s
     steps = latency_stats(served["steps"])
     waits = latency_stats(served["waits"])
     row = dict(prefill_computed=now.pop("computed") - decode, ttft_p50_ms=1e3 * lat["p50"],
-               ttft_p99_ms=1e3 * lat["p99"], admit_wait_p50_ms=1e3 * waits["p50"], step_p50_ms=1e3 * steps["p50"], step_p99_ms=1e3 * steps["p99"],
+               ttft_p99_ms=1e3 * lat["p99"], admit_wait_p50_ms=1e3 * waits["p50"], step_p50_ms=1e3 * steps["p50"],
+               step_p99_ms=1e3 * steps["p99"],
                output_tok_s=served["output_tokens"] / served["wall"],
                wall_s=served["wall"], agreement=agreement(served["answers"], ref), **now)
     stats = llm.prefix_cache_stats()
@@ -306,7 +309,8 @@ def run(args: argparse.Namespace) -> dict:
     # one set of conversations (seeded user by user): a shape of fewer users takes the first ones
     convs = conversations(model, argparse.Namespace(**{**vars(args), "users": max(a.users for a in shapes.values())}),
                           device)
-    token_bytes = 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * torch.empty((), dtype=dtype).element_size()
+    token_bytes = (2 * args.layers * args.kv_heads * (args.hidden // args.heads)
+                   * torch.empty((), dtype=dtype).element_size())
     result: dict[str, Any] = dict(device=device, turns=args.turns, token_bytes=token_bytes, shapes={}, failures=[])
     for name, a in shapes.items():
         shape = serve_shape(model, convs[:a.users], a, device, dtype, token_bytes, restart=name == "chat")
@@ -461,7 +465,8 @@ def table(result: dict) -> tuple[list[str], list[list]]:
         named = [*r["systems"].items(), *((k, r[k]) for k in ("cold", "restart") if k in r)]
         for name, s in named:
             rows.append([f"{shape} {name}", s["prefill_computed"], s.get("queried", "-"), round(s["ttft_p50_ms"], 1),
-                         round(s["ttft_p99_ms"], 1), round(s["admit_wait_p50_ms"], 1), round(s["step_p99_ms"], 1), round(s["output_tok_s"], 1),
+                         round(s["ttft_p99_ms"], 1), round(s["admit_wait_p50_ms"], 1), round(s["step_p99_ms"], 1),
+                         round(s["output_tok_s"], 1),
                          s.get("hits_device", "-"), s.get("hits_host", "-"), s.get("hits_disk", "-"),
                          s["preemptions"], s["agreement"]["equal"]])
         for k, v in r["ratios"].items():
