@@ -244,6 +244,11 @@ class KVCache:
                                         [s for s, n in enumerate(seq_lens) if n])
         return self.allocator.step(seq_lens)
 
+    def can_step(self, seq_lens: Sequence[int] | Mapping[int, int]) -> bool:
+        """Whether `step(seq_lens)` would back every request now, decided from the books
+        without mapping anything (see `Coordinator.can_step`)."""
+        return self.allocator.can_step(seq_lens)
+
     def revert_step(self, reqids: Sequence[int]) -> None:
         """The iteration the last `step` backed will not run for `reqids` (another
         tensor-parallel rank could not back them): their lengths go back to what they were

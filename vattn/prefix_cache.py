@@ -31,7 +31,7 @@ import logging
 import os
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from vattn.checks import as_int
 from vattn.errors import InvalidConfigError, InvalidRequestError
@@ -81,7 +81,10 @@ class PrefixCache:
     `offload_dir` and `offload_dir_bytes` the blocks evicted from host memory go to files
     there, kept across restarts (the salt must name the weights, and may not be empty: the engine's does). A lookup
     maps the blocks in device memory, then restores the chain's next blocks from the nearest
-    tier into fresh pages of the request (`num_host_hit_tokens`, `num_disk_hit_tokens`). A
+    tier into fresh pages of the request (`num_host_hit_tokens`, `num_disk_hit_tokens`), as far
+as the request can then run (`map_prefix`'s `fits`: the scheduler plans the restore with the
+step, so that it never takes the pages of a running request nor restores blocks the request
+could not keep). A
     block restores its recurrent states' snapshot with it, or ends no hit; a sliding window's
     part of a block is kept only where the window had not given its pages back, and a block
     is restored only where the query after the hit reads no page it lacks. Anything that goes
@@ -116,6 +119,9 @@ class PrefixCache:
         self.num_host_hit_tokens = 0  # of those, restored from host memory
         self.num_disk_hit_tokens = 0  # of those, restored from disk
         self.num_restore_failures = 0  # restores that failed (their tokens were computed)
+        self.num_restores_held_back = 0  # lookups that restored fewer blocks than the tiers held: no room
+        # reqid -> what its last map_prefix counted: (query, hit, host hit, disk hit tokens)
+        self._counted: dict[int, tuple[int, int, int, int]] = {}
         self.tiers: Tiers | None = None  # (the host and disk tiers, vattn.offload)
         self.reads_ahead = False  # the caller reads disk blocks ahead (`load`): lookups read none
         if offload_bytes is not None:
@@ -135,17 +141,22 @@ class PrefixCache:
             keys.append(prev)
         return keys
 
-    def map_prefix(self, reqid: int, token_ids: Sequence[int]) -> int:
+    def map_prefix(self, reqid: int, token_ids: Sequence[int], fits: Callable[[int], bool] | None = None) -> int:
         """Map the longest cached prefix of `token_ids` into `reqid` (a request that has not
         run yet): the blocks in device memory, then the next ones restored from the host or
         disk tier; with recurrent states, the longest whose last block keeps a snapshot, which
         is restored into `reqid`'s states, and the snapshots this request should take are
         asked for. At least one token is left to compute, so the request still gets logits.
-        Returns the number of tokens mapped (0: a miss)."""
+        `fits(n)`: whether the request can run this iteration holding `n` tokens (the
+        scheduler plans it with the running requests: `KVCache.can_step`); a restore stops
+        at the longest prefix that fits (a restore the request could not keep is thrash).
+        Returns the number of tokens mapped (0: a miss). `uncount` takes back what this
+        lookup counted, for a request that is not admitted after all."""
         ids = token_array(token_ids)
         self.num_query_tokens += len(ids)
-        hit = self.map_hit(reqid, ids)
-        self.count(hit)
+        self._counted[reqid] = (len(ids), 0, 0, 0)  # (until its hit is counted: a lookup may raise)
+        hit = self.map_hit(reqid, ids, fits)
+        self.count(hit, reqid=reqid, query=len(ids))
         return hit.num_tokens
 
     def load(self, token_ids: Sequence[int]) -> bool:
@@ -173,14 +184,32 @@ class PrefixCache:
         if self.tiers is not None:
             self.tiers.wait_reads(timeout)
 
-    def count(self, hit: Hit, upto: int | None = None) -> None:
-        """Count the first `upto` (all) tokens of `hit` among the hits, by tier."""
-        n = hit.num_tokens if upto is None else min(upto, hit.num_tokens)
-        self.num_hit_tokens += n
-        self.num_host_hit_tokens += hit.tier_tokens("host", n)
-        self.num_disk_hit_tokens += hit.tier_tokens("disk", n)
+    def uncount(self, reqid: int) -> None:
+        """Take back the counts of `reqid`'s last `map_prefix` (the scheduler left the request
+        waiting after all: its next admission looks it up again, and a prompt counts once per
+        admission). No-op when nothing was counted for it since."""
+        counted = self._counted.pop(reqid, None)
+        if counted is None:
+            return
+        query, hits, host, disk = counted
+        self.num_query_tokens -= query
+        self.num_hit_tokens -= hits
+        self.num_host_hit_tokens -= host
+        self.num_disk_hit_tokens -= disk
 
-    def map_hit(self, reqid: int, ids: array) -> Hit:
+    def count(self, hit: Hit, upto: int | None = None, *, reqid: int | None = None, query: int = 0) -> None:
+        """Count the first `upto` (all) tokens of `hit` among the hits, by tier. With `reqid`:
+        the lookup of that request (`query` tokens, counted by the caller), which `uncount`
+        can take back."""
+        n = hit.num_tokens if upto is None else min(upto, hit.num_tokens)
+        host, disk = hit.tier_tokens("host", n), hit.tier_tokens("disk", n)
+        self.num_hit_tokens += n
+        self.num_host_hit_tokens += host
+        self.num_disk_hit_tokens += disk
+        if reqid is not None:
+            self._counted[reqid] = (query, n, host, disk)
+
+    def map_hit(self, reqid: int, ids: array, fits: Callable[[int], bool] | None = None) -> Hit:
         """`map_prefix` without counting: where the tokens mapped came from."""
         keys, handles = self.lookup(ids)
         if self.tiers is not None:
@@ -192,25 +221,26 @@ class PrefixCache:
             if self.tiers is not None:
                 self.tiers.depend(reqid, keys[:n // self.block_tokens])
         if self.with_states:
-            return self._map_with_states(reqid, ids, keys, n)
+            return self._map_with_states(reqid, ids, keys, n, fits)
         if self.tiers is None:
             return Hit(n, n, (), self.block_tokens)
         dev = n // self.block_tokens
         lower = self._lower_chain(keys, dev)
-        end = self._lower_end(keys, dev, lower, states=False)
+        end = self._lower_end(keys, dev, lower, states=False, fits=fits)
         if end > dev:
             hit, n = self._restore(reqid, keys, dev, end, lower)
             if hit is not None:
                 return hit
         return Hit(n, n, (), self.block_tokens)
 
-    def _map_with_states(self, reqid: int, ids: array, keys: list[bytes], n: int) -> Hit:
+    def _map_with_states(self, reqid: int, ids: array, keys: list[bytes], n: int,
+                         fits: Callable[[int], bool] | None) -> Hit:
         t, cache = self.block_tokens, self.cache
         dev = n // t  # leading blocks whose K/V is mapped
         lower = self._lower_chain(keys, dev)
         chain = dev + len(lower)  # the cached K/V chain, every tier's
         hit = None
-        end = self._lower_end(keys, dev, lower, states=True)
+        end = self._lower_end(keys, dev, lower, states=True, fits=fits)
         if end > dev:
             hit, n = self._restore(reqid, keys, dev, end, lower)
         if hit is None:  # the longest snapshot within the blocks mapped from device memory
@@ -249,14 +279,24 @@ class PrefixCache:
                 chain.append(where)
         return chain
 
-    def _lower_end(self, keys: Sequence[bytes], dev: int, lower: Sequence[tuple[str, int]], states: bool) -> int:
+    def _lower_end(self, keys: Sequence[bytes], dev: int, lower: Sequence[tuple[str, int]], states: bool,
+                   fits: Callable[[int], bool] | None = None) -> int:
         """The most leading blocks a hit may end at, restoring blocks `dev` .. from `lower`:
         every K/V kind holds the pages the query after it reads (a sliding window's part of a
-        block may be missing), and with states the last block keeps a snapshot (in device
-        memory or with the lower block). `dev` when no such end lies past `dev`."""
+        block may be missing), with states the last block keeps a snapshot (in device
+        memory or with the lower block), and the request can run holding them (`fits`, see
+        `map_prefix`). `dev` when no such end lies past `dev`."""
         t, u = self.block_tokens, self.block_pages
         layout = self.tiers.layout if self.tiers is not None else None
-        for end in range(dev + len(lower), dev, -1):
+        top = dev + len(lower)
+        if fits is not None and top > dev and not fits(top * t):
+            lo, hi = dev, top - 1  # what a request needs grows with its length: the most that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid * t) else (lo, mid - 1)
+            top = lo
+            self.num_restores_held_back += 1
+        for end in range(top, dev, -1):
             if states:
                 flags = lower[end - 1 - dev][1]
                 if not (flags & layout.state_flag or self._has_snapshot(keys[end - 1])):

@@ -71,6 +71,46 @@ def test_evicted_blocks_come_back_from_host_memory(make_cache):
     c.allocator.check_invariants()
 
 
+def test_a_restore_takes_only_what_the_request_can_run_with(make_cache):
+    """`map_prefix(fits=)`: blocks are restored from a lower tier only up to the longest prefix
+    the request can then run with (the scheduler asks `KVCache.can_step`); refused, nothing is
+    restored or mapped. `uncount` takes a lookup's counts back (a request left waiting)."""
+    c = make_cache(page_size=4 * KB, prefetch=False)
+    pc = PrefixCache(c, salt="m", offload_bytes=64 * blk(c))
+    cached(c, pc, PROMPT, 1)
+    c.trim()
+    q = pc.num_query_tokens
+    asked: list[int] = []
+    r = c.alloc_reqid()
+    assert pc.map_prefix(r, PROMPT + [5], fits=lambda n: asked.append(n) or False) == 0
+    assert asked[0] == 96 and c.allocator.num_tokens(r) == 0 and c.stats().num_pinned_pages == 0
+    assert pc.num_host_hit_tokens == 0 and pc.num_restores_held_back == 1
+    pc.uncount(r)
+    assert pc.num_query_tokens == q
+    c.free_reqid(r)
+    r = c.alloc_reqid()
+    assert pc.map_prefix(r, PROMPT + [5], fits=lambda n: n <= 2 * TPP) == 2 * TPP  # the most that fits
+    check(c, r, 2 * TPP, 1)
+    assert (pc.num_query_tokens, pc.num_hit_tokens, pc.num_host_hit_tokens) == (q + 101, 64, 64)
+    pc.uncount(r)
+    pc.uncount(r)  # (once)
+    assert (pc.num_query_tokens, pc.num_hit_tokens, pc.num_host_hit_tokens) == (q, 0, 0)
+    c.free_reqid(r)
+    assert hit(c, pc, PROMPT + [6], 1) == 96  # two blocks mapped from device memory, one restored
+    assert pc.num_host_hit_tokens == TPP
+
+
+def test_can_step_plans_without_mapping(make_cache):
+    """`KVCache.can_step`: what `step` would back, from the books alone (nothing maps)."""
+    c = make_cache(page_size=4 * KB, prefetch=False, physical_memory=4 * BLOCK)
+    a, b = c.alloc_reqid(), c.alloc_reqid()
+    assert c.can_step({a: 4 * TPP}) and not c.can_step({a: 4 * TPP, b: 1})
+    assert c.stats().num_mapped_pages == 0
+    assert c.step({a: 2 * TPP})
+    assert c.can_step({a: 2 * TPP, b: 2 * TPP}) and not c.can_step({a: 3 * TPP, b: 2 * TPP})
+    assert c.step({a: 2 * TPP, b: 2 * TPP})
+
+
 def test_device_blocks_then_host_blocks_make_one_hit(make_cache):
     c = make_cache(page_size=4 * KB, prefetch=False, physical_memory=8 * BLOCK)
     pc = PrefixCache(c, offload_bytes=64 * blk(c))

@@ -166,7 +166,9 @@ def shared_prompts() -> list[list[int]]:
 _SHARED_REFERENCES: dict[str, list[list[int]]] = {}
 # (K/V pages, state rows) of physical_memory that make these prompts preempt and still keep
 # snapshots (they count against it like any page); Mamba2: one small stand-in K/V layer
-SHARED_CAP = {"bamba": (16, 8), "falcon_h1": (28, 9), "qwen3_next": (16, 10), "mamba2": (6, 7)}
+# (mamba2: with 6 state rows every request that admission plans beside the running ones
+# finishes without a preemption, and the test wants some)
+SHARED_CAP = {"bamba": (16, 8), "falcon_h1": (28, 9), "qwen3_next": (16, 10), "mamba2": (6, 5)}
 
 
 def shared_reference(family: str) -> list[list[int]]:

@@ -111,10 +111,10 @@ def test_conversations_come_back_from_host_memory() -> None:
 
 def test_host_then_disk_and_a_restart_hits_disk(tmp_path: Path) -> None:
     convs = chat()
-    small = 4 * 16 << 10  # 4 blocks of host memory: the rest goes to disk
+    small = 6 * 16 << 10  # 6 blocks of host memory: the rest goes to disk
     kw = dict(offload_bytes=small, offload_dir=tmp_path, offload_dir_bytes=16 << 20)
-    with engine(**kw) as llm:
-        assert serve(llm, convs, range(TURNS - 1)) == expected(convs, range(TURNS - 1))
+    with engine(**kw) as llm:  # (trim: device memory keeps nothing between turns, which come from the tiers)
+        assert serve(llm, convs, range(TURNS - 1), trim=True) == expected(convs, range(TURNS - 1))
         stats = llm.prefix_cache_stats()
         # (blocks read ahead pass through the host tier, counted as the disk's hits: with 4 blocks
         # of host memory, those reads evict what the host tier had of the other users)
@@ -134,10 +134,10 @@ def test_the_tiers_under_asynchronous_scheduling(tmp_path: Path) -> None:
     engine schedules step N+1 before it takes N's outputs (prompts are pinned at launch, a
     restore is waited for by the step that reads it): the same tokens, hits from both tiers."""
     convs = chat()
-    kw = dict(offload_bytes=4 * 16 << 10, offload_dir=tmp_path, offload_dir_bytes=16 << 20, async_scheduling=True)
+    kw = dict(offload_bytes=6 * 16 << 10, offload_dir=tmp_path, offload_dir_bytes=16 << 20, async_scheduling=True)
     with engine(**kw) as llm:
         assert llm.async_scheduling
-        assert serve(llm, convs) == expected(convs)
+        assert serve(llm, convs, trim=True) == expected(convs)  # (trim: later turns come from the tiers)
         stats = llm.prefix_cache_stats()
         # (whether some blocks are still in the 4 blocks of host memory when their user comes
         # back depends on when the disk reads of the others end: only the disk's hits are sure)
@@ -200,9 +200,9 @@ def test_disk_reads_run_off_the_engine_thread_and_the_requests_behind_go_first(t
         admitted: list[int] = []
         real_admit = again.scheduler._admit
 
-        def admit(seq: Any) -> bool:
+        def admit(seq: Any, *args: Any) -> bool:
             admitted.append(seq.request_id)
-            return real_admit(seq)
+            return real_admit(seq, *args)
 
         again.scheduler._admit = admit
         params = SamplingParams(temperature=0, max_tokens=ANSWER, ignore_eos=True)
@@ -235,7 +235,7 @@ def test_a_disk_read_that_fails_is_a_miss_and_the_request_runs(tmp_path: Path, m
 # ------------------------------------------------------------------------- faults ----
 def test_damaged_files_and_failed_restores_are_computed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     convs = chat()
-    kw = dict(offload_bytes=8 * 16 << 10, offload_dir=tmp_path, offload_dir_bytes=16 << 20)
+    kw = dict(offload_bytes=6 * 16 << 10, offload_dir=tmp_path, offload_dir_bytes=16 << 20)
     with engine(**kw) as llm:
         serve(llm, convs, range(1))
     files = sorted(tmp_path.rglob("*.kv"))
@@ -391,3 +391,56 @@ def test_tiers_on_a_gpu(tmp_path: Path) -> None:
         again = chat_on(llm, 1)
         assert llm.prefix_cache_stats().num_disk_hit_tokens > 0
     assert sum(a == b for a, b in zip(again, want[:3])) >= 2
+
+
+# ------------------------------------------------------------------- under pressure ----
+PRESSURE_USERS = 6  # in flight together; device memory (KV: 256 tokens) holds about two conversations
+
+
+@functools.lru_cache(maxsize=None)
+def pressure_chat() -> tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]:
+    """PRESSURE_USERS conversations of TURNS turns (~100 tokens each at the end), as `chat`."""
+    model = build_model(tiny_config())
+    g = torch.Generator().manual_seed(11)
+    convs = []
+    for _ in range(PRESSURE_USERS):
+        history: list[int] = torch.randint(3, 128, (40,), generator=g).tolist()
+        turns = []
+        for _ in range(TURNS):
+            prompt = history + torch.randint(3, 128, (20,), generator=g).tolist()
+            answer = _greedy_past_eos(model, prompt, ANSWER)
+            turns.append((tuple(prompt), tuple(answer)))
+            history = prompt + answer
+        convs.append(tuple(turns))
+    return tuple(convs)
+
+
+def _greedy_past_eos(model: Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, an EOS taken as any other token (`ignore_eos`)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_under_pressure_the_host_tier_never_computes_more_than_device_only() -> None:
+    """Every user's turn in flight together, more than device memory holds: the host tier's
+    restores are planned with the step (a request is restored and admitted only when it can run
+    beside the running ones), so it computes at most what device-only prefix caching computes,
+    with no more preemptions, and each prompt is looked up once per admission (again only
+    after a preemption). Before, restores at admission took the pages of running requests and
+    every iteration admitted requests the step then sent back, each looked up again."""
+    convs = pressure_chat()
+    kw = dict(max_batch_size=PRESSURE_USERS, max_num_batched_tokens=64)
+    prompts = sum(len(c[t][0]) for c in convs for t in range(TURNS))
+    longest = max(len(c[-1][0]) + ANSWER for c in convs)
+    runs = {}
+    for name, extra in (("device", {}), ("host", dict(offload_bytes=HOST))):
+        with engine(**kw, **extra) as llm:
+            assert serve(llm, convs) == expected(convs), name
+            stats = llm.prefix_cache_stats()
+            runs[name] = (computed(llm), llm.num_preemptions, stats.num_query_tokens, stats.num_host_hit_tokens)
+    (device, device_preempt, _, _), (host, host_preempt, queried, host_hits) = runs["device"], runs["host"]
+    assert host_hits > 0 and host <= device and host_preempt <= device_preempt, runs
+    assert prompts <= queried <= prompts + host_preempt * longest, runs

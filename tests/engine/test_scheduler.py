@@ -194,3 +194,77 @@ def test_fatal_engine_errors_propagate_from_the_cache() -> None:
     assert sched.num_preemptions == 0 and a.num_preemptions == 0
     assert all(s.num_failures == 0 for s in a.samples)
     assert a.status is SequenceStatus.RUNNING and a.num_computed_tokens == 5
+
+
+class PlanningKV(FakeKV):
+    """FakeKV that can tell before a step whether it fits (`KVCache.can_step`)."""
+
+    def can_step(self, seq_lens: dict[int, int]) -> bool:
+        return self.capacity is None or sum(seq_lens.values()) <= self.capacity
+
+
+class CountingPrefix(FakePrefix):
+    """FakePrefix that counts its lookups as PrefixCache does (`uncount` takes one back) and
+    records the `fits` it was given for each."""
+
+    def __init__(self, hit: int, restorable: int = 0) -> None:
+        super().__init__(hit)
+        self.restorable = restorable  # tokens a lower tier holds past the device's `hit`
+        self.num_query_tokens = 0
+        self.counted: dict[int, int] = {}
+        self.restored: list[int] = []  # tokens restored by each lookup
+
+    def map_prefix(self, reqid: int, token_ids: list[int], fits=None) -> int:
+        n = super().map_prefix(reqid, token_ids)
+        top = min(n + self.restorable, len(token_ids) - 1)
+        end = top if fits is None or fits(top) else n  # (all or nothing: enough for these tests)
+        self.restored.append(end - n)
+        self.num_query_tokens += len(token_ids)
+        self.counted[reqid] = len(token_ids)
+        return end
+
+    def uncount(self, reqid: int) -> None:
+        self.num_query_tokens -= self.counted.pop(reqid, 0)
+
+
+def test_a_request_that_cannot_run_beside_the_running_ones_waits() -> None:
+    """Admission is planned with the step: a waiting request whose lookup and first chunk do
+    not fit beside the running sequences is left waiting (its lookup not counted, nothing
+    restored), the running ones are never preempted for it, and it runs once they finish."""
+    kv = PlanningKV(4, capacity=40)
+    prefix = CountingPrefix(hit=0, restorable=16)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, prefix_cache=prefix)
+    a, b = make_seq(0, 20, max_tokens=4), make_seq(1, 24, max_tokens=2)
+    sched.add(a)
+    out = sched.schedule()
+    fake_advance(sched, out)
+    sched.add(b)  # 16 restorable + 8: with a's 21 tokens, more than 40
+    for _ in range(3):
+        out = sched.schedule()
+        assert [s.seq for s in out.scheduled] == [a] and out.preempted == [] and list(sched.waiting) == [b]
+        fake_advance(sched, out)
+    assert a.is_finished and sched.num_preemptions == 0 and sched.num_admissions_held == 3
+    assert prefix.restored == [16, 0, 0, 0] and prefix.num_query_tokens == 20  # a's lookup only
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(b, 8)] and prefix.restored[-1] == 16
+    assert prefix.num_query_tokens == 44
+
+
+def test_a_failed_step_sends_the_admission_back_before_preempting_a_running_sequence() -> None:
+    """Without `can_step` (the step decides): an older request admitted again that the step
+    cannot back goes back to waiting (no preemption, its lookup uncounted) instead of
+    preempting the newer running sequence."""
+    kv = FakeKV(4, capacity=30)
+    prefix = CountingPrefix(hit=0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, prefix_cache=prefix)
+    old, new = make_seq(0, 10, max_tokens=8), make_seq(1, 10, max_tokens=8)
+    sched.add(old)
+    sched.add(new)
+    fake_advance(sched, sched.schedule())
+    sched.preempt(old)  # (as if memory had run short): it waits at the front, older than `new`
+    queried = prefix.num_query_tokens
+    kv.capacity = 21  # new's next decode (11 tokens) and old's 11 do not fit together
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [new] and out.preempted == [old]
+    assert sched.num_unadmitted == 1 and sched.num_preemptions == 1 and new.num_preemptions == 0
+    assert prefix.num_query_tokens == queried

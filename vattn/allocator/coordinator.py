@@ -213,6 +213,20 @@ class Coordinator:
                     kind.mapper.zero_dirty(lens)
             return self._finish_step(lens, result, edge if not short else None)
 
+    def can_step(self, seq_lens: Sequence[int] | Mapping[int, int]) -> bool:
+        """Whether `step(seq_lens)` would back every slot, planned from the books alone
+        (nothing maps, nothing moves): the scheduler asks before it admits a request or
+        restores a prefix into it, so that neither takes the pages the running requests need
+        this iteration. An estimate where a sliding window must first unshare pages a new
+        owner writes (the step plans those moves itself); a device that refuses pages the
+        budget allows is seen only by the step."""
+        with self.slots.lock:
+            self.slots.check_open()
+            lens, short, _ = normalize(self.slots, self._books, seq_lens, 0)
+            if not (short or (self._windows and self._gives_back(lens))):
+                return True
+            return not plan_step(self._books, lens, short, self.max_bytes).failed
+
     def _shared(self) -> bool:
         """Whether some kind's slot may map a group another slot shares (lock held)."""
         for b in self._books:

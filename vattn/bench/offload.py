@@ -12,16 +12,33 @@ Systems, one after another in one run, on the same requests:
   turn is computed again);
 - `host`: + the host tier (`offload_bytes`: every context fits);
 - `host+disk`: + the disk tier (`offload_dir`), under a host tier of a quarter of that;
+- `host_small`: that small host tier alone, no disk tier (`host+disk`'s step time p99 over
+  its own is what the disk tier's writes cost the engine's thread);
 - `unlimited`: prefix caching with device memory for everything (the bound).
+
+Shapes (`--shape`, both by default, each a round of engines; the targets hold on each; the
+restart round runs after `chat`'s):
+
+- `chat`: 16 users, 4 requests in flight, 4,096 tokens of device memory (about 6 of the 16
+  contexts at their end): the contexts are evicted between a user's turns, every running
+  request fits;
+- `pressure`: 8 users, all 8 in flight, 1,400 tokens of device memory (about 2 contexts at
+  their end), 128-token prompt chunks: the requests in flight do not fit together, so some
+  wait for memory and running ones are preempted as they grow. Before admission planned
+  restores with the step, the host tier's restores took pages the running requests needed
+  (more preemptions than device-only) and every iteration admitted requests the step then
+  sent back (their prompts counted again each time).
 
 Every engine has a slot per user (`max_batch_size`) and runs `--concurrency` of them
 (`max_num_seqs`): memory, not slots, is what the systems differ in.
 
 The systems' engines are open together and step in turn (`Chat`, `serve_together`): each
 counts only its own steps' time, so a load on the shared machine falls on all of them. Per
-system: prompt tokens computed, time to first token p50/p99 (engine time), output tokens/s,
-hits per tier, and whether every answer equals transformers' `generate` on the same weights
-(computed first; the conversations are built from those answers). Then a restart: a new engine on the
+system: prompt tokens computed and looked up (`queried`: once per admission, again after a
+preemption), time to first token p50/p99 (engine time) and the wait from arrival to admission
+p50 (memory, when requests in flight do not fit), each `llm.step()`'s time p99, preemptions,
+output tokens/s, hits per tier, and whether every answer equals transformers' `generate` on the
+same weights (computed first; the conversations are built from those answers). Then a restart: a new engine on the
 `host+disk` system's directory serves every user's next turn (`restart`), beside a cold engine
 without it (`cold`): the first turn's hits from disk and its TTFT.
 
@@ -54,26 +71,36 @@ NAME = "offload"
 HELP = "the host and disk tiers under the prefix cache on a multi-turn chat (TTFT, prefill computed, hits)"
 NEEDS_GPU = False
 
-SYSTEMS = ("no_prefix", "device", "host", "host+disk", "unlimited")
-TARGETS = dict(prefill_vs_device=1 / 3, ttft_gain_vs_device=2.0, ttft_vs_unlimited=1.3, bandwidth_vs_copy=0.8)
+SYSTEMS = ("no_prefix", "device", "host", "host+disk", "host_small", "unlimited")
+# --shape: the defaults each shape changes (see the module docstring)
+SHAPES: dict[str, dict[str, Any]] = {
+    "chat": dict(users=16, concurrency=4, device_tokens=4096, max_num_batched_tokens=512),
+    "pressure": dict(users=8, concurrency=8, device_tokens=1400, max_num_batched_tokens=128)}
+TARGETS = dict(prefill_vs_device=1 / 2, ttft_gain_vs_device=2.0, ttft_vs_unlimited=1.3, bandwidth_vs_copy=0.8,
+               step_p99_disk_vs_host_small=1.1)
 
 Turn = tuple[list[int], list[int]]  # (prompt, generate's answer)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--shape", nargs="+", default=None, choices=list(SHAPES),
+                   help="the workloads, one round of engines each (see above; default: both, with --quick chat "
+                        "only): users, in flight, device memory and chunk; the options below given explicitly apply "
+                        "to every shape")
+    p.add_argument("--users", type=int, default=None, help="users (default: the shape's)")
     p.add_argument("--turns", type=int, default=6, help="turns of every conversation (then one more after a restart)")
     p.add_argument("--first", type=int, default=300, help="tokens of a user's first message")
     p.add_argument("--message", type=int, default=40, help="tokens of every later message")
     p.add_argument("--answer", type=int, default=24, help="tokens of every answer")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (max_num_seqs)")
-    p.add_argument("--device-tokens", type=int, default=4096,
-                   help="physical_memory in tokens of K/V (the device tier's size)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight (max_num_seqs; default: the shape's)")
+    p.add_argument("--device-tokens", type=int, default=None,
+                   help="physical_memory in tokens of K/V (the device tier's size; default: the shape's)")
     p.add_argument("--page-size", type=int, default=None,
                    help="page size in bytes (default: 32 KiB on the CPU, the GPU's granularity on CUDA)")
     p.add_argument("--layout", default="per-layer", choices=("per-layer", "fused"))
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="(default: the shape's)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=512)
@@ -89,7 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-QUICK = dict(users=8, turns=3, answer=16, device_tokens=2048, bandwidth_blocks=16)
+QUICK = dict(turns=3, answer=16, bandwidth_blocks=16)
+QUICK_SHAPES = {"chat": dict(users=8, device_tokens=2048)}
 QUICK_CUDA = dict(layers=16, hidden=2048, heads=16, kv_heads=16, intermediate=2048, vocab=32000, layout="fused")
 
 
@@ -142,6 +170,8 @@ def engine_kwargs(system: str, args: argparse.Namespace, token_bytes: int, conte
         kw["offload_bytes"] = every
     if system == "host+disk":
         kw.update(offload_bytes=every // 8, offload_dir=directory, offload_dir_bytes=2 * every)  # a quarter of them
+    if system == "host_small":
+        kw["offload_bytes"] = every // 8
     if system == "unlimited":
         kw["physical_memory"] = None
     return kw
@@ -161,6 +191,9 @@ class Chat:
         self.pending: dict[int, tuple[int, int]] = {}  # request id -> (user, turn)
         self.arrived: dict[int, float] = {}  # request id -> the clock when it was added
         self.ttft: list[float] = []
+        self.steps: list[float] = []  # each llm.step()'s seconds
+        self.waits: list[float] = []  # engine time from a request's arrival to the step that first admitted it
+        self.queued: dict[int, float] = {}  # request id -> arrival, until first admitted
         self.clock = 0.0
         self.next = 0
 
@@ -176,12 +209,17 @@ class Chat:
             prompt, answer = self.convs[u][t]
             params = SamplingParams(temperature=0, max_tokens=len(answer), ignore_eos=True)
             rid = self.llm.add_request(prompt, params)
-            self.pending[rid], self.arrived[rid] = (u, t), self.clock
+            self.pending[rid], self.arrived[rid], self.queued[rid] = (u, t), self.clock, self.clock
             self.next += 1
         start = time.perf_counter()
         outs = self.llm.step()
         _sync(self.device)
-        self.clock += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.clock += took
+        self.steps.append(took)
+        requests = self.llm.scheduler.requests
+        for rid in [r for r in self.queued if requests.get(r) is None or requests[r][0].slot is not None]:
+            self.waits.append(self.clock - self.queued.pop(rid))
         for out in outs:
             rid = out.request_id
             if rid in self.arrived and out.outputs[0].token_ids:  # its first token
@@ -192,7 +230,8 @@ class Chat:
     def served(self) -> dict[str, Any]:
         """Answers (user by user, turn by turn), TTFTs, engine seconds, output tokens."""
         return dict(answers=[self.answers[(u, t)] for u in range(len(self.convs)) for t in self.turns],
-                    ttft=self.ttft, wall=self.clock, output_tokens=sum(len(a) for a in self.answers.values()))
+                    ttft=self.ttft, steps=self.steps, waits=self.waits, wall=self.clock,
+                    output_tokens=sum(len(a) for a in self.answers.values()))
 
 
 def serve_together(chats: list[Chat]) -> None:
@@ -208,7 +247,8 @@ def counters(llm: Any) -> dict[str, int]:
     out = dict(computed=llm.scheduler.num_computed_tokens, preemptions=llm.num_preemptions)
     stats = llm.prefix_cache_stats()
     if stats is not None:
-        out.update(hits_device=stats.num_device_hit_tokens, hits_host=stats.num_host_hit_tokens,
+        out.update(queried=stats.num_query_tokens, hits_device=stats.num_device_hit_tokens,
+                   hits_host=stats.num_host_hit_tokens,
                    hits_disk=stats.num_disk_hit_tokens)
     return out
 
@@ -229,8 +269,12 @@ def figures(llm: Any, served: dict[str, Any], ref: list[list[int]], base: dict[s
     now = {k: v - base[k] for k, v in counters(llm).items()}
     decode = sum(len(a) - 1 for a in served["answers"])  # each answer token but the last is fed back once
     lat = latency_stats(served["ttft"])
+    steps = latency_stats(served["steps"])
+    waits = latency_stats(served["waits"])
     row = dict(prefill_computed=now.pop("computed") - decode, ttft_p50_ms=1e3 * lat["p50"],
-               ttft_p99_ms=1e3 * lat["p99"], output_tok_s=served["output_tokens"] / served["wall"],
+               ttft_p99_ms=1e3 * lat["p99"], admit_wait_p50_ms=1e3 * waits["p50"], step_p50_ms=1e3 * steps["p50"],
+               step_p99_ms=1e3 * steps["p99"],
+               output_tok_s=served["output_tokens"] / served["wall"],
                wall_s=served["wall"], agreement=agreement(served["answers"], ref), **now)
     stats = llm.prefix_cache_stats()
     if stats is not None:
@@ -238,9 +282,16 @@ def figures(llm: Any, served: dict[str, Any], ref: list[list[int]], base: dict[s
     return row
 
 
-def run(args: argparse.Namespace) -> dict:
-    from vattn import LLM
+def shape_args(args: argparse.Namespace, shape: str) -> argparse.Namespace:
+    """`args` with the shape's users, concurrency and device memory where none was given."""
+    a = argparse.Namespace(**vars(args))
+    for name, value in {**SHAPES[shape], **(QUICK_SHAPES.get(shape, {}) if args.quick else {})}.items():
+        if getattr(args, name) is None:
+            setattr(a, name, value)
+    return a
 
+
+def run(args: argparse.Namespace) -> dict:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = args.device
@@ -251,20 +302,47 @@ def run(args: argparse.Namespace) -> dict:
     if args.page_size is None and not cuda:
         args.page_size = 32 << 10  # (CUDA: the backend's, its granularity)
     dtype = torch.float16 if cuda else torch.float32
+    names = args.shape or (["chat"] if args.quick else list(SHAPES))  # (--quick: the GPU suite's short stage)
+    shapes = {name: shape_args(args, name) for name in names}
     # one model for every engine (each uses it in place; the same weights): one copy of it in memory
     model = build_model(model_config(args), device, dtype, seed=args.seed)
-    convs = conversations(model, args, device)
+    # one set of conversations (seeded user by user): a shape of fewer users takes the first ones
+    convs = conversations(model, argparse.Namespace(**{**vars(args), "users": max(a.users for a in shapes.values())}),
+                          device)
+    token_bytes = (2 * args.layers * args.kv_heads * (args.hidden // args.heads)
+                   * torch.empty((), dtype=dtype).element_size())
+    result: dict[str, Any] = dict(device=device, turns=args.turns, token_bytes=token_bytes, shapes={}, failures=[])
+    for name, a in shapes.items():
+        shape = serve_shape(model, convs[:a.users], a, device, dtype, token_bytes, restart=name == "chat")
+        result["shapes"][name] = shape
+        for system, s in [*shape["systems"].items(), *((k, shape[k]) for k in ("cold", "restart") if k in shape)]:
+            if not s["agreement"]["equal"] and not cuda:  # (fp16 on a GPU: a near-tie may flip; reported, not failed)
+                result["failures"].append(f"{name} {system}: tokens differ from transformers' generate")
+    if args.bandwidth_blocks:
+        result["bandwidth"] = bandwidth(args, device, dtype)
+        bw = result["bandwidth"]
+        result["bandwidth_ratios"] = dict(restore_over_copy=bw["restore_GBps"] / bw["copy_GBps"],
+                                          copies_over_copy=bw["copies_GBps"] / bw["copy_GBps"])
+    result["targets"] = TARGETS
+    return result
+
+
+def serve_shape(model: Any, convs: list[list[Turn]], args: argparse.Namespace, device: str, dtype: torch.dtype,
+                token_bytes: int, restart: bool) -> dict[str, Any]:
+    """Every system of `args.systems` on one shape's conversations, their engines together;
+    with `restart` (and `host+disk` among them), then the restart round."""
+    from vattn import LLM
+
     served_turns, restart_turn = range(args.turns), range(args.turns, args.turns + 1)
     ref = [a for c in convs for _, a in c[:args.turns]]
     ref_restart = [c[args.turns][1] for c in convs]
-    token_bytes = 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * torch.empty((), dtype=dtype).element_size()
     total = sum(len(c[-1][0]) + len(c[-1][1]) for c in convs)  # every conversation's tokens at its end
-    result: dict[str, Any] = dict(device=device, users=args.users, turns=args.turns, token_bytes=token_bytes,
-                                  context_tokens=sum(len(c[-1][0]) for c in convs), systems={}, failures=[])
+    result: dict[str, Any] = dict(users=args.users, concurrency=args.concurrency, device_tokens=args.device_tokens,
+                                  context_tokens=sum(len(c[-1][0]) for c in convs), systems={})
     with tempfile.TemporaryDirectory(prefix="vattn-offload-") as directory:
         systems = [(name, name, served_turns, ref) for name in args.systems]
         rounds = [systems]
-        if "host+disk" in args.systems:  # then a restart on its directory, and a cold engine beside it
+        if restart and "host+disk" in args.systems:  # then a restart on its directory, and a cold engine beside it
             rounds.append([("cold", "device", restart_turn, ref_restart), ("restart", "host+disk", restart_turn,
                                                                               ref_restart)])
         for engines in progress(rounds, desc="engines together", unit="round"):
@@ -284,31 +362,26 @@ def run(args: argparse.Namespace) -> dict:
             finally:
                 for _, llm, _, _, _ in reversed(opened):
                     llm.close()  # (the host+disk engine's host blocks go to its directory here)
-    if args.bandwidth_blocks:
-        result["bandwidth"] = bandwidth(args, device, dtype)
     result["ratios"] = ratios(result)
-    for name, s in [*result["systems"].items(), *((k, result[k]) for k in ("cold", "restart") if k in result)]:
-        if not s["agreement"]["equal"] and not cuda:  # (fp16 on a GPU: a near-tie may flip; reported, not failed)
-            result["failures"].append(f"{name}: tokens differ from transformers' generate")
     return result
 
 
-def ratios(result: dict[str, Any]) -> dict[str, Any]:
-    """The targets' ratios (one run): host against device-only and against unlimited."""
+def ratios(result: dict[str, Any]) -> dict[str, float]:
+    """One shape's targets' ratios (one run): host against device-only and against unlimited;
+    host+disk's step time p99 against the same small host tier without a disk tier."""
     s = result["systems"]
-    out: dict[str, Any] = {}
+    out: dict[str, float] = {}
     if "host" in s and "device" in s:
         out["prefill_host_over_device"] = s["host"]["prefill_computed"] / max(1, s["device"]["prefill_computed"])
         out["ttft_p50_device_over_host"] = s["device"]["ttft_p50_ms"] / s["host"]["ttft_p50_ms"]
     if "host" in s and "unlimited" in s:
         out["ttft_p50_host_over_unlimited"] = s["host"]["ttft_p50_ms"] / s["unlimited"]["ttft_p50_ms"]
+    if "host+disk" in s and "host_small" in s:
+        out["step_p99_disk_over_host_small"] = s["host+disk"]["step_p99_ms"] / s["host_small"]["step_p99_ms"]
+    if "host+disk" in s and "host" in s:  # (the same hits: host+disk's reads and writes of files on the thread)
+        out["step_p99_disk_over_host"] = s["host+disk"]["step_p99_ms"] / s["host"]["step_p99_ms"]
     if "restart" in result and "cold" in result:
         out["ttft_p50_cold_over_restart"] = result["cold"]["ttft_p50_ms"] / result["restart"]["ttft_p50_ms"]
-    bw = result.get("bandwidth")
-    if bw:
-        out["restore_over_copy"] = bw["restore_GBps"] / bw["copy_GBps"]
-        out["copies_over_copy"] = bw["copies_GBps"] / bw["copy_GBps"]
-    out["targets"] = TARGETS
     return out
 
 
@@ -381,24 +454,31 @@ def bandwidth(args: argparse.Namespace, device: str, dtype: torch.dtype, repeats
 
 
 # ------------------------------------------------------------------------ output ----
+HEADERS = ["shape / system", "prefill computed", "queried", "TTFT p50 ms", "TTFT p99 ms", "wait p50 ms", "step p99 ms",
+           "output tok/s", "hits device", "hits host", "hits disk", "preempt", "= generate"]
+
+
 def table(result: dict) -> tuple[list[str], list[list]]:
-    headers = ["system", "prefill computed", "TTFT p50 ms", "TTFT p99 ms", "output tok/s", "hits device",
-               "hits host", "hits disk", "preempt", "= generate"]
     rows = []
-    named = [*result["systems"].items(), *((k, result[k]) for k in ("cold", "restart") if k in result)]
-    for name, s in named:
-        rows.append([name, s["prefill_computed"], round(s["ttft_p50_ms"], 1), round(s["ttft_p99_ms"], 1),
-                     round(s["output_tok_s"], 1), s.get("hits_device", "-"), s.get("hits_host", "-"),
-                     s.get("hits_disk", "-"), s["preemptions"], s["agreement"]["equal"]])
+    blank = [""] * (len(HEADERS) - 2)
+    for shape, r in result["shapes"].items():
+        named = [*r["systems"].items(), *((k, r[k]) for k in ("cold", "restart") if k in r)]
+        for name, s in named:
+            rows.append([f"{shape} {name}", s["prefill_computed"], s.get("queried", "-"), round(s["ttft_p50_ms"], 1),
+                         round(s["ttft_p99_ms"], 1), round(s["admit_wait_p50_ms"], 1), round(s["step_p99_ms"], 1),
+                         round(s["output_tok_s"], 1),
+                         s.get("hits_device", "-"), s.get("hits_host", "-"), s.get("hits_disk", "-"),
+                         s["preemptions"], s["agreement"]["equal"]])
+        for k, v in r["ratios"].items():
+            rows.append([f"{shape} {k}", round(v, 3), *blank])
     bw = result.get("bandwidth")
     if bw:
         rows.append([f"restore {bw['blocks']} blocks", f"{bw['bytes']} B", f"{bw['restore_ms']:.2f} ms",
                      f"{bw['restore_GBps']:.2f} GB/s", f"copies {bw['copies_GBps']:.2f} GB/s",
-                     f"plain copy {bw['copy_GBps']:.2f} GB/s", "", "", "", ""])
-    for k, v in result["ratios"].items():
-        if k != "targets":
-            rows.append([k, round(v, 3), "", "", "", "", "", "", "", ""])
-    return headers, rows
+                     f"plain copy {bw['copy_GBps']:.2f} GB/s", *[""] * (len(HEADERS) - 6)])
+        for k, v in result["bandwidth_ratios"].items():
+            rows.append([k, round(v, 3), *blank])
+    return HEADERS, rows
 
 
 def plot(result: dict) -> Any:
@@ -407,25 +487,34 @@ def plot(result: dict) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = result["systems"]
-    names = list(s)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    axes[0].bar(names, [s[n]["prefill_computed"] for n in names], color="tab:blue")
-    axes[0].set_title("prompt tokens computed")
-    x = range(len(names))
-    axes[1].bar([i - 0.2 for i in x], [s[n]["ttft_p50_ms"] for n in names], width=0.4, label="p50")
-    axes[1].bar([i + 0.2 for i in x], [s[n]["ttft_p99_ms"] for n in names], width=0.4, label="p99")
-    axes[1].set_xticks(list(x), names)
-    axes[1].set_title("time to first token (ms)")
-    axes[1].legend()
-    bottom = [0] * len(names)
-    for tier, color in (("hits_device", "tab:green"), ("hits_host", "tab:orange"), ("hits_disk", "tab:red")):
-        vals = [s[n].get(tier, 0) for n in names]
-        axes[2].bar(names, vals, bottom=bottom, label=tier.split("_")[1], color=color)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    axes[2].set_title("prefix hits by tier (tokens)")
-    axes[2].legend()
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"multi-turn chat: {result['users']} users x {result['turns']} turns on {result['device']}")
+    shapes = result["shapes"]
+    fig, grid = plt.subplots(len(shapes), 4, figsize=(19, 4 * len(shapes)), squeeze=False)
+    for axes, (shape, r) in zip(grid, shapes.items()):
+        s = r["systems"]
+        names = list(s)
+        x = range(len(names))
+        axes[0].bar(names, [s[n]["prefill_computed"] for n in names], color="tab:blue")
+        axes[0].set_title(f"{shape}: prompt tokens computed")
+        axes[1].bar([i - 0.2 for i in x], [s[n]["ttft_p50_ms"] for n in names], width=0.4, label="p50")
+        axes[1].bar([i + 0.2 for i in x], [s[n]["ttft_p99_ms"] for n in names], width=0.4, label="p99")
+        axes[1].set_xticks(list(x), names)
+        axes[1].set_title(f"{shape}: time to first token (ms)")
+        axes[1].legend()
+        bottom = [0] * len(names)
+        for tier, color in (("hits_device", "tab:green"), ("hits_host", "tab:orange"), ("hits_disk", "tab:red")):
+            vals = [s[n].get(tier, 0) for n in names]
+            axes[2].bar(names, vals, bottom=bottom, label=tier.split("_")[1], color=color)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        axes[2].set_title(f"{shape}: prefix hits by tier (tokens)")
+        axes[2].legend()
+        axes[3].bar(names, [s[n]["step_p99_ms"] for n in names], color="tab:purple")
+        for i, n in enumerate(names):
+            axes[3].annotate(f"{s[n]['preemptions']} preempt", (i, s[n]["step_p99_ms"]), ha="center", fontsize=8)
+        axes[3].set_title(f"{shape}: step time p99 (ms), preemptions")
+        for ax in axes:
+            ax.tick_params(axis="x", rotation=30)
+    users = ", ".join(f"{k}: {r['users']} users, {r['concurrency']} in flight, {r['device_tokens']} device tokens"
+                      for k, r in shapes.items())
+    fig.suptitle(f"multi-turn chat, {result['turns']} turns on {result['device']} ({users})")
+    fig.tight_layout()
     return fig

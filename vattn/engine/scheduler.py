@@ -17,9 +17,15 @@ Every iteration:
 1. running sequences: decodes first (one token each), then unfinished prompts in arrival
    order, each a chunk of at most what is left of the token budget;
 2. waiting sequences in arrival order (FCFS) while a slot, a seat (max_num_seqs) and
-   budget are left: each gets a slot and a first chunk;
+   budget are left: each gets a slot and a first chunk, planned with the step: while other
+   sequences run this iteration, a request is admitted only when its cached prefix and first
+   chunk fit beside them (`kv.can_step`, decided from the books; its restore from a lower
+   tier is all or nothing), else it and everything behind it waits (the running sequences
+   free memory as they finish): an admission never takes a running sequence's pages;
 3. `kv.step({slot: num_computed_tokens + num_new_tokens})` backs the batch with pages.
-   When it cannot, the newest running sequence is preempted and step is tried again. A
+   When it cannot, a sequence admitted in this iteration goes back to waiting first (the
+   newest: it has not run; not a preemption), then the newest running sequence is
+   preempted, and step is tried again. A
    sequence left alone whose prompt chunk still cannot be backed runs a shorter chunk
    (halved until it fits: what a chunk needs grows with its length, a sliding window's
    pages too, not only the prompt's); one that cannot be backed even alone, one token at a
@@ -50,15 +56,22 @@ leaves the sample waiting (FCFS: nothing behind it is admitted in that iteration
 
 Prefix caching (a `prefix_cache`, see `vattn.prefix_cache.PrefixCache`): a sequence that
 gets a new slot maps the longest cached prefix of its tokens into it (`map_prefix`: no
-copy, at least one token left to compute) and starts with those tokens computed. With a
+copy, at least one token left to compute; blocks restored from the host or disk tier only
+where the request can then run, see 2. above) and starts with those tokens computed. With a
 disk tier, a waiting sequence whose cached blocks are on disk only first waits for them to
 be read in the background (`load`, as vLLM's WAITING_FOR_REMOTE_KVS): it keeps its place,
 the sequences behind it may be admitted meanwhile, and it is admitted when the reads end
-(its blocks are host hits then), failed or not, or after LOAD_PATIENCE_S. When a
+(its blocks are host hits then), failed or not, or after LOAD_PATIENCE_S. A prompt counts
+in the cache's `num_query_tokens` once per admission: a request sent back to waiting before
+it ran takes its lookup back (`uncount`). When a
 sequence's prompt is computed, the pages of its whole prompt blocks (whole tokens in whole
 pages) are pinned in the cache (`insert`); a sequence preempted for memory pins the whole
 blocks of everything it computed, so that its recomputation maps them back unless memory
-pressure evicted them first (least recently used first).
+pressure evicted them first (least recently used first). With a host tier (`offload_bytes`)
+those blocks are written through to host memory as they are pinned, so the re-admission of a
+preempted sequence restores them from there rather than computing them again: in "recompute"
+mode only the tokens after its last whole block are computed again (a swap of whole blocks,
+no second copy of what the host tier holds already).
 
 Asynchronous scheduling (the engine's `EngineConfig.async_scheduling`): the engine schedules
 and launches iteration N+1 before it takes N's outputs. `commit` has counted N's tokens
@@ -89,7 +102,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Mapping, NamedTuple, Protocol
+from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Protocol
 
 from vattn.checks import as_int
 from vattn.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -113,14 +126,17 @@ class StepOutcome(Protocol):
 class PrefixSlots(Protocol):
     """What the scheduler needs of a prefix cache (`vattn.prefix_cache.PrefixCache` fits)."""
 
-    def map_prefix(self, reqid: int, token_ids: list[int]) -> int: ...
+    def map_prefix(self, reqid: int, token_ids: list[int], fits: Callable[[int], bool] | None = None) -> int: ...
+
+    def uncount(self, reqid: int) -> None: ...
 
     def insert(self, reqid: int, token_ids: list[int]) -> None: ...
 
 
 class KVSlots(Protocol):
     """What the scheduler needs of the cache (`vattn.KVCache` fits). `can_fork` and `fork`
-    are called only for requests with n > 1."""
+    are called only for requests with n > 1; `can_step` is optional (without it, admission
+    is decided by the step alone, as with tensor parallelism)."""
 
     @property
     def num_free_reqids(self) -> int: ...
@@ -130,6 +146,8 @@ class KVSlots(Protocol):
     def free_reqid(self, reqid: int) -> None: ...
 
     def step(self, seq_lens: Mapping[int, int]) -> StepOutcome: ...
+
+    def can_step(self, seq_lens: Mapping[int, int]) -> bool: ...
 
     def can_fork(self, reqid: int, num_tokens: int) -> bool: ...
 
@@ -192,6 +210,34 @@ def _shorter_chunks(plan: list[ScheduledSequence], failed: Collection[int]) -> l
             if item.seq.slot in failed and item.num_new_tokens > 1 else item for item in plan]
 
 
+class _Fits:
+    """`fits(n)` of one admission (see `Scheduler._fits`). `sticky` (other sequences run this
+    iteration): once a length is refused every later ask is, so a lookup restores its whole
+    chain from the lower tiers or nothing, and the scheduler leaves the request waiting
+    (`refused`): a request restored in part computes the rest, and needs the same pages for
+    it a little later, where it preempts the newest running sequence (measured: 5x the
+    preemptions of waiting)."""
+
+    def __init__(self, can_step: Callable[[Mapping[int, int]], bool], lens: dict[int, int], slot: int,
+                 total: int, budget: int, sticky: bool) -> None:
+        self.can_step, self.lens, self.slot, self.total, self.budget = can_step, lens, slot, total, budget
+        self.sticky = sticky
+        self.refused = False
+
+    def __call__(self, n: int) -> bool:
+        if self.refused and self.sticky:
+            return False
+        self.lens[self.slot] = n + min(self.total - n, self.budget)
+        try:
+            ok = bool(self.can_step(self.lens))
+        except FatalEngineError:  # e.g. a failed collective: the engine stops
+            raise
+        except Exception:  # noqa: BLE001 - the step itself will say what is wrong
+            ok = True
+        self.refused |= not ok
+        return ok
+
+
 class Scheduler:
     """FCFS continuous batching with a token budget, chunked prefill, preemption and
     parallel sampling by forking."""
@@ -210,6 +256,9 @@ class Scheduler:
         self.num_swapped_in = 0  # re-admissions by swapping in
         self.num_computed_tokens = 0  # tokens computed (forward passes) over the scheduler's life
         self.loading: dict[SeqId, float] = {}  # waiting sequences whose blocks are read from disk -> since
+        self.num_admissions_held = 0  # admissions left waiting: the request could not run beside the others
+        self.num_unadmitted = 0  # admitted, then sent back before running: the step could not back it
+        self._looked_up: set[int] = set()  # slots given a prefix lookup in this schedule (see `_release`)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request, given as its sample 0 (O(1): see `_enqueue`). With
@@ -245,6 +294,8 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             plan.append(ScheduledSequence(seq, n))
             budget -= n
+        admitted: list[Sequence] = []
+        self._looked_up.clear()
         skip = 0  # waiting sequences left waiting for their blocks read from disk: those behind go first
         while (len(self.waiting) > skip and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self.kv.num_free_reqids > 0):
@@ -252,11 +303,12 @@ class Scheduler:
             if self._loading(seq):
                 skip += 1
                 continue
-            if not self._admit(seq):
+            if not self._admit(seq, plan, budget):
                 break
             del self.waiting[skip]
             seq.status, seq.has_run = SequenceStatus.RUNNING, False
             self.running.append(seq)
+            admitted.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             plan.append(ScheduledSequence(seq, n))
             budget -= n
@@ -276,6 +328,12 @@ class Scheduler:
                 break
             if backed:
                 break
+            if admitted and len(self.running) > 1:  # never preempt a running sequence for an admission:
+                victim = admitted.pop()  # the newest admitted goes back to waiting (it has not run)
+                self._unadmit(victim)
+                preempted.append(victim)
+                plan = [s for s in plan if s.seq is not victim]
+                continue
             if len(self.running) == 1:  # then it is the whole plan: a shorter prompt chunk may fit (what a
                 shorter = _shorter_chunks(plan, backed.failed)  # chunk needs grows with its length: a sliding
                 if shorter is not None:                          # window's pages, not only the prompt's)
@@ -314,9 +372,14 @@ class Scheduler:
         self.loading.pop(seq.seq_id, None)
         return False
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, plan: list[ScheduledSequence], budget: int) -> bool:
         """Give waiting `seq` a slot (and what of its tokens the slot already holds), or
-        return False to leave it waiting."""
+        return False to leave it waiting. `plan`: this iteration's sequences so far, `budget`
+        the tokens left. With prefix caching the lookup restores from a lower tier only
+        what the request can then run with beside `plan` (`kv.can_step`), and a request that
+        cannot run beside `plan` even with its device hit is left waiting (while `plan` runs:
+        its sequences free memory), so an admission never takes the pages of a running
+        sequence and never restores blocks it cannot keep."""
         if seq.swap is not None:
             try:
                 seq.slot = self.kv.swap_in(seq.swap)
@@ -349,15 +412,54 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_prompt_tokens
                 return True
         seq.slot = self.kv.alloc_reqid()
+        fits = self._fits(seq, plan, budget)
         if self.prefix_cache is not None:
+            self._looked_up.add(seq.slot)
             try:
-                seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids)
+                if fits is None:
+                    seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids)
+                else:
+                    seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids, fits=fits)
             except FatalEngineError:  # e.g. a failed collective: the engine stops
                 raise
             except Exception as e:  # noqa: BLE001 - a miss: the books hold, the sequence computes it all
                 logger.warning("vattn: mapping cached prefix pages for request %d failed (%s: %s)",
                                seq.request_id, type(e).__name__, e)
+        if plan and fits is not None and (fits.refused or not fits(seq.num_computed_tokens)):
+            self.num_admissions_held += 1
+            self._release(seq)
+            return False
         return True
+
+    def _fits(self, seq: Sequence, plan: list[ScheduledSequence], budget: int) -> _Fits | None:
+        """`fits(n)`: whether `seq`, holding its first `n` tokens in its new slot, can run its
+        first chunk this iteration beside `plan` (planned by `kv.can_step`, nothing mapped);
+        None when the cache cannot tell (the step decides)."""
+        can_step = getattr(self.kv, "can_step", None)
+        if can_step is None:
+            return None
+        lens = {s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in plan}
+        return _Fits(can_step, lens, seq.slot, seq.num_tokens, budget, sticky=bool(plan))
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back the slot `_admit` gave `seq` (it stays waiting; what it mapped stays
+        cached) and take back its lookup's counts: it is looked up again when admitted."""
+        if self.prefix_cache is not None and seq.slot in self._looked_up:
+            self._looked_up.discard(seq.slot)
+            uncount = getattr(self.prefix_cache, "uncount", None)
+            if uncount is not None:
+                uncount(seq.slot)
+        self.kv.free_reqid(seq.slot)
+        seq.slot, seq.num_computed_tokens = None, 0
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Send `seq`, admitted in this schedule, back to waiting before it ran (the step
+        could not back it): no preemption, nothing computed to keep."""
+        self.running.remove(seq)
+        self.num_unadmitted += 1
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
 
     def _fork_source(self, seq: Sequence) -> Sequence | None:
         """A running sibling of `seq` whose slot holds the whole prompt and can be forked

@@ -201,6 +201,7 @@ class AgreedPrefixCache(PrefixCache):
     def map_prefix(self, reqid: int, token_ids: Any) -> int:
         ids = token_array(token_ids)
         self.num_query_tokens += len(ids)
+        self._counted[reqid] = (len(ids), 0, 0, 0)  # (until its hit is counted: a lookup may raise)
         hit, error = Hit(), None
         try:
             hit = self.map_hit(reqid, ids)  # the rank's own tiers: device pages, restores from host or disk
@@ -216,7 +217,7 @@ class AgreedPrefixCache(PrefixCache):
                                    f"ranks agreed on ({type(e).__name__}: {e})") from e
         if agreed.errors:
             raise_agreed(self.tp, "map_prefix", error)
-        self.count(hit, n)
+        self.count(hit, n, reqid=reqid, query=len(ids))  # (a request sent back before it ran: `uncount`)
         return n
 
 
