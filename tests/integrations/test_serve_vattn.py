@@ -345,19 +345,27 @@ def test_cut_streams_are_aborted_and_freed(srv, client, caplog):
             pass
         conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away after its first chunk
         conn.close()
+    # a client of a non-streamed request that goes away while it waits (n=2: both samples stop)
+    conn = http.client.HTTPConnection(urllib.parse.urlsplit(srv.url).netloc, timeout=60)
+    whole = json.loads(body) | {"stream": False, "n": 2, "max_tokens": 240}
+    conn.request("POST", "/v1/completions", body=json.dumps(whole), headers={"content-type": "application/json"})
+    time.sleep(0.2)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
     deadline = time.monotonic() + 30
     while True:
         m, families = scrape(srv)
         aborted = [x.value for x in families["vattn:request_success"].samples
                    if x.labels["finished_reason"] == "abort"]
         idle = (m["vattn:num_requests_running"].value, m["vattn:num_requests_waiting"].value,
-                m["vattn:kv_cache_usage_perc"].value, aborted) == (0, 0, 0, [3])
+                m["vattn:kv_cache_usage_perc"].value, aborted) == (0, 0, 0, [4])
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert idle, f"the cut streams' requests were not aborted and freed: {m}"
     cancelled = [r for r in caplog.records if "cancelled its stream" in r.getMessage()]
     assert len(cancelled) == 3 and all(r.levelno == logging.INFO and r.exc_info is None for r in cancelled)
+    assert len([r for r in caplog.records if "went away" in r.getMessage()]) == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert client.completions.create(model="tiny", prompt="after", **GREEDY).choices[0].finish_reason == "length"
 
