@@ -61,22 +61,26 @@ def hf_greedy(hf, ids: list[int], n: int = MAX_TOKENS) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def wait_ready(server, within: float = 60) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def srv(ckpt):
     from vattn.serve import serve
 
     server = serve(ckpt, port=free_port(), non_blocking=True, device="cpu", page_size=4096, max_model_len=256,
                    max_num_seqs=8, served_model_name=["tiny", "tiny-alias"], log_level="warning")
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    wait_ready(server)
     yield server
     server.stop()
 
@@ -430,10 +434,36 @@ def test_flags_that_cannot_serve_exit_2(ckpt, capsys):
     server = serve(ckpt, port=free_port(), non_blocking=True, device="cpu", page_size=4096, memory_limit=smallest,
                    log_level="warning")
     try:
-        deadline = time.monotonic() + 60
-        while get(server, "/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_ready(server)
         r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "ignore_eos": True, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         server.stop()
+
+
+def test_every_sampling_field_reaches_the_engine(srv, client, ckpt):
+    """Seeded requests with every sampling field give, over HTTP, what `vattn.LLM` gives in
+    process on the same checkpoint with the same SamplingParams (tokens, text, logprobs)."""
+    from vattn.engine import LLM, SamplingParams
+
+    cases = [
+        dict(temperature=0.8, top_p=0.9, seed=1),
+        dict(temperature=1.0, top_k=5, min_p=0.05, seed=2, n=2),
+        dict(temperature=0.7, presence_penalty=1.5, frequency_penalty=-0.5, repetition_penalty=1.3, seed=3),
+        dict(temperature=1.0, seed=4, logprobs=2, min_tokens=6),
+        dict(temperature=0.0, repetition_penalty=2.0, stop_token_ids=[50], skip_special_tokens=False),
+    ]
+    names = {"top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens"}
+    with LLM(ckpt, device="cpu", page_size=4096, max_context_len=256, max_batch_size=8) as llm:
+        for case in cases:
+            want = llm.generate("the quick brown fox", SamplingParams(max_tokens=14, ignore_eos=True, **case))[0]
+            body = {k: v for k, v in case.items() if k not in names}
+            r = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=14,
+                                          extra_body={"ignore_eos": True, **{k: v for k, v in case.items()
+                                                                            if k in names}}, **body)
+            assert [c.text for c in r.choices] == [o.text for o in want.outputs], case
+            assert r.usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
+            if "logprobs" in case:
+                got = r.choices[0].logprobs.token_logprobs
+                assert got == pytest.approx([lp[t].logprob for t, lp in zip(want.outputs[0].token_ids,
+                                                                            want.outputs[0].logprobs)], abs=1e-5)

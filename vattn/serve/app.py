@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import itertools
 import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -57,6 +56,13 @@ class ServerState:
     metrics: ServeMetrics
     api_key: str | None = None
     created: int = 0
+    token_texts: dict = field(default_factory=dict)  # token id -> its text alone (logprobs), filled as asked
+
+    def token_text(self, token_id: int) -> str:
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     @property
     def name(self) -> str:
@@ -66,7 +72,6 @@ class ServerState:
 def build_app(state: ServerState) -> Any:
     """The FastAPI app for `state` (its engine loop started by the caller)."""
     app = FastAPI(title="vattn serve", version=vattn.__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    counter = itertools.count()
 
     def refuse(e: Refusal) -> JSONResponse:
         state.metrics.on_refused(e.code)
@@ -136,7 +141,7 @@ def build_app(state: ServerState) -> Any:
             params = [req.params_for(len(p.token_ids), state.max_model_len) for p in prompts]
         except Refusal as e:
             return refuse(e)
-        run = _Run(state, req, prompts, params, next(counter))
+        run = _Run(state, req, prompts, params)
         if req.stream:
             return StreamingResponse(run.stream(request), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
@@ -201,8 +206,7 @@ class _ClientGone(Exception):
 class _Run:
     """One client request in flight: its engine requests (one per prompt) and their outputs."""
 
-    def __init__(self, state: ServerState, req: GenerationRequest, prompts: list[Prompt], params: list[Any],
-                 number: int) -> None:
+    def __init__(self, state: ServerState, req: GenerationRequest, prompts: list[Prompt], params: list[Any]) -> None:
         self.state, self.req, self.prompts, self.params = state, req, prompts, params
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -261,10 +265,10 @@ class _Run:
         text = o.text or ""
         if self.req.chat:
             return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": self._chat_logprobs(o, 0), "finish_reason": _reason(o), "stop_reason": o.stop_reason}
+                    "logprobs": self._chat_logprobs(o, 0), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
         prefix = self._echo(tag) if self.req.echo else ""
         return {"index": index, "text": prefix + text, "logprobs": self._completion_logprobs(o, 0, 0),
-                "finish_reason": _reason(o), "stop_reason": o.stop_reason}
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
 
     def _echo(self, tag: int) -> str:
         p = self.prompts[tag]
@@ -276,9 +280,6 @@ class _Run:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     # ------------------------------------------------------------------ logprobs ----
-    def _token_text(self, token_id: int) -> str:
-        return _decode_one(self.state.tokenizer, token_id)
-
     def _completion_logprobs(self, o: CompletionOutput, start: int, offset: int) -> dict | None:
         """OpenAI's completions shape for tokens start.. of `o` (text offsets from `offset`)."""
         if self.req.logprobs is None or o.logprobs is None:
@@ -286,10 +287,10 @@ class _Run:
         k = self.req.logprobs
         tokens, values, tops, offsets = [], [], [], []
         for tid, entry in zip(o.token_ids[start:], o.logprobs[start:]):
-            text = self._token_text(tid)
+            text = self.state.token_text(tid)
             tokens.append(text)
             values.append(entry[tid].logprob)
-            tops.append({self._token_text(t): lp.logprob for t, lp in sorted(entry.items(), key=lambda x: x[1].rank)
+            tops.append({self.state.token_text(t): lp.logprob for t, lp in sorted(entry.items(), key=lambda x: x[1].rank)
                          if lp.rank <= k} if k else None)
             offsets.append(offset)
             offset += len(text)
@@ -301,8 +302,8 @@ class _Run:
         k = self.req.logprobs
         content = []
         for tid, entry in zip(o.token_ids[start:], o.logprobs[start:]):
-            text = self._token_text(tid)
-            top = [{"token": (s := self._token_text(t)), "logprob": lp.logprob, "bytes": list(s.encode())}
+            text = self.state.token_text(tid)
+            top = [{"token": (s := self.state.token_text(t)), "logprob": lp.logprob, "bytes": list(s.encode())}
                    for t, lp in sorted(entry.items(), key=lambda x: x[1].rank) if lp.rank <= k]
             content.append({"token": text, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
                             "top_logprobs": top})
@@ -337,6 +338,12 @@ class _Run:
                     complete = True
                     return
                 latest[tag] = out
+                failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
+                if failed is not None:  # OpenAI has no finish_reason "error": an error event ends the stream
+                    yield _event(error_body(f"the engine failed on this request: {failed.error}", "server_error",
+                                            code="engine_error"))
+                    complete = True
+                    return
                 choices = []
                 for o in out.outputs:
                     key = (tag, o.index)
@@ -348,7 +355,7 @@ class _Run:
                         continue
                     index = tag * self.n + o.index
                     piece = text[c0:]
-                    reason = _reason(o) if o.finished else None
+                    reason = o.finish_reason if o.finished else None
                     if self.req.chat:
                         choice = {"index": index, "delta": {"content": piece} if piece or not reason else {},
                                   "logprobs": self._chat_logprobs(_tail(o, t0), 0), "finish_reason": reason}
@@ -383,10 +390,6 @@ def _tail(o: CompletionOutput, start: int) -> CompletionOutput:
                             None if o.logprobs is None else o.logprobs[start:], o.cumulative_logprob)
 
 
-def _reason(o: CompletionOutput) -> str | None:
-    return o.finish_reason
-
-
 def _event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -395,19 +398,6 @@ def _is_client_error(e: Exception) -> bool:
     from vattn.errors import InvalidRequestError
 
     return isinstance(e, InvalidRequestError)
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_cache(tok_id: int) -> dict:
-    return {}
-
-
-def _decode_one(tok: Any, token_id: int) -> str:
-    cache = _decode_cache(id(tok))
-    text = cache.get(token_id)
-    if text is None:
-        text = cache[token_id] = tok.decode([token_id])
-    return text
 
 
 async def _disconnected(request: Any) -> None:

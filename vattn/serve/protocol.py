@@ -123,7 +123,7 @@ def _bool(body: dict, name: str) -> bool | None:
     return v
 
 
-def refuse_unless_default(body: dict, chat: bool) -> None:
+def refuse_unless_default(body: dict) -> None:
     """400 for a field vattn does not build, unless it holds the value that changes nothing."""
     def no(name: str, why: str) -> Refusal:
         return Refusal(f"{name!r} is not supported by vattn serve ({why}); leave it out", param=name,
@@ -136,10 +136,7 @@ def refuse_unless_default(body: dict, chat: bool) -> None:
         raise no("tools", "no tool calling")
     if body.get("tool_choice") not in (None, "none"):
         raise no("tool_choice", "no tool calling: only \"none\"")
-    if body.get("parallel_tool_calls") is not None and body.get("tools") in (None, []):
-        _bool(body, "parallel_tool_calls")  # without tools there are no calls to parallelize: honoured as it is
-    elif body.get("parallel_tool_calls") is not None:
-        raise no("parallel_tool_calls", "no tool calling")
+    _bool(body, "parallel_tool_calls")  # tools are refused above: there are no calls to parallelize
     if body.get("prompt_logprobs") is not None:
         raise no("prompt_logprobs", "the engine computes log-probabilities of generated tokens only")
     if body.get("logit_bias") not in (None, {}):
@@ -240,7 +237,7 @@ def _model(body: dict) -> str | None:
 def read_completion(body: dict) -> GenerationRequest:
     """A `/v1/completions` body -> GenerationRequest, or `Refusal` (400) naming the field."""
     _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
-    refuse_unless_default(body, chat=False)
+    refuse_unless_default(body)
     prompts = _prompts(body.get("prompt"))
     params, max_tokens, logprobs = _sampling(body, chat=False)
     stream, usage, continuous = _stream(body)
@@ -282,7 +279,7 @@ def _is_token(t: Any) -> bool:
 def read_chat(body: dict) -> GenerationRequest:
     """A `/v1/chat/completions` body -> GenerationRequest, or `Refusal` (400) naming the field."""
     _check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
-    refuse_unless_default(body, chat=True)
+    refuse_unless_default(body)
     messages = _messages(body.get("messages"))
     params, max_tokens, logprobs = _sampling(body, chat=True)
     stream, usage, continuous = _stream(body)
