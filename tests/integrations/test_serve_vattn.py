@@ -349,11 +349,16 @@ def test_cut_streams_are_aborted_and_freed(srv, client, caplog):
             pass
         conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away after its first chunk
         conn.close()
+    deadline = time.monotonic() + 30
+    while scrape(srv)[0]["vattn:num_requests_running"].value and time.monotonic() < deadline:
+        time.sleep(0.01)
     # a client of a non-streamed request that goes away while it waits (n=2: both samples stop)
     conn = http.client.HTTPConnection(urllib.parse.urlsplit(srv.url).netloc, timeout=60)
     whole = json.loads(body) | {"stream": False, "n": 2, "max_tokens": 240}
     conn.request("POST", "/v1/completions", body=json.dumps(whole), headers={"content-type": "application/json"})
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while scrape(srv)[0]["vattn:num_requests_running"].value < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # (a connection closed before the server read its request never becomes one)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.monotonic() + 30
@@ -366,7 +371,9 @@ def test_cut_streams_are_aborted_and_freed(srv, client, caplog):
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert idle, f"the cut streams' requests were not aborted and freed: {m}"
+    assert idle, ("the cut streams' requests were not aborted and freed: running, waiting, usage, aborted = "
+                  f"{m['vattn:num_requests_running'].value}, {m['vattn:num_requests_waiting'].value}, "
+                  f"{m['vattn:kv_cache_usage_perc'].value}, {aborted}")
     cancelled = [r for r in caplog.records if "cancelled its stream" in r.getMessage()]
     assert len(cancelled) == 3 and all(r.levelno == logging.INFO and r.exc_info is None for r in cancelled)
     assert len([r for r in caplog.records if "went away" in r.getMessage()]) == 1
@@ -467,3 +474,56 @@ def test_every_sampling_field_reaches_the_engine(srv, client, ckpt):
                 got = r.choices[0].logprobs.token_logprobs
                 assert got == pytest.approx([lp[t].logprob for t, lp in zip(want.outputs[0].token_ids,
                                                                             want.outputs[0].logprobs)], abs=1e-5)
+
+
+def test_more_shapes(srv, client, hf):
+    """Streamed echo, streamed chat n=2, continuous usage, and max_tokens left out (to the context's end)."""
+    _, tok = hf
+    chunks = list(client.completions.create(model="tiny", prompt="hello world", echo=True, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices).startswith("hello world")
+    texts = ["", ""]
+    for c in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, seed=5,
+                                            temperature=1.0, stream=True, max_tokens=8,
+                                            extra_body={"ignore_eos": True}):
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert all(len(t) > 0 for t in texts)
+    r = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "ignore_eos": True, "stream": True,
+                                      "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    assert all("usage" in e for e in events) and events[-1]["usage"]["completion_tokens"] == 3
+    r = client.completions.create(model="tiny", prompt="hello world", temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 256 - len(tok.encode("hello world"))  # --max-model-len 256
+
+
+def test_the_command_serves_and_drains_on_sigterm(ckpt):
+    """`python -m vattn serve DIR` (vattn's engine, the default) as a process: answers, then
+    exits 0 on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "vattn", "serve", ckpt, "--port", str(port), "--device", "cpu",
+                                 "--page-size", "4096", "--max-model-len", "128", "--served-model-name", "tiny",
+                                 "--api-key", "k"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            server = type("S", (), {"url": f"http://127.0.0.1:{port}"})()
+            wait_ready(server, within=120)
+            r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                     headers={"authorization": "Bearer k"})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=20)
+            log.seek(0)
+            output = log.read()
+    assert "Traceback" not in output, output[-3000:]
