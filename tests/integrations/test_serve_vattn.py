@@ -260,6 +260,7 @@ REFUSED = [
     ({"prompt": ""}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": [1, 2, 100000]}, "prompt"),
+    ({"prompt": [1, 2, 128]}, "prompt"),  # the model has 128 tokens (its tokenizer 98)
     ({"model": "another"}, "model"),
 ]
 

@@ -139,7 +139,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model
         loop = asyncio.new_event_loop()
         engine_loop = EngineLoop(llm, loop, on_step=metrics.on_step)
         state = ServerState(engine_loop, llm.tokenizer, names, os.path.abspath(model), llm.max_context_len, metrics,
-                            api_key, int(time.time()))
+                            api_key, int(time.time()), llm.runner.vocab_size)
         gate = _Gate(build_app(state), shutdown_timeout, max_body_bytes or MAX_BODY_BYTES)
         gate.on_refused = metrics.on_refused
         config = uvicorn.Config(gate, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,

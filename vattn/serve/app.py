@@ -56,6 +56,7 @@ class ServerState:
     metrics: ServeMetrics
     api_key: str | None = None
     created: int = 0
+    vocab_size: int = 0  # the model's (token id prompts are checked against it)
     token_texts: dict = field(default_factory=dict)  # token id -> its text alone (logprobs), filled as asked
 
     def token_text(self, token_id: int) -> str:
@@ -175,11 +176,11 @@ async def _tokenize(state: ServerState, req: GenerationRequest) -> list[Prompt]:
         texts = req.prompts
     size = sum(len(t) for t in texts if isinstance(t, str))
     if size > LONG_PROMPT_CHARS:
-        return await asyncio.get_running_loop().run_in_executor(None, _encode_all, tok, texts, req.chat)
-    return _encode_all(tok, texts, req.chat)
+        return await asyncio.get_running_loop().run_in_executor(None, _encode_all, tok, texts, req.chat, state.vocab_size)
+    return _encode_all(tok, texts, req.chat, state.vocab_size)
 
 
-def _encode_all(tok: Any, texts: list[Any], chat: bool) -> list[Prompt]:
+def _encode_all(tok: Any, texts: list[Any], chat: bool, vocab_size: int) -> list[Prompt]:
     out = []
     for t in texts:
         if isinstance(t, str):
@@ -190,11 +191,10 @@ def _encode_all(tok: Any, texts: list[Any], chat: bool) -> list[Prompt]:
                               code="empty_prompt")
             out.append(Prompt(ids, t))
         else:
-            vocab = len(tok)
-            bad = [x for x in t if x >= vocab]
+            bad = [x for x in t if x >= vocab_size]
             if bad:
-                raise Refusal(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt",
-                              code="invalid_value")
+                raise Refusal(f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary), got {bad[:5]}",
+                              param="prompt", code="invalid_value")
             out.append(Prompt(list(t), None))
     return out
 
