@@ -528,3 +528,47 @@ def test_the_command_serves_and_drains_on_sigterm(ckpt):
             log.seek(0)
             output = log.read()
     assert "Traceback" not in output, output[-3000:]
+
+
+def test_asynchronous_scheduling_serves_the_same(ckpt, client, hf):
+    """The engine loop under asynchronous scheduling (CUDA's default; forced here on the host):
+    the same answers as the synchronous server, and a cut stream still frees everything."""
+    import http.client
+    import urllib.parse
+
+    import openai
+
+    from vattn.serve import serve
+
+    _, tok = hf
+    server = serve(ckpt, port=free_port(), non_blocking=True, device="cpu", page_size=4096, max_model_len=256,
+                   served_model_name=["tiny"], async_scheduling=True, log_level="warning")
+    try:
+        wait_ready(server)
+        assert server.llm.async_scheduling
+        other = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        want = tok.decode(hf_greedy(hf, tok.encode("hello world")))
+        assert other.completions.create(model="tiny", prompt="hello world", **GREEDY).choices[0].text == want
+        kw = dict(model="tiny", prompt="once upon", max_tokens=16, temperature=1.0, seed=7, n=2,
+                  extra_body={"ignore_eos": True})
+        assert [c.text for c in other.completions.create(**kw).choices] == \
+            [c.text for c in client.completions.create(**kw).choices]
+        conn = http.client.HTTPConnection(urllib.parse.urlsplit(server.url).netloc, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "a", "max_tokens": 200, "stream": True,
+                                                                 "ignore_eos": True}),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        while not r.readline().startswith(b"data: {"):
+            pass
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            samples, _ = scrape(server)
+            if (samples["vattn:num_requests_running"].value, samples["vattn:kv_cache_usage_perc"].value) == (0, 0):
+                break
+            time.sleep(0.02)
+        assert (samples["vattn:num_requests_running"].value, samples["vattn:kv_cache_usage_perc"].value) == (0, 0)
+        assert other.completions.create(model="tiny", prompt="hello world", **GREEDY).choices[0].text == want
+    finally:
+        server.stop()
