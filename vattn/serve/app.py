@@ -36,7 +36,6 @@ from vattn.serve.protocol import GenerationRequest, Prompt, read_chat, read_comp
 logger = logging.getLogger("vattn.serve")
 
 LONG_PROMPT_CHARS = 16384  # a longer text is tokenized off the event loop
-UNAUTHENTICATED = ("/health", "/metrics")
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -90,16 +89,19 @@ def build_app(state: ServerState) -> Any:
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500
                                        else "server_error", code=exc.status_code), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
-        if state.api_key is not None and request.url.path not in UNAUTHENTICATED:
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                state.metrics.on_refused("invalid_api_key")
-                return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>' with "
-                                               "the key given to --api-key", code="invalid_api_key"), status_code=401)
-        return await call_next(request)
+    def unauthorized(request: Request) -> JSONResponse | None:
+        """401 unless the request carries `Authorization: Bearer <--api-key>` (checked in each route
+        but /health and /metrics: a plain function, not an HTTP middleware, which would sit in
+        every stream's path)."""
+        if state.api_key is None:
+            return None
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        if hmac.compare_digest(token.encode(), state.api_key.encode()):
+            return None
+        state.metrics.on_refused("invalid_api_key")
+        return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
+                                       "given to --api-key", code="invalid_api_key"), status_code=401)
 
     @app.get("/health")
     async def health() -> Response:
@@ -109,12 +111,12 @@ def build_app(state: ServerState) -> Any:
         return Response(status_code=200)
 
     @app.get("/version")
-    async def version() -> dict:
-        return {"version": vattn.__version__}
+    async def version(request: Request) -> Any:
+        return unauthorized(request) or {"version": vattn.__version__}
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [
+    async def models(request: Request) -> Any:
+        return unauthorized(request) or {"object": "list", "data": [
             {"id": name, "object": "model", "created": state.created, "owned_by": "vattn", "root": state.model_path,
              "parent": None, "max_model_len": state.max_model_len} for name in state.served_names]}
 
@@ -131,6 +133,9 @@ def build_app(state: ServerState) -> Any:
         return Response(state.metrics.text(), media_type=CONTENT_TYPE)
 
     async def generate(request: Request, chat: bool) -> Response:
+        refused = unauthorized(request)
+        if refused is not None:
+            return refused
         try:
             body = parse_json(await request.body())
             req = read_chat(body) if chat else read_completion(body)
@@ -170,7 +175,11 @@ async def _tokenize(state: ServerState, req: GenerationRequest) -> list[Prompt]:
         if not getattr(tok, "chat_template", None):
             raise Refusal("this checkpoint's tokenizer has no chat template: use /v1/completions", param="messages",
                           code="no_chat_template")
-        text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template that refuses these messages (roles, order): the client's
+            raise Refusal(f"the checkpoint's chat template refused these messages: {e}", param="messages",
+                          code="invalid_value") from None
         texts: list[Any] = [text]
     else:
         texts = req.prompts
