@@ -298,9 +298,9 @@ class _Run:
         for tid, entry in zip(o.token_ids[start:], o.logprobs[start:]):
             text = self.state.token_text(tid)
             tokens.append(text)
-            values.append(entry[tid].logprob)
-            tops.append({self.state.token_text(t): lp.logprob for t, lp in sorted(entry.items(), key=lambda x: x[1].rank)
-                         if lp.rank <= k} if k else None)
+            values.append(_finite(entry[tid].logprob))
+            tops.append({self.state.token_text(t): _finite(lp.logprob)
+                         for t, lp in sorted(entry.items(), key=lambda x: x[1].rank) if lp.rank <= k} if k else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -312,9 +312,9 @@ class _Run:
         content = []
         for tid, entry in zip(o.token_ids[start:], o.logprobs[start:]):
             text = self.state.token_text(tid)
-            top = [{"token": (s := self.state.token_text(t)), "logprob": lp.logprob, "bytes": list(s.encode())}
+            top = [{"token": (s := self.state.token_text(t)), "logprob": _finite(lp.logprob), "bytes": list(s.encode())}
                    for t, lp in sorted(entry.items(), key=lambda x: x[1].rank) if lp.rank <= k]
-            content.append({"token": text, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
+            content.append({"token": text, "logprob": _finite(entry[tid].logprob), "bytes": list(text.encode()),
                             "top_logprobs": top})
         return {"content": content}
 
@@ -397,6 +397,11 @@ def _tail(o: CompletionOutput, start: int) -> CompletionOutput:
         return o
     return CompletionOutput(o.index, o.token_ids[start:], o.text, o.finish_reason, o.error, o.stop_reason,
                             None if o.logprobs is None else o.logprobs[start:], o.cumulative_logprob)
+
+
+def _finite(logprob: float) -> float:
+    """-inf as -9999.0, what OpenAI sends (JSON has no infinity)."""
+    return max(logprob, -9999.0)
 
 
 def _event(obj: dict) -> bytes:
