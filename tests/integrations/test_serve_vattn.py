@@ -572,3 +572,22 @@ def test_asynchronous_scheduling_serves_the_same(ckpt, client, hf):
         assert other.completions.create(model="tiny", prompt="hello world", **GREEDY).choices[0].text == want
     finally:
         server.stop()
+
+
+def test_vattn_flags_reach_the_engine_config(ckpt, tmp_path):
+    from vattn.serve import build_llm, parser
+
+    a = parser().parse_args([ckpt, "--max-model-len", "200", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                             "--no-enable-prefix-caching", "--dtype", "float", "--seed", "3", "--page-size", "4096",
+                             "--memory-limit", "1048576", "--idle-trim-s", "5", "--device", "cpu"])
+    assert (a.model_tag, a.enable_prefix_caching, a.dtype) == (ckpt, False, "float")
+    llm = build_llm(ckpt, max_model_len=200, max_num_seqs=4, max_num_batched_tokens=64, dtype="float", seed=3,
+                    page_size=4096, memory_limit=1 << 20, idle_trim_s=5, offload_bytes=1 << 20,
+                    offload_dir=str(tmp_path), offload_dir_bytes=1 << 20, device="cpu")
+    try:
+        c = llm.config
+        assert (llm.max_context_len, c.max_batch_size, c.max_num_batched_tokens, c.seed, c.physical_memory,
+                c.idle_trim_s, c.enable_prefix_caching, c.offload_bytes, c.offload_dir_bytes, str(c.dtype)) == \
+            (200, 4, 64, 3, 1 << 20, 5.0, True, 1 << 20, 1 << 20, "torch.float32")
+    finally:
+        llm.close()
