@@ -49,10 +49,16 @@ SERVERS = ("stock", "vattn")
 def server_command(kind: str, ckpt: str, port: int, args: argparse.Namespace) -> list[str]:
     """The command of one server: the same checkpoint, device and cache size for all."""
     if kind.startswith("vattn"):
+        if args.vattn_engine == "vattn":  # vattn's own engine (vattn serve's default since issue 36)
+            return [sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port), "--device", "cpu",
+                    "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_batch_tokens),
+                    "--log-level", "warning", *args.vattn_args]
         cache = [] if args.num_blocks <= 0 else ["--num-blocks", str(args.num_blocks), "--block-size",
                                                     str(args.block_size), "--max-batch-tokens", str(args.max_batch_tokens)]
-        return [sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port), "--device", "cpu", *cache,
-                *args.vattn_args]
+        src = Path(args.before) if kind == "vattn-before" else REPO
+        engine = ["--engine", "transformers"] if (src / "vattn" / "serve" / "__init__.py").exists() else []
+        return [sys.executable, "-m", "vattn", "serve", *engine, "--model", ckpt, "--port", str(port), "--device",
+                "cpu", *cache, *args.vattn_args]
     cache = [] if args.num_blocks <= 0 else ["--cb-num-blocks", str(args.num_blocks), "--cb-block-size",
                                             str(args.block_size), "--cb-max-batch-tokens", str(args.max_batch_tokens)]
     return [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
@@ -199,6 +205,8 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vattn-engine", choices=("transformers", "vattn"), default="transformers",
+                    help="the engine of the vattn server: transformers serve on vattn memory (default), or vattn's own")
     ap.add_argument("--vattn-args", nargs=argparse.REMAINDER, default=[],
                     help="more arguments for vattn serve (last on the line)")
     ap.add_argument("--before", default=None, metavar="DIR",
@@ -220,7 +228,9 @@ def main() -> None:
     rng = random.Random(0)
     letters = string.ascii_letters + string.digits + " "
     bodies = [{"prompt": "".join(rng.choice(letters) for _ in range(rng.randint(*args.prompt_chars))),
-               "max_tokens": args.max_tokens, "temperature": 0} for _ in range(args.requests)]
+               "max_tokens": args.max_tokens, "temperature": 0,
+               # usage in the last chunk: vattn's engine sends it when asked, as OpenAI and vLLM do (transformers always)
+               "stream_options": {"include_usage": True}} for _ in range(args.requests)]
     runs: list[dict] = []
     load = os.getloadavg()[0]  # what else this host ran: a shared host's rounds swing more
     with tempfile.TemporaryDirectory() as tmp:

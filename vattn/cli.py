@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="page-size experiments and the paper's comparisons (tables, JSON, plots); "
                    "see vattn bench --help")
     sub.add_parser("serve", add_help=False,
-                   help="transformers serve (OpenAI-compatible, continuous batching) on vattn memory; "
-                   "see vattn serve --help")
+                   help="an OpenAI-compatible server on vattn's engine (--engine transformers: transformers "
+                   "serve on vattn memory); see vattn serve --help")
     sub.add_parser("top", add_help=False, help="the members of each shared memory budget, live; see vattn top --help")
     sub.add_parser("budget", add_help=False,
                    help="shared memory budgets: set-limit NAME BYTES [--pid PID]; see vattn budget --help")
@@ -123,8 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from vattn.errors import VattnError
 
-    if argv[:1] == ["serve"]:  # its own parser: the options are transformers serve's
-        from vattn.integrations.hf_serve import main as serve_main
+    if argv[:1] == ["serve"]:  # its own parser: vLLM's flags (--engine transformers: transformers serve's)
+        from vattn.serve import main as serve_main
 
         try:
             serve_main(argv[1:])

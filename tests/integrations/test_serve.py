@@ -276,8 +276,8 @@ def serve_process(ckpt: str, *args: str):
         [str(REPO), os.environ.get("PYTHONPATH", "")]))
     with open(os.devnull, "rb") as stdin, \
             tempfile.TemporaryFile("w+") as log:  # a file: a full pipe would block the server
-        proc = subprocess.Popen([sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port),
-                                 "--device", "cpu", "--num-blocks", "64", "--block-size", str(BLOCK),
+        proc = subprocess.Popen([sys.executable, "-m", "vattn", "serve", "--engine", "transformers", "--model", ckpt,
+                                 "--port", str(port), "--device", "cpu", "--num-blocks", "64", "--block-size", str(BLOCK),
                                  "--page-size", str(PAGE), *args], env=env, stdin=stdin, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -73,7 +73,8 @@ def servers(ckpt, tmp_path, monkeypatch):  # noqa: F811
         for _ in range(n):
             port = free_port()
             log = open(tmp_path / f"server-{port}.log", "w")
-            p = subprocess.Popen([sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port),
+            p = subprocess.Popen([sys.executable, "-m", "vattn", "serve", "--engine", "transformers", "--model", ckpt,
+                                  "--port", str(port),
                                   "--device", "cpu", "--num-blocks", "64", "--block-size", "16", "--page-size",
                                   "4096", "--budget", "pair", "--budget-limit", str(LIMIT)],
                                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), stdout=log,

@@ -293,7 +293,8 @@ def test_a_memory_limit_with_no_room_beyond_the_trash_is_refused_at_start(ckpt, 
         srv.kill_server()
         hf_cb.disable_all()
     # the command says so and exits 2
-    out = subprocess.run([sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--device", "cpu", "--num-blocks",
+    out = subprocess.run([sys.executable, "-m", "vattn", "serve", "--engine", "transformers", "--model", ckpt, "--device",
+                          "cpu", "--num-blocks",
                           "8", "--block-size", str(block), "--page-size", str(page), "--memory-limit", str(2 * sector)],
                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                                                                            "PATH": "/usr/bin:/bin"})

@@ -1,0 +1,422 @@
+"""The FastAPI app of `vattn serve --engine vattn`: OpenAI's routes over an `EngineLoop`.
+
+`/v1/completions` and `/v1/chat/completions` (streamed as server-sent events, or not),
+`/v1/models`, `/health`, `/version`, `/metrics`. Each request: the body is read as strict JSON
+(`hf_serve.contract.parse_json`), checked (`vattn.serve.protocol`), tokenized (the chat
+template of the checkpoint's tokenizer), one engine request per prompt is added; outputs come
+back per step (cumulative) and are turned into OpenAI's shapes. A client that goes away
+(a cut stream, or a closed connection while a non-streamed answer waits) has its requests
+aborted: their slots and pages are freed at the engine's next turn. Errors are OpenAI error
+bodies (`{"error": {"message", "type", "param", "code"}}`), never FastAPI's 422 `{"detail"}`.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+import vattn
+from vattn.engine.sequence import CompletionOutput, RequestOutput
+from vattn.integrations.hf_serve.contract import Refusal, parse_json
+from vattn.serve.engine import EngineLoop, Handle
+from vattn.serve.metrics import CONTENT_TYPE, ServeMetrics
+from vattn.serve.protocol import GenerationRequest, Prompt, read_chat, read_completion
+
+logger = logging.getLogger("vattn.serve")
+
+LONG_PROMPT_CHARS = 16384  # a longer text is tokenized off the event loop
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine loop, the tokenizer, names and figures."""
+
+    loop: EngineLoop
+    tokenizer: Any
+    served_names: tuple[str, ...]
+    model_path: str
+    max_model_len: int
+    metrics: ServeMetrics
+    api_key: str | None = None
+    created: int = 0
+    vocab_size: int = 0  # the model's (token id prompts are checked against it)
+    token_texts: dict = field(default_factory=dict)  # token id -> its text alone (logprobs), filled as asked
+
+    def token_text(self, token_id: int) -> str:
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    @property
+    def name(self) -> str:
+        return self.served_names[0]
+
+
+def build_app(state: ServerState) -> Any:
+    """The FastAPI app for `state` (its engine loop started by the caller)."""
+    app = FastAPI(title="vattn serve", version=vattn.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def refuse(e: Refusal) -> JSONResponse:
+        state.metrics.on_refused(e.code)
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return JSONResponse(error_body(str(e), kind, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = (exc.errors() or [{}])[0]
+        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return refuse(Refusal(f"invalid request: {first.get('msg', exc)}", param=param, code="invalid_value"))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500
+                                       else "server_error", code=exc.status_code), status_code=exc.status_code)
+
+    def unauthorized(request: Request) -> JSONResponse | None:
+        """401 unless the request carries `Authorization: Bearer <--api-key>` (checked in each route
+        but /health and /metrics: a plain function, not an HTTP middleware, which would sit in
+        every stream's path)."""
+        if state.api_key is None:
+            return None
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        if hmac.compare_digest(token.encode(), state.api_key.encode()):
+            return None
+        state.metrics.on_refused("invalid_api_key")
+        return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
+                                       "given to --api-key", code="invalid_api_key"), status_code=401)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.loop.is_alive():
+            return JSONResponse(error_body("the engine loop is not running; restart the server", "server_error",
+                                           code=503), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version(request: Request) -> Any:
+        return unauthorized(request) or {"version": vattn.__version__}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        return unauthorized(request) or {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "vattn", "root": state.model_path,
+             "parent": None, "max_model_len": state.max_model_len} for name in state.served_names]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from vattn.serve.metrics import engine_figures
+
+        if state.loop.is_alive():
+            try:
+                state.metrics.figures = await asyncio.wait_for(
+                    state.loop.call(functools.partial(engine_figures, state.loop.llm)), 10)
+            except Exception:  # noqa: BLE001 - the histograms and counters are still worth a scrape
+                logger.warning("vattn serve: reading the engine's figures for /metrics failed", exc_info=True)
+        return Response(state.metrics.text(), media_type=CONTENT_TYPE)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        refused = unauthorized(request)
+        if refused is not None:
+            return refused
+        try:
+            body = parse_json(await request.body())
+            req = read_chat(body) if chat else read_completion(body)
+            if req.model is not None and req.model not in state.served_names:
+                raise Refusal(f"the model {req.model!r} does not exist: this server serves "
+                              f"{', '.join(map(repr, state.served_names))}", param="model", code="model_not_found",
+                              status=404)
+            prompts = await _tokenize(state, req)
+            params = [req.params_for(len(p.token_ids), state.max_model_len) for p in prompts]
+        except Refusal as e:
+            return refuse(e)
+        run = _Run(state, req, prompts, params)
+        if req.stream:
+            return StreamingResponse(run.stream(request), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        try:
+            return JSONResponse(await run.whole(request))
+        except Refusal as e:
+            return refuse(e)
+        except _ClientGone:
+            return Response(status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    return app
+
+
+async def _tokenize(state: ServerState, req: GenerationRequest) -> list[Prompt]:
+    tok = state.tokenizer
+    if req.chat:
+        if not getattr(tok, "chat_template", None):
+            raise Refusal("this checkpoint's tokenizer has no chat template: use /v1/completions", param="messages",
+                          code="no_chat_template")
+        try:
+            text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template that refuses these messages (roles, order): the client's
+            raise Refusal(f"the checkpoint's chat template refused these messages: {e}", param="messages",
+                          code="invalid_value") from None
+        texts: list[Any] = [text]
+    else:
+        texts = req.prompts
+    size = sum(len(t) for t in texts if isinstance(t, str))
+    if size > LONG_PROMPT_CHARS:
+        return await asyncio.get_running_loop().run_in_executor(None, _encode_all, tok, texts, req.chat, state.vocab_size)
+    return _encode_all(tok, texts, req.chat, state.vocab_size)
+
+
+def _encode_all(tok: Any, texts: list[Any], chat: bool, vocab_size: int) -> list[Prompt]:
+    out = []
+    for t in texts:
+        if isinstance(t, str):
+            # a chat template writes its special tokens itself; a completion's prompt gets the tokenizer's (as LLM does)
+            ids = list(tok.encode(t, add_special_tokens=not chat))
+            if not ids:
+                raise Refusal("the prompt tokenizes to no tokens", param="messages" if chat else "prompt",
+                              code="empty_prompt")
+            out.append(Prompt(ids, t))
+        else:
+            bad = [x for x in t if x >= vocab_size]
+            if bad:
+                raise Refusal(f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary), got {bad[:5]}",
+                              param="prompt", code="invalid_value")
+            out.append(Prompt(list(t), None))
+    return out
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Run:
+    """One client request in flight: its engine requests (one per prompt) and their outputs."""
+
+    def __init__(self, state: ServerState, req: GenerationRequest, prompts: list[Prompt], params: list[Any]) -> None:
+        self.state, self.req, self.prompts, self.params = state, req, prompts, params
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.sink: asyncio.Queue = asyncio.Queue()
+        self.handles: list[Handle] = []
+        self.n = params[0].n if params else 1
+        self.finished: dict[int, RequestOutput] = {}
+
+    def _start(self) -> None:
+        for tag, (p, sp) in enumerate(zip(self.prompts, self.params)):
+            self.state.metrics.on_request(sp)
+            self.handles.append(self.state.loop.add(tag, p.token_ids, sp, self.sink))
+
+    def _abort_open(self) -> None:
+        for tag, handle in enumerate(self.handles):
+            if tag not in self.finished:
+                self.state.loop.abort(handle)
+
+    async def _next(self) -> tuple[int, RequestOutput]:
+        tag, item = await self.sink.get()
+        if isinstance(item, Exception):
+            raise Refusal(str(item), status=400 if _is_client_error(item) else 500,
+                          code="invalid_request" if _is_client_error(item) else "engine_error")
+        if item.finished:
+            self.finished[tag] = item
+        return tag, item
+
+    # ---------------------------------------------------------------- not streamed ----
+    async def whole(self, request: Any) -> dict:
+        self._start()
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            while len(self.finished) < len(self.handles):
+                getter = asyncio.ensure_future(self._next())
+                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    logger.info("vattn serve: the client of %s went away; its requests are aborted", self.id)
+                    raise _ClientGone
+                getter.result()
+        finally:
+            watcher.cancel()
+            self._abort_open()
+        outs = [self.finished[t] for t in range(len(self.handles))]
+        failed = next((o for out in outs for o in out.outputs if o.finish_reason == "error"), None)
+        if failed is not None:
+            raise Refusal(f"the engine failed on this request: {failed.error}", status=500, code="engine_error")
+        choices = []
+        for tag, out in enumerate(outs):
+            for o in out.outputs:
+                choices.append(self._choice(tag * self.n + o.index, tag, o, whole=True))
+        return {"id": self.id, "object": "chat.completion" if self.req.chat else "text_completion",
+                "created": self.created, "model": self.state.name, "choices": choices, "usage": self._usage(outs)}
+
+    def _choice(self, index: int, tag: int, o: CompletionOutput, whole: bool) -> dict:
+        text = o.text or ""
+        if self.req.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(o, 0), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        prefix = self._echo(tag) if self.req.echo else ""
+        return {"index": index, "text": prefix + text, "logprobs": self._completion_logprobs(o, 0, 0),
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+
+    def _echo(self, tag: int) -> str:
+        p = self.prompts[tag]
+        return p.text if p.text is not None else self.state.tokenizer.decode(p.token_ids)
+
+    def _usage(self, outs: list[RequestOutput]) -> dict:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(len(o.token_ids) for out in outs for o in out.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ------------------------------------------------------------------ logprobs ----
+    def _completion_logprobs(self, o: CompletionOutput, start: int, offset: int) -> dict | None:
+        """OpenAI's completions shape for tokens start.. of `o` (text offsets from `offset`)."""
+        if self.req.logprobs is None or o.logprobs is None:
+            return None
+        k = self.req.logprobs
+        tokens, values, tops, offsets = [], [], [], []
+        for tid, entry in zip(o.token_ids[start:], o.logprobs[start:]):
+            text = self.state.token_text(tid)
+            tokens.append(text)
+            values.append(_finite(entry[tid].logprob))
+            tops.append({self.state.token_text(t): _finite(lp.logprob)
+                         for t, lp in sorted(entry.items(), key=lambda x: x[1].rank) if lp.rank <= k} if k else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, o: CompletionOutput, start: int) -> dict | None:
+        if self.req.logprobs is None or o.logprobs is None:
+            return None
+        k = self.req.logprobs
+        content = []
+        for tid, entry in zip(o.token_ids[start:], o.logprobs[start:]):
+            text = self.state.token_text(tid)
+            top = [{"token": (s := self.state.token_text(t)), "logprob": _finite(lp.logprob), "bytes": list(s.encode())}
+                   for t, lp in sorted(entry.items(), key=lambda x: x[1].rank) if lp.rank <= k]
+            content.append({"token": text, "logprob": _finite(entry[tid].logprob), "bytes": list(text.encode()),
+                            "top_logprobs": top})
+        return {"content": content}
+
+    # ------------------------------------------------------------------- streamed ----
+    async def stream(self, request: Any) -> AsyncIterator[bytes]:
+        """Server-sent events; the gate (`hf_serve.gate._Gate`) ends them with `data: [DONE]`."""
+        self._start()
+        sent_tokens: dict[tuple[int, int], int] = {}
+        sent_chars: dict[tuple[int, int], int] = {}
+        done: set[tuple[int, int]] = set()
+        latest: dict[int, RequestOutput] = {}
+        kind = "chat.completion.chunk" if self.req.chat else "text_completion"
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.state.name}
+        complete = False
+        try:
+            if self.req.chat:  # the first chunk of every choice: its role
+                yield _event({**head, "choices": [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None} for i in range(len(self.prompts) * self.n)]})
+            elif self.req.echo:
+                yield _event({**head, "choices": [
+                    {"index": t * self.n + i, "text": self._echo(t), "logprobs": None, "finish_reason": None,
+                     "stop_reason": None} for t in range(len(self.prompts)) for i in range(self.n)]})
+            while len(self.finished) < len(self.handles):
+                try:
+                    tag, out = await self._next()
+                except Refusal as e:
+                    yield _event(error_body(str(e), "server_error" if e.status >= 500 else "invalid_request_error",
+                                            code=e.code))
+                    complete = True
+                    return
+                latest[tag] = out
+                failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
+                if failed is not None:  # OpenAI has no finish_reason "error": an error event ends the stream
+                    yield _event(error_body(f"the engine failed on this request: {failed.error}", "server_error",
+                                            code="engine_error"))
+                    complete = True
+                    return
+                choices = []
+                for o in out.outputs:
+                    key = (tag, o.index)
+                    if key in done:
+                        continue
+                    text = o.text or ""
+                    t0, c0 = sent_tokens.get(key, 0), sent_chars.get(key, 0)
+                    if len(o.token_ids) == t0 and len(text) == c0 and not o.finished:
+                        continue
+                    index = tag * self.n + o.index
+                    piece = text[c0:]
+                    reason = o.finish_reason if o.finished else None
+                    if self.req.chat:
+                        choice = {"index": index, "delta": {"content": piece} if piece or not reason else {},
+                                  "logprobs": self._chat_logprobs(_tail(o, t0), 0), "finish_reason": reason}
+                    else:
+                        choice = {"index": index, "text": piece,
+                                  "logprobs": self._completion_logprobs(_tail(o, t0), 0, c0),
+                                  "finish_reason": reason}
+                    if reason is not None:
+                        choice["stop_reason"] = o.stop_reason
+                        done.add(key)
+                    choices.append(choice)
+                    sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
+                if choices:
+                    chunk = {**head, "choices": choices}
+                    if self.req.continuous_usage:
+                        chunk["usage"] = self._usage(list(latest.values()))
+                    yield _event(chunk)
+            if self.req.include_usage:
+                yield _event({**head, "choices": [], "usage": self._usage([latest[t] for t in sorted(latest)])})
+            complete = True
+        finally:
+            if not complete:
+                logger.info("vattn serve: the client of %s cancelled its stream; its requests are aborted", self.id)
+            self._abort_open()
+
+
+def _tail(o: CompletionOutput, start: int) -> CompletionOutput:
+    """`o` with its tokens (and their logprobs) from `start` on: the part a stream did not send."""
+    if not start:
+        return o
+    return CompletionOutput(o.index, o.token_ids[start:], o.text, o.finish_reason, o.error, o.stop_reason,
+                            None if o.logprobs is None else o.logprobs[start:], o.cumulative_logprob)
+
+
+def _finite(logprob: float) -> float:
+    """-inf as -9999.0, what OpenAI sends (JSON has no infinity)."""
+    return max(logprob, -9999.0)
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _is_client_error(e: Exception) -> bool:
+    from vattn.errors import InvalidRequestError
+
+    return isinstance(e, InvalidRequestError)
+
+
+async def _disconnected(request: Any) -> None:
+    """Returns once the client closed the connection (the body was read before)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
