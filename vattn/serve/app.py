@@ -256,6 +256,10 @@ class _Run:
                     logger.info("vattn serve: the client of %s went away; its requests are aborted", self.id)
                     raise _ClientGone
                 getter.result()
+        except asyncio.CancelledError:  # the gate saw the client go first (or shutdown ended the wait)
+            logger.info("vattn serve: the answer to %s was cancelled (its client went away, or the server shut "
+                        "down); its requests are aborted", self.id)
+            raise
         finally:
             watcher.cancel()
             self._abort_open()
