@@ -181,3 +181,20 @@ def check(cache: vattn.KVCache, slot: int, end: int, tag: float) -> None:
         v = cache.v_cache(layer)[slot, :end]
         assert torch.equal(k, val.expand_as(k)), f"K of slot {slot} layer {layer} corrupted"
         assert torch.equal(v, (-val).expand_as(v)), f"V of slot {slot} layer {layer} corrupted"
+
+
+@pytest.fixture
+def second_user():
+    """`run(script)` as another local user (uid 65534: `tests.helpers.as_nobody`); skips where
+    this process cannot switch users."""
+    import subprocess
+
+    from tests.helpers import NOBODY, as_nobody
+
+    if os.geteuid() != 0:
+        pytest.skip(f"planting files as another user needs root (this is uid {os.geteuid()})")
+    try:
+        as_nobody("true")
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot run as uid {NOBODY} here: {e}")
+    return as_nobody

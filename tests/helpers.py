@@ -157,3 +157,14 @@ def fake_advance(sched: Any, out: Any, token: int = 7) -> list[Any]:
 def make_seq(i: int, length: int, max_tokens: int = 8, **params: Any) -> Sequence:
     """Request `i`: a prompt of `length` tokens, greedy (SamplingParams `params`)."""
     return Sequence(i, list(range(1, length + 1)), SamplingParams(temperature=0, max_tokens=max_tokens, **params), 0.0)
+
+
+NOBODY = 65534  # the second local user of the shared-host tests ("nobody")
+
+
+def as_nobody(script: str) -> None:
+    """Run the shell `script` as uid/gid 65534 with no other group."""
+    import subprocess
+
+    subprocess.run(["sh", "-c", script], user=NOBODY, group=NOBODY, extra_groups=[], check=True, timeout=60,
+                   capture_output=True)

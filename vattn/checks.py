@@ -147,3 +147,31 @@ def device(value: Any, *, optional: bool = False) -> str | None:
 
 
 _DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
+
+# ------------------------------------------------------------- owners of files ----
+def user_text(uid: int) -> str:
+    """`uid 0 (root)`, or `uid N` for a uid with no name: how an error names an owner."""
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def group_text(gid: int) -> str:
+    """`0 (root)`, or `N` for a gid with no name."""
+    import grp
+
+    try:
+        return f"{gid} ({grp.getgrgid(gid).gr_name})"
+    except KeyError:
+        return str(gid)
+
+
+def stat_text(st: Any) -> str:
+    """A file's owner, group and mode as an error names them (the budget's tables, the offload
+    tier's directories): `owner uid 0 (root), group 0 (root), mode 0700`."""
+    import stat as stat_mod
+
+    return f"owner {user_text(st.st_uid)}, group {group_text(st.st_gid)}, mode {stat_mod.S_IMODE(st.st_mode):04o}"

@@ -17,6 +17,7 @@ import pytest
 
 import vattn
 from tests.conftest import SMALL, check, fill
+from tests.helpers import NOBODY
 from vattn.errors import InvalidConfigError, UnsafeOffloadDirError
 from vattn.prefix_cache import PrefixCache
 
@@ -25,25 +26,8 @@ BLOCK = 4 * 4 * KB  # a block's bytes in host memory (SMALL at 4 KiB pages)
 PROMPT = list(range(100))  # 3 whole blocks (the last token is always computed)
 PROMPT2 = list(range(1000, 1100))
 SALT = "tiny-test-model"
-NOBODY = 65534
 
 
-def _as_nobody(script: str) -> None:
-    """Run the shell `script` as uid/gid 65534 with no other group."""
-    subprocess.run(["sh", "-c", script], user=NOBODY, group=NOBODY, extra_groups=[], check=True, timeout=60,
-                   capture_output=True)
-
-
-@pytest.fixture
-def second_user():
-    """`run(script)` as another local user; skips where this process cannot switch users."""
-    if os.geteuid() != 0:
-        pytest.skip(f"planting files as another user needs root (this is uid {os.geteuid()})")
-    try:
-        _as_nobody("true")
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot run as uid {NOBODY} here: {e}")
-    return _as_nobody
 
 
 @pytest.fixture

@@ -25,10 +25,10 @@ import torch
 
 import vattn
 from tests.conftest import REPO
+from tests.helpers import NOBODY
 from vattn import budget_shared
 from vattn.budget_shared import table as table_mod
 
-NOBODY = 65534
 MAX = (1 << 63) - 1  # a table's largest byte value
 MiB = 1 << 20
 
@@ -42,22 +42,6 @@ def budget_dir(tmp_path, monkeypatch):
     return d
 
 
-def _as_nobody(script: str) -> None:
-    """Run the shell `script` as uid/gid 65534 with no other group."""
-    subprocess.run(["sh", "-c", script], user=NOBODY, group=NOBODY, extra_groups=[], check=True, timeout=60,
-                   capture_output=True)
-
-
-@pytest.fixture
-def second_user():
-    """`run(script)` as another local user; skips where this process cannot switch users."""
-    if os.geteuid() != 0:
-        pytest.skip(f"planting files as another user needs root (this is uid {os.geteuid()})")
-    try:
-        _as_nobody("true")
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot run as uid {NOBODY} here: {e}")
-    return _as_nobody
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests.alloc.test_offload_safety import public, second_user  # noqa: E402,F401 (fixtures)
+from tests.alloc.test_offload_safety import public  # noqa: E402,F401 (a fixture)
 from tests.helpers import PAGE, build_model, hf_greedy, tiny_config  # noqa: E402
 
 from vattn.engine import LLM, SamplingParams  # noqa: E402

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from vattn import checks
+from vattn.checks import group_text, stat_text, user_text
 from vattn.errors import DamagedTableError, InvalidConfigError, InvalidRequestError, UnsafeTableError
 
 logger = logging.getLogger("vattn.budget")
@@ -131,7 +132,7 @@ class Place:
         return uid in (0, os.geteuid()) or (self.gid is not None and _in_group(uid, self.gid))
 
     def who(self) -> str:
-        return f"you ({_user(os.geteuid())})" if self.gid is None else f"group {_group(self.gid)}"
+        return f"you ({user_text(os.geteuid())})" if self.gid is None else f"group {group_text(self.gid)}"
 
 
 def place(*, create: bool) -> Place | None:
@@ -168,16 +169,16 @@ def _check_dir(d: Path, st: os.stat_result, explicit: bool) -> Place:
     elif not stat_mod.S_ISDIR(st.st_mode):
         why = "not a directory"
     elif st.st_uid != uid and not (explicit and st.st_uid == 0):
-        why = f"owned by {_user(st.st_uid)}, not by you ({_user(uid)})"
+        why = f"owned by {user_text(st.st_uid)}, not by you ({user_text(uid)})"
     elif mode & stat_mod.S_IWOTH:
         why = "writable by every user (anyone could plant files in it)"
     elif mode & stat_mod.S_IWGRP and not (explicit and mode & stat_mod.S_ISGID):
         why = ("writable by its group without the set-group-ID bit: chmod 2770 to share budgets with group "
-               f"{_group(st.st_gid)} on purpose, or chmod 0700") if explicit else "writable by its group"
+               f"{group_text(st.st_gid)} on purpose, or chmod 0700") if explicit else "writable by its group"
     elif mode & stat_mod.S_IWGRP and uid != 0 and st.st_gid not in (os.getegid(), *os.getgroups()):
-        why = f"shared with group {_group(st.st_gid)}, which you are not in"
+        why = f"shared with group {group_text(st.st_gid)}, which you are not in"
     if why is not None:
-        raise InvalidConfigError(f"the budget directory {d} ({_stat_text(st)}) is {why}; {fix}")
+        raise InvalidConfigError(f"the budget directory {d} ({stat_text(st)}) is {why}; {fix}")
     return Place(d, st.st_gid if mode & stat_mod.S_IWGRP else None)
 
 
@@ -193,9 +194,9 @@ def _file_problem(st: os.stat_result, where: Place) -> str | None:
         return "not a regular file"
     mode = stat_mod.S_IMODE(m)
     if where.gid is None and st.st_uid != os.geteuid():
-        return f"owned by {_user(st.st_uid)}, not by you"
+        return f"owned by {user_text(st.st_uid)}, not by you"
     if where.gid is not None and st.st_gid != where.gid:
-        return f"of group {_group(st.st_gid)}, not the directory's ({_group(where.gid)})"
+        return f"of group {group_text(st.st_gid)}, not the directory's ({group_text(where.gid)})"
     if mode != where.mode:
         return f"mode {mode:04o}, not {where.mode:04o}"
     if st.st_nlink != 1:
@@ -204,7 +205,7 @@ def _file_problem(st: os.stat_result, where: Place) -> str | None:
 
 
 def _unsafe(path: Path, why: str, st: os.stat_result | None, where: Place) -> UnsafeTableError:
-    what = "" if st is None else f" ({_stat_text(st)})"
+    what = "" if st is None else f" ({stat_text(st)})"
     return UnsafeTableError(f"{path}{what} is {why}; vattn joins only a table made for {where.who()}: remove it if "
                             "you do not know it, or use another budget name", path=path, why=why, st=st)
 
@@ -249,24 +250,6 @@ def _in_group(uid: int, gid: int) -> bool:
         return user.pw_gid == gid or user.pw_name in grp.getgrgid(gid).gr_mem
     except KeyError:
         return False
-
-
-def _stat_text(st: os.stat_result) -> str:
-    return f"owner {_user(st.st_uid)}, group {_group(st.st_gid)}, mode {stat_mod.S_IMODE(st.st_mode):04o}"
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _group(gid: int) -> str:
-    try:
-        return f"{gid} ({grp.getgrgid(gid).gr_name})"
-    except KeyError:
-        return str(gid)
 
 
 # ------------------------------------------------------------------- books ----

@@ -26,10 +26,8 @@ offload_dir            yours, writable by no one else (0700)   or a group's on p
 from __future__ import annotations
 
 import errno
-import grp
 import logging
 import os
-import pwd
 import secrets
 import stat as stat_mod
 import threading
@@ -37,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from vattn.checks import group_text, stat_text, user_text
 from vattn.errors import UnsafeOffloadDirError
 
 WARN_EVERY_S = 10.0  # one warning line per kind of failure at most this often
@@ -61,7 +60,7 @@ class Place:
         return 0o700 if self.gid is None else 0o2770
 
     def who(self) -> str:
-        return f"you ({_user(os.geteuid())})" if self.gid is None else f"group {_group(self.gid)}"
+        return f"you ({user_text(os.geteuid())})" if self.gid is None else f"group {group_text(self.gid)}"
 
 
 def place(path: str) -> Place:
@@ -79,14 +78,14 @@ def place(path: str) -> Place:
     if not stat_mod.S_ISDIR(st.st_mode):
         why = "not a directory"
     elif st.st_uid not in (uid, 0):
-        why = f"owned by {_user(st.st_uid)}, not by you ({_user(uid)})"
+        why = f"owned by {user_text(st.st_uid)}, not by you ({user_text(uid)})"
     elif mode & stat_mod.S_IWOTH:
         why = "writable by every user (anyone could plant blocks in it)"
     elif mode & stat_mod.S_IWGRP and not mode & stat_mod.S_ISGID:
-        why = (f"writable by its group {_group(st.st_gid)} without the set-group-ID bit: chmod 2770 to share "
+        why = (f"writable by its group {group_text(st.st_gid)} without the set-group-ID bit: chmod 2770 to share "
                "offloaded blocks with that group on purpose, or chmod 0700")
     elif mode & stat_mod.S_IWGRP and uid != 0 and st.st_gid not in (os.getegid(), *os.getgroups()):
-        why = f"shared with group {_group(st.st_gid)}, which you are not in"
+        why = f"shared with group {group_text(st.st_gid)}, which you are not in"
     if why is not None:
         raise unsafe(path, root, why, st)
     return Place(root, st.st_gid if mode & stat_mod.S_IWGRP else None)
@@ -119,11 +118,11 @@ def dir_problem(where: Place, st: os.stat_result) -> str | None:
         return "writable by every user"
     if where.gid is None:
         if st.st_uid != os.geteuid():
-            return f"owned by {_user(st.st_uid)}, not by you"
+            return f"owned by {user_text(st.st_uid)}, not by you"
         if mode & stat_mod.S_IWGRP:
-            return f"writable by its group {_group(st.st_gid)}"
+            return f"writable by its group {group_text(st.st_gid)}"
     elif st.st_gid != where.gid:
-        return f"of group {_group(st.st_gid)}, not the shared directory's ({_group(where.gid)})"
+        return f"of group {group_text(st.st_gid)}, not the shared directory's ({group_text(where.gid)})"
     return None
 
 
@@ -139,9 +138,9 @@ def file_problem(where: Place, st: os.stat_result, size: int) -> str | None:
         return "not a regular file"
     mode = stat_mod.S_IMODE(m)
     if where.gid is None and st.st_uid != os.geteuid():
-        return f"owned by {_user(st.st_uid)}, not by you"
+        return f"owned by {user_text(st.st_uid)}, not by you"
     if where.gid is not None and st.st_gid != where.gid:
-        return f"of group {_group(st.st_gid)}, not the shared directory's"
+        return f"of group {group_text(st.st_gid)}, not the shared directory's"
     if mode & (stat_mod.S_IWOTH | (stat_mod.S_IWGRP if where.gid is None else 0)):
         return f"mode {mode:04o}: writable by others"
     if st.st_nlink != 1:
@@ -262,27 +261,9 @@ class Warnings:
 def unsafe(given: str, path: str, why: str, st: os.stat_result) -> UnsafeOffloadDirError:
     shown = given if given == path else f"{given} (-> {path})"
     return UnsafeOffloadDirError(
-        f"offload_dir {shown} ({_stat_text(st)}) is {why}; another user could put blocks there that this engine "
+        f"offload_dir {shown} ({stat_text(st)}) is {why}; another user could put blocks there that this engine "
         "would serve as its own. Use a directory of yours (mkdir -m 0700), or one an operator shares with a group "
         "on purpose (mode 2770, set-group-ID: see docs/shared-pages.md)", path=path, why=why, st=st)
-
-
-def _stat_text(st: os.stat_result) -> str:
-    return f"owner {_user(st.st_uid)}, group {_group(st.st_gid)}, mode {stat_mod.S_IMODE(st.st_mode):04o}"
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _group(gid: int) -> str:
-    try:
-        return f"{gid} ({grp.getgrgid(gid).gr_name})"
-    except KeyError:
-        return str(gid)
 
 
 __all__ = ["Place", "Warnings", "dir_problem", "file_problem", "listdir", "make_dir", "place", "read_block", "unlink",
