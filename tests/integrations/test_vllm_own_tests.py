@@ -80,6 +80,8 @@ BY_DESIGN = {  # page size -> test -> why
         "tests/v1/core/test_kv_cache_planning.py::test_get_kv_cache_configs_multiple_workers": _ALIGN,
         "tests/v1/core/test_kv_cache_planning.py::test_get_kv_cache_configs_pp_sharding": _ALIGN,
     },
+    # At 2 MiB the rounding cases pass: their caches (10 to 186 blocks) hold fewer blocks than one
+    # whole-page run a layer, so the count stays vLLM's and vattn does not back them (start refuses)
     "2 MiB": {
         **_QUEUE_TESTS,
     },
