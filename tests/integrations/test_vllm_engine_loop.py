@@ -308,3 +308,47 @@ def test_start_refuses_stages_whose_blocks_differ():
     for w in workers:
         w.close()
     vv._started = None
+
+
+class EngineCore:
+    """vLLM's EngineCore as its own tests build it: `object.__new__`, no `__init__`, so no
+    `vllm_config` attribute (only what the test sets)."""
+
+
+STOCK_CONFIG = SimpleNamespace(kv_transfer_config=None, model_config=SimpleNamespace(enable_sleep_mode=False))
+
+
+def test_start_reads_the_vllm_config_it_is_given():
+    """The patch passes `_initialize_kv_caches`'s `vllm_config`: an EngineCore built with
+    `object.__new__` has none of its own, and start must not look for one."""
+    cfg = kv_config()
+    w = Worker(cfg, True)
+    core = object.__new__(EngineCore)
+    core.model_executor = Executor([w])
+    vv.start(core, [cfg], STOCK_CONFIG)
+    assert vv._started.key == vv.block_layout(cfg).key
+    connector = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="NixlConnector"),
+                                model_config=SimpleNamespace(enable_sleep_mode=False))
+    core.vllm_config = STOCK_CONFIG  # the argument decides, not the attribute
+    with pytest.raises(vv.InvalidConfigError, match="NixlConnector"):
+        vv.start(core, [cfg], connector)
+    w.close()
+
+
+def test_start_refuses_a_cache_with_no_whole_page_run(monkeypatch):
+    """vLLM measured 10 blocks of 16 KiB a layer; a 2 MiB page holds 128: rounding down
+    leaves none, rounding up would promise 12.8x the memory. The worker keeps vLLM's memory
+    for it, and start refuses with the page size and the block count that work."""
+    monkeypatch.setenv("VATTN_VLLM_PAGE_SIZE", str(2 << 20))
+    cfg = kv_config(num_blocks=vv.align_num_blocks(10, kv_config().kv_cache_groups, False), head_dim=128)
+    assert cfg.num_blocks == 10
+    w = Worker(cfg, True)
+    assert vv.worker_kv() is None and w.registry == {}  # vLLM's own memory in the worker
+    core = object.__new__(EngineCore)
+    core.model_executor = Executor([w])
+    with pytest.raises(vv.InvalidConfigError, match=r"room for 10 KV blocks of 16384 bytes.*multiple of 128 blocks"
+                                                    r".*VATTN_VLLM_PAGE_SIZE=131072"):
+        vv.start(core, [cfg], STOCK_CONFIG)
+    monkeypatch.setenv("VATTN_VLLM", "0")
+    vv.start(core, [cfg], STOCK_CONFIG)  # stock vLLM: nothing to refuse
+    w.close()

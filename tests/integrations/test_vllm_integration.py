@@ -249,7 +249,6 @@ def test_align_num_blocks_makes_layers_start_on_pages():
     groups = kv_config().kv_cache_groups  # 8 KiB a block and layer: 8 blocks a 64 KiB page
     assert vv.align_num_blocks(1000, groups, block_outermost=False) == 1000
     assert vv.align_num_blocks(1003, groups, block_outermost=False) == 1000
-    assert vv.align_num_blocks(3, groups, block_outermost=False) == 8  # a profiling cache keeps a page
     assert vv.align_num_blocks(1003, groups, block_outermost=True) == 1003
     assert vv.align_num_blocks(1003, groups, False, block_stride=lambda s: 12 << 10) == 992  # 64 KiB / gcd(64 KiB, 12 KiB) = 16
     vv.block_layout(kv_config(num_blocks=vv.align_num_blocks(1003, groups, False)))
@@ -257,23 +256,99 @@ def test_align_num_blocks_makes_layers_start_on_pages():
     assert vv.align_num_blocks(1007, groups, False, block_stride=lambda s: 73728) == 1000
 
 
-@given(stride=st.integers(1, 3 * PAGE // 16).map(lambda x: 16 * x), num_blocks=st.integers(2, 5000))
-@settings(max_examples=200, deadline=None)
-def test_align_num_blocks_loses_fewer_than_lcm_of_page_and_stride_bytes_a_layer(stride, num_blocks):
-    """The true bound of what the rounding loses (not "at most one page a layer": an MLA-sized
-    stride on 64 KiB pages loses up to 7 blocks, 7.9 pages): fewer than lcm(P, stride) bytes a
-    layer, and the count kept is the largest with every layer starting on a page."""
-    groups = kv_config().kv_cache_groups
-    got = vv.align_num_blocks(num_blocks, groups, False, block_stride=lambda s: stride)
-    m = math.lcm(PAGE, stride) // stride  # blocks per whole number of pages
-    assert got * stride % PAGE == 0
-    if num_blocks >= m:
-        assert got <= num_blocks and (num_blocks - got) * stride < math.lcm(PAGE, stride)
-        assert (got + m) > num_blocks  # no larger count starts every layer on a page
+def strided_config(num_blocks: int, stride: int, layers: int = 2):
+    """A layer-outer KVCacheConfig of `layers` layers of `stride` bytes a block, as vLLM plans it."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    tensor = SimpleNamespace(size=num_blocks * layers * stride, layers=names, layer_stride=num_blocks * stride,
+                             block_stride=stride, offset=0)
+    group = SimpleNamespace(layer_names=names, kv_cache_spec=SimpleNamespace(page_size_bytes=stride, block_size=16))
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[tensor], kv_cache_groups=[group])
+
+
+# (what vLLM measured, the bytes of a block in every layer, the page): each was rounded *up* before
+@pytest.mark.parametrize("measured, layers, stride, page, backed", [
+    (8 << 20, 11, 4096, 2 << 20, None),  # vLLM's test_layer_outer_pads_only_unaligned_pages: 186 blocks (512 before)
+    (8 << 20, 11, 4096, 64 << 10, 176),  # the same at 64 KiB pages: rounded down, 10 blocks lost
+    (10 * 2 * (16 << 10), 2, 16 << 10, 2 << 20, None),  # test_get_kv_cache_configs_multiple_workers: 10 (128 before)
+    (100 * 61 * 41984, 61, 656 * 64, 2 << 20, None),  # fp8 latent attention, 100 blocks (2048 before: +4.7 GiB)
+    (3000 * 61 * 41984, 61, 656 * 64, 2 << 20, 2048),  # 3000 blocks: a multiple of 2048 (952 lost, by design)
+    (100 * 61 * 73728, 61, 576 * 2 * 64, 2 << 20, None),  # bf16 latent: m = 128
+    (300 * 61 * 73728, 61, 576 * 2 * 64, 2 << 20, 256),
+])
+def test_aligned_blocks_never_exceed_what_vllm_measured(monkeypatch, measured, layers, stride, page, backed):
+    """The overcommit of issue 38: `align_num_blocks` rounded up to one whole-page run when
+    vLLM measured fewer blocks (186 -> 512, a 22 MiB KV tensor against 8 MiB). Now the count
+    never grows; a cache with no whole-page run keeps vLLM's count and is not backed by vattn
+    (`TooFewBlocksError`, which EngineCore's `start` turns into a refusal naming what works)."""
+    monkeypatch.setenv("VATTN_VLLM_PAGE_SIZE", str(page))
+    cfg = strided_config(1, stride, layers)
+    n = measured // (layers * stride)  # vLLM: available memory // bytes per block
+    got = vv.align_num_blocks(n, cfg.kv_cache_groups, False)
+    assert got * layers * stride <= measured
+    if backed is None:
+        assert got == n
+        with pytest.raises(vv.TooFewBlocksError, match=f"VATTN_VLLM_PAGE_SIZE={page}.*multiple of "
+                                                         f"{vv.page_run_blocks(stride, page)} blocks"):
+            vv.block_layout(strided_config(got, stride, layers))
     else:
-        assert got == m  # one whole-page run is kept
-    if stride == 73728 and num_blocks % m == m - 1:
-        assert (num_blocks - got) * stride > 7 * PAGE  # more than one page, as documented
+        assert got == backed
+        g = vv.block_layout(strided_config(got, stride, layers))
+        assert g.num_pages * page * len(g.regions) == got * layers * stride  # every page it can map was measured
+
+
+def test_too_few_blocks_names_the_page_size_that_works(monkeypatch):
+    monkeypatch.setenv("VATTN_VLLM_PAGE_SIZE", str(2 << 20))
+    with pytest.raises(vv.TooFewBlocksError) as e:
+        vv.block_layout(strided_config(100, 656 * 64, 61))
+    msg = str(e.value)
+    assert "room for 100 KV blocks of 41984 bytes" in msg and "multiple of 2048" in msg
+    assert "VATTN_VLLM_PAGE_SIZE=65536" in msg  # 64 KiB / gcd(64 KiB, 41,984) = 64 blocks <= 100
+    assert "VATTN_VLLM=0" in msg and "--gpu-memory-utilization" in msg
+    bp = BlockPool(100)
+    assert vv.attach(bp, strided_config(100, 656 * 64, 61)) is None  # in-process without start: vLLM's memory
+
+
+# strides of real models: latent attention (fp8: 656 B a token, bf16: 576 x 2 B) at 16 and 64
+# tokens a block, ordinary K+V blocks, odd multiples of 16 bytes
+STRIDES = st.one_of(st.sampled_from([656 * 16, 656 * 64, 576 * 2 * 16, 576 * 2 * 64, 4096 * 11, 8 << 10, 16 << 10,
+                                     32 << 10, 12 << 10, 73728, 2 << 20, 3 << 20]),
+                    st.integers(1, 1 << 14).map(lambda x: 16 * x))
+PAGES = st.sampled_from([64 << 10, 1 << 20, 2 << 20, 4 << 20])
+
+
+@given(strides=st.lists(STRIDES, min_size=1, max_size=3), layers=st.integers(1, 4), page=PAGES,
+       measured=st.integers(0, 64 << 30))
+@settings(max_examples=400, deadline=None)
+def test_align_num_blocks_never_exceeds_the_measured_bytes(strides, layers, page, measured):
+    """For any strides, page size and measured memory: `num_blocks * bytes per block` never
+    exceeds what vLLM measured, and blocks are lost only as the design says: fewer than one
+    whole-page run `m` (the count kept is the largest multiple of `m`), or none at all when
+    vLLM measured fewer than `m` (that cache is then not backed by vattn)."""
+    import os
+    os.environ["VATTN_VLLM_PAGE_SIZE"] = str(page)  # (monkeypatch is function-scoped: hypothesis reuses it)
+    names = [f"l{i}" for i in range(layers * len(strides))]
+    spec_of = {n: strides[i % len(strides)] for i, n in enumerate(names)}
+    groups = [SimpleNamespace(layer_names=names, kv_cache_spec=SimpleNamespace(
+        kv_cache_specs={n: SimpleNamespace(page_size_bytes=s) for n, s in spec_of.items()}))]
+    per_block = sum(spec_of.values())  # vLLM's bytes_per_block, layer-outer
+    n = measured // per_block
+    got = vv.align_num_blocks(n, groups, False)
+    m = math.lcm(*(page // math.gcd(page, s) for s in strides))  # one whole-page run for every layer
+    assert got <= n and got * per_block <= measured
+    if n <= 1 or n < m:
+        assert got == n  # nothing rounded: not backed by vattn (start refuses) unless already aligned
+    else:
+        assert got % m == 0 and n - got < m
+        assert all(got * s % page == 0 for s in strides)  # every layer starts on a page
+    if len(strides) == 1 and n >= 1:
+        cfg = strided_config(got, strides[0], layers)
+        if layers > 1 and got < m:
+            with pytest.raises(vv.TooFewBlocksError):
+                vv.block_layout(cfg)
+        elif got >= 1:
+            g = vv.block_layout(cfg)
+            if layers > 1:  # the pages it can map: exactly the measured blocks' bytes
+                assert g.num_pages * page * len(g.regions) == got * per_block <= measured
 
 
 def test_off_means_stock_vllm(monkeypatch):

@@ -98,8 +98,8 @@ from vattn.idle import MAX_DELAY
 from vattn.integrations import _env
 # The parts, re-exported: `vattn.integrations.vllm.X` keeps working for every name below
 from vattn.integrations.vllm.layout import (  # noqa: F401
-    DEFAULT_IDLE_TRIM_S, DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, BlockLayout, align_num_blocks, block_layout, enabled,
-    idle_trim_s, memory_limit, page_size, reserve_groups, settings)
+    DEFAULT_IDLE_TRIM_S, DEFAULT_PAGE_SIZE, DEFAULT_RESERVE, BlockLayout, TooFewBlocksError, align_num_blocks,
+    block_layout, enabled, idle_trim_s, memory_limit, page_run_blocks, page_size, reserve_groups, settings)
 from vattn.integrations.vllm.scheduler import (  # noqa: F401
     ALLOC_RETRY_S, NULL_BLOCK, REFUSED_RETRY_S, PageOps, RecordingBackend, SchedulerKV)
 from vattn.integrations.vllm.startup import Workers, agreed_workers, check_settings
@@ -192,20 +192,44 @@ def hello_rpc(worker: Any) -> dict[str, Any]:
             "regions": 0 if w is None else len(w.layout.regions)}
 
 
-def start(engine_core: Any, kv_cache_configs: Sequence[Any] = ()) -> None:
-    """EngineCore's hook, once its workers allocated their KV caches and before the
-    scheduler exists: refuse what vattn cannot back (KV connectors, sleep mode), check that
+def start(engine_core: Any, kv_cache_configs: Sequence[Any] = (), vllm_config: Any = None) -> None:
+    """EngineCore's hook (`_initialize_kv_caches(vllm_config)`), once its workers allocated
+    their KV caches and before the scheduler exists: refuse what vattn cannot back (KV
+    connectors, sleep mode, a cache too small for one whole-page run a layer), check that
     every worker has the scheduler's `VATTN_VLLM*` settings and one block layout (each
-    pipeline stage keeps its own regions), or raise InvalidConfigError with both values."""
+    pipeline stage keeps its own regions), or raise InvalidConfigError with both values.
+
+    `vllm_config` is the configuration `_initialize_kv_caches` was given: the patch passes
+    it, because an `EngineCore` built without `__init__` (`object.__new__`, as vLLM's own
+    tests do) has no `vllm_config` attribute. None (a patch of an earlier vattn): the
+    engine's attribute, if any."""
     global _started
     _started = None
+    if vllm_config is None:
+        vllm_config = getattr(engine_core, "vllm_config", None)
     answers = engine_core.model_executor.collective_rpc(hello_rpc)
     check_settings(answers, settings())
     if not enabled():
         return
-    _started = agreed_workers(engine_core.vllm_config, answers)
+    _started = agreed_workers(vllm_config, answers)
+    refuse_too_few_blocks(kv_cache_configs)
     if _started.key is not None and len(set(_started.regions)) > 1:
         logger.info("vattn: pipeline stages with %s KV regions share one set of books", list(_started.regions))
+
+
+def refuse_too_few_blocks(kv_cache_configs: Sequence[Any]) -> None:
+    """Raise InvalidConfigError when a worker's KV cache has fewer blocks than one
+    whole-page run a layer (`TooFewBlocksError`; the message names what works): rounding
+    down to whole pages leaves none, and rounding up would promise memory vLLM did not
+    measure. Other layouts vattn does not back keep vLLM's memory (a warning), as before."""
+    for cfg in kv_cache_configs:
+        try:
+            block_layout(cfg)
+        except TooFewBlocksError as e:
+            raise InvalidConfigError(f"vattn cannot back this vLLM engine's KV cache: {e}") from None
+        except UnsupportedLayoutError:
+            continue
+
 
 def before_schedule(engine_core: Any) -> None:
     """EngineCore's hook before each `schedule()`: when the workers' reserve of created
@@ -341,7 +365,8 @@ def reset_worker() -> None:
 
 
 __all__ = [
-    "BlockLayout", "PageOps", "RecordingBackend", "SchedulerKV", "WorkerKV", "Workers", "UnsupportedLayoutError",
+    "BlockLayout", "PageOps", "RecordingBackend", "SchedulerKV", "TooFewBlocksError", "WorkerKV", "Workers",
+    "UnsupportedLayoutError",
     "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "before_schedule", "enabled",
     "block_layout", "hello_rpc", "idle_wakeup", "kv_cache_buffer", "on_idle", "reserve_rpc", "set_limit", "settings",
     "start", "take_ops", "worker_kv",

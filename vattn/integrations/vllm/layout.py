@@ -133,6 +133,8 @@ def block_layout(kv_cache_config: Any, page: int | None = None) -> BlockLayout:
     span = g.num_pages * P
     for a, b in zip(g.regions, g.regions[1:]):
         if a % P or b - a < span:
+            if N < page_run_blocks(B, P):
+                raise TooFewBlocksError(too_few_blocks_message(N, B, P))
             raise UnsupportedLayoutError(
                 f"regions at {a} and {b} share a page of {P} bytes: the number of blocks ({N}) times the block "
                 f"stride ({B}) must be a multiple of the page size (the patch aligns num_blocks for this)")
@@ -141,17 +143,59 @@ def block_layout(kv_cache_config: Any, page: int | None = None) -> BlockLayout:
     return g
 
 
+class TooFewBlocksError(UnsupportedLayoutError):
+    """A layer-outer KV cache whose blocks do not fill one whole-page run a layer
+    (`page_run_blocks`): vattn cannot back it without promising memory vLLM did not measure.
+    A worker keeps vLLM's memory for it; EngineCore's `start` refuses it (InvalidConfigError)."""
+
+
+def page_run_blocks(stride: int, page: int) -> int:
+    """The fewest blocks of `stride` bytes that end on a page boundary: `page / gcd(page,
+    stride)` (a layer-outer layout needs a multiple of it for every layer to start on a page)."""
+    return page // math.gcd(page, stride)
+
+
+def largest_page_for(num_blocks: int, stride: int, page: int) -> int | None:
+    """The largest power-of-two page size below `page` whose whole-page run of `stride`-byte
+    blocks fits in `num_blocks` (None: not even one of 4 KiB)."""
+    p = page >> 1
+    while p >= 4096:
+        if page_run_blocks(stride, p) <= num_blocks:
+            return p
+        p >>= 1
+    return None
+
+
+def too_few_blocks_message(num_blocks: int, stride: int, page: int) -> str:
+    """What `TooFewBlocksError` says: what vLLM measured, what one page run needs, what works."""
+    m = page_run_blocks(stride, page)
+    smaller = largest_page_for(num_blocks, stride, page)
+    alt = (f"VATTN_VLLM_PAGE_SIZE={smaller} (where the device maps pages that small: the host backend; CUDA's "
+           f"granularity is 2 MiB), " if smaller else "")
+    return (f"vLLM measured room for {num_blocks} KV blocks of {stride} bytes a layer, and with "
+            f"VATTN_VLLM_PAGE_SIZE={page} every layer's blocks must start on a page: that needs a multiple of {m} "
+            f"blocks ({m * stride} bytes a layer), and rounding {num_blocks} down to one leaves none. Give the KV "
+            f"cache room for at least {m} blocks (--gpu-memory-utilization, --num-gpu-blocks-override), or set "
+            f"{alt}or VATTN_VLLM=0 (stock memory)")
+
+
 def align_num_blocks(num_blocks: int, kv_cache_groups: Sequence[Any], block_outermost: bool,
                      block_stride: Any = None) -> int:
     """vLLM's planning hook: with a layer-outer layout, layer `l`'s blocks start at
-    `l * num_blocks * stride`; round `num_blocks` down so that this is a whole number of
-    pages for every layer: to a multiple of `m = lcm over layers of P / gcd(P, stride)`, the
-    largest such count (at least `m` is kept). Fewer than `m` blocks are lost: with one
-    stride, less than `lcm(P, stride)` bytes a layer, which is one page when the stride
-    divides the page or the page the stride, and up to `stride / gcd(P, stride)` pages
-    otherwise (an MLA block of 73,728 bytes on 64 KiB pages: m = 8, up to 7 blocks, 7.9
-    pages a layer). `block_stride(spec)`: vLLM's padded per-layer block stride (default:
-    the page size)."""
+    `l * num_blocks * stride`; round `num_blocks` *down* so that this is a whole number of
+    pages for every layer: to a multiple of `m = lcm over layers of P / gcd(P, stride)`
+    (`page_run_blocks`), the largest such count. Never up: the result is at most what vLLM
+    measured room for, so vattn never promises blocks the device may not have.
+
+    Fewer than `m` blocks are lost: with one stride, less than `lcm(P, stride)` bytes a
+    layer, which is one page when the stride divides the page or the page the stride, and
+    up to `stride / gcd(P, stride)` pages otherwise (an MLA block of 73,728 bytes on 64 KiB
+    pages: m = 8, up to 7 blocks, 7.9 pages a layer; an fp8 latent block of 656 x 64 =
+    41,984 bytes on 2 MiB pages: m = 2048, up to 2047 blocks). When `num_blocks < m`
+    rounding would leave none: vLLM's count is returned unchanged, a worker keeps vLLM's
+    own memory for that cache (a profiling cache of a few blocks), and EngineCore's `start`
+    refuses the engine's real cache with the page size that works (`TooFewBlocksError`).
+    `block_stride(spec)`: vLLM's padded per-layer block stride (default: the page size)."""
     if not enabled() or block_outermost or num_blocks <= 1:
         return num_blocks
     P = page_size()
@@ -162,5 +206,7 @@ def align_num_blocks(num_blocks: int, kv_cache_groups: Sequence[Any], block_oute
             specs = getattr(spec, "kv_cache_specs", None)
             spec = specs[name] if isinstance(specs, dict) else spec
             s = block_stride(spec) if block_stride is not None else spec.page_size_bytes
-            m = math.lcm(m, P // math.gcd(P, s))
-    return max(m, num_blocks - num_blocks % m)
+            m = math.lcm(m, page_run_blocks(s, P))
+    if num_blocks < m:
+        return num_blocks  # no whole-page run: vattn does not back it (start refuses the engine's cache)
+    return num_blocks - num_blocks % m
