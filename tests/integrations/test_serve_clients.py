@@ -19,12 +19,12 @@ import socket
 import struct
 import threading
 import time
-import urllib.parse
 
 import pytest
 
 from tests.integrations.test_serve import (  # noqa: F401  (fixtures)
     MAX_TOKENS, PROMPTS, SKIP, TRASH, answered, burst, call, ckpt, expected, server, wait_for)
+from tests.integrations.serve_clients_util import address, cut_stream, post_head, read_answer
 from tests.integrations.test_serve_requests import base_of, parse_metrics, post_raw
 
 pytestmark = pytest.mark.skipif(bool(SKIP), reason=SKIP)
@@ -32,63 +32,12 @@ pytestmark = pytest.mark.skipif(bool(SKIP), reason=SKIP)
 STREAMS = 40  # cut at once, each round
 ROUNDS = 3
 RECOVER_S = 15.0  # a normal request after a round is answered, and the books are back, within this
-STREAM_WAIT_S = 20.0  # a client waits this long for the events it will cut after (a wedged server sends none)
 
 
-def address(base: str) -> tuple[str, int]:
-    url = urllib.parse.urlsplit(base)
-    return url.hostname, url.port
-
-
-def post_head(path: str, length: int, host: str = "x") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n\r\n").encode()
-
-
-def read_answer(sock: socket.socket) -> tuple[int, dict]:
-    """The status and JSON body of an answer read from `sock` (by its Content-Length)."""
-    got = b""
-    while b"\r\n\r\n" not in got:
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed before an answer: {got!r}"
-        got += chunk
-    head, body = got.split(b"\r\n\r\n", 1)
-    lines = head.decode().split("\r\n")
-    length = int(next(v for k, _, v in (h.partition(":") for h in lines[1:]) if k.lower() == "content-length"))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed inside the answer: {got!r}"
-        body += chunk
-    return int(lines[0].split()[1]), json.loads(body[:length])
-
-
-def cut_stream(base: str, ckpt: str, rng: random.Random, cut: list) -> None:  # noqa: F811
-    """A streamed completion (1 in 8 with n=2) with `ignore_eos` and without max_tokens: it
-    runs to the end of its room unless cancelled (the cache fills). Read for 1-10 events, then
-    cut: closed (FIN) or reset (RST, SO_LINGER 0). Appends to `cut` the ids of the batch
-    requests it stood for, once its answer started (nothing came within STREAM_WAIT_S: none)."""
-    n = 2 if rng.random() < 1 / 8 else 1
-    body = json.dumps({"model": ckpt, "prompt": "cut " + "xyz"[rng.randrange(3)] * rng.randint(1, 40), "n": n,
-                       "stream": True, "temperature": 0, "ignore_eos": True}).encode()
-    want, got = rng.randint(1, 10), b""
-    with socket.create_connection(address(base), timeout=STREAM_WAIT_S) as sock:
-        sock.sendall(post_head("/v1/completions", len(body)) + body)
-        deadline = time.monotonic() + STREAM_WAIT_S
-        try:
-            while got.count(b"data: ") < want and time.monotonic() < deadline:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                got += chunk
-        except OSError:  # timed out: cut anyway
-            pass
-        if rng.random() < 0.5:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
-    assert b"data: [DONE]" not in got, "a stream with ignore_eos and no max_tokens ended before its cut"
-    headers = got.split(b"\r\n\r\n", 1)[0].decode(errors="replace").split("\r\n")[1:]
-    request_id = next((v.strip() for k, _, v in (h.partition(":") for h in headers) if k.lower() == "x-request-id"), None)
-    if request_id is not None:
-        cut.extend([request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)])
+def batch_ids(cut: list) -> list[str]:
+    """The ids of the batch requests the cut streams stood for (`cut_stream`'s records)."""
+    return [i for request_id, n in cut if request_id is not None
+            for i in ([request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)])]
 
 
 def cancelled_ids(records: list) -> list[str]:
@@ -120,7 +69,7 @@ def test_clients_that_cut_their_streams_leave_nothing_behind(server, ckpt, expec
     assert before == {"kv_used_bytes": TRASH, "num_requests_running": 0, "num_requests_waiting": 0}, before
     caplog.set_level(logging.INFO, logger="vattn.serve")
     rng = random.Random(38)
-    cut: list[str] = []
+    cut: list = []
     for round_ in range(ROUNDS):
         seeds = [rng.random() for _ in range(STREAMS)]
         clients = [threading.Thread(target=cut_stream, args=(base, ckpt, random.Random(s), cut)) for s in seeds]
@@ -131,8 +80,8 @@ def test_clients_that_cut_their_streams_leave_nothing_behind(server, ckpt, expec
             for t in clients:
                 t.join()
             start = time.monotonic()
-            assert wait_for(lambda: set(cut) <= set(cancelled_ids(caplog.records)), RECOVER_S), \
-                (round_, sorted(set(cut) - set(cancelled_ids(caplog.records))))  # every cut stream's request
+            assert wait_for(lambda: set(batch_ids(cut)) <= set(cancelled_ids(caplog.records)), RECOVER_S), \
+                (round_, sorted(set(batch_ids(cut)) - set(cancelled_ids(caplog.records))))  # every cut request
         finally:
             gc.enable()
         answered(quick, ckpt, expected, PROMPTS[round_])

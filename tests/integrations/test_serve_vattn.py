@@ -6,8 +6,10 @@ Answers equal transformers' `generate` (greedy) on the same weights, streamed or
 seeded sampling repeats; `n` choices differ at temperature 1; stop strings cut exactly;
 logprobs equal the model's log-softmax; every refused field is a 400 with an OpenAI error
 body naming it (never FastAPI's 422); usage counts are the same streamed and not; auth;
-cut streams free everything and are logged once at INFO; vLLM's Grafana queries find their
-metrics in a scrape.
+cut streams free everything and are logged once at INFO (40 at a time, by FIN and RST, under
+memory contention: test_serve_clients.py's raw-socket clients); a lone surrogate is a 400 and
+a Content-Length over --max-body-bytes a 413 before the body; vLLM's Grafana queries find
+their metrics in a scrape.
 """
 from __future__ import annotations
 
@@ -380,6 +382,167 @@ def test_cut_streams_are_aborted_and_freed(srv, client, caplog):
     assert len([r for r in caplog.records if "went away" in r.getMessage()]) == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert client.completions.create(model="tiny", prompt="after", **GREEDY).choices[0].finish_reason == "length"
+
+
+# -------------------------------------------------- clients that no client should be ----
+# (docs/servers.md, "`vattn serve`: what a client can count on"; the same checks as
+# test_serve_clients.py's for --engine transformers, with its raw-socket clients)
+TIGHT_GROUPS = 8  # page groups of --memory-limit: 256 tokens in all, for 8 sequences of up to 256 (they preempt)
+TIGHT_BODY_BYTES = 1 << 20
+STREAMS, ROUNDS, RECOVER_S = 40, 3, 15.0
+
+
+@pytest.fixture(scope="module")
+def tight(ckpt):
+    """A server whose memory the 40 cut streams contend for: 8 sequences at most, the rest
+    waiting; the pages of 8 page groups (a group: one 4096-byte page of each of the 4 KV
+    buffers, 32 tokens), so running sequences grow past the limit and preempt each other."""
+    from vattn.serve import serve
+
+    server = serve(ckpt, port=free_port(), non_blocking=True, device="cpu", page_size=4096, max_model_len=256,
+                   max_num_seqs=8, memory_limit=TIGHT_GROUPS * 4 * 4096, max_body_bytes=TIGHT_BODY_BYTES,
+                   served_model_name=["tiny"], log_level="warning")
+    wait_ready(server)
+    assert server.llm.memory_stats().group_bytes == 4 * 4096
+    yield server
+    server.stop()
+
+
+def books(server) -> dict:
+    """The server's requests running and waiting, KV usage and bytes, aborts and preemptions (a /metrics scrape)."""
+    samples, families = scrape(server)
+    aborted = sum(x.value for x in families["vattn:request_success"].samples
+                  if x.name.endswith("_total") and x.labels["finished_reason"] == "abort")
+    return {"running": samples["vattn:num_requests_running"].value,
+            "waiting": samples["vattn:num_requests_waiting"].value,
+            "usage": samples["vattn:kv_cache_usage_perc"].value, "used": samples["vattn:kv_used_bytes"].value,
+            "mapped": samples["vattn:kv_mapped_bytes"].value, "aborted": aborted,
+            "preemptions": samples["vattn:num_preemptions_total"].value}
+
+
+def idle(b: dict) -> bool:
+    return (b["running"], b["waiting"], b["usage"], b["used"]) == (0, 0, 0, 0)
+
+
+def settle(server, aborted: float | None = None, within: float = RECOVER_S) -> dict:
+    """The books once idle (and `aborted` requests aborted, if given), or after `within` seconds."""
+    deadline = time.monotonic() + within
+    while not (idle(b := books(server)) and aborted in (None, b["aborted"])) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return b
+
+
+def test_cut_streams_under_contention_leave_nothing_behind(tight, hf, caplog):
+    """3 rounds of 40 streams (1 in 8 with n=2; `ignore_eos`, no max_tokens: each would run to
+    the end of its room) cut after 1-10 events, half by a close (FIN), half by a reset (RST),
+    while 8 run, the rest wait and the running ones preempt each other for 8 page groups.
+    After each round: every cut request is aborted (the abort count grows by the streams cut,
+    each logged once at INFO), running, waiting, KV usage and KV bytes in use are back to 0,
+    and a normal request is answered at once as transformers' `generate` answers it. After
+    the rounds: the KV bytes in use are what they were before, the engine holds no request
+    and the engine loop no handle; no ERROR anywhere (uvicorn's log included)."""
+    import random
+    import threading
+
+    import openai
+
+    from tests.integrations.serve_clients_util import cut_stream
+
+    _, tok = hf
+    quick = openai.OpenAI(base_url=tight.url + "/v1", api_key="unused", timeout=RECOVER_S, max_retries=0)
+
+    def answered(prompt: str) -> float:
+        start = time.monotonic()
+        r = quick.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        assert r.choices[0].text == tok.decode(hf_greedy(hf, tok.encode(prompt))), prompt
+        return time.monotonic() - start
+
+    answered(PROMPTS[0])
+    before = settle(tight)
+    assert idle(before), before
+    caplog.set_level(logging.INFO, logger="vattn.serve")
+    uvicorn_log = logging.getLogger("uvicorn")  # (it does not propagate to the root, where caplog listens)
+    uvicorn_log.addHandler(caplog.handler)
+    rng = random.Random(38)
+    cut: list = []
+    try:
+        for round_ in range(ROUNDS):
+            first = len(cut)
+            clients = [threading.Thread(target=cut_stream, args=(tight.url, "tiny", random.Random(rng.random()), cut))
+                       for _ in range(STREAMS)]
+            for t in clients:
+                t.start()
+            for t in clients:
+                t.join()
+            assert len(cut) - first == STREAMS, f"round {round_}: {STREAMS - len(cut) + first} streams never started"
+            start = time.monotonic()
+            b = settle(tight, before["aborted"] + len(cut))  # (an abort is counted with its final output, a step on)
+            assert idle(b) and b["aborted"] - before["aborted"] == len(cut), (round_, b, len(cut))
+            took = answered(PROMPTS[round_])
+            assert took < 5 and time.monotonic() - start < RECOVER_S, (round_, took)
+            assert idle(settle(tight)), round_
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    after = books(tight)
+    assert after["preemptions"] > before["preemptions"], "the streams never contended for memory"
+    assert after["used"] == before["used"] == 0 and after["mapped"] <= TIGHT_GROUPS * 4 * 4096, after
+    assert not tight.llm.scheduler.has_unfinished() and not tight.state.loop._handles
+    cancelled = [r for r in caplog.records if "cancelled its stream" in r.getMessage()]
+    assert len(cancelled) == len(cut) == ROUNDS * STREAMS and all(r.levelno == logging.INFO for r in cancelled)
+    assert len({r.getMessage() for r in cancelled}) == len(cancelled), "each cut stream is logged once"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a cut stream is no error"
+
+
+SURROGATES = [  # (path, raw body, the field named)
+    ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "\\udfff", "max_tokens": 2, "stream": true}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt[1]"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi \\udc80"}], '
+     '"max_tokens": 2}', "messages[0].content"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+     '"text": "\\ud800"}]}], "max_tokens": 2}', "messages[0].content[0].text"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", "user": "\\ud800", "max_tokens": 2}', "user"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", SURROGATES, ids=[p for _, _, p in SURROGATES])
+def test_a_lone_surrogate_is_a_400_that_names_the_field(srv, client, hf, path, raw, param):
+    """JSON's escapes spell a lone UTF-16 surrogate, which no tokenizer encodes: a 400 with an
+    OpenAI error body naming the field, never a 500; the server answers normally after it."""
+    r = post(srv, path, raw.encode())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "invalid_unicode", param), err
+    assert "lone UTF-16 surrogate" in err["message"]
+    _, tok = hf
+    want = tok.decode(hf_greedy(hf, tok.encode("hello world")))
+    assert client.completions.create(model="tiny", prompt="hello world", **GREEDY).choices[0].text == want
+
+
+def test_a_surrogate_pair_is_a_character(srv):
+    r = post(srv, "/v1/completions", b'{"prompt": "\\ud83d\\ude00 hi", "max_tokens": 2, "ignore_eos": true}')
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_a_length_over_the_cap_is_a_413_before_the_body_comes(tight, hf):
+    """The 413 is decided by the Content-Length (over --max-body-bytes): a client that sends
+    the head and no body (or waits for `100 Continue` first) gets it at once."""
+    from tests.integrations.serve_clients_util import address, post_head, read_answer
+
+    for length in (TIGHT_BODY_BYTES + 1, 1 << 40):
+        for expect in ("", "Expect: 100-continue\r\n"):
+            with socket.create_connection(address(tight.url), timeout=10) as sock:
+                head = post_head("/v1/completions", length)
+                sock.sendall(head[:-2] + expect.encode() + b"\r\n")
+                start = time.monotonic()
+                status, body = read_answer(sock)
+                took = time.monotonic() - start
+            assert status == 413 and body["error"]["code"] == "request_too_large", body
+            assert f"is {length} bytes" in body["error"]["message"], body
+            assert took < 3, f"the 413 took {took:.1f} s"
+    r = post(tight, "/v1/completions", {"prompt": "hello world", "max_tokens": 4, "ignore_eos": True,
+                                        "temperature": 0})
+    assert r.status_code == 200, r.text
 
 
 # -------------------------------------------------------------------- metrics ----
