@@ -91,6 +91,13 @@ class UnsupportedLayoutError(VattnError, ValueError):
     """This vLLM KV cache configuration cannot be put on vattn memory (vLLM keeps its own)."""
 
 
+class TooFewBlocksError(UnsupportedLayoutError):
+    """A layer-outer vLLM KV cache whose blocks do not fill one whole-page run a layer
+    (`vattn.integrations.vllm.layout.page_run_blocks`): vattn cannot back it without promising
+    memory vLLM did not measure. A worker keeps vLLM's memory for it; EngineCore's `start`
+    refuses it (InvalidConfigError, naming the page size and block count that work)."""
+
+
 class OpsOutOfOrderError(VattnError, RuntimeError):
     """A vLLM worker got page operations out of sequence: its pages no longer match the books."""
 

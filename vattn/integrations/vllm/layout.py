@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from vattn.errors import UnsupportedLayoutError
+from vattn.errors import TooFewBlocksError, UnsupportedLayoutError
 from vattn.integrations import _env
 
 DEFAULT_PAGE_SIZE = 2 << 20  # the CUDA granularity on stock drivers
@@ -141,12 +141,6 @@ def block_layout(kv_cache_config: Any, page: int | None = None) -> BlockLayout:
     if g.regions[-1] % P:
         raise UnsupportedLayoutError(f"a region at {g.regions[-1]} does not start on a page of {P} bytes")
     return g
-
-
-class TooFewBlocksError(UnsupportedLayoutError):
-    """A layer-outer KV cache whose blocks do not fill one whole-page run a layer
-    (`page_run_blocks`): vattn cannot back it without promising memory vLLM did not measure.
-    A worker keeps vLLM's memory for it; EngineCore's `start` refuses it (InvalidConfigError)."""
 
 
 def page_run_blocks(stride: int, page: int) -> int:
