@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 import vattn
 from vattn.engine.sequence import CompletionOutput, RequestOutput
@@ -131,7 +132,12 @@ def build_app(state: ServerState) -> Any:
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
-            body = parse_json(await request.body())
+            raw = await request.body()
+        except ClientDisconnect:  # gone before its body came (a client cancelling at once): nothing to run
+            logger.info("vattn serve: a client went away before its request's body came")
+            return Response(status_code=499)
+        try:
+            body = parse_json(raw)
             req = read_chat(body) if chat else read_completion(body)
             if req.model is not None and req.model not in state.served_names:
                 raise Refusal(f"the model {req.model!r} does not exist: this server serves "
