@@ -62,15 +62,17 @@ PROMETHEUS = os.environ.get("VATTN_PROMETHEUS", "prometheus")
 # xgrammar with --no-deps too: it requires torch, and pip would fetch vLLM's CUDA torch (GBs).
 _VLLM_CLIENT_DEPS = ("numpy packaging regex pyyaml huggingface_hub pydantic cbor2 psutil pyzmq transformers<5.21 "
                      "aiohttp requests openai-harmony openai msgspec cloudpickle pillow pybase64 cachetools uvloop "
-                     "py-cpuinfo fastapi prometheus_client partial_json_parser uvicorn watchfiles orjson apache-tvm-ffi einops").split()
+                     "py-cpuinfo fastapi prometheus_client partial_json_parser uvicorn watchfiles orjson "
+                     "apache-tvm-ffi einops").split()
+_VLLM_PIP = [str(VLLM_VENV / "bin" / "python"), "-m", "pip", "install"]
+_GUIDELLM_PIP = [str(GUIDELLM_VENV / "bin" / "python"), "-m", "pip", "install"]
 SETUP: dict[str, list[list[str]]] = {
-    "vllm": [[sys.executable, "-m", "venv", str(VLLM_VENV)],
-             [str(VLLM_VENV / "bin" / "python"), "-m", "pip", "install", "torch==2.13.0"],
-             [str(VLLM_VENV / "bin" / "python"), "-m", "pip", "install", "--no-deps", "vllm==0.33.0", "xgrammar==0.2.8", "llguidance"],
-             [str(VLLM_VENV / "bin" / "python"), "-m", "pip", "install", *_VLLM_CLIENT_DEPS]],
+    "vllm": [[sys.executable, "-m", "venv", str(VLLM_VENV)], [*_VLLM_PIP, "torch==2.13.0"],
+             [*_VLLM_PIP, "--no-deps", "vllm==0.33.0", "xgrammar==0.2.8", "llguidance"],
+             [*_VLLM_PIP, *_VLLM_CLIENT_DEPS]],
     "guidellm": [[sys.executable, "-m", "venv", str(GUIDELLM_VENV)],
-                 [str(GUIDELLM_VENV / "bin" / "python"), "-m", "pip", "install", "torch==2.13.0"],  # else a CUDA torch (GBs)
-                 [str(GUIDELLM_VENV / "bin" / "python"), "-m", "pip", "install", "guidellm==0.8.1"]],
+                 [*_GUIDELLM_PIP, "torch==2.13.0"],  # first: else guidellm's torch requirement pulls a CUDA build
+                 [*_GUIDELLM_PIP, "guidellm==0.8.1"]],
     "prometheus": [["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]],
 }
 
