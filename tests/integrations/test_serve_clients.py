@@ -17,6 +17,7 @@ import logging
 import re
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -158,3 +159,23 @@ def test_a_client_gone_before_its_body_is_logged_once_at_info(srv):
     errors = [r.getMessage() for r in handler.records if r.levelno >= logging.ERROR]
     assert not errors, errors
     assert b'"finish_reason"' in post(srv, "/v1/completions", {"model": "tiny", "prompt": "after", "max_tokens": 2})
+
+
+def test_tokenize_and_detokenize_as_vllm(srv):
+    """vLLM's /tokenize and /detokenize, which `vllm bench serve` asks to align its prompts."""
+    tok = srv.state.tokenizer
+    r = json.loads(post(srv, "/tokenize", {"model": "tiny", "prompt": "hello", "add_special_tokens": False}))
+    assert r["tokens"] == tok.encode("hello", add_special_tokens=False) and r["count"] == 5
+    assert r["max_model_len"] == 256
+    messages = [{"role": "user", "content": "hi"}]
+    r = json.loads(post(srv, "/tokenize", {"model": "tiny", "messages": messages}))
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert r["tokens"] == tok.encode(text, add_special_tokens=False)
+    ids = tok.encode("what is paging?", add_special_tokens=False)
+    assert json.loads(post(srv, "/detokenize", {"model": "tiny", "tokens": ids}))["prompt"] == "what is paging?"
+    for path, body, param in [("/tokenize", {"model": "other", "prompt": "x"}, "model"),
+                              ("/tokenize", {"prompt": 3}, "prompt"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens")]:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(srv, path, body)
+        assert e.value.code in (400, 404) and json.loads(e.value.read())["error"]["param"] == param
