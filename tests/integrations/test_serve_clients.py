@@ -179,3 +179,14 @@ def test_tokenize_and_detokenize_as_vllm(srv):
         with pytest.raises(urllib.error.HTTPError) as e:
             post(srv, path, body)
         assert e.value.code in (400, 404) and json.loads(e.value.read())["error"]["param"] == param
+
+
+def test_tokenize_and_detokenize_need_the_key(srv):
+    srv.state.api_key = "sekret"
+    try:
+        for path, body in [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})]:
+            with pytest.raises(urllib.error.HTTPError) as e:
+                post(srv, path, body)
+            assert e.value.code == 401
+    finally:
+        srv.state.api_key = None
