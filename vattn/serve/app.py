@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 import vattn
 from vattn.engine.sequence import CompletionOutput, RequestOutput
@@ -132,12 +133,74 @@ def build_app(state: ServerState) -> Any:
                 logger.warning("vattn serve: reading the engine's figures for /metrics failed", exc_info=True)
         return Response(state.metrics.text(), media_type=CONTENT_TYPE)
 
-    async def generate(request: Request, chat: bool) -> Response:
+    def _served(model: Any) -> None:
+        if model is not None and model not in state.served_names:
+            raise Refusal(f"the model {model!r} does not exist: this server serves "
+                          f"{', '.join(map(repr, state.served_names))}", param="model", code="model_not_found",
+                          status=404)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's /tokenize: a `prompt` (`add_special_tokens`, default true) or chat `messages`
+        (through the chat template, as /v1/chat/completions); `vllm bench serve` aligns its
+        random prompts with it."""
         refused = unauthorized(request)
         if refused is not None:
             return refused
         try:
             body = parse_json(await request.body())
+            _served(body.get("model"))
+            tok = state.tokenizer
+            if isinstance(body.get("messages"), list):
+                try:
+                    text = tok.apply_chat_template(body["messages"], tokenize=False,
+                                                   add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+                except Exception as e:  # noqa: BLE001 - the template's own error, as a 400
+                    raise Refusal(f"the chat template cannot render these messages: {e}", param="messages",
+                                  code="invalid_value") from None
+                ids = tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+            elif isinstance(body.get("prompt"), str):
+                ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+            else:
+                raise Refusal("/tokenize needs `prompt` (a string) or `messages` (a list)", param="prompt",
+                              code="invalid_value")
+        except Refusal as e:
+            return refuse(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """vLLM's /detokenize: `tokens` (ids of this vocabulary) to `prompt` (text)."""
+        refused = unauthorized(request)
+        if refused is not None:
+            return refused
+        try:
+            body = parse_json(await request.body())
+            _served(body.get("model"))
+            ids = body.get("tokens")
+            vocab = len(state.tokenizer)
+            if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
+                raise Refusal(f"`tokens` must be a list of token ids in [0, {vocab})", param="tokens",
+                              code="invalid_value")
+        except Refusal as e:
+            return refuse(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return JSONResponse({"prompt": state.tokenizer.decode(ids)})
+
+    async def generate(request: Request, chat: bool) -> Response:
+        refused = unauthorized(request)
+        if refused is not None:
+            return refused
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone before its body came (a client cancelling at once): nothing to run
+            logger.info("vattn serve: a client went away before its request's body came")
+            return Response(status_code=499)
+        try:
+            body = parse_json(raw)
             req = read_chat(body) if chat else read_completion(body)
             if req.model is not None and req.model not in state.served_names:
                 raise Refusal(f"the model {req.model!r} does not exist: this server serves "
