@@ -43,7 +43,7 @@ done
 SERVE_WHEELS=(
     fastapi==0.140.0 starlette==0.50.0 uvicorn==0.40.0
     pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2
-    openai==2.54.0 jiter==0.12.0 distro==1.9.0 sniffio==1.3.1
+    openai==2.54.0 jiter==0.12.0 distro==1.9.0 sniffio==1.3.1 prometheus-client==0.23.1
 )
 # FlashAttention 4 (flash_attn.cute): the CuTe-DSL kernels and their compiler. The
 # nvidia-cutlass-dsl meta wheel names -libs-cu12 without an extra; the cu13 libraries are the

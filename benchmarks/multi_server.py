@@ -78,7 +78,8 @@ def launch_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: st
     port = free_port()
     memory = ["--budget", "bench", "--budget-limit", str(args.total_bytes)] if mode == "shared" else \
         ["--memory-limit", str(args.total_bytes // 2)]
-    cmd = [sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port), "--device", args.device,
+    cmd = [sys.executable, "-m", "vattn", "serve", "--engine", "transformers", "--model", ckpt, "--port", str(port),
+           "--device", args.device,
            "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_tokens), "--page-size",
            str(args.page_size), "--idle-trim-s", str(args.idle_trim_s), *memory]
     env = dict(os.environ, OMP_NUM_THREADS="1", VATTN_BUDGET_DIR=budget_dir,

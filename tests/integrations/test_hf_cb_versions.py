@@ -90,7 +90,8 @@ def test_hf_cb_tests_pass_on(minor):
                OMP_NUM_THREADS="1")
     # gpu tests deselected: without a GPU they would be skipped, and here none may
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
-                          "tests/integrations/test_hf_cb.py", "tests/integrations/test_serve.py"], cwd=REPO, env=env,
+                          "tests/integrations/test_hf_cb.py", "tests/integrations/test_serve.py",
+                          "tests/integrations/test_serve_clients.py"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=900)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
