@@ -408,7 +408,7 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         v = v_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)
         if n == 1:
             q = query[a:a + c].view(c, Hkv, Hq // Hkv, D)  # query head h -> KV head h // (H_q / H_kv)
-            out[a:a + c] = F.scaled_dot_product_attention(q, k, v, scale=scale).view(c, Hq, D)
+            out[a:a + c] = F.scaled_dot_product_attention(q, k, v, scale=scale).reshape(c, Hq, D)  # (CUDA's may be strided)
             continue
         q = query[a:a + c * n].view(c, n, Hq, D).transpose(1, 2)  # [c, H_q, n, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, is_causal=g.causal, scale=scale,

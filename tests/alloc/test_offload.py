@@ -50,6 +50,8 @@ def hit(cache: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float | N
     r = cache.alloc_reqid()
     n = pc.map_prefix(r, prompt)
     if tag is not None:
+        if cache.host.copier.cuda:  # a restore runs on the copy stream: the request's step waits for it, so do we
+            cache.host.copier.wait_slots([r])
         check(cache, r, n, tag)
     cache.allocator.check_invariants()
     assert cache.step({r: len(prompt)})

@@ -185,7 +185,9 @@ def test_coordinator_on_the_driver_fork_swap_holes_and_a_failed_step() -> None:
         kind = window_kind(c)
         r = c.alloc_reqid()
         n = 3 * tpp + 10
-        for m in (tpp, 2 * tpp, n):  # grows across pages: those behind the window go back
+        # grows across pages: those behind the window go back once no query of a step reads them (the
+        # step to n computes queries from 2 * tpp on, which read page 1: the one after it gives it back)
+        for m in (tpp, 2 * tpp, n - 1, n):
             assert c.step({r: m})
         assert kind.books.holes(r) >= 2
         live = n - WINDOW - WINDOW_MARGIN_TOKENS  # rows every kind still maps

@@ -133,7 +133,11 @@ def wait_healthy(proc: Any, port: int, log: Path, what: str = "server", timeout:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the {what} exited: see {log}")
+            try:
+                tail = Path(log).read_text(errors="replace")[-1500:]
+            except OSError:
+                tail = "(no log)"
+            raise SystemExit(f"the {what} exited: see {log}; its end:\n{tail}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
