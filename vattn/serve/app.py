@@ -287,10 +287,10 @@ class _Run:
         self.n = params[0].n if params else 1
         self.finished: dict[int, RequestOutput] = {}
 
-    def _start(self) -> None:
+    def _start(self, final_only: bool = False) -> None:
         for tag, (p, sp) in enumerate(zip(self.prompts, self.params)):
             self.state.metrics.on_request(sp)
-            self.handles.append(self.state.loop.add(tag, p.token_ids, sp, self.sink))
+            self.handles.append(self.state.loop.add(tag, p.token_ids, sp, self.sink, final_only))
 
     def _abort_open(self) -> None:
         for tag, handle in enumerate(self.handles):
@@ -298,7 +298,21 @@ class _Run:
                 self.state.loop.abort(handle)
 
     async def _next(self) -> tuple[int, RequestOutput]:
-        tag, item = await self.sink.get()
+        return self._take(await self.sink.get())
+
+    async def _next_batch(self) -> dict[int, RequestOutput]:
+        """Every output queued by now (at least one), the latest of each engine request: outputs
+        are cumulative, so a stream that fell behind by several steps sends one event for them."""
+        tag, out = await self._next()
+        batch = {tag: out}
+        sink = self.sink
+        while not sink.empty():
+            tag, out = self._take(sink.get_nowait())
+            batch[tag] = out
+        return batch
+
+    def _take(self, got: tuple[int, Any]) -> tuple[int, RequestOutput]:
+        tag, item = got
         if isinstance(item, Exception):
             raise Refusal(str(item), status=400 if _is_client_error(item) else 500,
                           code="invalid_request" if _is_client_error(item) else "engine_error")
@@ -308,7 +322,7 @@ class _Run:
 
     # ---------------------------------------------------------------- not streamed ----
     async def whole(self, request: Any) -> dict:
-        self._start()
+        self._start(final_only=True)
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             while len(self.finished) < len(self.handles):
@@ -407,43 +421,44 @@ class _Run:
                      "stop_reason": None} for t in range(len(self.prompts)) for i in range(self.n)]})
             while len(self.finished) < len(self.handles):
                 try:
-                    tag, out = await self._next()
+                    batch = await self._next_batch()
                 except Refusal as e:
                     yield _event(error_body(str(e), "server_error" if e.status >= 500 else "invalid_request_error",
                                             code=e.code))
                     complete = True
                     return
-                latest[tag] = out
-                failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
+                latest.update(batch)
+                failed = next((o for out in batch.values() for o in out.outputs if o.finish_reason == "error"), None)
                 if failed is not None:  # OpenAI has no finish_reason "error": an error event ends the stream
                     yield _event(error_body(f"the engine failed on this request: {failed.error}", "server_error",
                                             code="engine_error"))
                     complete = True
                     return
                 choices = []
-                for o in out.outputs:
-                    key = (tag, o.index)
-                    if key in done:
-                        continue
-                    text = o.text or ""
-                    t0, c0 = sent_tokens.get(key, 0), sent_chars.get(key, 0)
-                    if len(o.token_ids) == t0 and len(text) == c0 and not o.finished:
-                        continue
-                    index = tag * self.n + o.index
-                    piece = text[c0:]
-                    reason = o.finish_reason if o.finished else None
-                    if self.req.chat:
-                        choice = {"index": index, "delta": {"content": piece} if piece or not reason else {},
-                                  "logprobs": self._chat_logprobs(_tail(o, t0), 0), "finish_reason": reason}
-                    else:
-                        choice = {"index": index, "text": piece,
-                                  "logprobs": self._completion_logprobs(_tail(o, t0), 0, c0),
-                                  "finish_reason": reason}
-                    if reason is not None:
-                        choice["stop_reason"] = o.stop_reason
-                        done.add(key)
-                    choices.append(choice)
-                    sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
+                for tag, out in batch.items():
+                    for o in out.outputs:
+                        key = (tag, o.index)
+                        if key in done:
+                            continue
+                        text = o.text or ""
+                        t0, c0 = sent_tokens.get(key, 0), sent_chars.get(key, 0)
+                        if len(o.token_ids) == t0 and len(text) == c0 and not o.finished:
+                            continue
+                        index = tag * self.n + o.index
+                        piece = text[c0:]
+                        reason = o.finish_reason if o.finished else None
+                        if self.req.chat:
+                            choice = {"index": index, "delta": {"content": piece} if piece or not reason else {},
+                                      "logprobs": self._chat_logprobs(_tail(o, t0), 0), "finish_reason": reason}
+                        else:
+                            choice = {"index": index, "text": piece,
+                                      "logprobs": self._completion_logprobs(_tail(o, t0), 0, c0),
+                                      "finish_reason": reason}
+                        if reason is not None:
+                            choice["stop_reason"] = o.stop_reason
+                            done.add(key)
+                        choices.append(choice)
+                        sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
                 if choices:
                     chunk = {**head, "choices": choices}
                     if self.req.continuous_usage:
