@@ -23,7 +23,7 @@ connection closed and the next one opened, tokenized and queued) where `generate
 queued; it parsed every event as JSON on the CPUs the server shares; only streamed answers.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_overhead.py [--model tiny llama-512x8] [--requests 64]
-        [--concurrency 16] [--rounds 3] [--max-tokens 64]
+        [--concurrency 16] [--rounds 3] [--max-tokens 64] [--before DIR (an earlier checkout serves)] [--no-save]
 """
 from __future__ import annotations
 
@@ -129,8 +129,9 @@ def run_model(name: str, args: argparse.Namespace, prompts: list[str], tmp: Path
     ckpt = char_checkpoint(tmp / name, max_position_embeddings=1024, **MODELS[name])
     rounds = []
     for r in range(args.rounds):
-        args.vattn_engine, args.before, args.vattn_args = "vattn", None, list(args.server_args)
-        proc, port = serve_load.start("vattn", ckpt, args, tmp / f"server-{name}-{r}.log")
+        args.vattn_engine, args.vattn_args = "vattn", list(args.server_args)
+        kind = "vattn-before" if args.before else "vattn"
+        proc, port = serve_load.start(kind, ckpt, args, tmp / f"server-{name}-{r}.log")
         try:
             for stream in (True, False):  # warm-up: threads, caches, the first batch
                 served(proc, port, ckpt, prompts[:args.concurrency], args, stream)
@@ -179,7 +180,8 @@ def plot(results: list[dict], args: argparse.Namespace) -> Any:
     ax.axhline(0.9, color="r", ls="--", lw=1, label="target 0.9x")
     ax.set_xticks(range(len(results)), [r["model"] for r in results])
     ax.set_ylabel("served / in process (output tok/s)")
-    ax.set_ylim(0, 1.2)
+    top = max(r["ratio"][m] for res in results for r in res["rounds"] for m in ("streamed", "whole"))
+    ax.set_ylim(0, max(1.2, top + 0.15))
     ax.set_title(f"vattn serve vs vattn.LLM.generate: {args.requests} requests at once, max_num_seqs "
                  f"{args.concurrency}, {args.max_tokens} tokens (CPU)", fontsize=8)
     ax.legend(fontsize=8, loc="lower right")
@@ -196,6 +198,7 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--prompt-chars", type=int, nargs=2, default=(64, 256))
     ap.add_argument("--server-args", nargs="*", default=[], help="more `vattn serve` arguments")
+    ap.add_argument("--before", metavar="DIR", help="serve from this (earlier) vattn checkout instead")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
 
