@@ -109,7 +109,8 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def served(proc: Any, port: int, ckpt: str, prompts: list[str], args: argparse.Namespace, stream: bool) -> dict[str, float]:
+def served(proc: Any, port: int, ckpt: str, prompts: list[str], args: argparse.Namespace,
+           stream: bool) -> dict[str, float]:
     """Output tokens per second of `vattn serve` over every prompt, all sent at once."""
     extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     bodies = [json.dumps({"model": ckpt, "prompt": p, "max_tokens": args.max_tokens, "temperature": 0,
