@@ -20,7 +20,9 @@ least 0.9x. Writes benchmarks/results/serve_overhead_cpu.json and .png.
 Fixed in this version (the first one compared unlike things): the client sent at most C
 requests at a time (a new one after each answer, so the engine ran short of C while a
 connection closed and the next one opened, tokenized and queued) where `generate` had them all
-queued; it parsed every event as JSON on the CPUs the server shares; only streamed answers.
+queued; it parsed every event as JSON on the CPUs the server shares; only streamed answers. Each
+server run has a server of its own, warmed up with the first C prompts as `generate` is: one
+server for both runs would serve the second from its prefix cache.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_overhead.py [--model tiny llama-512x8] [--requests 64]
         [--concurrency 16] [--rounds 3] [--max-tokens 64] [--before DIR (an earlier checkout serves)] [--no-save]
@@ -132,17 +134,20 @@ def run_model(name: str, args: argparse.Namespace, prompts: list[str], tmp: Path
     for r in range(args.rounds):
         args.vattn_engine, args.vattn_args = "vattn", list(args.server_args)
         kind = "vattn-before" if args.before else "vattn"
-        proc, port = serve_load.start(kind, ckpt, args, tmp / f"server-{name}-{r}.log")
-        try:
-            for stream in (True, False):  # warm-up: threads, caches, the first batch
-                served(proc, port, ckpt, prompts[:args.concurrency], args, stream)
-            got = {}
-            order = MODES[r % 3:] + MODES[:r % 3]  # rotates: each mode first once in three rounds
-            for mode in order:
-                got[mode] = in_process(ckpt, prompts, args) if mode == "engine" else \
-                    served(proc, port, ckpt, prompts, args, stream=mode == "streamed")
-        finally:
-            serve_load.stop(proc)
+        got = {}
+        order = MODES[r % 3:] + MODES[:r % 3]  # rotates: each mode first once in three rounds
+        for mode in order:
+            if mode == "engine":
+                got[mode] = in_process(ckpt, prompts, args)
+                continue
+            # a fresh server for each: what one run left in its prefix cache would spare the next its prefills
+            proc, port = serve_load.start(kind, ckpt, args, tmp / f"server-{name}-{r}-{mode}.log")
+            try:
+                stream = mode == "streamed"
+                served(proc, port, ckpt, prompts[:args.concurrency], args, stream)  # warm-up, as in process
+                got[mode] = served(proc, port, ckpt, prompts, args, stream)
+            finally:
+                serve_load.stop(proc)
         expected = len(prompts) * args.max_tokens
         for mode, g in got.items():
             if g["tokens"] != expected:

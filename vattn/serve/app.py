@@ -409,6 +409,7 @@ class _Run:
         latest: dict[int, RequestOutput] = {}
         kind = "chat.completion.chunk" if self.req.chat else "text_completion"
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.state.name}
+        prefix = _event(head)[:-3] + b',"choices":'  # the bytes every chunk of this stream starts with
         complete = False
         try:
             if self.req.chat:  # the first chunk of every choice: its role
@@ -459,11 +460,9 @@ class _Run:
                             done.add(key)
                         choices.append(choice)
                         sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
-                if choices:
-                    chunk = {**head, "choices": choices}
-                    if self.req.continuous_usage:
-                        chunk["usage"] = self._usage(list(latest.values()))
-                    yield _event(chunk)
+                if choices:  # the same bytes as _event({**head, "choices": choices, ["usage": ...]})
+                    usage = _dumps(self._usage(list(latest.values()))) if self.req.continuous_usage else None
+                    yield prefix + _dumps(choices) + (b"}\n\n" if usage is None else b',"usage":' + usage + b"}\n\n")
             if self.req.include_usage:
                 yield _event({**head, "choices": [], "usage": self._usage([latest[t] for t in sorted(latest)])})
             complete = True
@@ -486,8 +485,12 @@ def _finite(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _dumps(obj) + b"\n\n"
 
 
 def _is_client_error(e: Exception) -> bool:
