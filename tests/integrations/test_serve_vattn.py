@@ -754,3 +754,43 @@ def test_vattn_flags_reach_the_engine_config(ckpt, tmp_path):
             (200, 4, 64, 3, 1 << 20, 5.0, True, 1 << 20, 1 << 20, "torch.float32")
     finally:
         llm.close()
+
+
+def test_a_batch_prompt_streams_what_it_answers_whole(srv, client):
+    """A list of prompts streamed (each event may carry several choices: a stream that fell
+    behind sends every step it missed at once) gives the texts and usage of the answer whole."""
+    whole = client.completions.create(model="tiny", prompt=PROMPTS, **GREEDY)
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(model="tiny", prompt=PROMPTS, stream=True,
+                                           stream_options={"include_usage": True}, **GREEDY):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert usage.completion_tokens == whole.usage.completion_tokens == len(PROMPTS) * MAX_TOKENS
+
+
+def test_a_request_answered_whole_gets_only_its_final_output():
+    """`EngineLoop.add(final_only=True)` (a non-streamed answer): the event loop hears of it once,
+    when it finishes (not once a step); a streamed one hears every step."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vattn.serve.engine import EngineLoop
+
+    loop = asyncio.new_event_loop()
+    try:
+        engine = EngineLoop(SimpleNamespace(), loop)
+        whole, streamed = asyncio.Queue(), asyncio.Queue()
+        for rid, (sink, final_only) in enumerate([(whole, True), (streamed, False)]):
+            handle = engine.add(rid, [1], None, sink, final_only=final_only)
+            handle.request_id = rid
+            engine._handles[rid] = handle
+        for finished in (False, False, True):
+            engine._deliver([SimpleNamespace(request_id=r, finished=finished) for r in (0, 1)], 0.0, 0.0)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert whole.qsize() == 1 and whole.get_nowait()[1].finished
+        assert streamed.qsize() == 3
+    finally:
+        loop.close()

@@ -287,10 +287,10 @@ class _Run:
         self.n = params[0].n if params else 1
         self.finished: dict[int, RequestOutput] = {}
 
-    def _start(self) -> None:
+    def _start(self, final_only: bool = False) -> None:
         for tag, (p, sp) in enumerate(zip(self.prompts, self.params)):
             self.state.metrics.on_request(sp)
-            self.handles.append(self.state.loop.add(tag, p.token_ids, sp, self.sink))
+            self.handles.append(self.state.loop.add(tag, p.token_ids, sp, self.sink, final_only))
 
     def _abort_open(self) -> None:
         for tag, handle in enumerate(self.handles):
@@ -298,7 +298,21 @@ class _Run:
                 self.state.loop.abort(handle)
 
     async def _next(self) -> tuple[int, RequestOutput]:
-        tag, item = await self.sink.get()
+        return self._take(await self.sink.get())
+
+    async def _next_batch(self) -> dict[int, RequestOutput]:
+        """Every output queued by now (at least one), the latest of each engine request: outputs
+        are cumulative, so a stream that fell behind by several steps sends one event for them."""
+        tag, out = await self._next()
+        batch = {tag: out}
+        sink = self.sink
+        while not sink.empty():
+            tag, out = self._take(sink.get_nowait())
+            batch[tag] = out
+        return batch
+
+    def _take(self, got: tuple[int, Any]) -> tuple[int, RequestOutput]:
+        tag, item = got
         if isinstance(item, Exception):
             raise Refusal(str(item), status=400 if _is_client_error(item) else 500,
                           code="invalid_request" if _is_client_error(item) else "engine_error")
@@ -308,7 +322,7 @@ class _Run:
 
     # ---------------------------------------------------------------- not streamed ----
     async def whole(self, request: Any) -> dict:
-        self._start()
+        self._start(final_only=True)
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
             while len(self.finished) < len(self.handles):
@@ -395,6 +409,7 @@ class _Run:
         latest: dict[int, RequestOutput] = {}
         kind = "chat.completion.chunk" if self.req.chat else "text_completion"
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.state.name}
+        prefix = _event(head)[:-3] + b',"choices":'  # the bytes every chunk of this stream starts with
         complete = False
         try:
             if self.req.chat:  # the first chunk of every choice: its role
@@ -407,48 +422,47 @@ class _Run:
                      "stop_reason": None} for t in range(len(self.prompts)) for i in range(self.n)]})
             while len(self.finished) < len(self.handles):
                 try:
-                    tag, out = await self._next()
+                    batch = await self._next_batch()
                 except Refusal as e:
                     yield _event(error_body(str(e), "server_error" if e.status >= 500 else "invalid_request_error",
                                             code=e.code))
                     complete = True
                     return
-                latest[tag] = out
-                failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
+                latest.update(batch)
+                failed = next((o for out in batch.values() for o in out.outputs if o.finish_reason == "error"), None)
                 if failed is not None:  # OpenAI has no finish_reason "error": an error event ends the stream
                     yield _event(error_body(f"the engine failed on this request: {failed.error}", "server_error",
                                             code="engine_error"))
                     complete = True
                     return
                 choices = []
-                for o in out.outputs:
-                    key = (tag, o.index)
-                    if key in done:
-                        continue
-                    text = o.text or ""
-                    t0, c0 = sent_tokens.get(key, 0), sent_chars.get(key, 0)
-                    if len(o.token_ids) == t0 and len(text) == c0 and not o.finished:
-                        continue
-                    index = tag * self.n + o.index
-                    piece = text[c0:]
-                    reason = o.finish_reason if o.finished else None
-                    if self.req.chat:
-                        choice = {"index": index, "delta": {"content": piece} if piece or not reason else {},
-                                  "logprobs": self._chat_logprobs(_tail(o, t0), 0), "finish_reason": reason}
-                    else:
-                        choice = {"index": index, "text": piece,
-                                  "logprobs": self._completion_logprobs(_tail(o, t0), 0, c0),
-                                  "finish_reason": reason}
-                    if reason is not None:
-                        choice["stop_reason"] = o.stop_reason
-                        done.add(key)
-                    choices.append(choice)
-                    sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
-                if choices:
-                    chunk = {**head, "choices": choices}
-                    if self.req.continuous_usage:
-                        chunk["usage"] = self._usage(list(latest.values()))
-                    yield _event(chunk)
+                for tag, out in batch.items():
+                    for o in out.outputs:
+                        key = (tag, o.index)
+                        if key in done:
+                            continue
+                        text = o.text or ""
+                        t0, c0 = sent_tokens.get(key, 0), sent_chars.get(key, 0)
+                        if len(o.token_ids) == t0 and len(text) == c0 and not o.finished:
+                            continue
+                        index = tag * self.n + o.index
+                        piece = text[c0:]
+                        reason = o.finish_reason if o.finished else None
+                        if self.req.chat:
+                            choice = {"index": index, "delta": {"content": piece} if piece or not reason else {},
+                                      "logprobs": self._chat_logprobs(_tail(o, t0), 0), "finish_reason": reason}
+                        else:
+                            choice = {"index": index, "text": piece,
+                                      "logprobs": self._completion_logprobs(_tail(o, t0), 0, c0),
+                                      "finish_reason": reason}
+                        if reason is not None:
+                            choice["stop_reason"] = o.stop_reason
+                            done.add(key)
+                        choices.append(choice)
+                        sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
+                if choices:  # the same bytes as _event({**head, "choices": choices, ["usage": ...]})
+                    usage = _dumps(self._usage(list(latest.values()))) if self.req.continuous_usage else None
+                    yield prefix + _dumps(choices) + (b"}\n\n" if usage is None else b',"usage":' + usage + b"}\n\n")
             if self.req.include_usage:
                 yield _event({**head, "choices": [], "usage": self._usage([latest[t] for t in sorted(latest)])})
             complete = True
@@ -471,8 +485,12 @@ def _finite(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _dumps(obj) + b"\n\n"
 
 
 def _is_client_error(e: Exception) -> bool:

@@ -42,6 +42,7 @@ class Handle:
     num_tokens: int = 0
     last_token_time: float | None = None
     prefill_s: float = 0.0  # how long the step that gave its first token took
+    final_only: bool = False  # only its final output goes to `sink` (a non-streamed answer: no wake-up a step)
 
 
 class EngineLoop:
@@ -69,9 +70,11 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def add(self, tag: int, token_ids: list[int], params: SamplingParams, sink: asyncio.Queue) -> Handle:
-        """Queue a request for the engine (returns at once)."""
-        handle = Handle(tag, sink)
+    def add(self, tag: int, token_ids: list[int], params: SamplingParams, sink: asyncio.Queue,
+            final_only: bool = False) -> Handle:
+        """Queue a request for the engine (returns at once). `final_only`: post only its final
+        output (or an error), not one a step."""
+        handle = Handle(tag, sink, final_only=final_only)
         self._inbox.put(("add", handle, token_ids, params))
         self._wake.set()
         return handle
@@ -162,7 +165,7 @@ class EngineLoop:
                 self.on_step(pairs, start, end)
             except Exception:  # noqa: BLE001 - figures must never stop serving
                 logger.warning("vattn serve: recording metrics failed", exc_info=True)
-        self._post(pairs)
+        self._post([p for p in pairs if p[1].finished or not p[0].final_only])
 
     def _post(self, pairs: list[tuple[Handle, Any]]) -> None:
         """Hand outputs to the event loop: one call for the whole step."""
