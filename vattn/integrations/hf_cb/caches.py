@@ -365,7 +365,7 @@ class _ElasticCache:
             saved_handler = getattr(cache_mod, "PagedAttentionMemoryHandler", None)
             limit = _limit_of(handle)
             if limit is not None and _sizes_from_memory(saved_handler):
-                cache_mod.PagedAttentionMemoryHandler = _limited_handler(saved_handler, limit)
+                cache_mod.PagedAttentionMemoryHandler = _limited_handler(saved_handler, limit, _on_host(device))
             _intercept.build = build
             cache_mod.torch = _TorchProxy()
             try:
@@ -448,13 +448,21 @@ def _sizes_from_memory(handler: Any) -> bool:
         "infer_max_batch_tokens_and_num_sectors", "compute_memory_footprint", "num_sectors_from_config"))
 
 
-def _limited_handler(base: type, limit: int) -> type:
+def _on_host(device: Any) -> bool:
+    try:
+        return torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _limited_handler(base: type, limit: int, cap_batch: bool) -> type:
     """transformers' PagedAttentionMemoryHandler sizing from `limit`, not from the host's
     (or device's) free memory: the cache (virtual: vattn maps only what is used) holds the
     limit's worth of sectors beyond the trash, as the limit can never back more, unless
-    `num_blocks` is given; `max_batch_tokens`, unless given, is the largest of 8192, 4096,
-    ... (>= BATCH_TOKENS_MIN) whose batch buffers, by transformers' own estimate, fit in
-    BATCH_BUFFER_BYTES."""
+    `num_blocks` is given. With `cap_batch` (a cache on the host), `max_batch_tokens`,
+    unless given, is the largest of 8192, 4096, ... (>= BATCH_TOKENS_MIN) whose batch
+    buffers (what grows with it, by transformers' own estimate: IO tensors, activation peak,
+    attention masks) fit in BATCH_BUFFER_BYTES; on a device, transformers' default (8192)."""
 
     class LimitedMemoryHandler(base):  # type: ignore[misc, valid-type]
         def infer_max_batch_tokens_and_num_sectors(self) -> tuple[int, int]:
@@ -464,8 +472,9 @@ def _limited_handler(base: type, limit: int) -> type:
             m = self.cb_config.max_batch_tokens
             if m is None:
                 m = getattr(self, "_default_max_batch_tokens", 8192)
-                while m > BATCH_TOKENS_MIN and self.compute_memory_footprint(m, num_sectors) \
-                        - num_sectors * self.bytes_per_sector > BATCH_BUFFER_BYTES:
+                fixed = self.compute_memory_footprint(0, num_sectors)
+                while cap_batch and m > BATCH_TOKENS_MIN and \
+                        self.compute_memory_footprint(m, num_sectors) - fixed > BATCH_BUFFER_BYTES:
                     m //= 2
             return m, num_sectors
 
