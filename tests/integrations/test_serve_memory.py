@@ -60,7 +60,8 @@ def weights_bytes(ckpt: str) -> int:
 @pytest.mark.parametrize("engine", ["vattn", "transformers"])
 def test_readme_serve_command_is_bounded_by_model_limit_and_margin(ckpt, engine):
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "vattn", "serve", "--engine", engine, "--model", ckpt, "--port", str(port),
            "--memory-limit", str(LIMIT)]
     if engine == "vattn":  # this checkpoint's 128-byte tokens share prefixes in blocks of 512 tokens on 64 KiB pages

@@ -126,7 +126,8 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
     here (InvalidConfigError, with the smallest limit that serves one: `vattn serve`'s check
     at start, `hf_serve.probe_room`), and the model is not enabled; the blocks are those of
     `continuous_batching_config`, the one `generate_batch` will be given (None:
-    transformers' default). A shared budget's limit is not checked here (others move it). With a limit, transformers' cache and batch buffers are sized from it, not
+    transformers' default). A shared budget's limit is not checked here (others move it).
+    With a limit, transformers' cache and batch buffers are sized from it, not
     from the host's free memory (docs/servers.md, "What bounds the server's memory")."""
     check_transformers()
     idle_trim_s = _check_settings(memory_limit, budget, idle_trim_s)
