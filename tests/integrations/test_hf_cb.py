@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 import pytest
 
@@ -148,7 +149,7 @@ def test_memory_limit_makes_requests_wait(models, cleanup):
     ms, refs = models
     model = ms["llama"]
     # room for the longest request (70 + 20 tokens: 6 blocks) and the trash, not for all at once
-    cb = hf_cb.enable(model, page_size=PAGE, memory_limit=8 * SECTOR)
+    cb = hf_cb.enable(model, page_size=PAGE, memory_limit=8 * SECTOR, continuous_batching_config=CB)
     assert generate(model, persistent=True) == refs["llama"]
     s = cb.stats()
     assert s.peak_mapped_bytes <= 8 * SECTOR and s.limit == 8 * SECTOR
@@ -533,3 +534,45 @@ def test_vattn_cache_errors():
         model(ids[:2], attention_mask=mask[:2], past_key_values=cache)
         with pytest.raises(vattn.InvalidConfigError, match="batch of 2"):
             model(ids, attention_mask=mask, past_key_values=cache)
+
+
+@needs_cb
+def test_enable_refuses_a_limit_that_holds_no_request(models, cleanup):
+    """issue 36: a limit with no room beyond the trash sectors is refused at enable time, with
+    the smallest limit that serves one (vattn serve's check at start), which then serves."""
+    ms, refs = models
+    model = ms["llama"]
+    with pytest.raises(vattn.InvalidConfigError, match=r"memory_limit of 16384 bytes leaves no room for a request: "
+                       r".*the smallest limit that serves one request is \d+ bytes") as e:
+        hf_cb.enable(model, page_size=PAGE, memory_limit=16384, continuous_batching_config=CB)
+    smallest = int(str(e.value).split("serves one request is ")[1].split()[0])
+    assert smallest > hf_cb.TRASH_SECTORS * SECTOR and not hf_cb._handles  # the model was not enabled
+    cb = hf_cb.enable(model, page_size=PAGE, memory_limit=smallest, continuous_batching_config=CB)
+    gen = copy.deepcopy(GEN)
+    gen.max_new_tokens = 1
+    out = model.generate_batch([[5]], generation_config=gen, continuous_batching_config=copy.deepcopy(CB))
+    assert [len(o.generated_tokens) for o in out.values()] == [1] and cb.memory_limit == smallest
+
+
+@needs_cb
+def test_a_limit_sizes_the_batch_buffers_not_the_hosts_free_memory(models, cleanup):
+    """issue 36: with a memory limit, transformers' cache holds the limit's worth of sectors and
+    its batch buffers fit hf_cb's BATCH_BUFFER_BYTES (before: sized from the host's free memory,
+    12 GiB of a 23 GiB host for a 64 MiB limit)."""
+    ms, refs = models
+    model = ms["llama"]
+    limit = 64 << 20
+    hf_cb.enable(model, page_size=PAGE, memory_limit=limit)
+    gen = copy.deepcopy(GEN)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    try:
+        deadline = time.monotonic() + 60
+        while manager.batch_processor is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cache = manager.batch_processor.cache
+        assert cache.num_sectors * cache.bytes_per_sector <= limit + cache.bytes_per_sector
+        mask = cache.max_batch_tokens * (cache.max_tokens_read + cache.max_batch_tokens) * 4
+        assert mask <= hf_cb.caches.BATCH_BUFFER_BYTES
+    finally:
+        manager.stop(block=True)

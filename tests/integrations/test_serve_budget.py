@@ -123,7 +123,8 @@ def test_a_burst_at_one_server_then_the_other_shares_the_memory(servers, ckpt, e
         limits = {dict(labels)["pid"]: v for (name, labels), v in metrics.items()
                   if name == "vattn:budget_member_limit_bytes"}
         assert limits == {str(b.pid): cap}  # a has no limit of its own
-    assert len(samples) > 50
+    assert len(samples) > 20  # the sampler ran through both bursts (10 ms apart; they take 0.4 s and up since the
+    # batch buffers are sized from the limit, issue 36)
     assert max_sum(samples) <= LIMIT
 
 

@@ -110,7 +110,8 @@ def _check_memory() -> None:
 
 
 def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None = None,
-           page_size: int | None = None, idle_trim_s: float | None = None) -> ElasticCB:
+           page_size: int | None = None, idle_trim_s: float | None = None,
+           continuous_batching_config: Any = None) -> ElasticCB:
     """Run `model`'s continuous batching on vattn memory from its next cache on.
 
     `memory_limit`: bytes of KV pages the model may have mapped (None: no limit but the
@@ -120,7 +121,14 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
     that many seconds and no request is in flight, `trim()` (prefix-sharing blocks
     evicted) from a background thread (None or negative: only explicit `trim`; the
     integrations' idle-trim rule, `vattn.integrations._env`). Returns the model's
-    `ElasticCB` handle (the same one if already enabled, with the new settings)."""
+    `ElasticCB` handle (the same one if already enabled, with the new settings). A
+    `memory_limit` that leaves no room for one request beyond the trash blocks is refused
+    here (InvalidConfigError, with the smallest limit that serves one: `vattn serve`'s check
+    at start, `hf_serve.probe_room`), and the model is not enabled; the blocks are those of
+    `continuous_batching_config`, the one `generate_batch` will be given (None:
+    transformers' default). A shared budget's limit is not checked here (others move it).
+    With a limit, transformers' cache and batch buffers are sized from it, not
+    from the host's free memory (docs/servers.md, "What bounds the server's memory")."""
     check_transformers()
     idle_trim_s = _check_settings(memory_limit, budget, idle_trim_s)
     _check_memory()
@@ -148,7 +156,15 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
                 handle._budget_token = None
             handle.memory_limit, handle.budget, handle.page_size = memory_limit, budget, page_size
             handle._set_idle_trim_s(idle_trim_s)
-        return handle
+    if memory_limit is not None:
+        from vattn.integrations.hf_serve import probe_room  # vattn serve's own check at start
+
+        try:
+            probe_room(model, continuous_batching_config, handle, memory_limit, None)
+        except BaseException:
+            disable(model)
+            raise
+    return handle
 
 
 def enable_all(*, memory_limit: int | None = None, budget: Budget | None = None,

@@ -362,6 +362,10 @@ class _ElasticCache:
         build = {"kind": kind, "cache": self, "handle": handle, "tensors": [], "pool": None, "cache_mod": cache_mod}
         with _lock:  # one vattn cache is built at a time; other threads see torch itself
             saved = cache_mod.torch
+            saved_handler = getattr(cache_mod, "PagedAttentionMemoryHandler", None)
+            limit = _limit_of(handle)
+            if limit is not None and _sizes_from_memory(saved_handler):
+                cache_mod.PagedAttentionMemoryHandler = _limited_handler(saved_handler, limit, _on_host(device))
             _intercept.build = build
             cache_mod.torch = _TorchProxy()
             try:
@@ -382,6 +386,8 @@ class _ElasticCache:
                 raise
             finally:
                 cache_mod.torch = saved
+                if saved_handler is not None:
+                    cache_mod.PagedAttentionMemoryHandler = saved_handler
                 _intercept.build = None
         self.vattn_pool = pool
         manager = _calling_manager(getattr(self.vattn_api, "ContinuousBatchingManager", None))
@@ -411,6 +417,69 @@ class _ElasticCache:
         if len(bm._uninit_block_ids) != bm.num_blocks or bm.num_blocks + TRASH_SECTORS != pool.config.num_blocks:
             raise InvalidConfigError("transformers' BlockManager does not start with every block free")
         bm._uninit_block_ids = _FreeBlocks(pool, handle)
+
+
+# transformers' batch buffers (IO tensors, activation peaks, attention masks: its own
+# estimate, PagedAttentionMemoryHandler.compute_memory_footprint less the cache) when the
+# cache is sized from a memory limit: max_batch_tokens is halved from transformers' default
+# (8192) until they fit, down to BATCH_TOKENS_MIN. See docs/servers.md ("What bounds the
+# server's memory").
+BATCH_BUFFER_BYTES = 256 << 20
+BATCH_TOKENS_MIN = 64
+
+
+def _limit_of(handle: Any) -> int | None:
+    """The bytes of KV pages `handle` may ever have mapped: its memory limit, else its
+    budget's limit (None: neither, transformers sizes the cache from free memory)."""
+    probe = getattr(handle, "probe_bytes", None)  # a start-up probe of the room (hf_serve.probe_room)
+    if probe is not None:
+        return probe
+    limits = [getattr(handle, "memory_limit", None)]
+    budget = getattr(handle, "budget", None)
+    if budget is not None:
+        limits.append(getattr(budget.stats(), "budget_limit", getattr(budget, "limit", None)))
+    limits = [x for x in limits if isinstance(x, int)]
+    return min(limits) if limits else None
+
+
+def _sizes_from_memory(handler: Any) -> bool:
+    """Whether `handler` is transformers' 5.18+ memory handler (sectors from free memory)."""
+    return handler is not None and all(hasattr(handler, n) for n in (
+        "infer_max_batch_tokens_and_num_sectors", "compute_memory_footprint", "num_sectors_from_config"))
+
+
+def _on_host(device: Any) -> bool:
+    try:
+        return torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _limited_handler(base: type, limit: int, cap_batch: bool) -> type:
+    """transformers' PagedAttentionMemoryHandler sizing from `limit`, not from the host's
+    (or device's) free memory: the cache (virtual: vattn maps only what is used) holds the
+    limit's worth of sectors beyond the trash, as the limit can never back more, unless
+    `num_blocks` is given. With `cap_batch` (a cache on the host), `max_batch_tokens`,
+    unless given, is the largest of 8192, 4096, ... (>= BATCH_TOKENS_MIN) whose batch
+    buffers (what grows with it, by transformers' own estimate: IO tensors, activation peak,
+    attention masks) fit in BATCH_BUFFER_BYTES; on a device, transformers' default (8192)."""
+
+    class LimitedMemoryHandler(base):  # type: ignore[misc, valid-type]
+        def infer_max_batch_tokens_and_num_sectors(self) -> tuple[int, int]:
+            num_sectors = self.num_sectors_from_config()
+            if num_sectors is None:
+                num_sectors = max(1, -(-limit // self.bytes_per_sector))
+            m = self.cb_config.max_batch_tokens
+            if m is None:
+                m = getattr(self, "_default_max_batch_tokens", 8192)
+                fixed = self.compute_memory_footprint(0, num_sectors)
+                while cap_batch and m > BATCH_TOKENS_MIN and \
+                        self.compute_memory_footprint(m, num_sectors) - fixed > BATCH_BUFFER_BYTES:
+                    m //= 2
+            return m, num_sectors
+
+    LimitedMemoryHandler.__name__ = LimitedMemoryHandler.__qualname__ = base.__name__
+    return LimitedMemoryHandler
 
 
 def make_classes(cache_mod: Any, api: Any, base: type, kind: str,

@@ -221,19 +221,39 @@ def _build(model: str, shutdown_timeout: float, max_body_bytes: int, **kw: Any) 
     srv.vattn_ready = True
     return srv
 
+PROBE_BYTES = 16 << 20  # the least (virtual) cache of the start-up probe: beside the limit, room for one request
+
+
 def _check_room(srv: Any, handle: Any, memory_limit: int | None, budget: Budget | None) -> None:
     """Refuse (InvalidConfigError) a memory limit, or a budget's limit, that leaves no room for
     one request beyond the trash blocks, with the smallest limit that serves one (a prompt
-    token and a new one). The cache is built once for this, by a probe loop of transformers'
-    (the model's own generation config), without the limit; then taken down."""
-    budget_limit = None if budget is None else getattr(budget.stats(), "budget_limit", budget.limit)
-    if memory_limit is None and budget_limit is None:
+    token and a new one): `probe_room` on the server's model and batching config."""
+    if memory_limit is None and (budget is None or _budget_limit(budget) is None):
         return
     mm = srv._model_manager
     model, _ = mm.load_model_and_processor(mm.process_model_name(mm.force_model))
-    handle.memory_limit = None
+    probe_room(model, srv._generation_state._cb_config, handle, memory_limit, budget,
+               ("--memory-limit", "--budget-limit"))
+
+
+def _budget_limit(budget: Budget) -> int | None:
+    return getattr(budget.stats(), "budget_limit", budget.limit)
+
+
+def probe_room(model: Any, cb_config: Any, handle: Any, memory_limit: int | None, budget: Budget | None,
+               flags: tuple[str, str] = ("memory_limit", "the budget's limit")) -> None:
+    """Refuse (InvalidConfigError) a memory limit, or a budget's limit, that leaves no room for
+    one request beyond the trash blocks, with the smallest limit that serves one (a prompt
+    token and a new one); `flags` name the limit and the budget's in the message (`vattn
+    serve`'s flags, `hf_cb.enable`'s arguments). The cache is built once for this, by a probe
+    loop of transformers' (the model's own generation config), sized PROBE_BYTES beyond the
+    limit (virtual: nothing is mapped but the trash); then taken down."""
+    budget_limit = None if budget is None else _budget_limit(budget)
+    if memory_limit is None and budget_limit is None:
+        return
+    handle.memory_limit, handle.probe_bytes = None, max(PROBE_BYTES, memory_limit or 0, budget_limit or 0)
     probe = model.init_continuous_batching(generation_config=copy.deepcopy(model.generation_config),
-                                           continuous_batching_config=srv._generation_state._cb_config)
+                                           continuous_batching_config=cb_config)
     cache, refused = None, True
     try:
         probe.start()
@@ -242,12 +262,12 @@ def _check_room(srv: Any, handle: Any, memory_limit: int | None, budget: Budget 
             time.sleep(0.005)
         cache = getattr(probe.batch_processor, "cache", None)
         if getattr(cache, "vattn_pool", None) is None:
-            raise InvalidConfigError("vattn serve could not build transformers' continuous-batching cache at start: "
-                                     f"{probe.background_thread_status.fatal_error}")
+            raise InvalidConfigError("vattn could not build transformers' continuous-batching cache to check the "
+                                     f"memory limit: {probe.background_thread_status.fatal_error}")
         room, pool = Room.of(cache), cache.vattn_pool
         need = hf_cb.TRASH_SECTORS + room.blocks(1, 1)
         smallest = _smallest_limit(pool, need)
-        for name, limit in (("the budget's limit (--budget-limit)", budget_limit), ("--memory-limit", memory_limit)):
+        for name, limit in ((flags[1], budget_limit), (flags[0], memory_limit)):
             if limit is not None and limit < smallest:
                 block = pool.stats().block_bytes
                 raise InvalidConfigError(
@@ -255,10 +275,10 @@ def _check_room(srv: Any, handle: Any, memory_limit: int | None, budget: Budget 
                     f"{hf_cb.TRASH_SECTORS} trash blocks of {block} bytes always mapped, and a request of one prompt "
                     f"token and one new token needs {need - hf_cb.TRASH_SECTORS} more (on pages of "
                     f"{pool.stats().group_bytes} bytes); the smallest limit that serves one request is {smallest} "
-                    f"bytes: raise {name.split(' (')[-1].rstrip(')')} to at least that (more serves more at once)")
+                    f"bytes: raise {name} to at least that (more serves more at once)")
         refused = False
     finally:
-        handle.memory_limit = memory_limit
+        handle.memory_limit, handle.probe_bytes = memory_limit, None
         probe.stop(block=False, hard_stop=True)  # its loop takes a second or so to end: the pool closes after it
         pool = getattr(cache, "vattn_pool", None)
         if refused:  # the process ends now: a loop still in a forward at the interpreter's exit aborts it
