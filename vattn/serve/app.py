@@ -202,10 +202,7 @@ def build_app(state: ServerState) -> Any:
         try:
             body = parse_json(raw)
             req = read_chat(body) if chat else read_completion(body)
-            if req.model is not None and req.model not in state.served_names:
-                raise Refusal(f"the model {req.model!r} does not exist: this server serves "
-                              f"{', '.join(map(repr, state.served_names))}", param="model", code="model_not_found",
-                              status=404)
+            _served(req.model)
             prompts = await _tokenize(state, req)
             params = [req.params_for(len(p.token_ids), state.max_model_len) for p in prompts]
         except Refusal as e:
