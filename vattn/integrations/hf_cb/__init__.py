@@ -124,7 +124,7 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
     `ElasticCB` handle (the same one if already enabled, with the new settings). A
     `memory_limit` that leaves no room for one request beyond the trash blocks is refused
     here (InvalidConfigError, with the smallest limit that serves one: `vattn serve`'s check
-    at start, `hf_serve.probe_room`), and the model is not enabled; the blocks are those of
+    at start, `hf_cb.probe.probe_room`), and the model is not enabled; the blocks are those of
     `continuous_batching_config`, the one `generate_batch` will be given (None:
     transformers' default). A shared budget's limit is not checked here (others move it).
     With a limit, transformers' cache and batch buffers are sized from it, not
@@ -157,7 +157,7 @@ def enable(model: Any, *, memory_limit: int | None = None, budget: Budget | None
             handle.memory_limit, handle.budget, handle.page_size = memory_limit, budget, page_size
             handle._set_idle_trim_s(idle_trim_s)
     if memory_limit is not None:
-        from vattn.integrations.hf_serve import probe_room  # vattn serve's own check at start
+        from vattn.integrations.hf_cb.probe import probe_room  # vattn serve's own check at start
 
         try:
             probe_room(model, continuous_batching_config, handle, memory_limit, None)

@@ -431,7 +431,7 @@ BATCH_TOKENS_MIN = 64
 def _limit_of(handle: Any) -> int | None:
     """The bytes of KV pages `handle` may ever have mapped: its memory limit, else its
     budget's limit (None: neither, transformers sizes the cache from free memory)."""
-    probe = getattr(handle, "probe_bytes", None)  # a start-up probe of the room (hf_serve.probe_room)
+    probe = getattr(handle, "probe_bytes", None)  # a start-up probe of the room (hf_cb.probe.probe_room)
     if probe is not None:
         return probe
     limits = [getattr(handle, "memory_limit", None)]

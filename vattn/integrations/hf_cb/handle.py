@@ -27,7 +27,7 @@ class ElasticCB:
         `hf_cb.disable_all()` for None), passed in so this module does not import the registry."""
         self._model = weakref.ref(model) if model is not None else None
         self.memory_limit = memory_limit
-        self.probe_bytes: int | None = None  # while a start-up probe sizes the cache (hf_serve.probe_room)
+        self.probe_bytes: int | None = None  # while a start-up probe sizes the cache (hf_cb.probe.probe_room)
         self.budget = budget
         self.page_size = page_size
         self._unregister = unregister

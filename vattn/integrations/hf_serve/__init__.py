@@ -50,7 +50,6 @@ routes that replace transformers'), `gate` (the body cap, draining, [DONE]), `ex
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import importlib.util
 import logging
@@ -63,6 +62,7 @@ from typing import Any
 from vattn.budget import Budget
 from vattn.errors import InvalidConfigError
 from vattn.integrations import hf_cb
+from vattn.integrations.hf_cb.probe import CACHE_WAIT_S, PROBE_BYTES, _budget_limit, probe_room  # noqa: F401
 from vattn.integrations.hf_serve import cancel, extensions, offload
 # The parts, re-exported: `vattn.integrations.hf_serve.X` keeps working for every name below
 from vattn.integrations.hf_serve.contract import MAX_N, Refusal, Room, _asked, admit  # noqa: F401
@@ -76,7 +76,6 @@ logger = logging.getLogger("vattn.serve")
 SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic", "typer")
 DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers 5.18-5.24's own default (see serve)
 SHUTDOWN_TIMEOUT_S = 30.0  # how long SIGTERM lets open requests finish
-CACHE_WAIT_S = 120.0  # how long a new batching loop may take to build its cache before a request goes unchecked
 # vattn serve's page, on every device (the CUDA backend's own; the host backend's default is 64 KiB): each page mapped
 # is a call that lets go of the GIL on the batching loop's thread while it schedules a prefill, and the loop then
 # waits for the event loop to give it back (up to the 5 ms switch interval); 32x fewer of them closed most of the
@@ -221,7 +220,6 @@ def _build(model: str, shutdown_timeout: float, max_body_bytes: int, **kw: Any) 
     srv.vattn_ready = True
     return srv
 
-PROBE_BYTES = 16 << 20  # the least (virtual) cache of the start-up probe: beside the limit, room for one request
 
 
 def _check_room(srv: Any, handle: Any, memory_limit: int | None, budget: Budget | None) -> None:
@@ -234,77 +232,6 @@ def _check_room(srv: Any, handle: Any, memory_limit: int | None, budget: Budget 
     model, _ = mm.load_model_and_processor(mm.process_model_name(mm.force_model))
     probe_room(model, srv._generation_state._cb_config, handle, memory_limit, budget,
                ("--memory-limit", "--budget-limit"))
-
-
-def _budget_limit(budget: Budget) -> int | None:
-    return getattr(budget.stats(), "budget_limit", budget.limit)
-
-
-def probe_room(model: Any, cb_config: Any, handle: Any, memory_limit: int | None, budget: Budget | None,
-               flags: tuple[str, str] = ("memory_limit", "the budget's limit")) -> None:
-    """Refuse (InvalidConfigError) a memory limit, or a budget's limit, that leaves no room for
-    one request beyond the trash blocks, with the smallest limit that serves one (a prompt
-    token and a new one); `flags` name the limit and the budget's in the message (`vattn
-    serve`'s flags, `hf_cb.enable`'s arguments). The cache is built once for this, by a probe
-    loop of transformers' (the model's own generation config), sized PROBE_BYTES beyond the
-    limit (virtual: nothing is mapped but the trash); then taken down."""
-    budget_limit = None if budget is None else _budget_limit(budget)
-    if memory_limit is None and budget_limit is None:
-        return
-    handle.memory_limit, handle.probe_bytes = None, max(PROBE_BYTES, memory_limit or 0, budget_limit or 0)
-    probe = model.init_continuous_batching(generation_config=copy.deepcopy(model.generation_config),
-                                           continuous_batching_config=cb_config)
-    cache, refused = None, True
-    try:
-        probe.start()
-        deadline = time.monotonic() + CACHE_WAIT_S
-        while probe.batch_processor is None and probe.is_running() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        cache = getattr(probe.batch_processor, "cache", None)
-        if getattr(cache, "vattn_pool", None) is None:
-            raise InvalidConfigError("vattn could not build transformers' continuous-batching cache to check the "
-                                     f"memory limit: {probe.background_thread_status.fatal_error}")
-        room, pool = Room.of(cache), cache.vattn_pool
-        need = hf_cb.TRASH_SECTORS + room.blocks(1, 1)
-        smallest = _smallest_limit(pool, need)
-        for name, limit in ((flags[1], budget_limit), (flags[0], memory_limit)):
-            if limit is not None and limit < smallest:
-                block = pool.stats().block_bytes
-                raise InvalidConfigError(
-                    f"{name} of {limit} bytes leaves no room for a request: transformers' cache keeps "
-                    f"{hf_cb.TRASH_SECTORS} trash blocks of {block} bytes always mapped, and a request of one prompt "
-                    f"token and one new token needs {need - hf_cb.TRASH_SECTORS} more (on pages of "
-                    f"{pool.stats().group_bytes} bytes); the smallest limit that serves one request is {smallest} "
-                    f"bytes: raise {name} to at least that (more serves more at once)")
-        refused = False
-    finally:
-        handle.memory_limit, handle.probe_bytes = memory_limit, None
-        probe.stop(block=False, hard_stop=True)  # its loop takes a second or so to end: the pool closes after it
-        pool = getattr(cache, "vattn_pool", None)
-        if refused:  # the process ends now: a loop still in a forward at the interpreter's exit aborts it
-            _close_after(probe, pool)
-        else:
-            threading.Thread(target=_close_after, args=(probe, pool), name="vattn-serve-probe", daemon=True).start()
-
-
-def _close_after(probe: Any, pool: Any) -> None:
-    thread = getattr(probe, "_generation_thread", None)
-    if thread is not None:
-        thread.join(timeout=30)
-    if pool is not None:
-        pool.close()
-
-
-def _smallest_limit(pool: Any, blocks: int) -> int:
-    """The fewest bytes of pages under which `pool` can ever hold `blocks` blocks at once
-    (its `max_blocks`, page-aware), found by setting limits on it."""
-    group = pool.stats().group_bytes
-    pages = 1
-    while True:
-        pool.set_limit(pages * group)
-        if pool.max_blocks() >= blocks or pages * group >= pool.stats().num_blocks * pool.stats().block_bytes:
-            return pages * group
-        pages += 1
 
 
 # ------------------------------------------------------------------- serve ----

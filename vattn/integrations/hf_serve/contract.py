@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vattn.integrations import hf_cb
+from vattn.integrations.hf_cb.probe import request_blocks
 
 MAX_N = 128  # choices one request may ask for (OpenAI's bound): each is a request of the batch
 # vLLM's and SGLang's sampling extensions that load generators send (guidellm: ignore_eos; vLLM's benchmark
 # client: ignore_eos, min_tokens), honoured; transformers' own handlers would answer 422
 EXTENSIONS = ("ignore_eos", "min_tokens")
-_PROBE = "vattn-serve-probe"  # a request id no request has: asks transformers' allocators what a request needs
 
 
 class Refusal(Exception):
@@ -62,7 +62,7 @@ class Room:
         what its vattn pool's limit can ever back (the trash blocks aside) when fewer."""
         sectors = hasattr(cache, "cache_allocators")
         total = cache.num_sectors if sectors else cache.num_blocks
-        blocks = _request_blocks(cache)
+        blocks = request_blocks(cache)
         pool = getattr(cache, "vattn_pool", None)
         if pool is not None and (backable := pool.max_blocks() - hf_cb.TRASH_SECTORS) < total:
             bound = "the memory budget" if pool.limit is None else f"the memory limit ({pool.limit} bytes of KV pages)"
@@ -79,19 +79,6 @@ class Room:
     def max_new(self, prompt: int) -> int | None:
         """The most new tokens that fit after a prompt that fits (None: any number)."""
         return _largest(lambda m: self.fits(prompt, m), 1)
-
-
-def _request_blocks(cache: Any) -> Callable[[int, int], int]:
-    """(p, m) -> the pool blocks transformers takes for a request of a p-token prompt and m
-    new tokens (it stores p + m - 1 of them: the last one is never fed back)."""
-    allocators = getattr(cache, "cache_allocators", None)
-    if allocators is not None:  # 5.18+: blocks for the tokens stored, whole sectors per attention group
-        groups = list(allocators.values())
-        return lambda p, m: sum(-(-a.needs_new_blocks(_PROBE, 0, p + m - 1) // a.blocks_per_sector) for a in groups)
-    # 5.17: its scheduler takes (p + 1) // block_size + 1 blocks for a prompt of p tokens (in chunks too), then one
-    # more each time the stored tokens fill them
-    bs = cache.block_size
-    return lambda p, m: cache.blocks_needed(max((p + 1) // bs + 1, -(-(p + m - 1) // bs)), 0)
 
 
 def _largest(ok: Callable[[int], bool], low: int) -> int | None:
