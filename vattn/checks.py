@@ -175,3 +175,17 @@ def stat_text(st: Any) -> str:
     import stat as stat_mod
 
     return f"owner {user_text(st.st_uid)}, group {group_text(st.st_gid)}, mode {stat_mod.S_IMODE(st.st_mode):04o}"
+
+
+def not_regular(st: Any) -> str | None:
+    """What a file `st` (`os.stat_result`) is when it is no regular file ("a symbolic link", "a
+    FIFO", ...: what a planted file that must not be read is named as), None for a regular file."""
+    import stat as stat_mod
+
+    m = st.st_mode
+    for test, what in ((stat_mod.S_ISLNK, "a symbolic link"), (stat_mod.S_ISDIR, "a directory"),
+                       (stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"),
+                       (stat_mod.S_ISCHR, "a device"), (stat_mod.S_ISBLK, "a device")):
+        if test(m):
+            return what
+    return None if stat_mod.S_ISREG(m) else "not a regular file"

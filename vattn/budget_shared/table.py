@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from vattn import checks
-from vattn.checks import group_text, stat_text, user_text
+from vattn.checks import group_text, not_regular, stat_text, user_text
 from vattn.errors import DamagedTableError, InvalidConfigError, InvalidRequestError, UnsafeTableError
 
 logger = logging.getLogger("vattn.budget")
@@ -184,15 +184,10 @@ def _check_dir(d: Path, st: os.stat_result, explicit: bool) -> Place:
 
 def _file_problem(st: os.stat_result, where: Place) -> str | None:
     """Why the file `st` is not a table of `where` (None: it may be one)."""
-    m = st.st_mode
-    for test, what in ((stat_mod.S_ISLNK, "a symbolic link"), (stat_mod.S_ISDIR, "a directory"),
-                       (stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"),
-                       (stat_mod.S_ISCHR, "a device"), (stat_mod.S_ISBLK, "a device")):
-        if test(m):
-            return f"{what}, not a budget table"
-    if not stat_mod.S_ISREG(m):
-        return "not a regular file"
-    mode = stat_mod.S_IMODE(m)
+    kind = not_regular(st)
+    if kind is not None:
+        return kind if kind == "not a regular file" else f"{kind}, not a budget table"
+    mode = stat_mod.S_IMODE(st.st_mode)
     if where.gid is None and st.st_uid != os.geteuid():
         return f"owned by {user_text(st.st_uid)}, not by you"
     if where.gid is not None and st.st_gid != where.gid:

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from vattn.checks import group_text, stat_text, user_text
+from vattn.checks import group_text, not_regular, stat_text, user_text
 from vattn.errors import UnsafeOffloadDirError
 
 WARN_EVERY_S = 10.0  # one warning line per kind of failure at most this often
@@ -128,15 +128,10 @@ def dir_problem(where: Place, st: os.stat_result) -> str | None:
 
 def file_problem(where: Place, st: os.stat_result, size: int) -> str | None:
     """Why the file `st` is not a block file of `where` of `size` bytes (None: it may be one)."""
-    m = st.st_mode
-    for test, what in ((stat_mod.S_ISLNK, "a symbolic link"), (stat_mod.S_ISDIR, "a directory"),
-                       (stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"),
-                       (stat_mod.S_ISCHR, "a device"), (stat_mod.S_ISBLK, "a device")):
-        if test(m):
-            return what
-    if not stat_mod.S_ISREG(m):
-        return "not a regular file"
-    mode = stat_mod.S_IMODE(m)
+    kind = not_regular(st)
+    if kind is not None:
+        return kind
+    mode = stat_mod.S_IMODE(st.st_mode)
     if where.gid is None and st.st_uid != os.geteuid():
         return f"owned by {user_text(st.st_uid)}, not by you"
     if where.gid is not None and st.st_gid != where.gid:
