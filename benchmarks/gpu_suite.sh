@@ -97,6 +97,11 @@ skip() {  # NAME REASON
 step() {
     local name=$1 est=$2 limit=$3 pattern=$4
     shift 4
+    if [ -n "${VATTN_SUITE_STAGES:-}" ] && [[ $name != install* && $name != versions ]] \
+            && [[ ",$VATTN_SUITE_STAGES," != *",$name,"* ]]; then
+        skip "$name" "not in VATTN_SUITE_STAGES"
+        return
+    fi
     local left=$((BUDGET - $(elapsed)))
     if [ "$left" -lt 20 ]; then
         skip "$name" "the suite's time budget (${BUDGET}s) is spent"
@@ -281,12 +286,27 @@ else
         pytest_stage tests_layer_kinds 70 180 150 tests/engine/test_gpu_kinds.py -k "not flash_local"
         pytest_stage tests_serve_cuda 30 120 90 tests/integrations/test_serve.py
         pytest_stage tests_compile_graphs 60 180 170 tests/engine/test_compile.py
+        pytest_stage tests_serve_vattn 30 120 100 tests/integrations/test_serve_vattn.py
         pytest_stage tests_gpu_rest 60 150 90 tests --ignore=tests/engine/test_gpu_kinds.py \
-            --ignore=tests/engine/test_compile.py --ignore=tests/integrations/test_serve.py
+            --ignore=tests/engine/test_compile.py --ignore=tests/integrations/test_serve.py \
+            --ignore=tests/integrations/test_serve_vattn.py
     else
-        for s in tests_windows_kernel tests_layer_kinds tests_serve_cuda tests_compile_graphs tests_gpu_rest; do
+        for s in tests_windows_kernel tests_layer_kinds tests_serve_cuda tests_compile_graphs tests_serve_vattn \
+                 tests_gpu_rest; do
             skip $s "no CUDA"
         done
+    fi
+
+    # ------------------------------------------ 1b. vattn serve against its engine in process ----
+    if [ $RUN = 1 ] && grep -q -- "--device" benchmarks/serve_overhead.py; then
+        if [ $HAVE_CUDA = 1 ]; then
+            SO=(--device cuda --requests 128 --concurrency 32 --max-tokens 128 --max-batch-tokens 4096 --rounds 1)
+        else
+            SO=(--device cpu --model tiny --requests 16 --concurrency 8 --max-tokens 16 --rounds 1)
+        fi
+        step serve_overhead 90 180 "geometric mean|round|Error|expected" "$PY" benchmarks/serve_overhead.py "${SO[@]}"
+    else
+        gated serve_overhead "the tree's serve_overhead.py has no --device"
     fi
 
     # ----------------------------------------------------------- 2. multi_server ----
@@ -314,11 +334,12 @@ else
         done
         [ ${#ASYNC[@]} = 0 ] && say "  (no async scheduling in this tree's e2e benchmark: the step stage measures the compiled step)"
         if [ $HAVE_CUDA = 1 ]; then
-            E2E=(--device cuda --quick --models llama-3.2-1b llama-3-8b --batches 32 --compile --engine-overhead --skip-hf)
+            E2E=(--device cuda --quick --models ${VATTN_E2E_MODELS:-llama-3.2-1b llama-3-8b} --batches 32 --compile
+                 --engine-overhead --skip-hf)
         else  # compiling takes minutes on the host: the harness alone
             E2E=(--device cpu --quick --models llama-3.2-1b --batches 2 --engine-overhead --skip-hf)
         fi
-        e2e_budget=$((BUDGET - $(elapsed) - 110))
+        e2e_budget=$((BUDGET - $(elapsed) - ${VATTN_STEP_RESERVE:-110}))  # the seconds kept for the stages after it
         [ $e2e_budget -lt 30 ] && e2e_budget=30
         step step 120 180 "^(llama|vattn)|step_over_bound|tok/s|FAILED|Error" \
             "$PY" -m vattn.bench._e2e "${E2E[@]}" "${ASYNC[@]}" --file-name e2e_step --out "$OUT" --budget-s $e2e_budget

@@ -208,14 +208,24 @@ def main() -> None:
                          "default 8 on the host, 16 on a GPU (its trash sectors take a 2 MiB page a server)")
     ap.add_argument("--gap-s", type=float, default=1.5, help="idle seconds after each burst")
     ap.add_argument("--idle-trim-s", type=float, default=-1, help="each server's idle policy (default: never)")
-    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=None, help="default 128 on the host, 1024 on a GPU")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=None, help="default 4 on the host, 8 on a GPU")
+    ap.add_argument("--kv-heads", type=int, default=None, help="default 4 on the host, 8 on a GPU")
+    ap.add_argument("--groups", type=int, default=None,
+                    help="on a GPU: the total in page groups (a group: one 2 MiB page of each of the 2 x layers KV "
+                         "buffers) instead of --total-mib; default 6 (--quick 4)")
     ap.add_argument("--block-tokens", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="8 requests a burst, one cycle")
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    # On a GPU a page is 2 MiB of each KV buffer: the host's model (hidden 128) would fit a whole
+    # burst in one page group, so the GPU's has 4 KiB of each buffer a token (hidden 1024, 8 KV
+    # heads, fp32): a group holds 512 tokens, 32 blocks, and a burst (16 requests of 136-176
+    # tokens, about 160 blocks) needs 5 groups: more than a static half of 6, less than the whole.
+    for name, host, gpu in (("hidden", 128, 1024), ("heads", 4, 8), ("kv_heads", 4, 8)):
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if cuda else host)
     if args.total_mib is None:
         args.total_mib = 16.0 if cuda else 8.0
     if args.quick:
@@ -231,6 +241,14 @@ def main() -> None:
     args.num_blocks = int(args.total_mib * MB) // block_bytes  # virtual: each server may map the whole total
     args.trash_bytes = -(-2 * block_bytes // args.page_size) * args.page_size  # a cache's two trash sectors' pages
     args.total_bytes = args.num_blocks * block_bytes + 2 * args.trash_bytes
+    if cuda:  # whole page groups, half of them each in the static mode
+        group_bytes = args.page_size * 2 * args.layers
+        groups = args.groups or (4 if args.quick else 6)
+        if groups % 2:
+            raise SystemExit(f"--groups {groups}: an even number, so that each static half is whole groups")
+        args.total_bytes = groups * group_bytes
+        args.num_blocks = args.total_bytes // block_bytes
+        args.total_mib = args.total_bytes / MB
 
     from vattn.bench._models import char_checkpoint
 

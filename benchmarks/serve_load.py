@@ -50,7 +50,8 @@ def server_command(kind: str, ckpt: str, port: int, args: argparse.Namespace) ->
     """The command of one server: the same checkpoint, device and cache size for all."""
     if kind.startswith("vattn"):
         if args.vattn_engine == "vattn":  # vattn's own engine (vattn serve's default since issue 36)
-            return [sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port), "--device", "cpu",
+            return [sys.executable, "-m", "vattn", "serve", "--model", ckpt, "--port", str(port), "--device",
+                    getattr(args, "device", "cpu"),
                     "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_batch_tokens),
                     "--log-level", "warning", *args.vattn_args]
         cache = [] if args.num_blocks <= 0 else ["--num-blocks", str(args.num_blocks), "--block-size",

@@ -24,7 +24,11 @@ queued; it parsed every event as JSON on the CPUs the server shares; only stream
 server run has a server of its own, warmed up with the first C prompts as `generate` is: one
 server for both runs would serve the second from its prefix cache.
 
-    OMP_NUM_THREADS=1 python benchmarks/serve_overhead.py [--model tiny llama-512x8] [--requests 64]
+On a GPU (`--device cuda`, the GPU suite's serve_overhead stage): `llama-1b`, Llama-3.2-1B's
+layers with a character vocabulary, bfloat16; the server runs asynchronous scheduling and CUDA
+graphs as `vattn.LLM` does there by default.
+
+    OMP_NUM_THREADS=1 python benchmarks/serve_overhead.py [--device cuda] [--model tiny llama-512x8] [--requests 64]
         [--concurrency 16] [--rounds 3] [--max-tokens 64] [--before DIR (an earlier checkout serves)] [--no-save]
 """
 from __future__ import annotations
@@ -53,6 +57,9 @@ MODELS = {
     "tiny": {},  # char_checkpoint's default: hidden 64, 2 layers
     "llama-512x8": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
                         num_key_value_heads=4),
+    # Llama-3.2-1B's layers (a 128-character vocabulary), saved in bfloat16: the GPU's shape
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, dtype="bfloat16"),
 }
 MODES = ("engine", "streamed", "whole")
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
@@ -63,7 +70,7 @@ def in_process(ckpt: str, prompts: list[str], args: argparse.Namespace) -> dict[
     from vattn.engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    with LLM(ckpt, device="cpu", max_batch_size=args.concurrency,
+    with LLM(ckpt, device=args.device, max_batch_size=args.concurrency,
              max_num_batched_tokens=args.max_batch_tokens, enable_prefix_caching=True) as llm:
         llm.generate(prompts[:args.concurrency], params)  # warm-up
         t0, c0 = time.perf_counter(), time.process_time()
@@ -129,7 +136,7 @@ def served(proc: Any, port: int, ckpt: str, prompts: list[str], args: argparse.N
 def run_model(name: str, args: argparse.Namespace, prompts: list[str], tmp: Path) -> dict[str, Any]:
     from vattn.bench._models import char_checkpoint
 
-    ckpt = char_checkpoint(tmp / name, max_position_embeddings=1024, **MODELS[name])
+    ckpt = char_checkpoint(tmp / name, max_position_embeddings=2048, **MODELS[name])
     rounds = []
     for r in range(args.rounds):
         args.vattn_engine, args.vattn_args = "vattn", list(args.server_args)
@@ -189,14 +196,16 @@ def plot(results: list[dict], args: argparse.Namespace) -> Any:
     top = max(r["ratio"][m] for res in results for r in res["rounds"] for m in ("streamed", "whole"))
     ax.set_ylim(0, max(1.2, top + 0.15))
     ax.set_title(f"vattn serve vs vattn.LLM.generate: {args.requests} requests at once, max_num_seqs "
-                 f"{args.concurrency}, {args.max_tokens} tokens (CPU)", fontsize=8)
+                 f"{args.concurrency}, {args.max_tokens} tokens ({args.device})", fontsize=8)
     ax.legend(fontsize=8, loc="lower right")
     return fig
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--model", nargs="+", choices=list(MODELS), default=None,
+                    help="default: tiny and llama-512x8 on the host, llama-1b on a GPU")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the server and the engine in process)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
@@ -207,6 +216,8 @@ def main() -> None:
     ap.add_argument("--before", metavar="DIR", help="serve from this (earlier) vattn checkout instead")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
+    if args.model is None:
+        args.model = ["llama-1b"] if args.device.startswith("cuda") else ["tiny", "llama-512x8"]
 
     rng = random.Random(0)
     letters = string.ascii_letters + string.digits + " "
@@ -215,9 +226,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_model(name, args, prompts, Path(tmp)) for name in args.model]
     if not args.no_save:
-        payload = {"environment": environment("cpu"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        payload = {"environment": environment(args.device), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                    "load_average": os.getloadavg(), "args": vars(args), "results": results}
-        save("serve_overhead_cpu", payload, plot(results, args))
+        save(f"serve_overhead_{args.device.split(':')[0]}", payload, plot(results, args))
 
 
 if __name__ == "__main__":

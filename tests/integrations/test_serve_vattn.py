@@ -794,3 +794,78 @@ def test_a_request_answered_whole_gets_only_its_final_output():
         assert streamed.qsize() == 3
     finally:
         loop.close()
+
+
+# ---------------------------------------------------------------------- CUDA ----
+@pytest.mark.gpu
+def test_vattn_engine_serves_on_cuda(ckpt):
+    """`vattn serve --device cuda` on vattn's engine (asynchronous scheduling, CUDA's default):
+    greedy answers equal `generate` on the same GPU (float32), streamed and not, 16 at once;
+    a stream cut after its first event is aborted and its pages freed; /metrics reads the
+    device's pages (2 MiB VMM pages)."""
+    import concurrent.futures
+    import http.client
+    import urllib.parse
+
+    import openai
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from vattn.serve import serve
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to("cuda").eval()
+    model.generation_config.eos_token_id = None
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    prompts = [f"{p} {i}" for i in range(6) for p in PROMPTS][:16]
+    with torch.no_grad():
+        want = {}
+        for p in prompts:
+            x = torch.tensor([tok(p).input_ids], device="cuda")
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 pad_token_id=0)
+            want[p] = tok.decode(out[0, x.shape[1]:])
+    del model
+    server = serve(ckpt, port=free_port(), non_blocking=True, device="cuda", dtype="float32", max_model_len=256,
+                   max_num_seqs=8, served_model_name=["tiny"], log_level="warning")
+    try:
+        wait_ready(server)
+        llm = server.llm
+        assert llm.runner.device.type == "cuda" and llm.async_scheduling, (llm.runner.device, llm.async_scheduling)
+        assert llm.cache.page_size >= 2 << 20
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+        def whole(p: str) -> str:
+            return client.completions.create(model="tiny", prompt=p, **GREEDY).choices[0].text
+
+        def streamed(p: str) -> str:
+            return "".join(c.choices[0].text for c in
+                           client.completions.create(model="tiny", prompt=p, stream=True, **GREEDY) if c.choices)
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            got_whole = dict(zip(prompts, pool.map(whole, prompts)))
+            got_streamed = dict(zip(prompts, pool.map(streamed, prompts)))
+        assert got_whole == want, {p: (got_whole[p], want[p]) for p in prompts if got_whole[p] != want[p]}
+        assert got_streamed == want
+        # a stream cut after its first event: aborted, its pages freed
+        conn = http.client.HTTPConnection(urllib.parse.urlsplit(server.url).netloc, timeout=60)
+        conn.request("POST", "/v1/completions", headers={"content-type": "application/json"},
+                     body=json.dumps({"model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True,
+                                      "ignore_eos": True}))
+        r = conn.getresponse()
+        while not r.readline().startswith(b"data: {"):
+            pass
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.monotonic() + 30
+        while True:
+            m = scrape(server)[0]
+            done = (m["vattn:num_requests_running"].value, m["vattn:kv_used_bytes"].value) == (0, 0)
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert done, (m["vattn:num_requests_running"].value, m["vattn:kv_used_bytes"].value)
+        assert m["vattn:kv_mapped_bytes"].value > 0  # what stays mapped is the device's (2 MiB pages), counted
+        assert whole(prompts[0]) == want[prompts[0]]
+    finally:
+        server.stop()

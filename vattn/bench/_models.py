@@ -59,9 +59,10 @@ def cb_cache_bytes(cache: Any) -> int:
 
 def char_checkpoint(path: Any, *, seed: int = 0, hidden_size: int = 64, intermediate_size: int = 128,
                     num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                    max_position_embeddings: int = 512) -> str:
+                    max_position_embeddings: int = 512, dtype: str | None = None) -> str:
     """Save a tiny seeded Llama with a character-level tokenizer (printable ASCII, one token a
-    character) and a chat template in directory `path` (no hub); returns it as a string."""
+    character) and a chat template in directory `path` (no hub); returns it as a string.
+    `dtype` ("bfloat16", "float16"): the weights saved in it (default float32)."""
     import string
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -80,6 +81,8 @@ def char_checkpoint(path: Any, *, seed: int = 0, hidden_size: int = 64, intermed
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return str(path)
