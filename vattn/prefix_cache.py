@@ -497,19 +497,22 @@ def check_sharing_unit(g: Geometry, granularity: int) -> None:
         return
     from vattn.config import LAYOUTS  # (torch: only on this error path)
 
-    fits = []
+    fits, alts = [], []
     for layout in (c.layout, *(x for x in LAYOUTS if x != c.layout)):
         for page in dict.fromkeys((g.page_size, granularity)):
             alt = type(g)(dataclasses.replace(c, layout=layout, page_size=page), page)
             if alt.share_tokens < c.max_context_len and (layout, page) != (c.layout, g.page_size):
                 fits.append(f"layout={layout!r}, page_size={page} ({alt.share_tokens} tokens a block)")
+                alts.append({"layout": layout, "page_size": page})
     hint = ("use " + " or ".join(fits[:2])) if fits else (
         "no layout or page size of this backend makes blocks shorter: run without prefix caching, or raise "
         "max_context_len")
-    raise InvalidConfigError(
+    err = InvalidConfigError(
         f"prefix caching shares whole tokens in blocks of {g.share_tokens} tokens here ({g.token_bytes}-byte tokens "
         f"meet {g.page_size}-byte page boundaries only every {g.share_pages} pages), not fewer than "
         f"max_context_len={c.max_context_len}: no prompt could ever share a block; {hint}")
+    err.sharing_alternatives = alts  # the settings (layout, page_size) under which blocks fit: a caller may retry
+    raise err
 
 
 def token_array(token_ids: Any) -> array:

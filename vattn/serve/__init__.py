@@ -87,7 +87,22 @@ def build_llm(model: str, *, max_model_len: int | None = None, max_num_seqs: int
         kw["max_batch_size"] = max_num_seqs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
     try:
-        llm = LLM(os.path.abspath(model), **{k: v for k, v in kw.items() if v is not None})
+        try:
+            llm = LLM(os.path.abspath(model), **{k: v for k, v in kw.items() if v is not None})
+        except InvalidConfigError as e:
+            alts = getattr(e, "sharing_alternatives", None)
+            if alts is None or not enable_prefix_caching:
+                raise
+            # Prefix caching is on by default, and on a GPU (2 MiB pages, one KV buffer a layer)
+            # a small model's block can outgrow the context. The server then starts with the
+            # fused layout (one buffer for all layers: shorter blocks), or without prefix
+            # caching where no layout fits, and says so (vllm serve starts with its default too).
+            alts = sorted(alts, key=lambda a: a["page_size"] != page_size)  # a --page-size given is kept if it can be
+            kw.update(alts[0] if alts else {"enable_prefix_caching": False})
+            logger.warning("vattn serve: %s; starting with %s", e, ", ".join(f"{k}={v}" for k, v in
+                                                                          (alts[0] if alts else
+                                                                           {"enable_prefix_caching": False}).items()))
+            llm = LLM(os.path.abspath(model), **{k: v for k, v in kw.items() if v is not None})
     except InvalidConfigError as e:
         raise _in_flag_terms(e, memory_limit) from None
     if llm.tokenizer is None:
