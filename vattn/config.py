@@ -64,8 +64,10 @@ class CacheConfig:
     it loads). `physical_memory=None` means 90% of the GPU memory free at init on CUDA, and
     half of the memory available to the process (MemAvailable, bounded by its cgroup's
     limit) on the host. `zero_reused_pages` clears a page before a request that did not
-    write it can read it (pages of a freed slot, or reclaimed from another slot); off by
-    default: the engine always writes before it reads.
+    write it can read it (pages of a freed slot, reclaimed from another slot, or new from
+    the driver, which promises no zeros on CUDA); off by default: the engine always writes
+    before it reads, and its kernels mask the rows after a context (the engine turns it on
+    for FlashAttention 4, whose tiles read those rows: a NaN there poisons the output).
     `layer_windows`: per layer, its sliding window in tokens (None: full attention); with
     the per-layer layout each window size is a layer kind of its own whose pages wholly
     behind the window are given back as a request grows (see `layer_kinds`). The fused

@@ -824,7 +824,7 @@ def test_vattn_engine_serves_on_cuda(ckpt):
             x = torch.tensor([tok(p).input_ids], device="cuda")
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
                                  pad_token_id=0)
-            want[p] = tok.decode(out[0, x.shape[1]:])
+            want[p] = tok.decode(out[0, x.shape[1]:], skip_special_tokens=True)  # as the server (vLLM's default)
     del model
     server = serve(ckpt, port=free_port(), non_blocking=True, device="cuda", dtype="float32", max_model_len=256,
                    max_num_seqs=8, served_model_name=["tiny"], log_level="warning")

@@ -292,6 +292,11 @@ class ModelRunner:
                                  layout=config.layout, physical_memory=config.physical_memory,
                                  background=config.background, prefetch=config.prefetch,
                                  prefetch_tokens=config.prefetch_tokens, budget=config.budget,
+                                 # FlashAttention 4 multiplies the rows after a context (up to its
+                                 # 128-row tile's end) by zero probabilities: they must be finite, so
+                                 # no page reaches a request with what it did not write (measured on
+                                 # an H200: NaN rows there made NaN outputs; docs/gpu.md)
+                                 zero_reused_pages=self.kernel.name == "flash_attn_4",
                                  # sliding-window layers give their pages behind the window back
                                  layer_windows=kv_windows if config.layout == "per-layer" else None,
                                  state_bytes=states.state_bytes(specs),
