@@ -869,3 +869,23 @@ def test_vattn_engine_serves_on_cuda(ckpt):
         assert whole(prompts[0]) == want[prompts[0]]
     finally:
         server.stop()
+
+
+def test_default_prefix_caching_finds_a_layout_or_steps_aside(ckpt, caplog):
+    """Prefix caching is on by default; where the default layout's blocks outgrow the context
+    (a small model on large pages: 2 MiB on a GPU) the server starts with a layout whose blocks
+    fit, keeping the page size asked for, or without prefix caching where none fits, and says
+    why (an H200 run found `vattn serve --device cuda` refusing to start instead)."""
+    from vattn.serve import build_llm
+
+    caplog.set_level(logging.WARNING, logger="vattn.serve")
+    with build_llm(ckpt, device="cpu", page_size=65536, max_model_len=512) as llm:  # 512-token blocks per layer
+        assert llm.config.enable_prefix_caching and llm.config.layout == "fused"
+        assert llm.cache.page_size == 65536 and llm.prefix_cache is not None
+    with build_llm(ckpt, device="cpu", page_size=65536, max_model_len=8) as llm:  # no block fits in 8 tokens
+        assert not llm.config.enable_prefix_caching and llm.prefix_cache is None
+    said = [r.getMessage() for r in caplog.records if "starting with" in r.getMessage()]
+    assert len(said) == 2 and "layout=fused, page_size=65536" in said[0] and "enable_prefix_caching=False" in said[1]
+    with build_llm(ckpt, device="cpu", page_size=4096, max_model_len=256) as llm:  # fits: nothing changed
+        assert llm.config.layout == "per-layer" and llm.config.enable_prefix_caching
+    assert len([r for r in caplog.records if "starting with" in r.getMessage()]) == 2
