@@ -55,7 +55,10 @@ class EngineConfig:
     N+1's inputs on the device, so the host's work hides under the device's: None = where it
     hides something (CUDA, one rank), True = always (on the host's CPU, and under tensor
     parallelism where rank 0's tokens reach the other ranks on the host, the same outputs with
-    nothing hidden), False = never; see `LLM.step`).
+    nothing hidden), False = never; see `LLM.step`), cpu_linear (on the host: "auto" = the
+    model's linear layers on oneDNN with packed weights where it runs, as vLLM's CPU build does,
+    2x transformers' MKL matmul on AMD hosts; "onednn" = required; "default" = transformers'
+    `F.linear`: see `vattn.engine.cpu_gemm`).
     Offload tiers under the prefix cache (`vattn.offload`): offload_bytes (None, or bytes of
     host memory for cached blocks evicted from device memory and for swapped-out requests,
     one budget; pinned on CUDA), offload_dir and offload_dir_bytes (a directory, and the
@@ -94,6 +97,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     compile: bool | str = False
     async_scheduling: bool | None = None
+    cpu_linear: str = "auto"
     offload_bytes: int | None = None
     offload_dir: str | os.PathLike | None = None
     offload_dir_bytes: int | None = None
@@ -113,6 +117,7 @@ class EngineConfig:
             if value is not None and not isinstance(value, bool):
                 raise InvalidConfigError(f"{name} must be None, True or False, got {value!r}")
         parse_compile(self.compile)
+        checks.one_of(self.cpu_linear, "cpu_linear", ("auto", "onednn", "default"))
         object.__setattr__(self, "device", checks.device(self.device, optional=True))
         if self.dtype is not None:
             dtype = parse_dtype(self.dtype)

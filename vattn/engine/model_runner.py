@@ -237,6 +237,7 @@ class ModelRunner:
         self._unbind_states: Callable[[], None] | None = None
         self.graphs: DecodeGraphs | None = None
         self.previous_attention: str | None = None  # the model's attention before vattn's (None: not switched)
+        self.packed_linears: Any = None  # the host's linear layers on oneDNN (vattn.engine.cpu_gemm)
         self._last: InFlight | None = None  # the iteration launched last: its tokens feed the next one's placeholders
         self.k_caches: list[Any] = []
         self.v_caches: list[Any] = []
@@ -259,6 +260,14 @@ class ModelRunner:
         # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states only on one rank
         has_states = check_model(self.model, states=config.tensor_parallel_size == 1)
         compiled = compile_mode(config, has_states)  # inductor's mode or None; refusals before the cache exists
+        from vattn.engine.cpu_gemm import pack_linears
+
+        if compiled is not None and config.cpu_linear == "onednn":
+            raise InvalidConfigError("cpu_linear='onednn' and compile= together: inductor does not lower the packed "
+                                     "linear; leave cpu_linear='auto' (compiled engines keep F.linear)")
+        # (a compiled forward keeps F.linear: inductor cannot lower the packed op)
+        self.packed_linears = pack_linears(self.model, dtype, torch.device(device),
+                                           "default" if compiled is not None else config.cpu_linear)
         hf = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         num_layers = hf.num_hidden_layers
@@ -510,5 +519,8 @@ class ModelRunner:
         if self.previous_attention is not None:
             previous, self.previous_attention = self.previous_attention, None
             undo(lambda: restore_attention(self.model, previous))
+        if self.packed_linears is not None:
+            packed, self.packed_linears = self.packed_linears, None
+            undo(packed.unpack)
         if failures:
             raise failures[0]
