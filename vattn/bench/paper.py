@@ -124,6 +124,41 @@ def _hf_cb_problem() -> str | None:
     return memory_problem()
 
 
+def decode_run(model: Any, reqs: list, args: argparse.Namespace, tok_bytes: int) -> dict[str, Any]:
+    """`vattn.LLM` on `reqs` (all admitted at once): the prefill steps, then the decode steps
+    timed; decode tokens/s, the bytes the cache mapped while decoding and the need per iteration."""
+    from vattn import LLM, SamplingParams
+
+    B = len(reqs)
+    prompt, new = len(reqs[0][0]), reqs[0][1]
+    llm = LLM(model, device=args.device, dtype=_dtype(args), max_batch_size=B, max_context_len=prompt + new,
+              max_num_batched_tokens=min(B * prompt + B, 32768))
+    try:
+        llm.generate([reqs[0][0][:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        for p, n in reqs:
+            llm.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        started: set[int] = set()
+        while len(started) < B:  # the prefill: every request has its first token
+            started |= {o.request_id for o in llm.step() if o.token_ids}
+        _common.sync(args.device)
+        mapped0 = llm.cache.stats().mapped_bytes
+        t0 = time.perf_counter()
+        steps = 0
+        while llm.has_unfinished():
+            llm.step()
+            steps += 1
+        _common.sync(args.device)
+        decode_s = time.perf_counter() - t0
+        mapped = llm.cache.stats().mapped_bytes - mapped0
+    finally:
+        llm.close()
+    tok_s = B * (new - 1) / decode_s
+    return dict(decode_tok_s=tok_s, decode_steps=steps, iteration_ms=1e3 * decode_s / max(steps, 1),
+                bytes_per_iteration=B * tok_bytes,  # K/V of the batch's new tokens, every layer
+                needed_MBps=tok_s * tok_bytes / 1e6, mapped_while_decoding_MB=mapped / 1e6,
+                mapped_MBps=mapped / decode_s / 1e6)
+
+
 # ------------------------------------------------------------- kernel figures ----
 def _kernel_args(args: argparse.Namespace, blocks: list[int]) -> tuple[argparse.Namespace, str]:
     """`kernel.run_case`'s arguments; the library kernel (FlashAttention 4 when installed on CUDA)."""
@@ -212,7 +247,7 @@ def fig6(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
 
 # ---------------------------------------------------------- allocation: fig 4 ----
 def fig4(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
-    from . import alloc, throughput
+    from . import alloc
 
     batches = _pick(args, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300], [1, 8, 32, 64, 128, 256, 300], [1, 32, 128],
                     [1, 4, 16, 64, 128], [1, 4, 16], scaled, "batches")
@@ -227,19 +262,13 @@ def fig4(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
     rows = []
     for B in progress(batches, desc="fig4", unit="batch"):
         reqs = [(_seed_tokens(prompt, shape["vocab_size"], rng), new) for _ in range(B)]
-        r = throughput.run_vattn(model, reqs, _engine_args(args, B, max(4096, 2 * prompt)), args.device, _dtype(args))
-        t1, tn = r["t1"], r["tn"]
-        decode_s = tn.wall - t1.wall
-        tok_s = B * (new - 1) / decode_s if decode_s > 0 else float("nan")
-        rows.append(dict(batch=B, prompt=prompt, new_tokens=new, decode_tok_s=tok_s,
-                         bytes_per_iteration=B * tok_bytes,  # K/V of the batch's new tokens, every layer
-                         needed_MBps=tok_s * tok_bytes / 1e6, iteration_ms=1e3 * decode_s / (new - 1)))
+        rows.append(dict(batch=B, prompt=prompt, new_tokens=new, **decode_run(model, reqs, args, tok_bytes)))
     # the bandwidth vattn's synchronous step gives a new request, per page size (alloc.bench_new_pages)
     pages = _pick(args, "2 MiB (stock driver); 64/128/256 KiB with the authors' driver",
                   [2 * MB], [2 * MB], [64 * KB, 128 * KB, 256 * KB, 512 * KB, MB, 2 * MB], [64 * KB, 256 * KB, 2 * MB],
                   scaled, "page sizes")
     aargs = argparse.Namespace(device=args.device, layers=32, reps=3 if args.quick else 5,
-                               max_mib=(2048 if _cuda(args) else 256) if args.quick else (8192 if _cuda(args) else 768))
+                               max_mib=(2048 if _cuda(args) else 768) if args.quick else (8192 if _cuda(args) else 768))
     avail = []
     with progress(total=2 * 3 * len(pages), desc="fig4 alloc", unit="case") as bar:
         for page in pages:
