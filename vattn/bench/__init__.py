@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "gpu",
     "offload": "offload",
     "peers": "peers",
+    "paper": "paper",
 }
 
 
