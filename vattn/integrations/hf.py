@@ -34,6 +34,9 @@ _KIND_NAMES = {"linear_attention": "state-space or linear-attention (Mamba, Mamb
 # for the mixers it was checked with (greedy equality with generate, tests/test_model_support.py).
 STATE_KINDS = ("linear_attention", "hybrid")
 STATE_MIXERS = ("BambaMixer", "FalconH1Mixer", "Mamba2Mixer", "Qwen3NextGatedDeltaNet")
+# Multi-head latent attention modules (their cache keeps a latent they expand: `expand_kv`) that
+# vattn's engine runs with the latent in its cache (vattn.engine.latent), checked against generate.
+LATENT_ATTENTIONS = ("DeepseekV2Attention", "DeepseekV3Attention")
 # A module's own parameters that only state-space layers have (Mamba, Mamba2, gated delta-net).
 _SSM_PARAMETERS = ("A_log", "dt_bias")
 
@@ -51,6 +54,9 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if kwargs.get("s_aux") is not None:  # gpt-oss: a learned sink logit per head
         raise UnsupportedModelError("vattn attention does not support attention sinks (gpt-oss's s_aux)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    attend_history = getattr(module, "vattn_attend", None)
+    if attend_history is not None:  # latent attention: key/value are each sequence's history (vattn.engine.latent)
+        return attend_history(query, key, value, scale), None
     out = attend(layer, query[0].transpose(0, 1),  # [T, H_q, D]
                  key[0].transpose(0, 1),  # [T, H_kv, D]
                  value[0].transpose(0, 1), scale, sliding_window)
@@ -156,6 +162,28 @@ def state_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(found.values())
 
 
+def latent_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's attention modules whose cache keeps a compressed latent they expand into
+    K and V themselves (`expand_kv`: DeepSeek-V2/V3's multi-head latent attention)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    return [m for m in decoder.modules() if callable(getattr(m, "expand_kv", None))]
+
+
+def _latent_problem(model: torch.nn.Module, allowed: bool) -> str | None:
+    """Why `model`'s latent attention layers cannot run (None: it has none, or runs them)."""
+    found = latent_modules(model)
+    if not found:
+        return None
+    other = sorted({type(m).__name__ for m in found} - set(LATENT_ATTENTIONS))
+    if allowed and not other and all(isinstance(getattr(m, "layer_idx", None), int) for m in found):
+        return None
+    why = (f"vattn's engine on one rank keeps the latent of {', '.join(LATENT_ATTENTIONS)} only" if allowed
+           else "vattn.LLM on one rank keeps the latent; here K/V of one width per head are kept")
+    return (f"{len(found)} multi-head latent attention layer{'s' * (len(found) > 1)} "
+            f"({', '.join(sorted({type(m).__name__ for m in found}))}: their cache keeps a latent they expand; {why})")
+
+
 class _SelfOnly:
     """A stand-in attention kernel: each query sees only its own token's value."""
 
@@ -190,7 +218,7 @@ def mixes_tokens_outside_attention(model: PreTrainedModel) -> bool:
     return bool((logits[0] - logits[1]).abs().max() > tol * logits.abs().max() + 1e-6)
 
 
-def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False) -> bool:
+def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False, latent: bool = False) -> bool:
     """Raise `UnsupportedModelError` unless every layer of `model` is attention that vattn
     runs (`SUPPORTED_LAYER_KINDS`): state-space (Mamba, Mamba2: Bamba, Falcon-H1, Jamba),
     linear-attention (gated delta-net: Qwen3-Next), convolution and other recurrent layers
@@ -201,7 +229,9 @@ def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False
 
     `states`: the caller keeps recurrent states (vattn's engine, `vattn.engine.states`):
     `STATE_KINDS` layers of `STATE_MIXERS` pass too (the probe cannot tell them apart from
-    other state, so a model with them is not probed). Returns whether the model has them."""
+    other state, so a model with them is not probed). Returns whether the model has them.
+    `latent`: the caller keeps latent attention's latent (`LATENT_ATTENTIONS`, vattn's engine on
+    one rank: `vattn.engine.latent`); without it a model with latent attention is refused."""
     kinds = layer_kinds(model.config)
     has_states = states and any(k in STATE_KINDS for k in kinds)
     allowed = SUPPORTED_LAYER_KINDS + (STATE_KINDS if has_states else ())
@@ -211,7 +241,10 @@ def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False
             by_kind.setdefault(kind, []).append(i)
     problems = [f"{len(ids)} {kind} layer{'s' * (len(ids) > 1)} ({_KIND_NAMES.get(kind, 'not attention')}: "
                 f"{_layers(ids)})" for kind, ids in by_kind.items()]
-    if has_states and not by_kind:
+    latent_problem = _latent_problem(model, latent)
+    if latent_problem:
+        problems.append(latent_problem)
+    elif has_states and not by_kind:
         state_mixers(model)  # raises for a state module vattn was not checked with
         return True
     modules = state_modules(model)
@@ -259,7 +292,7 @@ class _VAttnLayer(CacheLayerMixin):
         self.length = 0  # tokens cached for every row of the batch
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.owner._open(key_states)
+        self.owner._open(key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -362,12 +395,13 @@ class VAttnCache(Cache):
     def batch_size(self) -> int:
         return len(self.slots) if self.slots else -1
 
-    def _open(self, key_states: torch.Tensor) -> None:
-        """Build the vattn cache at the first forward: `[B, H, T, D]` key states."""
+    def _open(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Build the vattn cache at the first forward: `[B, H, T, D]` key states (value states
+        of another width: a latent attention's, in one buffer with K)."""
         if self.kv is not None:
             return
         b, h, _, d = key_states.shape
-        self.kv = KVCache(num_layers=len(self.layers), num_kv_heads=h, head_dim=d,
+        self.kv = KVCache(num_layers=len(self.layers), num_kv_heads=h, head_dim=d, v_head_dim=value_states.shape[-1],
                           max_batch_size=self.max_batch_size or b, max_context_len=self.max_cache_len,
                           dtype=key_states.dtype, device=str(key_states.device), **self._options)
         self.slots = [self.kv.alloc_reqid() for _ in range(b)]
