@@ -247,15 +247,19 @@ def get_forward_context() -> ForwardContext:
 
 
 def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-           sliding_window: int | None = None) -> torch.Tensor:
+           sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One attention layer of the current forward: writes its new K/V into the layer's cache and
     runs the context's kernel. query `[T, H_q, D]`, key/value `[T, H_kv, D]`; returns `[T, H_q, D]`.
+    `sinks` `[H_q]`: a learned logit per head in every query's softmax denominator (gpt-oss's
+    attention sinks; `sdpa_attention` runs them on every device, eagerly).
 
     Eagerly this calls the kernel; under `torch.compile` it calls `torch.ops.vattn.attention`, one
     opaque op, so the compiler traces the model around it and never into the per-iteration
     metadata (host lists that change every step)."""
     ctx = get_forward_context()
     k_cache, v_cache = ctx.k_caches[layer], ctx.v_caches[layer]
+    if sinks is not None:  # (the engine refuses compile= and CUDA graphs for a model with sinks)
+        return ctx.kernel.forward(query, key, value, k_cache, v_cache, ctx.metadata, scale, sliding_window, sinks)
     if torch.compiler.is_compiling():
         return torch.ops.vattn.attention(query, key, value, k_cache, v_cache, scale, sliding_window)
     return ctx.kernel.forward(query, key, value, k_cache, v_cache, ctx.metadata, scale, sliding_window)
@@ -343,12 +347,15 @@ class AttentionKernel:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query `[T, H_q, D]`, key/value `[T, H_kv, D]` of the packed new tokens.
-        Returns the attention output `[T, H_q, D]`."""
+        Returns the attention output `[T, H_q, D]`. With `sinks` (`[H_q]`) `sdpa_attention` runs
+        whatever the kernel: the library kernels here take no sink."""
         # Write first: a query sees its own token's key.
         k_cache[meta.slot_ids, meta.positions] = key  # [T, H_kv, D] into [B, T_max, H_kv, D]
         v_cache[meta.slot_ids, meta.positions] = value
+        if sinks is not None:
+            return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window, sinks)
         if self.name == "sdpa":
             return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
         if self.name == "sdpa_padded":
@@ -383,7 +390,8 @@ def _batch_kinds(meta: AttentionMetadata) -> set[str]:
 
 
 def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+                   meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`scaled_dot_product_attention` on the cache rows, one call per `SdpaGroup`.
 
     Query i of a chunk starting at `start` sits at position start + i and sees keys
@@ -397,7 +405,8 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     (n = 1) runs with its query heads folded onto their KV head, `[c, H_kv, H_q / H_kv, D]`
     against `[c, H_kv, L, D]`, which reads each KV head once (`enable_gqa` reads it once per
     query head); the result is the same attention, equal to `enable_gqa` within float
-    rounding (not bit for bit: the kernel multiplies other shapes).
+    rounding (not bit for bit: the kernel multiplies other shapes). `sinks`: `sink_attention`
+    on the same views.
     """
     T, Hq, D = query.shape
     Hkv = k_cache.shape[2]
@@ -406,6 +415,14 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         c, n, a = g.count, g.n, g.row
         k = k_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)  # [c, H_kv, ctx - lo, D], a view
         v = v_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)
+        if sinks is not None:
+            q = query[a:a + c * n].view(c, n, Hq, D).transpose(1, 2)  # [c, H_q, n, D]
+            mask = g.mask
+            if g.causal:
+                mask = torch.ones(n, g.ctx - g.lo, dtype=torch.bool, device=query.device).tril()
+            o = sink_attention(q, k, v, mask, scale, sinks)  # [c, H_q, n, D]
+            out[a:a + c * n] = o.transpose(1, 2).reshape(c * n, Hq, D)
+            continue
         if n == 1:
             q = query[a:a + c].view(c, Hkv, Hq // Hkv, D)  # query head h -> KV head h // (H_q / H_kv)
             out[a:a + c] = F.scaled_dot_product_attention(q, k, v, scale=scale).reshape(c, Hq, D)  # (CUDA's may be strided)
@@ -415,6 +432,24 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                                            enable_gqa=Hq != Hkv)  # [c, H_q, n, D]
         out[a:a + c * n] = o.transpose(1, 2).reshape(c * n, Hq, D)
     return out
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a learned sink logit per head (gpt-oss): the sink joins each query's
+    softmax as one more key with no value, so it only takes probability away, as
+    transformers' gpt-oss eager attention computes it. q `[c, H_q, n, D]`, k/v `[c, H_kv, L, D]`
+    (query head h reads KV head h // (H_q / H_kv)), mask `[n, L]` bool (True: seen) or None,
+    sinks `[H_q]`. Returns `[c, H_q, n, D]`."""
+    c, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    scores = torch.matmul(q.reshape(c, Hkv, g, n, D), k.unsqueeze(2).transpose(-1, -2)) * scale  # [c, H_kv, g, n, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, Hkv, g, 1, 1).expand(c, Hkv, g, n, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
+    return torch.matmul(probs.to(v.dtype), v.unsqueeze(2)).reshape(c, Hq, n, v.shape[-1])
 
 
 def sdpa_padded_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -514,7 +549,7 @@ _CUDA_KERNELS = {"flash_attn": flash_attn_attention, "torch_flash": torch_flash_
 __all__ = [
     "AttentionMetadata", "AttentionKernel", "ForwardContext", "forward_context", "get_forward_context", "attend",
     "attention_op",
-    "select_kernel", "sdpa_attention", "sdpa_padded_attention", "SdpaGroup", "torch_flash_attention",
+    "select_kernel", "sdpa_attention", "sdpa_padded_attention", "sink_attention", "SdpaGroup", "torch_flash_attention",
     "flash_attn_attention", "flash_attn_4_attention", "flash_attn_4_available", "flash_attn_4_layout_problem",
     "KERNELS",
 ]

@@ -6,9 +6,13 @@ and by recompute.
 - Multi-head latent attention (DeepSeek-V3, DeepSeek-V2; MoE layers after the first): the
   cache keeps per token what transformers' own cache keeps, the latent (K) and the shared
   RoPE key (V), of different widths in one buffer a layer (`vattn.engine.latent`).
+- Attention sinks with alternating windows (GPT-OSS; MoE): a learned logit per head in every
+  softmax's denominator (`vattn.attention.sink_attention`), the window layers giving their
+  pages back as any sliding window's.
 """
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -35,6 +39,10 @@ def kind_config(family: str) -> Any:
                                    first_k_dense_replace=1)
     if family == "deepseek_v2":
         return tf.DeepseekV2Config(**_COMMON, **_MLA, **_MOE, num_hidden_layers=3, first_k_dense_replace=1)
+    if family == "gpt_oss":  # sliding window 8 at layer 0, full attention at 1 (32 tokens a page)
+        return tf.GptOssConfig(**{**_COMMON, "max_position_embeddings": 4096}, num_hidden_layers=2, head_dim=16,
+                               num_attention_heads=4, num_key_value_heads=2, sliding_window=8, num_local_experts=4,
+                               num_experts_per_tok=2)
     raise KeyError(family)
 
 
@@ -127,3 +135,50 @@ def test_latent_attention_outside_the_engine() -> None:
         with VAttnCache(model.config, max_cache_len=64, page_size=PAGE) as cache:
             assert torch.equal(model.generate(ids, cache=cache, **kw), ref)
             assert (cache.kv.config.head_dim, cache.kv.config.v_head_dim) == (24, 8)
+
+
+# ------------------------------------------------------------------ attention sinks ----
+def test_sink_attention_is_gpt_oss_eager_attention() -> None:
+    """`sink_attention` against transformers' gpt-oss eager attention (GQA, a causal mask)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from vattn.attention import sink_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 5, 16, generator=g) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=g) * 3
+    module = types.SimpleNamespace(num_key_value_groups=2, sinks=sinks, training=False)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    ref, _ = eager_attention_forward(module, q, k, v, torch.zeros(5, 5).masked_fill(~causal, float("-inf")), 0.25)
+    out = sink_attention(q, k, v, causal, 0.25, sinks)  # [2, 4, 5, 16]
+    torch.testing.assert_close(out.transpose(1, 2), ref)
+
+
+def test_attention_sinks_with_windows_match_generate() -> None:
+    """Sinks of 3x the spread that decide tokens (without them generate's tokens differ),
+    requests over time in 16-token chunks: generate's tokens, and the window layer holds
+    fewer pages than the full one."""
+    model = build_model(kind_config("gpt_oss"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 3, generator=torch.Generator().manual_seed(layer.self_attn.layer_idx))
+    ref = [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS)]
+    sinks = [layer.self_attn.sinks.clone() for layer in model.model.layers]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))  # a sink that takes nothing: plain attention
+        assert [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS)] != ref
+        for layer, saved in zip(model.model.layers, sinks):
+            layer.self_attn.sinks.copy_(saved)
+    with LLM(model, max_batch_size=4, max_num_seqs=3, max_num_batched_tokens=16, page_size=PAGE,
+             prefetch=False) as llm:
+        assert llm.cache.kind_names == ["full", "window=8"]
+        outs = run_online(llm, prompts(), greedy())
+        st = llm.cache.stats()
+    assert [o.token_ids for o in outs] == ref
+    assert st.kinds["window=8"].num_mapped_pages < st.kinds["full"].num_mapped_pages
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_attention_sinks_with_prefix_caching_forks_and_preemption(mode: str) -> None:
+    check_everything("gpt_oss", 6 * 4 * PAGE, mode)  # 6 page groups (2 layers, K and V)

@@ -252,7 +252,8 @@ class ModelRunner:
     def _build(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
         """__init__'s work: every refusal that needs no cache first, then the cache and what
         runs on it."""
-        from vattn.integrations.hf import check_model, latent_modules, layer_windows, use_vattn_attention
+        from vattn.integrations.hf import (check_model, has_attention_sinks, latent_modules, layer_windows,
+                                           use_vattn_attention)
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
@@ -261,10 +262,11 @@ class ModelRunner:
         one_rank = config.tensor_parallel_size == 1
         has_states = check_model(self.model, states=one_rank, latent=one_rank)
         latent_layers = latent_modules(self.model)  # their cache keeps the latent (vattn.engine.latent)
+        self.sinks = has_attention_sinks(self.model)  # gpt-oss: run by the sdpa path, eagerly
         compiled = compile_mode(config, has_states)  # inductor's mode or None; refusals before the cache exists
-        if compiled and latent_layers:
-            raise InvalidConfigError(f"compile={config.compile!r} does not cover latent attention yet; pass "
-                                     "compile=False (it runs eagerly)")
+        if compiled and (latent_layers or self.sinks):
+            raise InvalidConfigError(f"compile={config.compile!r} does not cover {'latent attention' if latent_layers else 'attention sinks'} "
+                                     "yet; pass compile=False (it runs eagerly)")
         hf = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         num_layers = hf.num_hidden_layers
@@ -371,8 +373,9 @@ class ModelRunner:
             why_not = f"they need a CUDA device, not {self.device}"
         elif not self.rerun_alone:
             why_not = "they do not cover the recurrent-state layers (the batch is split by request in Python)"
-        elif self.latent:
-            why_not = "they do not cover latent attention (each sequence's history is gathered in Python)"
+        elif self.latent or self.sinks:
+            why_not = (f"they do not cover {'latent attention' if self.latent else 'attention sinks'} (run per "
+                       "sequence group in Python)")
         elif config.tensor_parallel_size > 1:
             why_not = "they are not supported under tensor parallelism"
         elif self.kernel.name not in GRAPH_KERNELS:

@@ -51,15 +51,13 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layer = module.layer_idx
     if kwargs.get("softcap") is not None:
         raise UnsupportedModelError("vattn attention does not support attention logit softcapping (Gemma 2 style)")
-    if kwargs.get("s_aux") is not None:  # gpt-oss: a learned sink logit per head
-        raise UnsupportedModelError("vattn attention does not support attention sinks (gpt-oss's s_aux)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     attend_history = getattr(module, "vattn_attend", None)
     if attend_history is not None:  # latent attention: key/value are each sequence's history (vattn.engine.latent)
         return attend_history(query, key, value, scale), None
     out = attend(layer, query[0].transpose(0, 1),  # [T, H_q, D]
                  key[0].transpose(0, 1),  # [T, H_kv, D]
-                 value[0].transpose(0, 1), scale, sliding_window)
+                 value[0].transpose(0, 1), scale, sliding_window, kwargs.get("s_aux"))  # (gpt-oss: sinks [H_q])
     return out.unsqueeze(0), None  # [1, T, H_q, D]
 
 
@@ -168,6 +166,12 @@ def latent_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     get_decoder = getattr(model, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else model
     return [m for m in decoder.modules() if callable(getattr(m, "expand_kv", None))]
+
+
+def has_attention_sinks(model: torch.nn.Module) -> bool:
+    """Whether an attention module of `model` has learned sinks (gpt-oss's `sinks`, handed to the
+    attention as `s_aux`): vattn runs them in its sdpa path, eagerly (no CUDA graphs, no compile)."""
+    return any(name.rpartition(".")[2] == "sinks" for name, _ in model.named_parameters())
 
 
 def _latent_problem(model: torch.nn.Module, allowed: bool) -> str | None:
