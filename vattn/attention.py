@@ -128,15 +128,15 @@ class AttentionMetadata:
             self._cuda = {"cu_seqlens_q": x[0], "cu_seqlens_k": x[1], "seqused_k": x[2, :n], "slots": x[3, :n]}
         return self._cuda
 
-    def sdpa_groups(self, sliding_window: int | None) -> list[SdpaGroup]:
+    def sdpa_groups(self, sliding_window: int | None, chunk: int | None = None) -> list[SdpaGroup]:
         """The CPU path's SDPA calls of this iteration (built once, shared by every layer with
-        the same window): runs of sequences in consecutive slots with equal start and query
-        length. Their queries are adjacent packed rows (slot-ascending packing) and their keys
-        one strided view of the cache."""
-        key = (sliding_window,)
+        the same window and chunk): runs of sequences in consecutive slots with equal start and
+        query length. Their queries are adjacent packed rows (slot-ascending packing) and their
+        keys one strided view of the cache."""
+        key = (sliding_window,) if chunk is None else (sliding_window, "chunk", chunk)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _plan_groups(self, sliding_window)
+            plan = self._plans[key] = _plan_groups(self, sliding_window, chunk)
         return plan
 
     def padded_plan(self, sliding_window: int | None, slot_tokens: int) -> dict[str, Any]:
@@ -186,7 +186,9 @@ class SdpaGroup:
     mask: torch.Tensor | None  # [n, ctx - lo] bool: a chunk (causal aligned to the end, and the window)
 
 
-def _plan_groups(meta: AttentionMetadata, sliding_window: int | None) -> list[SdpaGroup]:
+def _plan_groups(meta: AttentionMetadata, sliding_window: int | None, chunk: int | None = None) -> list[SdpaGroup]:
+    """`chunk` (Llama 4's chunked local attention): a query at position p sees keys
+    floor(p / chunk) * chunk .. p only."""
     groups: list[SdpaGroup] = []
     prev = None
     for slot, start, n, row in zip(meta.slots, meta.starts, meta.query_lens, meta.cu_query_lens):
@@ -196,8 +198,11 @@ def _plan_groups(meta: AttentionMetadata, sliding_window: int | None) -> list[Sd
             continue
         ctx = start + n
         lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        if chunk is not None:
+            lo = max(lo, start // chunk * chunk)
         mask, causal = None, False
-        if n > 1 and lo == 0 and start == 0 and (sliding_window is None or ctx <= sliding_window):
+        if n > 1 and lo == 0 and start == 0 and (sliding_window is None or ctx <= sliding_window) and (
+                chunk is None or ctx <= chunk):
             causal = True  # a whole prompt: top-left and bottom-right alignment agree
         elif n > 1:  # a chunk: causal aligned to the end, and the window
             q_pos = torch.arange(start, ctx, device=meta.device)[:, None]  # [n, 1]
@@ -205,6 +210,8 @@ def _plan_groups(meta: AttentionMetadata, sliding_window: int | None) -> list[Sd
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
+            if chunk is not None:
+                mask &= k_pos // chunk == q_pos // chunk
         prev = SdpaGroup(slot, 1, row, n, lo, ctx, causal, mask)
         groups.append(prev)
     return groups
@@ -247,19 +254,22 @@ def get_forward_context() -> ForwardContext:
 
 
 def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-           sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+           chunk: int | None = None) -> torch.Tensor:
     """One attention layer of the current forward: writes its new K/V into the layer's cache and
     runs the context's kernel. query `[T, H_q, D]`, key/value `[T, H_kv, D]`; returns `[T, H_q, D]`.
     `sinks` `[H_q]`: a learned logit per head in every query's softmax denominator (gpt-oss's
-    attention sinks; `sdpa_attention` runs them on every device, eagerly).
+    attention sinks; `sdpa_attention` runs them on every device, eagerly). `chunk`: Llama 4's
+    chunked local attention, a query at p sees keys from floor(p / chunk) * chunk on (the same path).
 
     Eagerly this calls the kernel; under `torch.compile` it calls `torch.ops.vattn.attention`, one
     opaque op, so the compiler traces the model around it and never into the per-iteration
     metadata (host lists that change every step)."""
     ctx = get_forward_context()
     k_cache, v_cache = ctx.k_caches[layer], ctx.v_caches[layer]
-    if sinks is not None:  # (the engine refuses compile= and CUDA graphs for a model with sinks)
-        return ctx.kernel.forward(query, key, value, k_cache, v_cache, ctx.metadata, scale, sliding_window, sinks)
+    if sinks is not None or chunk is not None:  # (the engine refuses compile= and CUDA graphs for them)
+        return ctx.kernel.forward(query, key, value, k_cache, v_cache, ctx.metadata, scale, sliding_window, sinks,
+                                  chunk)
     if torch.compiler.is_compiling():
         return torch.ops.vattn.attention(query, key, value, k_cache, v_cache, scale, sliding_window)
     return ctx.kernel.forward(query, key, value, k_cache, v_cache, ctx.metadata, scale, sliding_window)
@@ -347,15 +357,16 @@ class AttentionKernel:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                chunk: int | None = None) -> torch.Tensor:
         """query `[T, H_q, D]`, key/value `[T, H_kv, D]` of the packed new tokens.
-        Returns the attention output `[T, H_q, D]`. With `sinks` (`[H_q]`) `sdpa_attention` runs
-        whatever the kernel: the library kernels here take no sink."""
+        Returns the attention output `[T, H_q, D]`. With `sinks` (`[H_q]`) or a `chunk`,
+        `sdpa_attention` runs whatever the kernel: the library kernels here take neither."""
         # Write first: a query sees its own token's key.
         k_cache[meta.slot_ids, meta.positions] = key  # [T, H_kv, D] into [B, T_max, H_kv, D]
         v_cache[meta.slot_ids, meta.positions] = value
-        if sinks is not None:
-            return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window, sinks)
+        if sinks is not None or chunk is not None:
+            return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window, sinks, chunk)
         if self.name == "sdpa":
             return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
         if self.name == "sdpa_padded":
@@ -391,7 +402,7 @@ def _batch_kinds(meta: AttentionMetadata) -> set[str]:
 
 def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """`scaled_dot_product_attention` on the cache rows, one call per `SdpaGroup`.
 
     Query i of a chunk starting at `start` sits at position start + i and sees keys
@@ -406,12 +417,12 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     against `[c, H_kv, L, D]`, which reads each KV head once (`enable_gqa` reads it once per
     query head); the result is the same attention, equal to `enable_gqa` within float
     rounding (not bit for bit: the kernel multiplies other shapes). `sinks`: `sink_attention`
-    on the same views.
+    on the same views. `chunk`: keys from the query's chunk only (`_plan_groups`).
     """
     T, Hq, D = query.shape
     Hkv = k_cache.shape[2]
     out = torch.empty_like(query)  # [T, H_q, D]
-    for g in meta.sdpa_groups(sliding_window):
+    for g in meta.sdpa_groups(sliding_window, chunk):
         c, n, a = g.count, g.n, g.row
         k = k_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)  # [c, H_kv, ctx - lo, D], a view
         v = v_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)

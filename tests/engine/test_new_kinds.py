@@ -9,6 +9,9 @@ and by recompute.
 - Attention sinks with alternating windows (GPT-OSS; MoE): a learned logit per head in every
   softmax's denominator (`vattn.attention.sink_attention`), the window layers giving their
   pages back as any sliding window's.
+- Chunked local attention (Llama 4 text; MoE every other layer, NoPE layers with temperature
+  tuning): a token sees only its own chunk; the chunked layers keep pages as a window of the
+  chunk size and their attention is masked to the chunk.
 """
 from __future__ import annotations
 
@@ -43,6 +46,10 @@ def kind_config(family: str) -> Any:
         return tf.GptOssConfig(**{**_COMMON, "max_position_embeddings": 4096}, num_hidden_layers=2, head_dim=16,
                                num_attention_heads=4, num_key_value_heads=2, sliding_window=8, num_local_experts=4,
                                num_experts_per_tok=2)
+    if family == "llama4":  # chunked (16 tokens) at 0-2 with RoPE, full NoPE at 3; temperature from position 3 on
+        return tf.Llama4TextConfig(**_COMMON, intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                                   interleave_moe_layer_step=2, attention_chunk_size=16, floor_scale=4, attn_scale=0.5)
     raise KeyError(family)
 
 
@@ -126,7 +133,7 @@ def test_latent_attention_outside_the_engine() -> None:
     model = build_model(kind_config("deepseek_v3"))
     with pytest.raises(UnsupportedModelError, match="latent attention"):
         check_model(model)
-    assert check_model(model, latent=True) is False
+    assert check_model(model, engine=True) is False
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     for beams in (1, 3):
         kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, num_beams=beams,
@@ -182,3 +189,40 @@ def test_attention_sinks_with_windows_match_generate() -> None:
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_attention_sinks_with_prefix_caching_forks_and_preemption(mode: str) -> None:
     check_everything("gpt_oss", 6 * 4 * PAGE, mode)  # 6 page groups (2 layers, K and V)
+
+
+# ---------------------------------------------------------- chunked local attention ----
+def test_chunked_attention_matches_generate() -> None:
+    """Requests over time in 16-token chunks of prefill: generate's tokens (which chunking and
+    the NoPE layers' temperature both change), the chunked layers holding fewer pages than the
+    full one."""
+    config = kind_config("llama4")
+    assert config.layer_types == ["chunked_attention"] * 3 + ["full_attention"] and config.moe_layers == [1, 3]
+    ref = [hf_greedy(build_model(config), p, m) for p, m in zip(prompts(), MAX_TOKENS)]
+    for other in (dict(attention_chunk_size=512), dict(attn_temperature_tuning=False)):
+        changed = build_model(tf.Llama4TextConfig(**{**config.to_dict(), **other}))
+        assert [hf_greedy(changed, p, m) for p, m in zip(prompts(), MAX_TOKENS)] != ref, other
+    with LLM(config, seed=0, max_batch_size=4, max_num_seqs=3, max_num_batched_tokens=16, page_size=PAGE,
+             prefetch=False) as llm:
+        assert llm.cache.kind_names == ["full", "window=16"]
+        outs = run_online(llm, prompts(), greedy())
+        st = llm.cache.stats()
+    assert [o.token_ids for o in outs] == ref
+    assert st.kinds["window=16"].num_mapped_pages < 3 * st.kinds["full"].num_mapped_pages
+
+
+def test_nope_layers_need_each_tokens_own_temperature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without `_retune_temperature` (the module's own temperature of packed positions 0..T-1)
+    the engine's tokens differ from generate's."""
+    import vattn.integrations.hf as hf
+
+    monkeypatch.setattr(hf, "_retune_temperature", lambda module, query: query)
+    with LLM(kind_config("llama4"), seed=0, max_batch_size=4, max_num_batched_tokens=16, page_size=PAGE) as llm:
+        outs = run_online(llm, prompts(), greedy())
+    model = build_model(kind_config("llama4"))
+    assert [o.token_ids for o in outs] != [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_chunked_attention_with_prefix_caching_forks_and_preemption(mode: str) -> None:
+    check_everything("llama4", 8 * 8 * PAGE, mode)  # 8 pages of each of the 8 buffers

@@ -48,7 +48,7 @@ from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
 from vattn.engine.sampler import NOTHING_SAMPLED, Sampled, Sampler, argmax_tokens  # noqa: F401 - importable here too
 from vattn.engine.scheduler import ScheduledSequence, SeqId
 from vattn.engine.sequence import TokenLogprobs
-from vattn.errors import InvalidConfigError
+from vattn.errors import InvalidConfigError, UnsupportedModelError
 from vattn.prefix_cache import PrefixCache
 
 MAX_DEFAULT_CONTEXT = 4096
@@ -252,21 +252,27 @@ class ModelRunner:
     def _build(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
         """__init__'s work: every refusal that needs no cache first, then the cache and what
         runs on it."""
-        from vattn.integrations.hf import (check_model, has_attention_sinks, latent_modules, layer_windows,
-                                           use_vattn_attention)
+        from vattn.integrations.hf import (check_model, has_attention_sinks, latent_modules, layer_kinds,
+                                           layer_windows, use_vattn_attention)
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
         # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states and
         # latent attention only on one rank
         one_rank = config.tensor_parallel_size == 1
-        has_states = check_model(self.model, states=one_rank, latent=one_rank)
+        has_states = check_model(self.model, states=one_rank, engine=one_rank)
         latent_layers = latent_modules(self.model)  # their cache keeps the latent (vattn.engine.latent)
-        self.sinks = has_attention_sinks(self.model)  # gpt-oss: run by the sdpa path, eagerly
+        # what the library kernels, CUDA graphs and compile= do not cover: run eagerly on the sdpa path
+        sinks = has_attention_sinks(self.model)  # gpt-oss
+        if sinks and not one_rank:
+            raise UnsupportedModelError("attention sinks (gpt-oss) run on one rank only: their heads are not sharded")
+        self.eager_only = next((what for what, present in (
+            ("latent attention", latent_layers), ("attention sinks", sinks),
+            ("chunked attention", "chunked_attention" in layer_kinds(self.model.config))) if present), None)
         compiled = compile_mode(config, has_states)  # inductor's mode or None; refusals before the cache exists
-        if compiled and (latent_layers or self.sinks):
-            raise InvalidConfigError(f"compile={config.compile!r} does not cover {'latent attention' if latent_layers else 'attention sinks'} "
-                                     "yet; pass compile=False (it runs eagerly)")
+        if compiled and self.eager_only:
+            raise InvalidConfigError(f"compile={config.compile!r} does not cover {self.eager_only} yet; pass "
+                                     "compile=False (it runs eagerly)")
         hf = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         num_layers = hf.num_hidden_layers
@@ -291,7 +297,6 @@ class ModelRunner:
         spec = latent.latent_spec(self.model, latent_layers) if latent_layers else None
         if spec is not None:
             num_kv_heads, head_dim = spec.heads, spec.k_width
-        self.latent = spec is not None
         # A batch whose forward raised is run again request by request, unless a layer keeps a
         # state: the layers that ran moved it on
         self.rerun_alone = not specs
@@ -373,9 +378,8 @@ class ModelRunner:
             why_not = f"they need a CUDA device, not {self.device}"
         elif not self.rerun_alone:
             why_not = "they do not cover the recurrent-state layers (the batch is split by request in Python)"
-        elif self.latent or self.sinks:
-            why_not = (f"they do not cover {'latent attention' if self.latent else 'attention sinks'} (run per "
-                       "sequence group in Python)")
+        elif self.eager_only:
+            why_not = f"they do not cover {self.eager_only} (run per sequence group in Python)"
         elif config.tensor_parallel_size > 1:
             why_not = "they are not supported under tensor parallelism"
         elif self.kernel.name not in GRAPH_KERNELS:
