@@ -126,6 +126,31 @@ def test_latent_bytes_per_token_against_full_kv() -> None:
     assert (latent, full, round(full / latent)) == (576, 40960, 71)
 
 
+@pytest.mark.parametrize("layout", ["per-layer", "fused"])
+def test_cache_with_v_of_another_width(layout: str) -> None:
+    """`v_head_dim`: K and V of a layer in one buffer (a token's row its K, then its V); writes to
+    one never reach the other, and a swap out and back (its slot taken meanwhile) keeps both."""
+    import vattn
+
+    with vattn.KVCache(num_layers=3, num_kv_heads=1, head_dim=16, v_head_dim=8, max_batch_size=3, max_context_len=100,
+                       dtype="float32", page_size=PAGE, layout=layout, prefetch=False) as c:
+        g = c.geometry
+        assert g.num_buffers == (3 if layout == "per-layer" else 1) and g.held_bytes(1) == 3 * (16 + 8) * 4
+        assert c.k_cache(0).shape == (3, 100, 1, 16) and c.v_cache(2).shape == (3, 100, 1, 8)
+        r = c.alloc_reqid()
+        assert c.step({r: 50})
+        for layer in range(3):
+            c.k_cache(layer)[r, :50], c.v_cache(layer)[r, :50] = layer + 1, -(layer + 1)
+        handle = c.swap_out(r, 50)
+        other = c.alloc_reqid()
+        assert c.step({other: 80})
+        c.k_cache(0)[other, :80] = 9
+        r = c.swap_in(handle)
+        assert handle.copied_in
+        for layer in range(3):
+            assert (c.k_cache(layer)[r, :50] == layer + 1).all() and (c.v_cache(layer)[r, :50] == -(layer + 1)).all()
+
+
 def test_latent_attention_outside_the_engine() -> None:
     """transformers' batching hooks (`hf_cb`: its paged cache keeps K/V of one width per head)
     refuse it at load (`check_model` without `latent`); `VAttnCache` keeps the latent too (K and V
