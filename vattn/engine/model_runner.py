@@ -43,12 +43,12 @@ from vattn.attention import (AttentionKernel, AttentionMetadata, ForwardContext,
 from vattn.cache import KVCache
 from vattn.engine.compile import CompiledForward, compile_mode
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
-from vattn.engine import states
+from vattn.engine import latent, states
 from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
 from vattn.engine.sampler import NOTHING_SAMPLED, Sampled, Sampler, argmax_tokens  # noqa: F401 - importable here too
 from vattn.engine.scheduler import ScheduledSequence, SeqId
 from vattn.engine.sequence import TokenLogprobs
-from vattn.errors import InvalidConfigError
+from vattn.errors import InvalidConfigError, UnsupportedModelError
 from vattn.prefix_cache import PrefixCache
 
 MAX_DEFAULT_CONTEXT = 4096
@@ -253,13 +253,27 @@ class ModelRunner:
     def _build(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
         """__init__'s work: every refusal that needs no cache first, then the cache and what
         runs on it."""
-        from vattn.integrations.hf import check_model, layer_windows, use_vattn_attention
+        from vattn.integrations.hf import (check_model, has_attention_sinks, latent_modules, layer_kinds,
+                                           layer_windows, use_vattn_attention)
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
-        # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states only on one rank
-        has_states = check_model(self.model, states=config.tensor_parallel_size == 1)
+        # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states and
+        # latent attention only on one rank
+        one_rank = config.tensor_parallel_size == 1
+        has_states = check_model(self.model, states=one_rank, engine=one_rank)
+        latent_layers = latent_modules(self.model)  # their cache keeps the latent (vattn.engine.latent)
+        # what the library kernels, CUDA graphs and compile= do not cover: run eagerly on the sdpa path
+        sinks = has_attention_sinks(self.model)  # gpt-oss
+        if sinks and not one_rank:
+            raise UnsupportedModelError("attention sinks (gpt-oss) run on one rank only: their heads are not sharded")
+        self.eager_only = next((what for what, present in (
+            ("latent attention", latent_layers), ("attention sinks", sinks),
+            ("chunked attention", "chunked_attention" in layer_kinds(self.model.config))) if present), None)
         compiled = compile_mode(config, has_states)  # inductor's mode or None; refusals before the cache exists
+        if compiled and self.eager_only:
+            raise InvalidConfigError(f"compile={config.compile!r} does not cover {self.eager_only} yet; pass "
+                                     "compile=False (it runs eagerly)")
         from vattn.engine.cpu_gemm import pack_linears
 
         if compiled is not None and config.cpu_linear == "onednn":
@@ -287,6 +301,11 @@ class ModelRunner:
         windows = layer_windows(hf)  # by the model's layer index; the cache's by its K/V layer
         kv_windows = tuple(windows[layer] for layer in kv_layers) or (None,)
         specs = states.state_specs(self.model) if has_states else []
+        # latent attention: the cache keeps per token what transformers' own cache keeps, one
+        # latent "head" as K and the shared RoPE key as V (another width)
+        spec = latent.latent_spec(self.model, latent_layers) if latent_layers else None
+        if spec is not None:
+            num_kv_heads, head_dim = spec.heads, spec.k_width
         # A batch whose forward raised is run again request by request, unless a layer keeps a
         # state: the layers that ran moved it on
         self.rerun_alone = not specs
@@ -310,10 +329,12 @@ class ModelRunner:
                                  layer_windows=kv_windows if config.layout == "per-layer" else None,
                                  state_bytes=states.state_bytes(specs),
                                  num_snapshots=states.SNAPSHOTS_PER_SLOT * config.max_batch_size
-                                 if specs and config.enable_prefix_caching else 0)
+                                 if specs and config.enable_prefix_caching else 0,
+                                 v_head_dim=spec.v_width if spec is not None else None)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
-        self._unbind_states = states.bind(self.model, self.cache, specs)
+        unbind_states, unbind_latent = states.bind(self.model, self.cache, specs), latent.install(latent_layers)
+        self._unbind_states = lambda: (unbind_latent(), unbind_states())
         self.slot_tokens = self.cache.geometry.slot_tokens
         # by the model's layer index: [B, T, H_kv, D] each, None for a layer without attention
         self.k_caches = [None] * num_layers
@@ -366,6 +387,8 @@ class ModelRunner:
             why_not = f"they need a CUDA device, not {self.device}"
         elif not self.rerun_alone:
             why_not = "they do not cover the recurrent-state layers (the batch is split by request in Python)"
+        elif self.eager_only:
+            why_not = f"they do not cover {self.eager_only} (run per sequence group in Python)"
         elif config.tensor_parallel_size > 1:
             why_not = "they are not supported under tensor parallelism"
         elif self.kernel.name not in GRAPH_KERNELS:
