@@ -85,9 +85,11 @@ def start(kind: str, ckpt: str, args: argparse.Namespace, log: Path) -> tuple[su
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a server process and its live descendants (vLLM's engine
+    core and worker are child processes), from /proc (`vattn.bench.peers.tree_cpu_seconds`)."""
+    from vattn.bench.peers import tree_cpu_seconds
+
+    return tree_cpu_seconds(pid)
 
 
 def stop(proc: subprocess.Popen) -> None:
