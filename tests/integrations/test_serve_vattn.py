@@ -336,6 +336,20 @@ def test_auth_routes_and_models(srv):
     assert get(srv, "/nowhere").json()["error"]["code"] == 404
 
 
+def test_api_key_from_the_environment(monkeypatch):
+    """`--api-key` defaults to $VATTN_API_KEY, else vllm serve's $VLLM_API_KEY."""
+    from vattn.serve import parser
+
+    monkeypatch.delenv("VATTN_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert parser().parse_args(["m"]).api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert parser().parse_args(["m"]).api_key == "from-vllm"
+    monkeypatch.setenv("VATTN_API_KEY", "from-vattn")
+    assert parser().parse_args(["m"]).api_key == "from-vattn"
+    assert parser().parse_args(["m", "--api-key", "flag"]).api_key == "flag"
+
+
 # --------------------------------------------------------------- cut streams ----
 def test_cut_streams_are_aborted_and_freed(srv, client, caplog):
     import http.client

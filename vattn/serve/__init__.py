@@ -207,7 +207,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", nargs="+", default=None,
                     help="the name(s) clients send as `model` (the first is the one reported; default: --model)")
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health, /metrics)")
+    ap.add_argument("--api-key", default=os.environ.get("VATTN_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
+                    help="require 'Authorization: Bearer KEY' (all but /health, /metrics); default $VATTN_API_KEY, "
+                         "else $VLLM_API_KEY (vllm serve's variable), else none")
     ap.add_argument("--max-model-len", type=int, default=None, help="tokens of prompt + output a request may have "
                     "(default: the model's max_position_embeddings, at most 4096)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="sequences in a batch at most (default: 16)")
