@@ -325,8 +325,10 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            plan.append(ScheduledSequence(seq, n))
-            budget -= n
+            # (a sample forked or swapped in with its tokens computed decodes at once: drafts too)
+            drafts = self._drafts(seq, budget - 1) if n == 1 and self.proposer is not None else ()
+            plan.append(ScheduledSequence(seq, n + len(drafts), drafts=drafts))
+            budget -= n + len(drafts)
 
         if skip and not plan:  # nothing to run but reads from disk: wait a little for one, not spin
             getattr(self.prefix_cache, "wait_loads", time.sleep)(LOAD_POLL_S)
