@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "throughput": "throughput",
     "gpu": "gpu",
     "offload": "offload",
+    "spec": "spec",
 }
 
 
