@@ -156,67 +156,64 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 
 # ------------------------------------------------------------------- timing ----
-def _time(fn: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure(model: Any, prompts: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
-    """Per engine: decode tok/s over the prompts (each at batch 1), tokens, acceptance."""
+    """Per engine: decode tok/s over the prompts (each at batch 1), tokens, acceptance. The engines
+    take turns prompt by prompt and repeat by repeat (a shared host's noise falls on all of them
+    alike); each (engine, prompt) counts its median time."""
     from vattn import LLM, SamplingParams
 
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min}
     kw = dict(device=args.device, max_batch_size=2, max_context_len=1024)
-    result: dict[str, Any] = {}
     llms = {"vattn": LLM(model, **kw), "vattn+ngram": LLM(model, speculative_config=spec, **kw)}
+    hf_model = model.to(args.device).eval()
+    lookup = dict(prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.hf_ngram)
+
+    def vattn_run(llm: Any) -> Any:
+        def go(prompt: list[int], m: int) -> list[int]:
+            return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0].token_ids
+        return go
+
+    def hf_run(extra: dict) -> Any:
+        def go(prompt: list[int], m: int) -> list[int]:
+            ids = torch.tensor([prompt], device=args.device)
+            with torch.no_grad():
+                out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, min_new_tokens=m,
+                                        do_sample=False, pad_token_id=0, **extra)
+            return out[0, len(prompt):].tolist()
+        return go
+
+    runners = {"vattn": vattn_run(llms["vattn"]), "vattn+ngram": vattn_run(llms["vattn+ngram"]),
+               "hf": hf_run({}), "hf+lookup": hf_run(lookup)}
+    times: dict[tuple[str, int, int], list[float]] = {}
+    outs: dict[str, list[list[int]]] = {e: [] for e in runners}
     try:
-        for name, llm in llms.items():
-            llm.generate([prompts[0][0]], SamplingParams(temperature=0, max_tokens=8))  # warm-up
-            decode_s = tokens = 0.0
-            outs = []
-            for prompt, n in prompts:
-                def run(m: int, llm: Any = llm, prompt: list[int] = prompt) -> Any:
-                    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
-                t_all = _time(lambda: run(n), args.repeats)
-                t_one = _time(lambda: run(1), args.repeats)
-                decode_s += t_all - t_one
-                tokens += n - 1
-                outs.append(run(n)[0].token_ids)
-            stats = llm.spec_decode_stats()
-            result[name] = dict(decode_tok_s=tokens / decode_s, tokens=outs)
-            if stats is not None:
-                result[name].update(acceptance_rate=stats.acceptance_rate, num_drafts=stats.num_drafts,
-                                    num_draft_tokens=stats.num_draft_tokens,
-                                    num_accepted_tokens=stats.num_accepted_tokens,
-                                    mean_acceptance_length=stats.mean_acceptance_length)
+        for go in runners.values():  # warm-up
+            go(prompts[0][0], 8)
+        for i, (prompt, n) in enumerate(prompts):
+            for e, go in runners.items():
+                outs[e].append(go(prompt, n))
+        for _ in progress(range(args.repeats), desc="timing", unit="round"):
+            for i, (prompt, n) in enumerate(prompts):
+                for e, go in runners.items():
+                    for m in (n, 1):
+                        t0 = time.perf_counter()
+                        go(prompt, m)
+                        times.setdefault((e, i, m), []).append(time.perf_counter() - t0)
+        result: dict[str, Any] = {}
+        for e in runners:
+            decode_s = sum(statistics.median(times[(e, i, n)]) - statistics.median(times[(e, i, 1)])
+                           for i, (_, n) in enumerate(prompts))
+            result[e] = dict(decode_tok_s=sum(n - 1 for _, n in prompts) / decode_s, tokens=outs[e])
+        stats = llms["vattn+ngram"].spec_decode_stats()
+        result["vattn+ngram"].update(acceptance_rate=stats.acceptance_rate, num_drafts=stats.num_drafts,
+                                     num_draft_tokens=stats.num_draft_tokens,
+                                     num_accepted_tokens=stats.num_accepted_tokens,
+                                     mean_acceptance_length=stats.mean_acceptance_length)
+        return result
     finally:
         for llm in llms.values():
             llm.close()
-    model = model.to(args.device).eval()
-    for name, extra in (("hf", {}), ("hf+lookup", dict(prompt_lookup_num_tokens=args.k,
-                                                        max_matching_ngram_size=args.hf_ngram))):
-        decode_s = tokens = 0.0
-        outs = []
-        for prompt, n in prompts:
-            ids = torch.tensor([prompt], device=args.device)
-
-            def run(m: int, ids: torch.Tensor = ids, extra: dict = extra) -> Any:
-                with torch.no_grad():
-                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m,
-                                          min_new_tokens=m, do_sample=False, pad_token_id=0, **extra)
-            run(4)
-            t_all = _time(lambda: run(n), args.repeats)
-            t_one = _time(lambda: run(1), args.repeats)
-            decode_s += t_all - t_one
-            tokens += n - 1
-            outs.append(run(n)[0, len(prompt):].tolist())
-        result[name] = dict(decode_tok_s=tokens / decode_s, tokens=outs)
-    return result
 
 
 def run(args: argparse.Namespace) -> dict:

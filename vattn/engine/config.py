@@ -63,6 +63,10 @@ class EngineConfig:
     bytes of files in it, for the blocks evicted from host memory; kept across restarts,
     shareable by processes; needs offload_bytes). They need enable_prefix_caching (a swap-only
     engine may give offload_bytes alone: its swapped-out requests' budget).
+    Speculative decoding: speculative_config (None, or vLLM's dict {"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...}: drafts by
+    n-gram prompt lookup verified in one forward, see `vattn.engine.spec_decode`; not with
+    async_scheduling=True, cuda_graphs=True, tensor parallelism or recurrent states).
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
     heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`; prefix
     caching and both preemption modes work, their per-rank outcomes agreed between the
