@@ -24,6 +24,7 @@ checked equal to vattn without it and to transformers' (`failures` otherwise).
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
@@ -165,8 +166,8 @@ def measure(model: Any, prompts: list[tuple[list[int], int]], args: argparse.Nam
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min}
     kw = dict(device=args.device, max_batch_size=2, max_context_len=1024)
-    llms = {"vattn": LLM(model, **kw), "vattn+ngram": LLM(model, speculative_config=spec, **kw)}
-    hf_model = model.to(args.device).eval()
+    hf_model = copy.deepcopy(model).to(args.device).eval()  # (an LLM runs its model with vattn's attention)
+    llms = {"vattn": LLM(copy.deepcopy(model), **kw), "vattn+ngram": LLM(model, speculative_config=spec, **kw)}
     lookup = dict(prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.hf_ngram)
 
     def vattn_run(llm: Any) -> Any:
