@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "offload": "offload",
     "peers": "peers",
     "paper": "paper",
+    "spec": "spec",
 }
 
 

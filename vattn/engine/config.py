@@ -14,6 +14,7 @@ from vattn.checks import SEED_MAX, SEED_MIN, as_float, as_int
 from vattn.config import LAYOUTS, PREFETCH_TOKENS, parse_dtype
 from vattn.engine.compile import parse_compile
 from vattn.engine.scheduler import SchedulerConfig
+from vattn.engine.spec_decode import parse_speculative_config
 from vattn.errors import InvalidConfigError
 from vattn.idle import delay_seconds
 from vattn.prefix_cache import check_offload
@@ -65,6 +66,10 @@ class EngineConfig:
     bytes of files in it, for the blocks evicted from host memory; kept across restarts,
     shareable by processes; needs offload_bytes). They need enable_prefix_caching (a swap-only
     engine may give offload_bytes alone: its swapped-out requests' budget).
+    Speculative decoding: speculative_config (None, or vLLM's dict {"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...}: drafts by
+    n-gram prompt lookup verified in one forward, see `vattn.engine.spec_decode`; not with
+    async_scheduling=True, cuda_graphs=True, tensor parallelism or recurrent states).
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
     heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`; prefix
     caching and both preemption modes work, their per-rank outcomes agreed between the
@@ -101,6 +106,7 @@ class EngineConfig:
     offload_bytes: int | None = None
     offload_dir: str | os.PathLike | None = None
     offload_dir_bytes: int | None = None
+    speculative_config: Any = None  # vLLM's dict, parsed into a `vattn.engine.spec_decode.SpecConfig`
 
     def __post_init__(self) -> None:
         if self.budget is not None and not isinstance(self.budget, Budget):
@@ -137,6 +143,7 @@ class EngineConfig:
                 f"max_num_seqs={self.max_num_seqs} is more than max_batch_size={self.max_batch_size} "
                 "(each running sequence holds one cache slot)")
         self._check_parallel()
+        self._check_speculative()
         self.scheduler_config()  # validates the token budget and the preemption mode
         self._check_offload()
 
@@ -150,6 +157,22 @@ class EngineConfig:
                 "(or preemption_mode='swap')")
         if self.offload_dir is not None and not self.enable_prefix_caching:
             raise InvalidConfigError("offload_dir holds cached prefix blocks: give enable_prefix_caching=True")
+
+    def _check_speculative(self) -> None:
+        spec = parse_speculative_config(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is None:
+            return
+        for asked, why in ((self.async_scheduling, "async_scheduling=True: drafts are proposed from the tokens the "
+                                                    "host has, and the step before's are still on the device; pass "
+                                                    "async_scheduling=None or False"),
+                           (self.cuda_graphs, "cuda_graphs=True: the verification forwards (1 + k tokens a sequence) "
+                                              "are not captured yet; pass cuda_graphs=None or False"),
+                           (self.tensor_parallel_size > 1, f"tensor_parallel_size={self.tensor_parallel_size}: the "
+                                                           "ranks do not agree on accepted drafts yet; pass "
+                                                           "tensor_parallel_size=1")):
+            if asked:
+                raise InvalidConfigError(f"speculative_config cannot run with {why} (or speculative_config=None)")
 
     def _check_parallel(self) -> None:
         object.__setattr__(self, "tensor_parallel_size", checks.positive(self.tensor_parallel_size,
@@ -178,6 +201,8 @@ class EngineConfig:
         one rank, where the device runs while the host works)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
+        if self.speculative_config is not None:  # (not with speculative decoding: see _check_speculative)
+            return False
         return self.torch_device().type == "cuda" and self.tensor_parallel_size == 1
 
     def torch_device(self) -> torch.device:

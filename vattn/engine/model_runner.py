@@ -45,6 +45,7 @@ from vattn.engine.compile import CompiledForward, compile_mode
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
 from vattn.engine import latent, states
 from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
+from vattn.engine.rejection import verify
 from vattn.engine.sampler import NOTHING_SAMPLED, Sampled, Sampler, argmax_tokens  # noqa: F401 - importable here too
 from vattn.engine.scheduler import ScheduledSequence, SeqId
 from vattn.engine.sequence import TokenLogprobs
@@ -62,6 +63,7 @@ class RunOutput(NamedTuple):
     tokens: dict[SeqId, int]  # the sampled token of every sequence whose computed tokens reached its end
     errors: dict[SeqId, str]  # why a sequence failed (it finishes with "error"); its tokens are not computed
     logprobs: dict[SeqId, TokenLogprobs] = {}  # of sequences that asked (SamplingParams.logprobs); never mutated
+    accepted: dict[SeqId, list[int]] = {}  # speculative decoding: the drafts each verified sequence keeps; never mutated
 
 
 class InFlight:
@@ -74,6 +76,7 @@ class InFlight:
         self.tokens = sampled.tokens  # [S] int64 on the device, or None
         self.errors = sampled.errors
         self.logprobs = sampled.logprobs  # on the device; read by result(), after the tokens' copy
+        self.accepted = sampled.accepted  # on the host (verification reads the target's tokens there)
         self._host = self.tokens  # on CUDA a pinned copy, written when the device gets there
         self._copied: Any = None  # the CUDA event after that copy
         if self.tokens is not None and self.tokens.device.type == "cuda":
@@ -90,7 +93,8 @@ class InFlight:
         errors = self.errors
         logprobs = {sid: entry for rows in self.logprobs for sid, entry in rows.to_host().items()
                     if sid not in errors}
-        return RunOutput({sid: ids[row] for sid, row in self.rows.items() if sid not in errors}, errors, logprobs)
+        return RunOutput({sid: ids[row] for sid, row in self.rows.items() if sid not in errors}, errors, logprobs,
+                         self.accepted)
 
 
 
@@ -282,6 +286,11 @@ class ModelRunner:
         # (a compiled forward keeps F.linear: inductor cannot lower the packed op)
         self.packed_linears = pack_linears(self.model, dtype, torch.device(device),
                                            "default" if compiled is not None else config.cpu_linear)
+        if has_states and config.speculative_config is not None:
+            raise InvalidConfigError(
+                "speculative_config: this model has recurrent-state layers (Mamba2 / gated delta-net), whose states "
+                "a rejected draft would have moved on (no rollback through their snapshots yet); pass "
+                "speculative_config=None")
         hf = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         num_layers = hf.num_hidden_layers
@@ -391,6 +400,8 @@ class ModelRunner:
             why_not = f"they do not cover {self.eager_only} (run per sequence group in Python)"
         elif config.tensor_parallel_size > 1:
             why_not = "they are not supported under tensor parallelism"
+        elif config.speculative_config is not None:
+            why_not = "they do not capture speculative decoding's verification forwards (speculative_config) yet"
         elif self.kernel.name not in GRAPH_KERNELS:
             why_not = f"they need attention={GRAPH_KERNELS[0]!r}, not {self.kernel.name!r}"
         if why_not is not None and want:
@@ -456,14 +467,20 @@ class ModelRunner:
         sample_rows: list[int] = []  # packed positions whose logits are computed
         rows: list[int] = []  # per sampled sequence, its row of those logits
         sampling = []
+        speculating: list[tuple[SeqId, Any, tuple[int, ...]]] = []  # sequences with drafts, their rows at the end
+        spec_rows: list[int] = []
         for s in batch:
             seq = s.seq
-            start, n = seq.num_computed_tokens, s.num_new_tokens
+            start, n = seq.num_computed_tokens, s.num_new_tokens - len(s.drafts)
             input_ids += seq.token_ids[start:start + n]
             if start + n > len(seq.token_ids):  # its last token is the sample of the iteration in flight
                 placeholders.append((len(input_ids), self._last.rows[seq.seq_id]))
                 input_ids.append(0)  # read on the device (feed)
-            if start + n == seq.num_tokens:
+            if s.drafts:  # speculative decoding: every row from its last token on is verified
+                spec_rows += range(len(input_ids) - 1, len(input_ids) + len(s.drafts))
+                input_ids += s.drafts
+                speculating.append((seq.seq_id, seq.params, s.drafts))
+            elif start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 for x in (seq, *s.fan_out):  # a fan-out: every sample draws from this row
                     rows.append(len(sample_rows) - 1)
@@ -479,14 +496,19 @@ class ModelRunner:
             meta = AttentionMetadata.build(slots, starts, [s.num_new_tokens for s in batch], self.slot_tokens,
                                            self.device)
             ids = self._input_ids(input_ids, placeholders, fed)  # [T]
-            keep = to_device(sample_rows, self.device)  # [S]
+            keep = to_device(sample_rows + spec_rows, self.device)  # [S]
             logits = self._forward(ids[None], keep, meta)  # [S, V]
+        verified = None
+        if speculating:
+            verified = verify(self.sampler, logits[len(sample_rows):], speculating)
+            logits = logits[:len(sample_rows)]
         if not sampling:
-            return NOTHING_SAMPLED
+            return verified or NOTHING_SAMPLED
         if len(rows) != len(sample_rows):
             logits = logits[to_device(rows, logits.device)]  # [S', V]: fan-out rows repeated
-        return self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling],
-                                   seqs=sampling, eos_token_ids=self.eos_token_ids)
+        sampled = self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling],
+                                      seqs=sampling, eos_token_ids=self.eos_token_ids)
+        return sampled if verified is None else Sampled.merge([sampled, verified])
 
     def _input_ids(self, input_ids: list[int], placeholders: list[tuple[int, int]],
                    fed: torch.Tensor | None) -> torch.Tensor:
