@@ -903,3 +903,43 @@ def test_default_prefix_caching_finds_a_layout_or_steps_aside(ckpt, caplog):
     with build_llm(ckpt, device="cpu", page_size=4096, max_model_len=256) as llm:  # fits: nothing changed
         assert llm.config.layout == "per-layer" and llm.config.enable_prefix_caching
     assert len([r for r in caplog.records if "starting with" in r.getMessage()]) == 2
+
+
+def test_speculative_config_serves_the_same_and_counts(ckpt, hf):
+    """`--speculative-config` (vllm serve's JSON): n-gram speculation behind the server, greedy
+    answers as without it (generate's), vLLM's spec_decode counters on /metrics; a config the
+    engine refuses is an InvalidConfigError before the server starts; bad JSON an argparse error."""
+    from vattn.errors import InvalidConfigError
+    from vattn.serve import parser, serve
+
+    _, tok = hf
+    server = serve(ckpt, port=free_port(), non_blocking=True, device="cpu", page_size=4096, max_model_len=256,
+                   max_num_seqs=8, served_model_name=["tiny"], log_level="warning",
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                       "prompt_lookup_min": 1})
+    try:
+        wait_ready(server)
+        prompt = "abcabcabcabcabc"  # repeats: drafts are proposed
+        got = post(server, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                               "ignore_eos": True}).json()["choices"][0]["text"]
+        assert got == tok.decode(hf_greedy(hf, tok.encode(prompt), 24))
+        import openai
+
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == got  # several tokens a step, streamed
+        assert chunks[-1].usage.completion_tokens == 24
+        samples = scrape(server)[0]
+        assert samples["vattn:spec_decode_num_draft_tokens_total"].value > 0
+        assert 0 <= samples["vattn:spec_decode_num_accepted_tokens_total"].value \
+            <= samples["vattn:spec_decode_num_draft_tokens_total"].value
+    finally:
+        server.stop()
+    with pytest.raises(InvalidConfigError, match="speculative"):
+        serve(ckpt, port=free_port(), non_blocking=True, device="cpu", speculative_config={"method": "eagle3"})
+    with pytest.raises(SystemExit):
+        parser().parse_args(["m", "--speculative-config", "[1, 2]"])
+    assert parser().parse_args(["m", "--speculative-config", '{"method": "ngram"}']).speculative_config == {
+        "method": "ngram"}
