@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from vattn._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from vattn.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, BeamSearchStats
     from vattn.engine.config import EngineConfig
     from vattn.engine.llm import LLM
     from vattn.engine.parallel import RankCacheError, TensorParallelError
@@ -24,12 +25,14 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineConfig",
     "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "TensorParallelError",
-    "RankCacheError",
+    "RankCacheError", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "BeamSearchStats",
 ]
 
 # Loaded on first use (PEP 562): the scheduler and the sequences are plain Python, and
 # importing them (which runs this file) must not import torch through the model runner.
 _EXPORTS = {
+    "BeamSearchParams": "vattn.engine.beam_search", "BeamSearchOutput": "vattn.engine.beam_search",
+    "BeamSearchSequence": "vattn.engine.beam_search", "BeamSearchStats": "vattn.engine.beam_search",
     "EngineConfig": "vattn.engine.config", "LLM": "vattn.engine.llm",
     "RankCacheError": "vattn.engine.parallel", "TensorParallelError": "vattn.engine.parallel",
     "SamplingParams": "vattn.engine.sampling_params", "Scheduler": "vattn.engine.scheduler",

@@ -28,6 +28,7 @@ from typing import Sequence as Seq
 import torch
 
 from vattn.checks import is_int
+from vattn.engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams, BeamSearchStats
 from vattn.engine.config import EngineConfig
 from vattn.engine.detokenizer import make_detokenizer
 from vattn.engine.model_runner import InFlight, LoadedModel, ModelRunner, load_model, prefix_salt
@@ -37,7 +38,8 @@ from vattn.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from vattn.engine.spec_decode import NgramProposer, SpecCounters, SpecDecodeStats
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from vattn.engine.turns import TurnLock
-from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
+from vattn.errors import (ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError,
+                          OutOfPhysicalMemoryError)
 from vattn.idle import IdleTrim
 
 logger = logging.getLogger(__name__)
@@ -175,6 +177,7 @@ class LLM:
         self._closed = False
         self._generating: int | None = None  # the thread in generate, if any
         self.num_idle_trims = 0  # times the idle engine gave its unused pages back
+        self._beam_stats = BeamSearchStats()  # every beam search's forks (`beam_search_stats`)
         self.idle = IdleTrim(self.config.idle_trim_s, name="vattn-llm-idle-trim")  # the idle policy (vattn.idle)
         if self.idle.delay is not None:
             self.idle.start(self._on_idle_timer)
@@ -300,6 +303,131 @@ class LLM:
         if not self.is_output_rank:
             return []
         return [results[seq.request_id] for seq in seqs]
+
+    def beam_search(self, prompts: str | Seq[int] | Iterable[str | Seq[int]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`): per prompt a `BeamSearchOutput` whose
+        `sequences` are the `params.beam_width` best, best first (see
+        `vattn.engine.beam_search` for the selection, transformers' `generate(num_beams=...)`
+        step for step, and where it differs from vLLM's).
+
+        Every beam is a slot; a step is one forward over all live beams. A parent chosen by
+        several beams is forked (`KVCache.fork`: its whole pages shared, its partly filled last
+        page copied), one not chosen is freed at once; `BeamSearchOutput.stats` and
+        `beam_search_stats()` count the pages the forks shared against what copying would have
+        cost. Prompts are searched together while their beams fit into the free slots, the rest
+        after them.
+
+        It runs alone: it holds the engine for its whole search (other threads' calls wait), and
+        raises InvalidRequestError while requests added before are unfinished (finish or abort
+        them first). InvalidConfigError: a beam_width larger than the engine's free slots
+        (max_batch_size), tensor parallelism. OutOfPhysicalMemoryError when the beams do not fit
+        into physical memory (every slot of the search is freed)."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_list = _as_prompt_list(prompts)
+        with self._lock:
+            self._check_open()
+            if self.tp is not None:
+                raise InvalidConfigError("beam_search does not run under tensor parallelism yet")
+            if self.scheduler.has_unfinished() or self._in_flight or self._unclaimed:
+                raise InvalidRequestError(
+                    "beam_search runs alone: this engine has unfinished requests (or outputs step() has not "
+                    "returned yet); finish or abort them first")
+            width = params.beam_width
+            free = self.scheduler.kv.num_free_reqids
+            if width > free:
+                raise InvalidConfigError(
+                    f"beam_width={width} needs {width} slots and this engine has {free} free "
+                    f"(max_batch_size={self.config.max_batch_size}); raise max_batch_size or lower beam_width")
+            token_lists = []
+            for prompt in prompt_list:
+                _, ids = self._tokenize(prompt)
+                if len(ids) + params.max_tokens > self.max_context_len:
+                    raise ContextLengthError(
+                        f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds max_context_len="
+                        f"{self.max_context_len}; shorten the prompt, lower max_tokens or raise max_context_len")
+                token_lists.append(ids)
+            self._note_busy()
+            try:
+                eos = frozenset() if params.ignore_eos else self.eos_token_ids
+                per_batch = max(1, free // width)
+                outputs: list[BeamSearchOutput] = []
+                for i in range(0, len(token_lists), per_batch):
+                    outputs += self._beam_batch(token_lists[i:i + per_batch], params, eos)
+            finally:
+                self._note_idle()
+            return outputs
+
+    def beam_search_stats(self) -> BeamSearchStats:
+        """The forks of every beam search so far: page groups shared, copied, and what copying
+        every forked beam would have cost (`pages_if_copied`)."""
+        return self._beam_stats
+
+    def _beam_batch(self, prompts: list[list[int]], params: BeamSearchParams,
+                    eos: frozenset[int]) -> list[BeamSearchOutput]:
+        """Search `prompts` together (lock held; their beams fit into the free slots)."""
+        kv, g = self.scheduler.kv, self.runner.cache.geometry
+        groups = [BeamGroup(p, params, eos) for p in prompts]
+        stats = [BeamSearchStats() for _ in prompts]
+        live: set[int] = set()  # slots of the search
+        try:
+            for group, prompt in zip(groups, prompts):
+                slot = kv.alloc_reqid()
+                live.add(slot)
+                group.beams = [_Beam(slot, list(prompt))] * params.beam_width
+            while True:
+                active = [grp for grp in groups if not grp.done]
+                if not active:
+                    break
+                rows = list({id(b): b for grp in active for b in grp.beams}.values())
+                if not kv.step({b.slot: len(b.tokens) for b in rows}):
+                    raise OutOfPhysicalMemoryError(
+                        f"the {len(rows)} beams of this search do not fit into physical memory; raise "
+                        "physical_memory, lower beam_width or max_tokens, or search fewer prompts at once")
+                logits = self.runner.last_logits([(b.slot, b.computed, b.tokens[b.computed:]) for b in rows])
+                logprobs = torch.log_softmax(logits, dim=-1).cpu()
+                row_of = {id(b): i for i, b in enumerate(rows)}
+                for b in rows:
+                    b.computed = len(b.tokens)
+                for n, grp in enumerate(groups):
+                    if grp.done:
+                        continue
+                    chosen = grp.advance(logprobs[[row_of[id(b)] for b in grp.beams]])
+                    old = list({id(b): b for b in grp.beams}.values())
+                    if grp.done:
+                        for b in old:
+                            kv.free_reqid(b.slot)
+                            live.discard(b.slot)
+                        continue
+                    left: dict[int, int] = {}
+                    for p, _ in chosen:
+                        left[id(grp.beams[p])] = left.get(id(grp.beams[p]), 0) + 1
+                    for b in old:  # pruned: freed before the forks, which need slots
+                        if id(b) not in left:
+                            kv.free_reqid(b.slot)
+                            live.discard(b.slot)
+                    beams = []
+                    for p, token in chosen:
+                        parent = grp.beams[p]
+                        left[id(parent)] -= 1
+                        if left[id(parent)]:  # chosen again later: fork it, it keeps its slot for the last
+                            slot = kv.fork(parent.slot, parent.computed)
+                            live.add(slot)
+                            shared = g.shared_pages(parent.computed)
+                            stats[n] = stats[n] + BeamSearchStats(1, shared, g.pages_for(parent.computed) - shared)
+                            beams.append(_Beam(slot, parent.tokens + [token], parent.computed))
+                        else:
+                            parent.tokens.append(token)
+                            beams.append(parent)
+                    grp.beams = beams
+        finally:
+            for slot in live:
+                kv.free_reqid(slot)
+            for s in stats:
+                self._beam_stats = self._beam_stats + s
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+        return [BeamSearchOutput(grp.sequences(eos, decode), s) for grp, s in zip(groups, stats)]
 
     # ------------------------------------------------------------------ figures ----
     def memory_stats(self):
@@ -515,6 +643,16 @@ class LLM:
             request_id=first.request_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
             outputs=outputs, finished=finished, num_preemptions=sum(s.num_preemptions for s in samples),
             metrics=metrics)
+
+
+class _Beam:
+    """A live beam of `LLM.beam_search`: its slot, its tokens (prompt + generated), and how many
+    of them the slot holds computed (all but the last chosen token)."""
+
+    __slots__ = ("slot", "tokens", "computed")
+
+    def __init__(self, slot: int, tokens: list[int], computed: int = 0) -> None:
+        self.slot, self.tokens, self.computed = slot, tokens, computed
 
 
 def _requests_of(seqs: Iterable[Sequence]) -> list[list[Sequence]]:

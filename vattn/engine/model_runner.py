@@ -510,6 +510,26 @@ class ModelRunner:
                                       seqs=sampling, eos_token_ids=self.eos_token_ids)
         return sampled if verified is None else Sampled.merge([sampled, verified])
 
+    @torch.inference_mode()
+    def last_logits(self, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """One forward over `rows` (slot, start, tokens written from `start` on, already backed
+        by the cache's `step`), no sampling: float32 logits `[S, V]` of each row's last token,
+        in the order given (beam search: `vattn.engine.beam_search`). Eager or compiled, never a
+        CUDA graph; raises what the forward raises."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0])  # slot-ascending for the varlen kernel
+        ids: list[int] = []
+        keep: list[int] = []
+        for i in order:
+            ids += rows[i][2]
+            keep.append(len(ids) - 1)
+        meta = AttentionMetadata.build([rows[i][0] for i in order], [rows[i][1] for i in order],
+                                       [len(rows[i][2]) for i in order], self.slot_tokens, self.device)
+        logits = self._forward(to_device(ids, self.device)[None], to_device(keep, self.device), meta)
+        back = [0] * len(order)
+        for row, i in enumerate(order):
+            back[i] = row
+        return logits[to_device(back, logits.device)].float()
+
     def _input_ids(self, input_ids: list[int], placeholders: list[tuple[int, int]],
                    fed: torch.Tensor | None) -> torch.Tensor:
         """The packed tokens `[T]` on the device, each placeholder (position, row) the row of
