@@ -90,11 +90,14 @@ class BeamSearchSequence:
 class BeamSearchStats:
     """What forking beams cost: `num_forks`, and the page groups the forks shared (mapped from
     the parent, no copy) and copied (the parent's partly filled last page). Copying every
-    beam's KV would have cost `pages_shared + pages_copied` page groups."""
+    beam's KV would have cost `pages_shared + pages_copied` page groups. `peak_kv_bytes`: the
+    most physical memory the search's live tokens held after a step (a shared page counted
+    once; for prompts searched together, their batch's; summed stats keep the largest)."""
 
     num_forks: int = 0
     pages_shared: int = 0
     pages_copied: int = 0
+    peak_kv_bytes: int = 0
 
     @property
     def pages_if_copied(self) -> int:
@@ -106,7 +109,7 @@ class BeamSearchStats:
 
     def __add__(self, other: BeamSearchStats) -> BeamSearchStats:
         return BeamSearchStats(self.num_forks + other.num_forks, self.pages_shared + other.pages_shared,
-                               self.pages_copied + other.pages_copied)
+                               self.pages_copied + other.pages_copied, max(self.peak_kv_bytes, other.peak_kv_bytes))
 
 
 @dataclass

@@ -15,6 +15,7 @@ Sharing physical pages (see `Scheduler`): parallel samples fork the prompt's slo
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import threading
@@ -371,6 +372,7 @@ class LLM:
         groups = [BeamGroup(p, params, eos) for p in prompts]
         stats = [BeamSearchStats() for _ in prompts]
         live: set[int] = set()  # slots of the search
+        peak = 0  # the most bytes the live tokens held after a step
         try:
             for group, prompt in zip(groups, prompts):
                 slot = kv.alloc_reqid()
@@ -385,6 +387,7 @@ class LLM:
                     raise OutOfPhysicalMemoryError(
                         f"the {len(rows)} beams of this search do not fit into physical memory; raise "
                         "physical_memory, lower beam_width or max_tokens, or search fewer prompts at once")
+                peak = max(peak, self.runner.cache.stats().active_bytes)
                 logits = self.runner.last_logits([(b.slot, b.computed, b.tokens[b.computed:]) for b in rows])
                 logprobs = torch.log_softmax(logits, dim=-1).cpu()
                 row_of = {id(b): i for i, b in enumerate(rows)}
@@ -424,6 +427,7 @@ class LLM:
         finally:
             for slot in live:
                 kv.free_reqid(slot)
+            stats = [dataclasses.replace(s, peak_kv_bytes=peak) for s in stats]
             for s in stats:
                 self._beam_stats = self._beam_stats + s
         decode = None if self.tokenizer is None else self.tokenizer.decode
