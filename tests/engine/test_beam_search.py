@@ -186,3 +186,20 @@ def test_out_of_memory_frees_every_slot() -> None:
             llm.beam_search(list(range(3, 120)) * 3, BeamSearchParams(beam_width=16, max_tokens=40))
         assert llm.cache.stats().num_active == 0
         assert llm.generate([4, 5, 6], SamplingParams(temperature=0, max_tokens=3))[0].finished
+
+
+def test_bench_beam_small() -> None:
+    """`vattn bench beam` end to end on a small shape: equal best sequences, less KV than transformers."""
+    import argparse
+
+    from vattn.bench import beam
+
+    p = argparse.ArgumentParser()
+    beam.add_arguments(p)
+    args = p.parse_args(["--prompt-tokens", "40", "--max-tokens", "4", "--hidden", "64", "--layers", "1",
+                         "--repeats", "1", "--widths", "4", "16", "--page-size", "4096"])
+    result = beam.run(args)
+    assert not result["failures"], result["failures"]
+    assert result["ratios"]["vattn_w16_kv_bytes_vs_hf_w16"] < 1
+    headers, rows = beam.table(result)
+    assert len(rows[0]) == len(headers)

@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "peers": "peers",
     "paper": "paper",
     "spec": "spec",
+    "beam": "beam",
 }
 
 
