@@ -5,7 +5,7 @@ without ever waiting for it.
 event loop (asyncio)                     loop thread
   add(ids, params, sink) --inbox-->        drain inbox: llm.add_request / abort_request
   abort(handle)          --inbox-->        llm.step()  (while work exists; else sleep on `wake`)
-  sink.put_nowait(...)   <--call_soon_threadsafe-- one call per step with every output of it
+  sink.put_nowait(...)   <--call_soon_threadsafe-- at most one call pending: the outbox's flush
 ```
 The inbox is a `queue.SimpleQueue` and `wake` a `threading.Event`: the event loop only
 puts and sets. Only the loop thread calls the engine (the engine's `TurnLock` would let
@@ -13,6 +13,13 @@ another thread in between steps; one caller keeps the order of adds and aborts p
 Outputs are cumulative (`RequestOutput` carries every token so far), so a sink that reads
 late loses nothing. Per step, per request that got a token: one tuple and the metrics' few
 observations (`vattn.serve.metrics.ServeMetrics.on_step`); nothing else in Python.
+
+Hand-over (issue 36, the streamed path's cost): a step's outputs go to an outbox; the loop
+thread schedules one `call_soon_threadsafe` (a write to the event loop's self-pipe, a wake-up)
+only when no flush is pending already. An event loop that fell behind (it shares the GIL with
+this thread) takes several steps' outputs in one wake-up, and each stream sends them as one
+event (`_Run._next_batch`), instead of a wake-up, a task switch and an HTTP write per request per
+step it then has to catch up on. The loop thread never waits for the event loop.
 """
 from __future__ import annotations
 
@@ -58,6 +65,11 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._handles: dict[int, Handle] = {}  # engine request id -> handle (loop thread only)
+        # (handle, output | exception) not yet handed to the event loop, and whether a flush of it
+        # is scheduled there; `_outbox_lock` keeps the two consistent between the threads
+        self._outbox: list[tuple[Handle, Any]] = []
+        self._flush_pending = False
+        self._outbox_lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vattn-serve-engine", daemon=True)
         self.num_steps = 0
@@ -168,12 +180,26 @@ class EngineLoop:
         self._post([p for p in pairs if p[1].finished or not p[0].final_only])
 
     def _post(self, pairs: list[tuple[Handle, Any]]) -> None:
-        """Hand outputs to the event loop: one call for the whole step."""
-        if pairs:
-            try:
-                self.loop.call_soon_threadsafe(_put_all, pairs)
-            except RuntimeError:  # the event loop is closed: the server is going down
-                pass
+        """Hand outputs to the event loop: into the outbox, and one wake-up unless one is
+        pending already (its flush takes these too)."""
+        if not pairs:
+            return
+        with self._outbox_lock:
+            self._outbox.extend(pairs)
+            if self._flush_pending:
+                return
+            self._flush_pending = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the event loop is closed: the server is going down
+            pass
+
+    def _flush(self) -> None:
+        """(event loop) Every output posted since the last flush, to its sink, in order."""
+        with self._outbox_lock:
+            pairs, self._outbox = self._outbox, []
+            self._flush_pending = False
+        _put_all(pairs)
 
     def _fail_all(self, error: Exception) -> None:
         handles = list(self._handles.values())
