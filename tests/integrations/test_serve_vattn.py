@@ -836,6 +836,34 @@ def test_a_steps_inter_token_gaps_are_observed_as_one_update_each():
     assert value(m, "vattn:generation_tokens_total") == 5
 
 
+def test_a_stream_interval_posts_every_nth_token_and_the_ends():
+    """`EngineLoop(stream_interval=3)` (--stream-interval): a streamed request's output reaches
+    its sink with its first token, then once it has 3 more than it last posted, and when it
+    finishes; an answer whole still only at its end."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vattn.serve.engine import EngineLoop
+
+    loop = asyncio.new_event_loop()
+    try:
+        engine = EngineLoop(SimpleNamespace(), loop, stream_interval=3)
+        whole, streamed = asyncio.Queue(), asyncio.Queue()
+        for rid, (sink, final_only) in enumerate([(whole, True), (streamed, False)]):
+            handle = engine.add(rid, [1], None, sink, final_only=final_only)
+            handle.request_id = rid
+            engine._handles[rid] = handle
+        for n in range(1, 9):
+            engine._deliver([SimpleNamespace(request_id=r, finished=n == 8,
+                                             outputs=[SimpleNamespace(token_ids=[0] * n)]) for r in (0, 1)], 0.0, 0.0)
+        loop.run_until_complete(asyncio.sleep(0))
+        got = [len(streamed.get_nowait()[1].outputs[0].token_ids) for _ in range(streamed.qsize())]
+        assert got == [1, 4, 7, 8]
+        assert whole.qsize() == 1 and whole.get_nowait()[1].finished
+    finally:
+        loop.close()
+
+
 # ---------------------------------------------------------------------- CUDA ----
 @pytest.mark.gpu
 def test_vattn_engine_serves_on_cuda(ckpt):

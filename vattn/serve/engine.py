@@ -50,6 +50,7 @@ class Handle:
     last_token_time: float | None = None
     prefill_s: float = 0.0  # how long the step that gave its first token took
     final_only: bool = False  # only its final output goes to `sink` (a non-streamed answer: no wake-up a step)
+    posted_tokens: int = 0  # tokens (all its samples) in the last output posted to `sink` (--stream-interval)
 
 
 class EngineLoop:
@@ -58,9 +59,13 @@ class EngineLoop:
     steps (figures for /metrics) and returns an awaitable of its result."""
 
     def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop,
-                 on_step: Callable[[list[tuple[Handle, RequestOutput]], float, float], None] | None = None) -> None:
+                 on_step: Callable[[list[tuple[Handle, RequestOutput]], float, float], None] | None = None,
+                 stream_interval: int = 1) -> None:
         self.llm = llm
         self.loop = loop
+        # vLLM's --stream-interval: a streamed request's output is posted once it has this many
+        # tokens more than the last one posted (its first token and its end: at once); 1: every step
+        self.stream_interval = stream_interval
         self.on_step = on_step  # (outputs with their handles, step start, step end): metrics, on the loop thread
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -177,7 +182,11 @@ class EngineLoop:
                 self.on_step(pairs, start, end)
             except Exception:  # noqa: BLE001 - figures must never stop serving
                 logger.warning("vattn serve: recording metrics failed", exc_info=True)
-        self._post([p for p in pairs if p[1].finished or not p[0].final_only])
+        interval = self.stream_interval
+        if interval <= 1:
+            self._post([p for p in pairs if p[1].finished or not p[0].final_only])
+        else:
+            self._post([p for p in pairs if p[1].finished or (not p[0].final_only and _due(p[0], p[1], interval))])
 
     def _post(self, pairs: list[tuple[Handle, Any]]) -> None:
         """Hand outputs to the event loop: into the outbox, and one wake-up unless one is
@@ -209,6 +218,17 @@ class EngineLoop:
         except Exception:  # noqa: BLE001
             logger.warning("vattn serve: aborting the failed requests failed", exc_info=True)
         self._post([(h, error) for h in handles])
+
+
+def _due(handle: Handle, out: RequestOutput, interval: int) -> bool:
+    """Whether a streamed request's output is posted this step (`stream_interval` > 1): its
+    first tokens, or `interval` tokens more than it last posted (outputs are cumulative: the
+    stream sends what it skipped with the next)."""
+    num = sum(len(o.token_ids) for o in out.outputs)
+    if handle.posted_tokens and num - handle.posted_tokens < interval:
+        return False
+    handle.posted_tokens = num
+    return True
 
 
 def _put_all(pairs: list[tuple[Handle, Any]]) -> None:
