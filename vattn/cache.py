@@ -102,8 +102,10 @@ class KVCache:
         self._bytes = self._byte_views(state_bytes)
         kinds = config.layer_kinds()
         # per kind: its buffers (K of its layers, then V), in the order its page groups hold them
-        self.kind_buffers = [[*layers, *(config.num_layers + i for i in layers)] if config.layout == "per-layer"
-                             else [0, 1] for _, layers in kinds]
+        # (K and V of a layer in one buffer where their widths differ: its layers' buffers only)
+        self.kind_buffers = [list(range(g.num_buffers)) if config.layout != "per-layer"
+                             else [*layers] if g.buffers_per_layer == 1
+                             else [*layers, *(config.num_layers + i for i in layers)] for _, layers in kinds]
         self.kind_names = ["full" if w is None else f"window={w}" for w, _ in kinds]
         if self.states is not None:
             self.kind_buffers.append([g.num_buffers])
@@ -187,19 +189,23 @@ class KVCache:
 
     def _make_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         g, c = self.geometry, self.config
-        hd = c.num_kv_heads * c.head_dim
+        vd = c.v_head_dim or c.head_dim
+        hd = c.num_kv_heads * (c.head_dim + (c.v_head_dim or 0))  # elements of a layer's token in a buffer
         esz = g.elem_size
-        shape = (c.max_batch_size, c.max_context_len, c.num_kv_heads, c.head_dim)
         tok = hd * g.layers_per_buffer  # elements per token in one buffer
-        strides = (g.slot_tokens * tok, tok, c.head_dim, 1)
         ks, vs = [], []
         for layer in range(c.num_layers):
             if c.layout == "per-layer":
                 kb, vb, off = layer, c.num_layers + layer, 0
             else:  # fused: [B, slot_tokens, num_layers, H, D], layer is a strided view
                 kb, vb, off = 0, 1, layer * hd * esz
-            for buf, out in ((kb, ks), (vb, vs)):
-                out.append(self.backend.tensor(self._range, buf * g.buffer_bytes + off, shape, strides, c.dtype))
+            voff = off
+            if c.v_head_dim is not None:  # one buffer: a token's row its K ([H, head_dim]), then its V
+                vb, voff = kb, off + c.num_kv_heads * c.head_dim * esz
+            for buf, o, d, out in ((kb, off, c.head_dim, ks), (vb, voff, vd, vs)):
+                shape = (c.max_batch_size, c.max_context_len, c.num_kv_heads, d)
+                out.append(self.backend.tensor(self._range, buf * g.buffer_bytes + o, shape,
+                                               (g.slot_tokens * tok, tok, d, 1), c.dtype))
         return ks, vs
 
     # -------------------------------------------------------------- the paper's API ----
@@ -208,7 +214,8 @@ class KVCache:
         return self._k[self._layer(layer)]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s V tensor, `[max_batch_size, max_context_len, num_kv_heads, head_dim]`."""
+        """Layer `layer`'s V tensor, `[max_batch_size, max_context_len, num_kv_heads, head_dim]`
+        (`v_head_dim` wide where the config gives one: a view into the K buffer's rows)."""
         return self._v[self._layer(layer)]
 
     def _layer(self, layer: int) -> int:

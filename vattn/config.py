@@ -64,8 +64,10 @@ class CacheConfig:
     it loads). `physical_memory=None` means 90% of the GPU memory free at init on CUDA, and
     half of the memory available to the process (MemAvailable, bounded by its cgroup's
     limit) on the host. `zero_reused_pages` clears a page before a request that did not
-    write it can read it (pages of a freed slot, or reclaimed from another slot); off by
-    default: the engine always writes before it reads.
+    write it can read it (pages of a freed slot, reclaimed from another slot, or new from
+    the driver, which promises no zeros on CUDA); off by default: the engine always writes
+    before it reads, and its kernels mask the rows after a context (the engine turns it on
+    for FlashAttention 4, whose tiles read those rows: a NaN there poisons the output).
     `layer_windows`: per layer, its sliding window in tokens (None: full attention); with
     the per-layer layout each window size is a layer kind of its own whose pages wholly
     behind the window are given back as a request grows (see `layer_kinds`). The fused
@@ -74,6 +76,11 @@ class CacheConfig:
     more layer kind: a row of whole pages per slot, mapped at its first step, in the same
     budget (`KVCache.state_rows`); `num_snapshots`: rows after the slots' that keep copies of
     states at prefix blocks' ends (`KVCache.snapshot`, the prefix cache).
+    `v_head_dim`: V's width where it differs from K's `head_dim` (multi-head latent attention
+    keeps per token a latent of `head_dim` values as K and a shared RoPE key of `v_head_dim`
+    as V, what transformers' own cache keeps): K and V of a layer then share one buffer, a
+    token's row its K then its V, so that every buffer's tokens have one size (None: V is as
+    wide as K, in a buffer of its own).
     """
 
     num_layers: int
@@ -94,6 +101,7 @@ class CacheConfig:
     layer_windows: tuple[int | None, ...] | None = None
     state_bytes: int = 0
     num_snapshots: int = 0
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_context_len"):
@@ -108,6 +116,9 @@ class CacheConfig:
         for name in ("background", "prefetch", "zero_reused_pages"):
             checks.flag(getattr(self, name), name)
         checks.one_of(self.cuda_driver, "cuda_driver", CUDA_DRIVERS)
+        if self.v_head_dim is not None:
+            v = checks.positive(self.v_head_dim, "v_head_dim")
+            object.__setattr__(self, "v_head_dim", None if v == self.head_dim else v)
         for name in ("state_bytes", "num_snapshots"):
             object.__setattr__(self, name, checks.as_int(getattr(self, name), name, InvalidConfigError, low=0))
         if self.num_snapshots and not self.state_bytes:
@@ -159,8 +170,13 @@ class Geometry:
         return torch.empty((), dtype=self.config.dtype).element_size()
 
     @cached_property
+    def buffers_per_layer(self) -> int:
+        """2 (K and V each in a buffer), or 1 when V's width differs (`CacheConfig.v_head_dim`)."""
+        return 1 if self.config.v_head_dim is not None else 2
+
+    @cached_property
     def num_buffers(self) -> int:
-        return 2 * self.config.num_layers if self.config.layout == "per-layer" else 2
+        return self.buffers_per_layer * (self.config.num_layers if self.config.layout == "per-layer" else 1)
 
     @cached_property
     def layers_per_buffer(self) -> int:
@@ -170,7 +186,7 @@ class Geometry:
     def token_bytes(self) -> int:
         """Bytes one token occupies in one buffer."""
         c = self.config
-        return self.layers_per_buffer * c.num_kv_heads * c.head_dim * self.elem_size
+        return self.layers_per_buffer * c.num_kv_heads * (c.head_dim + (c.v_head_dim or 0)) * self.elem_size
 
     @cached_property
     def token_bytes_all(self) -> int:

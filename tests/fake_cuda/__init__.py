@@ -36,6 +36,7 @@ class FakeCuda:
         lib.fake_cuda_calls.argtypes = [ctypes.c_char_p]
         lib.fake_cuda_calls.restype = ctypes.c_long
         lib.fake_cuda_set_memory_limit.argtypes = [ctypes.c_ulonglong]
+        lib.fake_cuda_set_fill.argtypes = [ctypes.c_int]
         lib.fake_cuda_set_granularity.argtypes = [ctypes.c_ulonglong]
         lib.fake_cuda_violations.restype = ctypes.c_char_p
         for name in ("handles", "mappings", "reservations", "violations"):
@@ -46,7 +47,7 @@ class FakeCuda:
 
     # -- controls ---------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget call counts, injected failures, violations and the memory cap."""
+        """Forget call counts, injected failures, violations, the memory cap and the fill."""
         self.lib.fake_cuda_reset()
 
     def set_fail(self, call: str, ordinal: int = 1, code: int = CUDA_ERROR_UNKNOWN) -> None:
@@ -57,6 +58,11 @@ class FakeCuda:
     def set_memory_limit(self, nbytes: int | None) -> None:
         """cuMemCreate fails with CUDA_ERROR_OUT_OF_MEMORY past `nbytes` live (None: no cap)."""
         self.lib.fake_cuda_set_memory_limit(nbytes or 0)
+
+    def set_fill(self, byte: int | None) -> None:
+        """cuMemCreate fills new memory with `byte` (None: zeros). CUDA promises no zeros:
+        0xff is NaN in every float type."""
+        self.lib.fake_cuda_set_fill(-1 if byte is None else byte)
 
     def set_granularity(self, nbytes: int) -> None:
         """The granularity (default 64 KiB); only while nothing is reserved or created."""

@@ -28,6 +28,8 @@
  *                                            last reset) of `name` returns `code`
  *   fake_cuda_calls(name)                    calls of `name` since the last reset
  *   fake_cuda_set_memory_limit(bytes)        cuMemCreate past this many live bytes: OUT_OF_MEMORY (0: none)
+ *   fake_cuda_set_fill(byte)                 cuMemCreate fills new memory with this byte (-1: zeros, the
+ *                                            default; CUDA promises none: 0xff is NaN in every float type)
  *   fake_cuda_set_granularity(bytes)         only while nothing is reserved or created
  *   fake_cuda_num_handles(), _num_mappings(), _num_reservations(), _num_violations()
  *   fake_cuda_violations()                   the logged violations, one per line
@@ -130,6 +132,7 @@ static uint64_t granularity = 64 << 10;
 static uint64_t memory_limit; /* 0: no cap */
 static uint64_t created_bytes;
 static int memfd = -1;
+static int fill = -1; /* cuMemCreate's new memory: -1 zeros, else this byte (fake_cuda_set_fill) */
 static uint64_t memfd_size;
 
 static Reservation *reservations;
@@ -418,6 +421,13 @@ static CUresult do_create(CUmemGenericAllocationHandle *h, size_t size, const CU
   if (grow((void **)&handles, &cap_handles, num_handles_total + 1, sizeof(Handle))) return CUDA_ERROR_OUT_OF_MEMORY;
   if (memfd < 0 && (memfd = memfd_create("fake-cuda", MFD_CLOEXEC)) < 0) return CUDA_ERROR_OUT_OF_MEMORY;
   if (ftruncate(memfd, (off_t)(memfd_size + size))) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (fill >= 0) { /* what memory new from the driver holds: whatever it held before */
+    static unsigned char chunk[1 << 16];
+    memset(chunk, fill, sizeof(chunk));
+    for (size_t done = 0; done < size; done += sizeof(chunk))
+      if (pwrite(memfd, chunk, size - done < sizeof(chunk) ? size - done : sizeof(chunk),
+                 (off_t)(memfd_size + done)) < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  }
   Handle *x = &handles[num_handles_total++];
   x->offset = memfd_size;
   x->size = size;
@@ -558,6 +568,7 @@ void fake_cuda_reset(void) {
   num_rules = 0;
   violations = 0;
   memory_limit = 0;
+  fill = -1;
   pthread_mutex_unlock(&mu);
 }
 
@@ -574,6 +585,7 @@ long fake_cuda_calls(const char *name) {
 }
 
 void fake_cuda_set_memory_limit(unsigned long long bytes) { memory_limit = bytes; }
+void fake_cuda_set_fill(int byte) { fill = byte; }
 
 int fake_cuda_set_granularity(unsigned long long bytes) {
   pthread_mutex_lock(&mu);

@@ -336,6 +336,20 @@ def test_auth_routes_and_models(srv):
     assert get(srv, "/nowhere").json()["error"]["code"] == 404
 
 
+def test_api_key_from_the_environment(monkeypatch):
+    """`--api-key` defaults to $VATTN_API_KEY, else vllm serve's $VLLM_API_KEY."""
+    from vattn.serve import parser
+
+    monkeypatch.delenv("VATTN_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert parser().parse_args(["m"]).api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert parser().parse_args(["m"]).api_key == "from-vllm"
+    monkeypatch.setenv("VATTN_API_KEY", "from-vattn")
+    assert parser().parse_args(["m"]).api_key == "from-vattn"
+    assert parser().parse_args(["m", "--api-key", "flag"]).api_key == "flag"
+
+
 # --------------------------------------------------------------- cut streams ----
 def test_cut_streams_are_aborted_and_freed(srv, client, caplog):
     import http.client
@@ -892,7 +906,7 @@ def test_vattn_engine_serves_on_cuda(ckpt):
             x = torch.tensor([tok(p).input_ids], device="cuda")
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
                                  pad_token_id=0)
-            want[p] = tok.decode(out[0, x.shape[1]:])
+            want[p] = tok.decode(out[0, x.shape[1]:], skip_special_tokens=True)  # as the server (vLLM's default)
     del model
     server = serve(ckpt, port=free_port(), non_blocking=True, device="cuda", dtype="float32", max_model_len=256,
                    max_num_seqs=8, served_model_name=["tiny"], log_level="warning")
@@ -937,3 +951,63 @@ def test_vattn_engine_serves_on_cuda(ckpt):
         assert whole(prompts[0]) == want[prompts[0]]
     finally:
         server.stop()
+
+
+def test_default_prefix_caching_finds_a_layout_or_steps_aside(ckpt, caplog):
+    """Prefix caching is on by default; where the default layout's blocks outgrow the context
+    (a small model on large pages: 2 MiB on a GPU) the server starts with a layout whose blocks
+    fit, keeping the page size asked for, or without prefix caching where none fits, and says
+    why (an H200 run found `vattn serve --device cuda` refusing to start instead)."""
+    from vattn.serve import build_llm
+
+    caplog.set_level(logging.WARNING, logger="vattn.serve")
+    with build_llm(ckpt, device="cpu", page_size=65536, max_model_len=512) as llm:  # 512-token blocks per layer
+        assert llm.config.enable_prefix_caching and llm.config.layout == "fused"
+        assert llm.cache.page_size == 65536 and llm.prefix_cache is not None
+    with build_llm(ckpt, device="cpu", page_size=65536, max_model_len=8) as llm:  # no block fits in 8 tokens
+        assert not llm.config.enable_prefix_caching and llm.prefix_cache is None
+    said = [r.getMessage() for r in caplog.records if "starting with" in r.getMessage()]
+    assert len(said) == 2 and "layout=fused, page_size=65536" in said[0] and "enable_prefix_caching=False" in said[1]
+    with build_llm(ckpt, device="cpu", page_size=4096, max_model_len=256) as llm:  # fits: nothing changed
+        assert llm.config.layout == "per-layer" and llm.config.enable_prefix_caching
+    assert len([r for r in caplog.records if "starting with" in r.getMessage()]) == 2
+
+
+def test_speculative_config_serves_the_same_and_counts(ckpt, hf):
+    """`--speculative-config` (vllm serve's JSON): n-gram speculation behind the server, greedy
+    answers as without it (generate's), vLLM's spec_decode counters on /metrics; a config the
+    engine refuses is an InvalidConfigError before the server starts; bad JSON an argparse error."""
+    from vattn.errors import InvalidConfigError
+    from vattn.serve import parser, serve
+
+    _, tok = hf
+    server = serve(ckpt, port=free_port(), non_blocking=True, device="cpu", page_size=4096, max_model_len=256,
+                   max_num_seqs=8, served_model_name=["tiny"], log_level="warning",
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                       "prompt_lookup_min": 1})
+    try:
+        wait_ready(server)
+        prompt = "abcabcabcabcabc"  # repeats: drafts are proposed
+        got = post(server, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                               "ignore_eos": True}).json()["choices"][0]["text"]
+        assert got == tok.decode(hf_greedy(hf, tok.encode(prompt), 24))
+        import openai
+
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == got  # several tokens a step, streamed
+        assert chunks[-1].usage.completion_tokens == 24
+        samples = scrape(server)[0]
+        assert samples["vattn:spec_decode_num_draft_tokens_total"].value > 0
+        assert 0 <= samples["vattn:spec_decode_num_accepted_tokens_total"].value \
+            <= samples["vattn:spec_decode_num_draft_tokens_total"].value
+    finally:
+        server.stop()
+    with pytest.raises(InvalidConfigError, match="speculative"):
+        serve(ckpt, port=free_port(), non_blocking=True, device="cpu", speculative_config={"method": "eagle3"})
+    with pytest.raises(SystemExit):
+        parser().parse_args(["m", "--speculative-config", "[1, 2]"])
+    assert parser().parse_args(["m", "--speculative-config", '{"method": "ngram"}']).speculative_config == {
+        "method": "ngram"}

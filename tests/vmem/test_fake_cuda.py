@@ -271,6 +271,36 @@ def test_cache_tensors_are_host_views_of_the_fake(fake_cuda, make):
     assert fake_cuda.live()[:2] == (handles, mappings)
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_zero_reused_pages_clears_memory_new_from_the_driver(fake_cuda, make, background):
+    """CUDA promises no zeros in new memory (the fake fills it with 0xff: NaN in every float
+    type). With zero_reused_pages (the engine's setting for FlashAttention 4, whose tiles read
+    the rows after a context) no row a request did not write holds anything but zeros, be its
+    page new from the driver or an earlier request's; without it, new memory shows through."""
+    fake_cuda.set_fill(0xFF)
+    try:
+        for zero in (False, True):
+            cache = make(page_size=64 * KB, zero_reused_pages=zero, prefetch=False, background=background)
+            r = cache.alloc_reqid()
+            assert cache.step({r: 10})
+            fill(cache, r, 0, 10, 1)
+            check(cache, r, 10, 1)
+            cache.synchronize()
+            tpp = cache.page_size // cache.geometry.token_bytes
+            rows = cache.k_cache(0)[r, 10:tpp]  # after the context, to its page's end
+            assert rows.isnan().all().item() is not zero, (zero, rows.isnan().float().mean())
+            if zero:
+                assert (rows == 0).all()
+                cache.free_reqid(r)  # an earlier request's page: cleared for the next one too
+                r2 = cache.alloc_reqid()
+                assert cache.step({r2: 3})
+                cache.synchronize()
+                assert (cache.k_cache(0)[r2, :tpp] == 0).all()
+            cache.close()
+    finally:
+        fake_cuda.set_fill(None)
+
+
 def _workload(cache, steps: int, seed: int) -> list[Exception]:
     """alloc / step / free at random; errors from the driver are caught, then the books and
     every request's data are checked and the run goes on. Returns the errors."""

@@ -32,6 +32,9 @@ BENCHMARKS: dict[str, str] = {
     "throughput": "throughput",
     "gpu": "gpu",
     "offload": "offload",
+    "peers": "peers",
+    "paper": "paper",
+    "spec": "spec",
 }
 
 

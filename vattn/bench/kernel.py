@@ -300,11 +300,13 @@ def compare(fns: dict[str, Callable[[], Any]], cuda: bool, warmup: int, repeats:
 
 # ---------------------------------------------------------------------- one case ----
 def run_case(layout: str, B: int, ctx: int, phases: list[str], args: argparse.Namespace,
-             notes: list[str]) -> list[dict]:
+             notes: list[str], shape: tuple[int, int, int] | None = None) -> list[dict]:
+    """One (layout, batch, context) case, each phase a row; `shape` (query heads, KV heads,
+    head dim): default Llama-3-8B's on CUDA, a tiny one on the CPU (`vattn bench paper` sets it)."""
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    hkv, hd, hq = (HKV, D, HQ) if cuda else (2, 16, 4)
+    hq, hkv, hd = shape or ((HQ, HKV, D) if cuda else (4, 2, 16))
     layers = FUSED_LAYERS if layout == "fused" else 1
     kern = (fa4_varlen if args.kernel == "flash_attn_4" else torch_flash) if cuda else varlen_emulation
     scale = hd ** -0.5

@@ -14,6 +14,7 @@ from vattn.checks import SEED_MAX, SEED_MIN, as_float, as_int
 from vattn.config import LAYOUTS, PREFETCH_TOKENS, parse_dtype
 from vattn.engine.compile import parse_compile
 from vattn.engine.scheduler import SchedulerConfig
+from vattn.engine.spec_decode import parse_speculative_config
 from vattn.errors import InvalidConfigError
 from vattn.idle import delay_seconds
 from vattn.prefix_cache import check_offload
@@ -55,13 +56,20 @@ class EngineConfig:
     N+1's inputs on the device, so the host's work hides under the device's: None = where it
     hides something (CUDA, one rank), True = always (on the host's CPU, and under tensor
     parallelism where rank 0's tokens reach the other ranks on the host, the same outputs with
-    nothing hidden), False = never; see `LLM.step`).
+    nothing hidden), False = never; see `LLM.step`), cpu_linear (on the host: "auto" = the
+    model's linear layers on oneDNN with packed weights where it runs, as vLLM's CPU build does,
+    2x transformers' MKL matmul on AMD hosts; "onednn" = required; "default" = transformers'
+    `F.linear`: see `vattn.engine.cpu_gemm`).
     Offload tiers under the prefix cache (`vattn.offload`): offload_bytes (None, or bytes of
     host memory for cached blocks evicted from device memory and for swapped-out requests,
     one budget; pinned on CUDA), offload_dir and offload_dir_bytes (a directory, and the
     bytes of files in it, for the blocks evicted from host memory; kept across restarts,
     shareable by processes; needs offload_bytes). They need enable_prefix_caching (a swap-only
     engine may give offload_bytes alone: its swapped-out requests' budget).
+    Speculative decoding: speculative_config (None, or vLLM's dict {"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...}: drafts by
+    n-gram prompt lookup verified in one forward, see `vattn.engine.spec_decode`; not with
+    async_scheduling=True, cuda_graphs=True, tensor parallelism or recurrent states).
     Tensor parallelism (`vattn.engine.parallel`): tensor_parallel_size (ranks the attention
     heads and MLP are split over; > 1 runs under `torchrun --nproc-per-node N`; prefix
     caching and both preemption modes work, their per-rank outcomes agreed between the
@@ -94,9 +102,11 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     compile: bool | str = False
     async_scheduling: bool | None = None
+    cpu_linear: str = "auto"
     offload_bytes: int | None = None
     offload_dir: str | os.PathLike | None = None
     offload_dir_bytes: int | None = None
+    speculative_config: Any = None  # vLLM's dict, parsed into a `vattn.engine.spec_decode.SpecConfig`
 
     def __post_init__(self) -> None:
         if self.budget is not None and not isinstance(self.budget, Budget):
@@ -113,6 +123,7 @@ class EngineConfig:
             if value is not None and not isinstance(value, bool):
                 raise InvalidConfigError(f"{name} must be None, True or False, got {value!r}")
         parse_compile(self.compile)
+        checks.one_of(self.cpu_linear, "cpu_linear", ("auto", "onednn", "default"))
         object.__setattr__(self, "device", checks.device(self.device, optional=True))
         if self.dtype is not None:
             dtype = parse_dtype(self.dtype)
@@ -132,6 +143,7 @@ class EngineConfig:
                 f"max_num_seqs={self.max_num_seqs} is more than max_batch_size={self.max_batch_size} "
                 "(each running sequence holds one cache slot)")
         self._check_parallel()
+        self._check_speculative()
         self.scheduler_config()  # validates the token budget and the preemption mode
         self._check_offload()
 
@@ -145,6 +157,22 @@ class EngineConfig:
                 "(or preemption_mode='swap')")
         if self.offload_dir is not None and not self.enable_prefix_caching:
             raise InvalidConfigError("offload_dir holds cached prefix blocks: give enable_prefix_caching=True")
+
+    def _check_speculative(self) -> None:
+        spec = parse_speculative_config(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is None:
+            return
+        for asked, why in ((self.async_scheduling, "async_scheduling=True: drafts are proposed from the tokens the "
+                                                    "host has, and the step before's are still on the device; pass "
+                                                    "async_scheduling=None or False"),
+                           (self.cuda_graphs, "cuda_graphs=True: the verification forwards (1 + k tokens a sequence) "
+                                              "are not captured yet; pass cuda_graphs=None or False"),
+                           (self.tensor_parallel_size > 1, f"tensor_parallel_size={self.tensor_parallel_size}: the "
+                                                           "ranks do not agree on accepted drafts yet; pass "
+                                                           "tensor_parallel_size=1")):
+            if asked:
+                raise InvalidConfigError(f"speculative_config cannot run with {why} (or speculative_config=None)")
 
     def _check_parallel(self) -> None:
         object.__setattr__(self, "tensor_parallel_size", checks.positive(self.tensor_parallel_size,
@@ -173,6 +201,8 @@ class EngineConfig:
         one rank, where the device runs while the host works)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
+        if self.speculative_config is not None:  # (not with speculative decoding: see _check_speculative)
+            return False
         return self.torch_device().type == "cuda" and self.tensor_parallel_size == 1
 
     def torch_device(self) -> torch.device:

@@ -34,6 +34,7 @@ from vattn.engine.model_runner import InFlight, LoadedModel, ModelRunner, load_m
 from vattn.engine.parallel import AgreedSlots, TensorParallel, TPModelRunner
 from vattn.engine.sampling_params import SamplingParams
 from vattn.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from vattn.engine.spec_decode import NgramProposer, SpecCounters, SpecDecodeStats
 from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from vattn.engine.turns import TurnLock
 from vattn.errors import ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError
@@ -156,8 +157,12 @@ class LLM:
         self.prefix_cache = None
         if self.config.enable_prefix_caching:  # (the salt: the rank's shard config, the same on every rank)
             self.prefix_cache = self.runner.prefix_cache(prefix_salt(loaded.model, loaded.dtype))
+        spec = self.config.speculative_config
+        self._spec_counters = SpecCounters() if spec is not None else None
         self.scheduler = Scheduler(self.config.scheduler_config(), kv,
-                                   eos_token_ids=_eos_token_ids(loaded.model), prefix_cache=self.prefix_cache)
+                                   eos_token_ids=_eos_token_ids(loaded.model), prefix_cache=self.prefix_cache,
+                                   proposer=NgramProposer(spec) if spec is not None else None,
+                                   spec_counters=self._spec_counters)
         self.runner.eos_token_ids = self.scheduler.eos_token_ids  # the sampler masks them under min_tokens
         self.max_context_len = self.runner.max_context_len
         self._next_id = 0
@@ -313,6 +318,14 @@ class LLM:
             return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.block_tokens,
                                     pc.num_host_hit_tokens, pc.num_disk_hit_tokens, host.nbytes,
                                     host.sink.disk_bytes if host.sink is not None else 0)
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's figures: draft tokens proposed and accepted, in total and per
+        request, and the acceptance rate (None without speculative_config)."""
+        if self._spec_counters is None:
+            return None
+        with self._lock:
+            return self._spec_counters.stats()
 
     @property
     def async_scheduling(self) -> bool:
@@ -471,7 +484,8 @@ class LLM:
         while self._in_flight and (drain or len(self._in_flight) > self._depth or not self.scheduler.has_unfinished()):
             scheduled, run = self._in_flight.popleft()
             result = run.result()  # waits for the device
-            changed = self.scheduler.postprocess(scheduled, result.tokens, result.errors, logprobs=result.logprobs)
+            changed = self.scheduler.postprocess(scheduled, result.tokens, result.errors, logprobs=result.logprobs,
+                                                 accepted=result.accepted)
             for samples in _requests_of(changed):
                 out = self._output(samples)
                 if out.finished:
@@ -495,7 +509,8 @@ class LLM:
         metrics = RequestMetrics(
             first.arrival_time, min(first_times, default=None),
             max(s.finished_time for s in samples) if finished else None,
-            sum(len(o.token_ids) for o in outputs))
+            sum(len(o.token_ids) for o in outputs), sum(s.spec.num_draft_tokens for s in samples),
+            sum(s.spec.num_accepted_tokens for s in samples))
         return RequestOutput(
             request_id=first.request_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
             outputs=outputs, finished=finished, num_preemptions=sum(s.num_preemptions for s in samples),

@@ -43,12 +43,13 @@ from vattn.attention import (AttentionKernel, AttentionMetadata, ForwardContext,
 from vattn.cache import KVCache
 from vattn.engine.compile import CompiledForward, compile_mode
 from vattn.engine.config import MODEL_DTYPES, EngineConfig
-from vattn.engine import states
+from vattn.engine import latent, states
 from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
+from vattn.engine.rejection import verify
 from vattn.engine.sampler import NOTHING_SAMPLED, Sampled, Sampler, argmax_tokens  # noqa: F401 - importable here too
 from vattn.engine.scheduler import ScheduledSequence, SeqId
 from vattn.engine.sequence import TokenLogprobs
-from vattn.errors import InvalidConfigError
+from vattn.errors import InvalidConfigError, UnsupportedModelError
 from vattn.prefix_cache import PrefixCache
 
 MAX_DEFAULT_CONTEXT = 4096
@@ -62,6 +63,7 @@ class RunOutput(NamedTuple):
     tokens: dict[SeqId, int]  # the sampled token of every sequence whose computed tokens reached its end
     errors: dict[SeqId, str]  # why a sequence failed (it finishes with "error"); its tokens are not computed
     logprobs: dict[SeqId, TokenLogprobs] = {}  # of sequences that asked (SamplingParams.logprobs); never mutated
+    accepted: dict[SeqId, list[int]] = {}  # speculative decoding: the drafts each verified sequence keeps; never mutated
 
 
 class InFlight:
@@ -74,6 +76,7 @@ class InFlight:
         self.tokens = sampled.tokens  # [S] int64 on the device, or None
         self.errors = sampled.errors
         self.logprobs = sampled.logprobs  # on the device; read by result(), after the tokens' copy
+        self.accepted = sampled.accepted  # on the host (verification reads the target's tokens there)
         self._host = self.tokens  # on CUDA a pinned copy, written when the device gets there
         self._copied: Any = None  # the CUDA event after that copy
         if self.tokens is not None and self.tokens.device.type == "cuda":
@@ -90,7 +93,8 @@ class InFlight:
         errors = self.errors
         logprobs = {sid: entry for rows in self.logprobs for sid, entry in rows.to_host().items()
                     if sid not in errors}
-        return RunOutput({sid: ids[row] for sid, row in self.rows.items() if sid not in errors}, errors, logprobs)
+        return RunOutput({sid: ids[row] for sid, row in self.rows.items() if sid not in errors}, errors, logprobs,
+                         self.accepted)
 
 
 
@@ -237,6 +241,7 @@ class ModelRunner:
         self._unbind_states: Callable[[], None] | None = None
         self.graphs: DecodeGraphs | None = None
         self.previous_attention: str | None = None  # the model's attention before vattn's (None: not switched)
+        self.packed_linears: Any = None  # the host's linear layers on oneDNN (vattn.engine.cpu_gemm)
         self._last: InFlight | None = None  # the iteration launched last: its tokens feed the next one's placeholders
         self.k_caches: list[Any] = []
         self.v_caches: list[Any] = []
@@ -252,13 +257,40 @@ class ModelRunner:
     def _build(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
         """__init__'s work: every refusal that needs no cache first, then the cache and what
         runs on it."""
-        from vattn.integrations.hf import check_model, layer_windows, use_vattn_attention
+        from vattn.integrations.hf import (check_model, has_attention_sinks, latent_modules, layer_kinds,
+                                           layer_windows, use_vattn_attention)
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
-        # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states only on one rank
-        has_states = check_model(self.model, states=config.tensor_parallel_size == 1)
+        # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states and
+        # latent attention only on one rank
+        one_rank = config.tensor_parallel_size == 1
+        has_states = check_model(self.model, states=one_rank, engine=one_rank)
+        latent_layers = latent_modules(self.model)  # their cache keeps the latent (vattn.engine.latent)
+        # what the library kernels, CUDA graphs and compile= do not cover: run eagerly on the sdpa path
+        sinks = has_attention_sinks(self.model)  # gpt-oss
+        if sinks and not one_rank:
+            raise UnsupportedModelError("attention sinks (gpt-oss) run on one rank only: their heads are not sharded")
+        self.eager_only = next((what for what, present in (
+            ("latent attention", latent_layers), ("attention sinks", sinks),
+            ("chunked attention", "chunked_attention" in layer_kinds(self.model.config))) if present), None)
         compiled = compile_mode(config, has_states)  # inductor's mode or None; refusals before the cache exists
+        if compiled and self.eager_only:
+            raise InvalidConfigError(f"compile={config.compile!r} does not cover {self.eager_only} yet; pass "
+                                     "compile=False (it runs eagerly)")
+        from vattn.engine.cpu_gemm import pack_linears
+
+        if compiled is not None and config.cpu_linear == "onednn":
+            raise InvalidConfigError("cpu_linear='onednn' and compile= together: inductor does not lower the packed "
+                                     "linear; leave cpu_linear='auto' (compiled engines keep F.linear)")
+        # (a compiled forward keeps F.linear: inductor cannot lower the packed op)
+        self.packed_linears = pack_linears(self.model, dtype, torch.device(device),
+                                           "default" if compiled is not None else config.cpu_linear)
+        if has_states and config.speculative_config is not None:
+            raise InvalidConfigError(
+                "speculative_config: this model has recurrent-state layers (Mamba2 / gated delta-net), whose states "
+                "a rejected draft would have moved on (no rollback through their snapshots yet); pass "
+                "speculative_config=None")
         hf = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         num_layers = hf.num_hidden_layers
@@ -278,6 +310,11 @@ class ModelRunner:
         windows = layer_windows(hf)  # by the model's layer index; the cache's by its K/V layer
         kv_windows = tuple(windows[layer] for layer in kv_layers) or (None,)
         specs = states.state_specs(self.model) if has_states else []
+        # latent attention: the cache keeps per token what transformers' own cache keeps, one
+        # latent "head" as K and the shared RoPE key as V (another width)
+        spec = latent.latent_spec(self.model, latent_layers) if latent_layers else None
+        if spec is not None:
+            num_kv_heads, head_dim = spec.heads, spec.k_width
         # A batch whose forward raised is run again request by request, unless a layer keeps a
         # state: the layers that ran moved it on
         self.rerun_alone = not specs
@@ -292,14 +329,21 @@ class ModelRunner:
                                  layout=config.layout, physical_memory=config.physical_memory,
                                  background=config.background, prefetch=config.prefetch,
                                  prefetch_tokens=config.prefetch_tokens, budget=config.budget,
+                                 # FlashAttention 4 multiplies the rows after a context (up to its
+                                 # 128-row tile's end) by zero probabilities: they must be finite, so
+                                 # no page reaches a request with what it did not write (measured on
+                                 # an H200: NaN rows there made NaN outputs; docs/gpu.md)
+                                 zero_reused_pages=self.kernel.name == "flash_attn_4",
                                  # sliding-window layers give their pages behind the window back
                                  layer_windows=kv_windows if config.layout == "per-layer" else None,
                                  state_bytes=states.state_bytes(specs),
                                  num_snapshots=states.SNAPSHOTS_PER_SLOT * config.max_batch_size
-                                 if specs and config.enable_prefix_caching else 0)
+                                 if specs and config.enable_prefix_caching else 0,
+                                 v_head_dim=spec.v_width if spec is not None else None)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
-        self._unbind_states = states.bind(self.model, self.cache, specs)
+        unbind_states, unbind_latent = states.bind(self.model, self.cache, specs), latent.install(latent_layers)
+        self._unbind_states = lambda: (unbind_latent(), unbind_states())
         self.slot_tokens = self.cache.geometry.slot_tokens
         # by the model's layer index: [B, T, H_kv, D] each, None for a layer without attention
         self.k_caches = [None] * num_layers
@@ -352,8 +396,12 @@ class ModelRunner:
             why_not = f"they need a CUDA device, not {self.device}"
         elif not self.rerun_alone:
             why_not = "they do not cover the recurrent-state layers (the batch is split by request in Python)"
+        elif self.eager_only:
+            why_not = f"they do not cover {self.eager_only} (run per sequence group in Python)"
         elif config.tensor_parallel_size > 1:
             why_not = "they are not supported under tensor parallelism"
+        elif config.speculative_config is not None:
+            why_not = "they do not capture speculative decoding's verification forwards (speculative_config) yet"
         elif self.kernel.name not in GRAPH_KERNELS:
             why_not = f"they need attention={GRAPH_KERNELS[0]!r}, not {self.kernel.name!r}"
         if why_not is not None and want:
@@ -419,14 +467,20 @@ class ModelRunner:
         sample_rows: list[int] = []  # packed positions whose logits are computed
         rows: list[int] = []  # per sampled sequence, its row of those logits
         sampling = []
+        speculating: list[tuple[SeqId, Any, tuple[int, ...]]] = []  # sequences with drafts, their rows at the end
+        spec_rows: list[int] = []
         for s in batch:
             seq = s.seq
-            start, n = seq.num_computed_tokens, s.num_new_tokens
+            start, n = seq.num_computed_tokens, s.num_new_tokens - len(s.drafts)
             input_ids += seq.token_ids[start:start + n]
             if start + n > len(seq.token_ids):  # its last token is the sample of the iteration in flight
                 placeholders.append((len(input_ids), self._last.rows[seq.seq_id]))
                 input_ids.append(0)  # read on the device (feed)
-            if start + n == seq.num_tokens:
+            if s.drafts:  # speculative decoding: every row from its last token on is verified
+                spec_rows += range(len(input_ids) - 1, len(input_ids) + len(s.drafts))
+                input_ids += s.drafts
+                speculating.append((seq.seq_id, seq.params, s.drafts))
+            elif start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 for x in (seq, *s.fan_out):  # a fan-out: every sample draws from this row
                     rows.append(len(sample_rows) - 1)
@@ -442,14 +496,19 @@ class ModelRunner:
             meta = AttentionMetadata.build(slots, starts, [s.num_new_tokens for s in batch], self.slot_tokens,
                                            self.device)
             ids = self._input_ids(input_ids, placeholders, fed)  # [T]
-            keep = to_device(sample_rows, self.device)  # [S]
+            keep = to_device(sample_rows + spec_rows, self.device)  # [S]
             logits = self._forward(ids[None], keep, meta)  # [S, V]
+        verified = None
+        if speculating:
+            verified = verify(self.sampler, logits[len(sample_rows):], speculating)
+            logits = logits[:len(sample_rows)]
         if not sampling:
-            return NOTHING_SAMPLED
+            return verified or NOTHING_SAMPLED
         if len(rows) != len(sample_rows):
             logits = logits[to_device(rows, logits.device)]  # [S', V]: fan-out rows repeated
-        return self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling],
-                                   seqs=sampling, eos_token_ids=self.eos_token_ids)
+        sampled = self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling],
+                                      seqs=sampling, eos_token_ids=self.eos_token_ids)
+        return sampled if verified is None else Sampled.merge([sampled, verified])
 
     def _input_ids(self, input_ids: list[int], placeholders: list[tuple[int, int]],
                    fed: torch.Tensor | None) -> torch.Tensor:
@@ -505,5 +564,8 @@ class ModelRunner:
         if self.previous_attention is not None:
             previous, self.previous_attention = self.previous_attention, None
             undo(lambda: restore_attention(self.model, previous))
+        if self.packed_linears is not None:
+            packed, self.packed_linears = self.packed_linears, None
+            undo(packed.unpack)
         if failures:
             raise failures[0]

@@ -68,6 +68,8 @@ class Sampled(NamedTuple):
     tokens: torch.Tensor | None  # [S] int64 on the device, one token a row (0 in a row that failed); None: no row
     errors: dict[SeqId, str]  # sequences that failed (their rows' tokens mean nothing)
     logprobs: tuple[LogprobRows, ...] = ()  # of the rows that asked
+    # speculative decoding: the drafts each verified sequence keeps, before its token (never mutated)
+    accepted: dict[SeqId, list[int]] = {}
 
     @staticmethod
     def merge(parts: list[Sampled]) -> Sampled:
@@ -75,7 +77,8 @@ class Sampled(NamedTuple):
         tokens = [p.tokens for p in parts if p.tokens is not None]
         return Sampled([sid for p in parts for sid in p.seq_ids], torch.cat(tokens) if tokens else None,
                        {sid: e for p in parts for sid, e in p.errors.items()},
-                       tuple(lp for p in parts for lp in p.logprobs))
+                       tuple(lp for p in parts for lp in p.logprobs),
+                       {sid: a for p in parts for sid, a in p.accepted.items()})
 
 
 NOTHING_SAMPLED = Sampled([], None, {})
@@ -306,15 +309,7 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         ps = [params[i] for i in rows]
         index = torch.tensor(rows, dtype=torch.int64).to(x.device)
-        xs = x[index] / _column([p.temperature for p in ps], x)  # [R, V]
-        if any(p.min_p for p in ps):
-            xs = apply_min_p(xs, _column([p.min_p for p in ps], xs))
-        vocab = xs.shape[-1]
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
-        use_k, use_p = any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in ps)
-        if use_k or use_p:
-            xs = apply_top_k_top_p(xs, top_k if use_k else None, _column([p.top_p for p in ps], xs) if use_p else None)
-        probs = xs.softmax(-1)  # [R, V]
+        probs = self.probs(x[index], ps)  # [R, V]
         unseeded = [j for j, p in enumerate(ps) if p.seed is None]
         if unseeded:
             self._draw_unseeded(probs, unseeded, rows, tokens, seq_ids, errors)
@@ -326,6 +321,20 @@ class Sampler:
                 tokens[i] = self.draw(probs[j], seq_ids[i], p)
             except Exception as e:  # noqa: BLE001 - this sequence fails, not the batch
                 self._fail(tokens, i, seq_ids[i], e, errors)
+
+    @staticmethod
+    def probs(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+        """The distributions `[R, V]` that rows of (penalised) logits `x [R, V]` draw from, one
+        non-greedy `SamplingParams` a row: / temperature, min_p, top_k, top_p, softmax."""
+        xs = x / _column([p.temperature for p in ps], x)  # [R, V]
+        if any(p.min_p for p in ps):
+            xs = apply_min_p(xs, _column([p.min_p for p in ps], xs))
+        vocab = xs.shape[-1]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
+        use_k, use_p = any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in ps)
+        if use_k or use_p:
+            xs = apply_top_k_top_p(xs, top_k if use_k else None, _column([p.top_p for p in ps], xs) if use_p else None)
+        return xs.softmax(-1)
 
     def _draw_unseeded(self, probs: torch.Tensor, unseeded: list[int], rows: list[int], tokens: torch.Tensor,
                        seq_ids: list[SeqId], errors: dict[SeqId, str]) -> None:

@@ -184,10 +184,21 @@ class SchedulerConfig:
 
 class ScheduledSequence(NamedTuple):
     seq: Sequence
-    num_new_tokens: int  # tokens computed this iteration, from seq.num_computed_tokens on
+    num_new_tokens: int  # tokens computed this iteration, from seq.num_computed_tokens on (drafts included)
     # PENDING samples of seq's request that draw their first token from seq's logits row
     # (seq is sample 0 and this iteration computes the end of its prompt)
     fan_out: tuple[Sequence, ...] = ()
+    # speculative decoding: draft tokens computed after seq's last token (the last num_new_tokens),
+    # verified by the target's rows; the computed length then stands after those accepted
+    drafts: tuple[int, ...] = ()
+
+
+class Proposer(Protocol):
+    """Draft tokens for speculative decoding (`vattn.engine.spec_decode.NgramProposer` fits)."""
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]: ...
+
+    def observe(self, seq: Sequence, proposed: int, accepted: int) -> None: ...
 
 
 class SchedulerOutput(NamedTuple):
@@ -243,8 +254,11 @@ class Scheduler:
     parallel sampling by forking."""
 
     def __init__(self, config: SchedulerConfig, kv: KVSlots, eos_token_ids: Collection[int] = frozenset(),
-                 prefix_cache: PrefixSlots | None = None) -> None:
+                 prefix_cache: PrefixSlots | None = None, proposer: Proposer | None = None,
+                 spec_counters: Any = None) -> None:
         self.config = config
+        self.proposer = proposer  # speculative decoding: drafts for decodes (see `_drafts`)
+        self.spec_counters = spec_counters  # `vattn.engine.spec_decode.SpecCounters`, with a proposer
         self.kv = kv
         self.prefix_cache = prefix_cache
         self.eos_token_ids = frozenset(eos_token_ids)  # stop tokens unless SamplingParams.ignore_eos
@@ -292,8 +306,9 @@ class Scheduler:
             if budget == 0:
                 break
             n = min(seq.num_uncomputed_tokens, budget)
-            plan.append(ScheduledSequence(seq, n))
-            budget -= n
+            drafts = self._drafts(seq, budget - 1) if n == 1 and self.proposer is not None else ()
+            plan.append(ScheduledSequence(seq, n + len(drafts), drafts=drafts))
+            budget -= n + len(drafts)
         admitted: list[Sequence] = []
         self._looked_up.clear()
         skip = 0  # waiting sequences left waiting for their blocks read from disk: those behind go first
@@ -310,8 +325,10 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            plan.append(ScheduledSequence(seq, n))
-            budget -= n
+            # (a sample forked or swapped in with its tokens computed decodes at once: drafts too)
+            drafts = self._drafts(seq, budget - 1) if n == 1 and self.proposer is not None else ()
+            plan.append(ScheduledSequence(seq, n + len(drafts), drafts=drafts))
+            budget -= n + len(drafts)
 
         if skip and not plan:  # nothing to run but reads from disk: wait a little for one, not spin
             getattr(self.prefix_cache, "wait_loads", time.sleep)(LOAD_POLL_S)
@@ -328,6 +345,10 @@ class Scheduler:
                 break
             if backed:
                 break
+            if any(s.drafts for s in plan):  # drafts never cost a sequence its place: run without them first
+                plan = [s._replace(num_new_tokens=s.num_new_tokens - len(s.drafts), drafts=()) if s.drafts else s
+                        for s in plan]
+                continue
             if admitted and len(self.running) > 1:  # never preempt a running sequence for an admission:
                 victim = admitted.pop()  # the newest admitted goes back to waiting (it has not run)
                 self._unadmit(victim)
@@ -351,6 +372,15 @@ class Scheduler:
                 preempted.append(victim)
             plan = [s for s in plan if s.seq is not victim]
         return SchedulerOutput([self._with_fan_out(s) for s in plan], preempted, finished)
+
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Speculative decoding: draft tokens for decoding `seq` (at most `budget`, and never past
+        max_tokens: the drafts accepted and the target's token must fit). None for a sequence with
+        a token in flight (its tokens are not all on the host)."""
+        limit = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if limit <= 0 or seq.num_placeholders:
+            return ()
+        return tuple(self.proposer.propose(seq, limit)[:limit])
 
     def _loading(self, seq: Sequence) -> bool:
         """Whether waiting `seq` waits for its cached blocks read from disk (`PrefixCache.load`
@@ -520,7 +550,7 @@ class Scheduler:
                 seq.error = errors[seq.seq_id]
                 continue
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens - len(item.drafts)  # drafts: once accepted (postprocess)
             self.num_computed_tokens += item.num_new_tokens
             seq.num_failures, seq.has_run, seq.swap = 0, True, None  # a host copy is stale now
             if before < seq.num_prompt_tokens <= seq.num_computed_tokens:
@@ -530,14 +560,17 @@ class Scheduler:
 
     def postprocess(self, scheduled: list[ScheduledSequence], tokens: Mapping[SeqId, int],
                     errors: Mapping[SeqId, str], now: float | None = None,
-                    logprobs: Mapping[SeqId, Any] | None = None) -> list[Sequence]:
+                    logprobs: Mapping[SeqId, Any] | None = None,
+                    accepted: Mapping[SeqId, list[int]] | None = None) -> list[Sequence]:
         """Take the outputs of a committed iteration: a sequence that sampled gets its token
         (`tokens`, in place of its placeholder; its `logprobs` entry too, when it asked) and
         finishes on a stop token, a stop string or max_tokens; one in `errors` finishes with
         "error". A sequence that finished since the iteration was launched (an abort, or its
         previous token stopped it) drops its token. The samples
         of a fan-out get their first token and wait for a slot. Returns every sequence that
-        got a token or finished."""
+        got a token or finished. A sequence that ran drafts gets its `accepted` ones first, each
+        counted computed and checked for a stop like any token (a stop cuts the run there), then its
+        token; the rows of the rest are written over by the next iteration."""
         now = time.perf_counter() if now is None else now
         changed: list[Sequence] = []
         for item in scheduled:
@@ -564,11 +597,32 @@ class Scheduler:
             if token is None:  # a prompt chunk that does not reach the end yet
                 continue
             seq.num_placeholders -= 1
+            if item.drafts:
+                kept = (accepted or {}).get(seq.seq_id, ())
+                self._note_drafts(seq, len(item.drafts), len(kept))
+                for draft in kept:
+                    self._append_token(seq, draft, now)
+                    seq.num_computed_tokens += 1  # its row was computed by this iteration
+                    if seq.is_finished:
+                        break
+                if seq.is_finished:
+                    changed.append(seq)
+                    continue
             self._append_token(seq, token, now, logprobs)
             if seq.error is not None and not seq.is_finished:  # failed while this token was in flight
                 self.finish(seq, "error", seq.error, now)
             changed.append(seq)
         return changed
+
+    def _note_drafts(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        state = seq.spec
+        state.num_drafts += 1
+        state.num_draft_tokens += proposed
+        state.num_accepted_tokens += accepted
+        if self.spec_counters is not None:
+            self.spec_counters.add(seq.request_id, proposed, accepted)
+        if self.proposer is not None:
+            self.proposer.observe(seq, proposed, accepted)
 
     def _append_token(self, seq: Sequence, token: int, now: float,
                       logprobs: Mapping[SeqId, Any] | None = None) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
 from vattn.engine.sampling_params import SamplingParams
+from vattn.engine.spec_decode import DraftState
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -99,6 +100,7 @@ class Sequence:
         asked = params.logprobs is not None
         self.logprobs: list[TokenLogprobs] | None = [] if asked else None  # one per generated token
         self.cumulative_logprob: float | None = 0.0 if asked else None  # sum of the sampled tokens' logprobs
+        self.spec = DraftState()  # speculative decoding: its draft length, its drafts proposed and accepted
 
     def spawn(self, index: int) -> Sequence:
         """A sibling sample (PENDING) of this request, sharing its `samples` list."""
@@ -169,6 +171,9 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_output_tokens: int
+    # speculative decoding (every sample's): draft tokens proposed (computed) and, of those, accepted
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

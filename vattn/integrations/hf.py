@@ -16,7 +16,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from vattn.attention import ForwardContext, attend, forward_context
+from vattn.attention import ForwardContext, attend, forward_context, get_forward_context
 from vattn.cache import KVCache
 from vattn.checks import as_int
 from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
@@ -26,6 +26,9 @@ ATTN_IMPLEMENTATION = "vattn"
 # their K/V, which vattn keeps; "dummy" layers (an MLP-only layer, or one that reads another
 # layer's K/V) keep nothing. Everything else keeps a state vattn does not (see `check_model`).
 SUPPORTED_LAYER_KINDS = ("full_attention", "sliding_attention", "dummy")
+# Kinds vattn's engine on one rank runs besides (`check_model(engine=True)`): Llama 4's chunked
+# local attention (its pages kept as a window of the chunk size, its attention masked to the chunk).
+ENGINE_KINDS = ("chunked_attention",)
 # What the kinds vattn refuses are, for its message.
 _KIND_NAMES = {"linear_attention": "state-space or linear-attention (Mamba, Mamba2, gated delta-net)",
                "hybrid": "attention beside Mamba", "conv": "short-convolution", "chunked_attention": "chunked-attention",
@@ -34,6 +37,9 @@ _KIND_NAMES = {"linear_attention": "state-space or linear-attention (Mamba, Mamb
 # for the mixers it was checked with (greedy equality with generate, tests/test_model_support.py).
 STATE_KINDS = ("linear_attention", "hybrid")
 STATE_MIXERS = ("BambaMixer", "FalconH1Mixer", "Mamba2Mixer", "Qwen3NextGatedDeltaNet")
+# Multi-head latent attention modules (their cache keeps a latent they expand: `expand_kv`) that
+# vattn's engine runs with the latent in its cache (vattn.engine.latent), checked against generate.
+LATENT_ATTENTIONS = ("DeepseekV2Attention", "DeepseekV3Attention")
 # A module's own parameters that only state-space layers have (Mamba, Mamba2, gated delta-net).
 _SSM_PARAMETERS = ("A_log", "dt_bias")
 
@@ -48,25 +54,58 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layer = module.layer_idx
     if kwargs.get("softcap") is not None:
         raise UnsupportedModelError("vattn attention does not support attention logit softcapping (Gemma 2 style)")
-    if kwargs.get("s_aux") is not None:  # gpt-oss: a learned sink logit per head
-        raise UnsupportedModelError("vattn attention does not support attention sinks (gpt-oss's s_aux)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        query = _retune_temperature(module, query)
+    attend_history = getattr(module, "vattn_attend", None)
+    if attend_history is not None:  # latent attention: key/value are each sequence's history (vattn.engine.latent)
+        return attend_history(query, key, value, scale), None
     out = attend(layer, query[0].transpose(0, 1),  # [T, H_q, D]
                  key[0].transpose(0, 1),  # [T, H_kv, D]
-                 value[0].transpose(0, 1), scale, sliding_window)
+                 value[0].transpose(0, 1), scale, sliding_window, kwargs.get("s_aux"),  # (gpt-oss: sinks [H_q])
+                 _attention_chunk(module))
     return out.unsqueeze(0), None  # [1, T, H_q, D]
 
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:
     """Per layer of a transformers config, the sliding window its attention uses (None: full
     attention): `layer_types` where the config has them (Gemma-2/3, Qwen2's
-    use_sliding_window, Ministral, gpt-oss), else `sliding_window` for every layer (Mistral)."""
+    use_sliding_window, Ministral, gpt-oss), else `sliding_window` for every layer (Mistral).
+    A chunked layer (Llama 4) reads at most its `attention_chunk_size` last tokens: for its
+    pages a window of that size (transformers' caches keep it so too)."""
     text = config.get_text_config(decoder=True)
     window = getattr(text, "sliding_window", None)
     types = getattr(text, "layer_types", None)
     if types is None:
         return (window,) * text.num_hidden_layers
-    return tuple(window if t == "sliding_attention" else None for t in types)
+    chunk = getattr(text, "attention_chunk_size", None)
+    return tuple(window if t == "sliding_attention" else chunk if t == "chunked_attention" else None for t in types)
+
+
+def _attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk of a chunked local attention layer (Llama 4: a query at p sees keys from
+    floor(p / chunk) * chunk on), None for any other layer."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    if types is None or types[module.layer_idx] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
+
+
+def _retune_temperature(module: torch.nn.Module, query: torch.Tensor) -> torch.Tensor:
+    """Llama 4's NoPE layers scale each query by a temperature of its position, which the module
+    computes from its cache's length (0 without one: positions 0 .. T-1 of the packed batch).
+    query `[1, H, T, D]` -> scaled by the temperature of each token's own position instead."""
+    meta = get_forward_context().metadata
+    if meta is None:  # the load-time probe: every query sees only its own value
+        return query
+
+    def temperature(positions: torch.Tensor) -> torch.Tensor:  # [T] -> [1, 1, T, 1], as transformers computes it
+        t = torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+        return t.view(1, 1, -1, 1)
+
+    packed = torch.arange(query.shape[2], device=query.device)
+    return (query * (temperature(meta.positions) / temperature(packed))).to(query.dtype)
 
 
 def vattn_mask(*args: Any, **kwargs: Any) -> None:
@@ -156,6 +195,34 @@ def state_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(found.values())
 
 
+def latent_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's attention modules whose cache keeps a compressed latent they expand into
+    K and V themselves (`expand_kv`: DeepSeek-V2/V3's multi-head latent attention)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    return [m for m in decoder.modules() if callable(getattr(m, "expand_kv", None))]
+
+
+def has_attention_sinks(model: torch.nn.Module) -> bool:
+    """Whether an attention module of `model` has learned sinks (gpt-oss's `sinks`, handed to the
+    attention as `s_aux`): vattn runs them in its sdpa path, eagerly (no CUDA graphs, no compile)."""
+    return any(name.rpartition(".")[2] == "sinks" for name, _ in model.named_parameters())
+
+
+def _latent_problem(model: torch.nn.Module, allowed: bool) -> str | None:
+    """Why `model`'s latent attention layers cannot run (None: it has none, or runs them)."""
+    found = latent_modules(model)
+    if not found:
+        return None
+    other = sorted({type(m).__name__ for m in found} - set(LATENT_ATTENTIONS))
+    if allowed and not other and all(isinstance(getattr(m, "layer_idx", None), int) for m in found):
+        return None
+    why = (f"vattn's engine on one rank keeps the latent of {', '.join(LATENT_ATTENTIONS)} only" if allowed
+           else "vattn.LLM on one rank keeps the latent; here K/V of one width per head are kept")
+    return (f"{len(found)} multi-head latent attention layer{'s' * (len(found) > 1)} "
+            f"({', '.join(sorted({type(m).__name__ for m in found}))}: their cache keeps a latent they expand; {why})")
+
+
 class _SelfOnly:
     """A stand-in attention kernel: each query sees only its own token's value."""
 
@@ -190,7 +257,7 @@ def mixes_tokens_outside_attention(model: PreTrainedModel) -> bool:
     return bool((logits[0] - logits[1]).abs().max() > tol * logits.abs().max() + 1e-6)
 
 
-def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False) -> bool:
+def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False, engine: bool = False) -> bool:
     """Raise `UnsupportedModelError` unless every layer of `model` is attention that vattn
     runs (`SUPPORTED_LAYER_KINDS`): state-space (Mamba, Mamba2: Bamba, Falcon-H1, Jamba),
     linear-attention (gated delta-net: Qwen3-Next), convolution and other recurrent layers
@@ -201,17 +268,23 @@ def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False
 
     `states`: the caller keeps recurrent states (vattn's engine, `vattn.engine.states`):
     `STATE_KINDS` layers of `STATE_MIXERS` pass too (the probe cannot tell them apart from
-    other state, so a model with them is not probed). Returns whether the model has them."""
+    other state, so a model with them is not probed). Returns whether the model has them.
+    `engine`: the caller is vattn's engine on one rank, which also runs `ENGINE_KINDS` (chunked
+    attention) and keeps latent attention's latent (`LATENT_ATTENTIONS`, `vattn.engine.latent`);
+    without it a model with them is refused."""
     kinds = layer_kinds(model.config)
     has_states = states and any(k in STATE_KINDS for k in kinds)
-    allowed = SUPPORTED_LAYER_KINDS + (STATE_KINDS if has_states else ())
+    allowed = SUPPORTED_LAYER_KINDS + (STATE_KINDS if has_states else ()) + (ENGINE_KINDS if engine else ())
     by_kind: dict[str, list[int]] = {}
     for i, kind in enumerate(kinds):
         if kind not in allowed:
             by_kind.setdefault(kind, []).append(i)
     problems = [f"{len(ids)} {kind} layer{'s' * (len(ids) > 1)} ({_KIND_NAMES.get(kind, 'not attention')}: "
                 f"{_layers(ids)})" for kind, ids in by_kind.items()]
-    if has_states and not by_kind:
+    latent_problem = _latent_problem(model, engine)
+    if latent_problem:
+        problems.append(latent_problem)
+    elif has_states and not by_kind:
         state_mixers(model)  # raises for a state module vattn was not checked with
         return True
     modules = state_modules(model)
@@ -259,7 +332,7 @@ class _VAttnLayer(CacheLayerMixin):
         self.length = 0  # tokens cached for every row of the batch
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.owner._open(key_states)
+        self.owner._open(key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -362,12 +435,13 @@ class VAttnCache(Cache):
     def batch_size(self) -> int:
         return len(self.slots) if self.slots else -1
 
-    def _open(self, key_states: torch.Tensor) -> None:
-        """Build the vattn cache at the first forward: `[B, H, T, D]` key states."""
+    def _open(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Build the vattn cache at the first forward: `[B, H, T, D]` key states (value states
+        of another width: a latent attention's, in one buffer with K)."""
         if self.kv is not None:
             return
         b, h, _, d = key_states.shape
-        self.kv = KVCache(num_layers=len(self.layers), num_kv_heads=h, head_dim=d,
+        self.kv = KVCache(num_layers=len(self.layers), num_kv_heads=h, head_dim=d, v_head_dim=value_states.shape[-1],
                           max_batch_size=self.max_batch_size or b, max_context_len=self.max_cache_len,
                           dtype=key_states.dtype, device=str(key_states.device), **self._options)
         self.slots = [self.kv.alloc_reqid() for _ in range(b)]

@@ -59,7 +59,7 @@ def build_llm(model: str, *, max_model_len: int | None = None, max_num_seqs: int
               memory_limit: int | None = None, budget: Any = None, budget_limit: int | None = None,
               idle_trim_s: float | None = None, offload_bytes: int | None = None, offload_dir: str | None = None,
               offload_dir_bytes: int | None = None, device: str | None = None,
-              async_scheduling: bool | None = None) -> Any:
+              async_scheduling: bool | None = None, speculative_config: dict | None = None) -> Any:
     """The engine `vattn serve` runs, from its flags (vLLM's names mapped to `EngineConfig`'s).
     InvalidConfigError for what cannot be served, with what to change."""
     from vattn.engine import LLM
@@ -82,7 +82,7 @@ def build_llm(model: str, *, max_model_len: int | None = None, max_num_seqs: int
         enable_prefix_caching=enable_prefix_caching, dtype=DTYPES[dtype], seed=seed, page_size=page_size,
         physical_memory=memory_limit, budget=budget, idle_trim_s=idle_trim_s, offload_bytes=offload_bytes,
         offload_dir=offload_dir, offload_dir_bytes=offload_dir_bytes, device=device,
-        async_scheduling=async_scheduling)
+        async_scheduling=async_scheduling, speculative_config=speculative_config)
     if max_num_seqs is not None:
         kw["max_batch_size"] = max_num_seqs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
@@ -185,6 +185,18 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model
     return Server(server, None, state, gate, url)
 
 
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _bytes(text: str) -> int:
     try:
         value = int(text)
@@ -217,7 +229,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", nargs="+", default=None,
                     help="the name(s) clients send as `model` (the first is the one reported; default: --model)")
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health, /metrics)")
+    ap.add_argument("--api-key", default=os.environ.get("VATTN_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
+                    help="require 'Authorization: Bearer KEY' (all but /health, /metrics); default $VATTN_API_KEY, "
+                         "else $VLLM_API_KEY (vllm serve's variable), else none")
     ap.add_argument("--max-model-len", type=int, default=None, help="tokens of prompt + output a request may have "
                     "(default: the model's max_position_embeddings, at most 4096)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="sequences in a batch at most (default: 16)")
@@ -230,6 +244,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="the engine's sampling seed (requests without `seed`)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="schedule step N+1 while step N runs (default: on CUDA)")
+    ap.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                    help='speculative decoding, as vllm serve takes it: \'{"method": "ngram", '
+                         '"num_speculative_tokens": 4}\' (see docs/engine.md)')
     ap.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
     ap.add_argument("--page-size", type=_bytes, default=None, help="bytes of a vattn page (default: the backend's)")
     ap.add_argument("--memory-limit", type=_bytes, default=None, help="bytes of KV pages at most (default: no limit)")
@@ -274,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
           dtype=a.dtype, seed=a.seed, tensor_parallel_size=a.tensor_parallel_size, page_size=a.page_size,
           memory_limit=a.memory_limit, budget=a.budget, budget_limit=a.budget_limit, idle_trim_s=a.idle_trim_s,
           offload_bytes=a.offload_bytes, offload_dir=a.offload_dir, offload_dir_bytes=a.offload_dir_bytes,
-          device=a.device, async_scheduling=a.async_scheduling, stream_interval=a.stream_interval)
+          device=a.device, async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
+          stream_interval=a.stream_interval)
 
 
 def _engine_of(argv: list[str]) -> str:

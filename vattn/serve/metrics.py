@@ -221,6 +221,7 @@ def engine_figures(llm: Any) -> dict[str, Any]:
         "preemptions": llm.num_preemptions, "idle_trims": llm.num_idle_trims,
         "queries": pc.num_query_tokens if pc else 0, "hits": pc.num_hit_tokens if pc else 0,
         "host": stats.host_bytes, "disk": stats.disk_bytes,
+        "spec": llm.spec_decode_stats(),  # None without --speculative-config
     }
 
 
@@ -273,6 +274,12 @@ class _EngineCollector:
         yield gauge("vattn:offload_disk_bytes", "Bytes the disk offload tier holds.", f.get("disk", 0))
         yield counter("vattn:idle_trims", "Times the idle engine gave its unused KV pages back.",
                       f.get("idle_trims", 0))
+        spec = f.get("spec")
+        if spec is not None:  # vLLM's speculative-decoding counters
+            yield counter("vattn:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
+            yield counter("vattn:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens)
+            yield counter("vattn:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          spec.num_accepted_tokens)
         refused = CounterMetricFamily("vattn:requests_refused", "Requests answered 4xx, by error code.",
                                       labels=[*names, "code"])
         with m._lock:

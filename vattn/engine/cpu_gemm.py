@@ -1,0 +1,113 @@
+"""The host's linear layers on oneDNN with packed weights, as vLLM's CPU build runs them.
+
+transformers' `nn.Linear` calls `F.linear`, which on the host is MKL's sgemm: on this repo's
+AMD EPYC CI machine 2.0-2.5x slower than oneDNN's matmul with its weights reordered once into
+oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight` and
+`_linear_pointwise`, the ops inductor's CPU freezing pass emits), measured at the shapes of
+`vattn bench throughput`'s model (hidden 512, batches of 7 to 1024 rows), one thread. vLLM's
+CPU backend packs its linear weights for oneDNN the same way; `vattn bench peers` found the
+prefill GEMMs the largest part of the gap to it.
+
+`pack_linears(model)` packs every float32 / bfloat16 `nn.Linear` of a model on the host and
+routes its forward through the packed weight when the input has at least `MIN_ROWS` rows (a
+single row is a matrix-vector product, where MKL's gemv is as fast or faster); `unpack()`
+puts the layers back (the engine's close). The results are oneDNN's: equal to `F.linear`
+within float rounding (a self-test at packing checks 1e-4 relative), not bit for bit, like
+vLLM's. The packed copy of the weights is extra memory (as large as the linear weights);
+`LLM(cpu_linear="default")` keeps transformers' `F.linear`. A layer whose weight changes
+after packing keeps the packed (old) weight until the engine closes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("vattn.engine")
+
+MIN_ROWS = 2  # rows (tokens) from which the packed matmul runs: one row is a gemv
+CPU_LINEAR = ("auto", "onednn", "default")
+
+
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's packed linear ops (the x86 CPU builds do)."""
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        if x.dtype != weight.dtype or x.numel() < MIN_ROWS * x.shape[-1] or x.requires_grad:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return forward
+
+
+def _self_test(dtype: torch.dtype) -> str | None:
+    """Why the packed matmul cannot stand in for F.linear here (None: it can)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    try:
+        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None,
+                                                "none", [], "")
+    except RuntimeError as e:
+        return f"oneDNN's linear failed: {e}"
+    ref = F.linear(x.float(), w.float())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    err = float((y.float() - ref).abs().max() / ref.abs().max())
+    return None if err <= tol else f"oneDNN's linear differs from F.linear by {err:.2g} (relative)"
+
+
+class PackedLinears:
+    """The linear layers of a model routed through oneDNN packed weights (`unpack()` undoes it)."""
+
+    def __init__(self, model: Any, dtype: torch.dtype) -> None:
+        self.modules: list[torch.nn.Module] = []
+        self.bytes = 0
+        with torch.no_grad():
+            for module in model.modules():
+                if type(module) is not torch.nn.Linear or module.weight.device.type != "cpu" \
+                        or module.weight.dtype != dtype:
+                    continue
+                w = module.weight.detach()
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+                bias = None if module.bias is None else module.bias.detach()
+                module.forward = _packed_forward(w, bias, packed)  # an instance attribute: unpack() deletes it
+                self.modules.append(module)
+                self.bytes += w.numel() * w.element_size()
+
+    def unpack(self) -> None:
+        for module in self.modules:
+            module.__dict__.pop("forward", None)
+        self.modules = []
+
+
+def pack_linears(model: Any, dtype: torch.dtype, device: torch.device, setting: str) -> PackedLinears | None:
+    """Pack `model`'s linear layers for oneDNN when `setting` asks for it ("auto": on the host
+    for float32 / bfloat16 where oneDNN passes its self-test; "onednn": the same, and an error
+    if it cannot; "default": never). None when nothing was packed."""
+    from vattn.errors import InvalidConfigError
+
+    if setting not in CPU_LINEAR:
+        raise InvalidConfigError(f"cpu_linear must be one of {CPU_LINEAR}, got {setting!r}")
+    if setting == "default" or device.type != "cpu":
+        return None
+    why = None
+    if dtype not in (torch.float32, torch.bfloat16):
+        why = f"the model's dtype is {dtype} (oneDNN's packed linear: float32 or bfloat16)"
+    elif not onednn_available():
+        why = "this torch has no oneDNN (torch.backends.mkldnn)"
+    else:
+        why = _self_test(dtype)
+    if why is not None:
+        if setting == "onednn":
+            raise InvalidConfigError(f"cpu_linear='onednn' cannot run here: {why}; use cpu_linear='default'")
+        logger.info("vattn: the host's linear layers stay on F.linear: %s", why)
+        return None
+    packed = PackedLinears(model, dtype)
+    return packed if packed.modules else None
