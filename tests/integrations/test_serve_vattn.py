@@ -810,6 +810,74 @@ def test_a_request_answered_whole_gets_only_its_final_output():
         loop.close()
 
 
+def test_a_streamed_choice_from_its_template_is_what_json_dumps_writes():
+    """The streamed path writes a plain choice from a template (issue 36): the same bytes as
+    json.dumps of its dict, for any text (quotes, backslashes, controls, non-ASCII, surrogates)."""
+    import json
+
+    from vattn.serve.app import _CHAT_CHOICE, _TEXT_CHOICE, _json_str
+
+    for piece in ["", "a", 'say "hi"\\', "\n\t\x00\x1f\x7f", "caf\u00e9 \u4e2d \U0001f600", "\ud800", "</script>"]:
+        for index in (0, 7, 123):
+            text = {"index": index, "text": piece, "logprobs": None, "finish_reason": None}
+            chat = {"index": index, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
+            assert _TEXT_CHOICE % (index, _json_str(piece)) == json.dumps(text, separators=(",", ":"))
+            assert _CHAT_CHOICE % (index, _json_str(piece)) == json.dumps(chat, separators=(",", ":"))
+
+
+def test_a_steps_inter_token_gaps_are_observed_as_one_update_each():
+    """`ServeMetrics.on_step` observes each distinct inter-token gap of a step once with its
+    count (issue 36): the histogram reads as if observed once per request."""
+    from types import SimpleNamespace
+
+    from vattn.serve.engine import Handle
+    from vattn.serve.metrics import ServeMetrics
+
+    def value(m, name, **labels):
+        return m.registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
+
+    m = ServeMetrics("m", 64, {})
+    handles = [Handle(i, None, num_tokens=3, last_token_time=1.0) for i in range(5)]
+    handles[4].last_token_time = 1.25
+    outs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1, 2, 3, 4])], finished=False) for _ in handles]
+    m.on_step(list(zip(handles, outs)), 1.4, 1.5)
+    assert value(m, "vattn:inter_token_latency_seconds_count") == 5
+    assert value(m, "vattn:inter_token_latency_seconds_bucket", le="0.2") == 0
+    assert value(m, "vattn:inter_token_latency_seconds_bucket", le="0.3") == 1  # 0.25 s, once
+    assert value(m, "vattn:inter_token_latency_seconds_bucket", le="0.5") == 5  # 0.5 s, four times
+    assert value(m, "vattn:inter_token_latency_seconds_sum") == 4 * 0.5 + 0.25
+    assert value(m, "vattn:time_per_output_token_seconds_count") == 5
+    assert value(m, "vattn:generation_tokens_total") == 5
+
+
+def test_a_stream_interval_posts_every_nth_token_and_the_ends():
+    """`EngineLoop(stream_interval=3)` (--stream-interval): a streamed request's output reaches
+    its sink with its first token, then once it has 3 more than it last posted, and when it
+    finishes; an answer whole still only at its end."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vattn.serve.engine import EngineLoop
+
+    loop = asyncio.new_event_loop()
+    try:
+        engine = EngineLoop(SimpleNamespace(), loop, stream_interval=3)
+        whole, streamed = asyncio.Queue(), asyncio.Queue()
+        for rid, (sink, final_only) in enumerate([(whole, True), (streamed, False)]):
+            handle = engine.add(rid, [1], None, sink, final_only=final_only)
+            handle.request_id = rid
+            engine._handles[rid] = handle
+        for n in range(1, 9):
+            engine._deliver([SimpleNamespace(request_id=r, finished=n == 8,
+                                             outputs=[SimpleNamespace(token_ids=[0] * n)]) for r in (0, 1)], 0.0, 0.0)
+        loop.run_until_complete(asyncio.sleep(0))
+        got = [len(streamed.get_nowait()[1].outputs[0].token_ids) for _ in range(streamed.qsize())]
+        assert got == [1, 4, 7, 8]
+        assert whole.qsize() == 1 and whole.get_nowait()[1].finished
+    finally:
+        loop.close()
+
+
 # ---------------------------------------------------------------------- CUDA ----
 @pytest.mark.gpu
 def test_vattn_engine_serves_on_cuda(ckpt):

@@ -12,6 +12,7 @@ bodies (`{"error": {"message", "type", "param", "code"}}`), never FastAPI's 422 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import hmac
 import json
@@ -24,6 +25,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from json.encoder import encode_basestring_ascii as _json_str  # json.dumps' own escaping of a str (ensure_ascii)
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -209,8 +211,7 @@ def build_app(state: ServerState) -> Any:
             return refuse(e)
         run = _Run(state, req, prompts, params)
         if req.stream:
-            return StreamingResponse(run.stream(request), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})
+            return _EventStream(run, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         try:
             return JSONResponse(await run.whole(request))
         except Refusal as e:
@@ -279,7 +280,8 @@ class _Run:
         self.state, self.req, self.prompts, self.params = state, req, prompts, params
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.sink: asyncio.Queue = asyncio.Queue()
+        self.sink = _Mailbox()
+        self.ended = False  # the stream's last event was yielded (`_EventStream` sends it as the body's end)
         self.handles: list[Handle] = []
         self.n = params[0].n if params else 1
         self.finished: dict[int, RequestOutput] = {}
@@ -300,11 +302,9 @@ class _Run:
     async def _next_batch(self) -> dict[int, RequestOutput]:
         """Every output queued by now (at least one), the latest of each engine request: outputs
         are cumulative, so a stream that fell behind by several steps sends one event for them."""
-        tag, out = await self._next()
-        batch = {tag: out}
-        sink = self.sink
-        while not sink.empty():
-            tag, out = self._take(sink.get_nowait())
+        batch = {}
+        for got in await self.sink.take():
+            tag, out = self._take(got)
             batch[tag] = out
         return batch
 
@@ -397,7 +397,7 @@ class _Run:
         return {"content": content}
 
     # ------------------------------------------------------------------- streamed ----
-    async def stream(self, request: Any) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncIterator[bytes]:
         """Server-sent events; the gate (`hf_serve.gate._Gate`) ends them with `data: [DONE]`."""
         self._start()
         sent_tokens: dict[tuple[int, int], int] = {}
@@ -407,6 +407,10 @@ class _Run:
         kind = "chat.completion.chunk" if self.req.chat else "text_completion"
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.state.name}
         prefix = _event(head)[:-3] + b',"choices":'  # the bytes every chunk of this stream starts with
+        # a choice that neither finishes nor carries logprobs (nearly every one of a stream), as
+        # json.dumps writes it, from a template: no dict and no encoder a token (issue 36)
+        plain = _CHAT_CHOICE if self.req.chat else _TEXT_CHOICE
+        want_logprobs = self.req.logprobs is not None
         complete = False
         try:
             if self.req.chat:  # the first chunk of every choice: its role
@@ -445,6 +449,10 @@ class _Run:
                         index = tag * self.n + o.index
                         piece = text[c0:]
                         reason = o.finish_reason if o.finished else None
+                        sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
+                        if reason is None and (not want_logprobs or o.logprobs is None):
+                            choices.append(plain % (index, _json_str(piece)))
+                            continue
                         if self.req.chat:
                             choice = {"index": index, "delta": {"content": piece} if piece or not reason else {},
                                       "logprobs": self._chat_logprobs(_tail(o, t0), 0), "finish_reason": reason}
@@ -455,18 +463,102 @@ class _Run:
                         if reason is not None:
                             choice["stop_reason"] = o.stop_reason
                             done.add(key)
-                        choices.append(choice)
-                        sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
+                        choices.append(json.dumps(choice, separators=(",", ":")))
                 if choices:  # the same bytes as _event({**head, "choices": choices, ["usage": ...]})
                     usage = _dumps(self._usage(list(latest.values()))) if self.req.continuous_usage else None
-                    yield prefix + _dumps(choices) + (b"}\n\n" if usage is None else b',"usage":' + usage + b"}\n\n")
-            if self.req.include_usage:
+                    event = prefix + ("[" + ",".join(choices) + "]").encode() + (
+                        b"}\n\n" if usage is None else b',"usage":' + usage + b"}\n\n")
+                    if len(self.finished) == len(self.handles):
+                        # the last choices: with the usage event, if asked, as one write that ends the body
+                        if self.req.include_usage:
+                            event += _event({**head, "choices": [],
+                                             "usage": self._usage([latest[t] for t in sorted(latest)])})
+                        self.ended = complete = True
+                    yield event
+            if self.req.include_usage and not self.ended:
+                self.ended = True
                 yield _event({**head, "choices": [], "usage": self._usage([latest[t] for t in sorted(latest)])})
             complete = True
         finally:
             if not complete:
                 logger.info("vattn serve: the client of %s cancelled its stream; its requests are aborted", self.id)
             self._abort_open()
+
+
+# a streamed choice that neither finishes nor carries logprobs: `_json_str(piece)` is json.dumps(piece)
+_TEXT_CHOICE = '{"index":%d,"text":%s,"logprobs":null,"finish_reason":null}'
+_CHAT_CHOICE = '{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}'
+
+
+class _Mailbox:
+    """A run's sink: the engine loop's flush puts (tag, output | exception) in it (event loop
+    thread), the run takes what came (`take`: all of it, the stream; `get`: one, the answer
+    whole). One future per wait, set by the first put after it: no asyncio.Queue (its putter and
+    getter bookkeeping) per output."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    async def _wait(self) -> None:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    async def get(self) -> Any:
+        await self._wait()
+        return self.items.popleft()
+
+    async def take(self) -> list:
+        await self._wait()
+        items = list(self.items)
+        self.items.clear()
+        return items
+
+
+class _EventStream(StreamingResponse):
+    """starlette's StreamingResponse (its watch for the client going away included) of a
+    `_Run`'s events, less its per-event layers (issue 36): the body's parts go straight to the
+    gate's `send` (`scope["vattn.send"]`, see hf_serve.gate; starlette's own wrappers of `send`
+    only look for `http.response.start`, which still goes through them), and the stream's last
+    event is the body's end (one write with the gate's `data: [DONE]`, not three)."""
+
+    def __init__(self, run: _Run, **kw: Any) -> None:
+        self.run = run
+        super().__init__(run.stream(), **kw)
+        self.raw_send: Any = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        self.raw_send = scope.get("vattn.send")
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body_send = self.raw_send or send
+        events = self.body_iterator
+        try:
+            async for chunk in events:
+                if self.run.ended:
+                    await body_send({"type": "http.response.body", "body": chunk, "more_body": False})
+                    return
+                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await events.aclose()
 
 
 def _tail(o: CompletionOutput, start: int) -> CompletionOutput:

@@ -5,7 +5,7 @@ without ever waiting for it.
 event loop (asyncio)                     loop thread
   add(ids, params, sink) --inbox-->        drain inbox: llm.add_request / abort_request
   abort(handle)          --inbox-->        llm.step()  (while work exists; else sleep on `wake`)
-  sink.put_nowait(...)   <--call_soon_threadsafe-- one call per step with every output of it
+  sink.put_nowait(...)   <--call_soon_threadsafe-- at most one call pending: the outbox's flush
 ```
 The inbox is a `queue.SimpleQueue` and `wake` a `threading.Event`: the event loop only
 puts and sets. Only the loop thread calls the engine (the engine's `TurnLock` would let
@@ -13,6 +13,13 @@ another thread in between steps; one caller keeps the order of adds and aborts p
 Outputs are cumulative (`RequestOutput` carries every token so far), so a sink that reads
 late loses nothing. Per step, per request that got a token: one tuple and the metrics' few
 observations (`vattn.serve.metrics.ServeMetrics.on_step`); nothing else in Python.
+
+Hand-over (issue 36, the streamed path's cost): a step's outputs go to an outbox; the loop
+thread schedules one `call_soon_threadsafe` (a write to the event loop's self-pipe, a wake-up)
+only when no flush is pending already. An event loop that fell behind (it shares the GIL with
+this thread) takes several steps' outputs in one wake-up, and each stream sends them as one
+event (`_Run._next_batch`), instead of a wake-up, a task switch and an HTTP write per request per
+step it then has to catch up on. The loop thread never waits for the event loop.
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ class Handle:
     last_token_time: float | None = None
     prefill_s: float = 0.0  # how long the step that gave its first token took
     final_only: bool = False  # only its final output goes to `sink` (a non-streamed answer: no wake-up a step)
+    posted_tokens: int = 0  # tokens (all its samples) in the last output posted to `sink` (--stream-interval)
 
 
 class EngineLoop:
@@ -51,13 +59,22 @@ class EngineLoop:
     steps (figures for /metrics) and returns an awaitable of its result."""
 
     def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop,
-                 on_step: Callable[[list[tuple[Handle, RequestOutput]], float, float], None] | None = None) -> None:
+                 on_step: Callable[[list[tuple[Handle, RequestOutput]], float, float], None] | None = None,
+                 stream_interval: int = 1) -> None:
         self.llm = llm
         self.loop = loop
+        # vLLM's --stream-interval: a streamed request's output is posted once it has this many
+        # tokens more than the last one posted (its first token and its end: at once); 1: every step
+        self.stream_interval = stream_interval
         self.on_step = on_step  # (outputs with their handles, step start, step end): metrics, on the loop thread
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._handles: dict[int, Handle] = {}  # engine request id -> handle (loop thread only)
+        # (handle, output | exception) not yet handed to the event loop, and whether a flush of it
+        # is scheduled there; `_outbox_lock` keeps the two consistent between the threads
+        self._outbox: list[tuple[Handle, Any]] = []
+        self._flush_pending = False
+        self._outbox_lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vattn-serve-engine", daemon=True)
         self.num_steps = 0
@@ -165,15 +182,33 @@ class EngineLoop:
                 self.on_step(pairs, start, end)
             except Exception:  # noqa: BLE001 - figures must never stop serving
                 logger.warning("vattn serve: recording metrics failed", exc_info=True)
-        self._post([p for p in pairs if p[1].finished or not p[0].final_only])
+        interval = self.stream_interval
+        if interval <= 1:
+            self._post([p for p in pairs if p[1].finished or not p[0].final_only])
+        else:
+            self._post([p for p in pairs if p[1].finished or (not p[0].final_only and _due(p[0], p[1], interval))])
 
     def _post(self, pairs: list[tuple[Handle, Any]]) -> None:
-        """Hand outputs to the event loop: one call for the whole step."""
-        if pairs:
-            try:
-                self.loop.call_soon_threadsafe(_put_all, pairs)
-            except RuntimeError:  # the event loop is closed: the server is going down
-                pass
+        """Hand outputs to the event loop: into the outbox, and one wake-up unless one is
+        pending already (its flush takes these too)."""
+        if not pairs:
+            return
+        with self._outbox_lock:
+            self._outbox.extend(pairs)
+            if self._flush_pending:
+                return
+            self._flush_pending = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the event loop is closed: the server is going down
+            pass
+
+    def _flush(self) -> None:
+        """(event loop) Every output posted since the last flush, to its sink, in order."""
+        with self._outbox_lock:
+            pairs, self._outbox = self._outbox, []
+            self._flush_pending = False
+        _put_all(pairs)
 
     def _fail_all(self, error: Exception) -> None:
         handles = list(self._handles.values())
@@ -183,6 +218,17 @@ class EngineLoop:
         except Exception:  # noqa: BLE001
             logger.warning("vattn serve: aborting the failed requests failed", exc_info=True)
         self._post([(h, error) for h in handles])
+
+
+def _due(handle: Handle, out: RequestOutput, interval: int) -> bool:
+    """Whether a streamed request's output is posted this step (`stream_interval` > 1): its
+    first tokens, or `interval` tokens more than it last posted (outputs are cumulative: the
+    stream sends what it skipped with the next)."""
+    num = sum(len(o.token_ids) for o in out.outputs)
+    if handle.posted_tokens and num - handle.posted_tokens < interval:
+        return False
+    handle.posted_tokens = num
+    return True
 
 
 def _put_all(pairs: list[tuple[Handle, Any]]) -> None:

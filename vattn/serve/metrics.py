@@ -119,8 +119,10 @@ class ServeMetrics:
         """Observe one step's outputs (on the engine's loop thread): `pairs` of (Handle,
         RequestOutput), `start` / `end` the step's perf_counter times."""
         generated = prompts = 0
+        gaps: dict[float, int] = {}  # inter-token gap -> how many requests had it this step
         for handle, out in pairs:
-            num = sum(len(o.token_ids) for o in out.outputs)
+            outs = out.outputs
+            num = len(outs[0].token_ids) if len(outs) == 1 else sum(len(o.token_ids) for o in outs)
             new = num - handle.num_tokens
             if new > 0:
                 if handle.num_tokens == 0:
@@ -130,13 +132,18 @@ class ServeMetrics:
                     prompts += len(out.prompt_token_ids)
                 else:
                     gap = end - handle.last_token_time
-                    self.itl.observe(gap)
-                    self.tpot_old.observe(gap)
+                    gaps[gap] = gaps.get(gap, 0) + 1
                 handle.num_tokens = num
                 handle.last_token_time = end
                 generated += new
             if out.finished:
                 self._finished(handle, out, end)
+        # the requests that decoded in the step before all have the same gap: one observation of
+        # it with their count, not two histogram updates (a lock each) per request per step on the
+        # thread that runs the engine (issue 36: per-token work there delays every stream)
+        for gap, count in gaps.items():
+            _observe(self.itl, gap, count)
+            _observe(self.tpot_old, gap, count)
         if generated:
             self.generation_tokens.inc(generated)
         if prompts:
@@ -179,6 +186,26 @@ class ServeMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+def _observe(hist: Any, value: float, count: int) -> None:
+    """`hist.observe(value)` `count` times, as one update where prometheus_client's Histogram
+    has the internals it has had since 0.4 (`_sum`, `_buckets`, `_upper_bounds`); otherwise
+    one observe each."""
+    if count == 1:
+        hist.observe(value)
+        return
+    try:
+        total, buckets, bounds = hist._sum, hist._buckets, hist._upper_bounds
+    except AttributeError:
+        for _ in range(count):
+            hist.observe(value)
+        return
+    total.inc(value * count)
+    for i, bound in enumerate(bounds):
+        if value <= bound:
+            buckets[i].inc(count)
+            break
 
 
 def engine_figures(llm: Any) -> dict[str, Any]:

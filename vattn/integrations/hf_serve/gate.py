@@ -51,6 +51,9 @@ class _Gate:
         if receive is None:
             return
         exchange = _Exchange(send)
+        # vattn serve's event streams send their body's parts here directly (`app._EventStream`):
+        # starlette's wrappers of `send` between here and the route only watch for the answer's start
+        scope["vattn.send"] = exchange.send
         self.open.add(exchange)
         try:
             await exchange.run(self.app(scope, exchange.watching(receive), exchange.send))
