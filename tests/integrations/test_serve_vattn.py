@@ -336,6 +336,14 @@ def test_auth_routes_and_models(srv):
     assert get(srv, "/nowhere").json()["error"]["code"] == 404
 
 
+def test_beam_search_is_a_400_that_says_where_it_runs(srv):
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions",
+                                                              {"messages": [{"role": "user", "content": "hi"}]})):
+        r = post(srv, path, {"model": "tiny", "use_beam_search": True, "n": 2, **body})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "use_beam_search" and "beam_search" in err["message"], err
+
+
 def test_api_key_from_the_environment(monkeypatch):
     """`--api-key` defaults to $VATTN_API_KEY, else vllm serve's $VLLM_API_KEY."""
     from vattn.serve import parser

@@ -218,6 +218,10 @@ def _stream(body: dict) -> tuple[bool, bool, bool]:
 
 def _check_fields(body: dict, allowed: frozenset, endpoint: str) -> None:
     unknown = sorted(set(body) - allowed)
+    if "use_beam_search" in unknown and body.get("use_beam_search"):
+        raise Refusal("'use_beam_search': beam search runs in process (vattn.LLM.beam_search holds the engine "
+                      "alone, docs/engine.md), not beside a server's other requests; drop the field",
+                      param="use_beam_search", code="unsupported_field")
     if unknown:
         name = unknown[0]
         raise Refusal(f"unknown field {name!r} for {endpoint}: vattn serve refuses what it would not honour "
