@@ -134,6 +134,20 @@ def scrape(srv) -> tuple[dict, dict]:
     return {s.name: s for f in families for s in f.samples}, {f.name: f for f in families}
 
 
+def cut_after_first_event(url: str, body: dict) -> None:
+    """A streamed completion whose client goes away (shutdown, close) after its first event."""
+    import http.client
+    import urllib.parse
+
+    conn = http.client.HTTPConnection(urllib.parse.urlsplit(url).netloc, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    while not r.readline().startswith(b"data: {"):
+        pass
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
 # ------------------------------------------------------------------- answers ----
 def test_completions_equal_transformers_generate(srv, client, hf):
     _, tok = hf
@@ -367,13 +381,7 @@ def test_cut_streams_are_aborted_and_freed(srv, client, caplog):
     body = json.dumps({"model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True,
                        "ignore_eos": True})
     for _ in range(3):
-        conn = http.client.HTTPConnection(urllib.parse.urlsplit(srv.url).netloc, timeout=60)
-        conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
-        r = conn.getresponse()
-        while not r.readline().startswith(b"data: {"):
-            pass
-        conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away after its first chunk
-        conn.close()
+        cut_after_first_event(srv.url, json.loads(body))  # the client goes away after its first chunk
     deadline = time.monotonic() + 30
     while scrape(srv)[0]["vattn:num_requests_running"].value and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -718,9 +726,6 @@ def test_the_command_serves_and_drains_on_sigterm(ckpt):
 def test_asynchronous_scheduling_serves_the_same(ckpt, client, hf):
     """The engine loop under asynchronous scheduling (CUDA's default; forced here on the host):
     the same answers as the synchronous server, and a cut stream still frees everything."""
-    import http.client
-    import urllib.parse
-
     import openai
 
     from vattn.serve import serve
@@ -738,15 +743,7 @@ def test_asynchronous_scheduling_serves_the_same(ckpt, client, hf):
                   extra_body={"ignore_eos": True})
         assert [c.text for c in other.completions.create(**kw).choices] == \
             [c.text for c in client.completions.create(**kw).choices]
-        conn = http.client.HTTPConnection(urllib.parse.urlsplit(server.url).netloc, timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "a", "max_tokens": 200, "stream": True,
-                                                                 "ignore_eos": True}),
-                     headers={"content-type": "application/json"})
-        r = conn.getresponse()
-        while not r.readline().startswith(b"data: {"):
-            pass
-        conn.sock.shutdown(socket.SHUT_RDWR)
-        conn.close()
+        cut_after_first_event(server.url, {"prompt": "a", "max_tokens": 200, "stream": True, "ignore_eos": True})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             samples, _ = scrape(server)
@@ -894,8 +891,6 @@ def test_vattn_engine_serves_on_cuda(ckpt):
     a stream cut after its first event is aborted and its pages freed; /metrics reads the
     device's pages (2 MiB VMM pages)."""
     import concurrent.futures
-    import http.client
-    import urllib.parse
 
     import openai
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -938,15 +933,8 @@ def test_vattn_engine_serves_on_cuda(ckpt):
         assert got_whole == want, {p: (got_whole[p], want[p]) for p in prompts if got_whole[p] != want[p]}
         assert got_streamed == want
         # a stream cut after its first event: aborted, its pages freed
-        conn = http.client.HTTPConnection(urllib.parse.urlsplit(server.url).netloc, timeout=60)
-        conn.request("POST", "/v1/completions", headers={"content-type": "application/json"},
-                     body=json.dumps({"model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True,
-                                      "ignore_eos": True}))
-        r = conn.getresponse()
-        while not r.readline().startswith(b"data: {"):
-            pass
-        conn.sock.shutdown(socket.SHUT_RDWR)
-        conn.close()
+        cut_after_first_event(server.url, {"model": "tiny", "prompt": "a long story", "max_tokens": 200,
+                                           "stream": True, "ignore_eos": True})
         deadline = time.monotonic() + 30
         while True:
             m = scrape(server)[0]
