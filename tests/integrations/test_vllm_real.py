@@ -98,3 +98,16 @@ def test_plugin_in_real_vllm_gives_stock_tokens_and_finishes(real, page, reserve
     assert len(got["tokens"]) == len(stock["tokens"]) == 32 and equal == 32, f"{equal} of 32 requests equal stock's"
     print(f"page {page} reserve {reserve}: {got['output_tok_s'][0]:.1f} output tok/s "
           f"(stock {stock['output_tok_s'][0]:.1f}), {w['mapped_bytes'] / 2**20:.1f} MiB mapped", file=sys.stderr)
+
+
+def test_misses_grow_the_reserve_in_a_real_scheduler(real):
+    """EngineCore in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) to read its books: at 64
+    KiB pages and the default reserve (one 256 KiB block), vLLM's `allocate_slots` misses, each
+    miss doubles the reserve (the fix), no device refusal, and the tokens are stock's."""
+    run, stock = real
+    got = run("vattn-inproc-64KiB", VATTN_VLLM="1", VATTN_VLLM_PAGE_SIZE=str(64 << 10),
+              VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    books = got["books"]
+    assert books is not None, "EngineCore did not run in this process, or its KV cache is not on vattn memory"
+    assert books["num_misses"] > 0 and books["target"] > 4 and books["num_refusals"] == 0, books
+    assert got["tokens"] == stock["tokens"]

@@ -113,9 +113,16 @@ def main(argv: list[str] | None = None) -> None:
         workers = llm.collective_rpc(worker_stats)
     except Exception as e:  # noqa: BLE001  (a vLLM without callable RPCs: say so, do not fail the run)
         workers = f"{type(e).__name__}: {e}"
+    res_books = None  # the scheduler's books, where EngineCore runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+    skv = getattr(getattr(getattr(getattr(core, "scheduler", None), "kv_cache_manager", None), "block_pool", None),
+                  "vattn", None)
+    if skv is not None:
+        res_books = {"num_misses": skv.num_misses, "num_refusals": skv.num_refusals, "target": skv.target,
+                     "reserve": skv.reserve, "held_groups": skv._held()}
     out_tokens = sum(n for _, n in reqs)
     res = {"tokens": tokens, "wall_s": walls, "output_tok_s": [out_tokens / w for w in walls], "load_s": load_s,
-           "workers": workers, "env": {k: v for k, v in os.environ.items() if k.startswith("VATTN_")}}
+           "workers": workers, "books": res_books, "env": {k: v for k, v in os.environ.items() if k.startswith("VATTN_")}}
     try:
         from vattn.integrations import plugins
         st = plugins._state.get("vllm")
