@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                      "reserve": skv.reserve, "held_groups": skv._held()}
     out_tokens = sum(n for _, n in reqs)
     res = {"tokens": tokens, "wall_s": walls, "output_tok_s": [out_tokens / w for w in walls], "load_s": load_s,
-           "workers": workers, "books": res_books, "env": {k: v for k, v in os.environ.items() if k.startswith("VATTN_")}}
+           "workers": workers, "books": res_books,
+           "env": {k: v for k, v in os.environ.items() if k.startswith("VATTN_")}}
     try:
         from vattn.integrations import plugins
         st = plugins._state.get("vllm")

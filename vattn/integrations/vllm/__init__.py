@@ -50,10 +50,13 @@ different processes (one process with multiprocessing off; the code path is the 
 - **Short of memory** (the limit, `VATTN_VLLM_LIMIT` bytes per worker or `set_limit`):
   `get_num_free_blocks` counts what can be backed now, so `allocate_slots` returns None
   and vLLM preempts or waits, as when its own pool is full. Cached prefix blocks are
-  handed out (evicted) only after the memory under the limit is used. The count looks at
-  the limit only: if the device refuses pages the limit allows (another process took the
-  memory an idle trim gave back), the worker's `create` raises inside `execute_model` and
-  the engine dies. Sharing a GPU, give each process a limit whose sum fits it.
+  handed out (evicted) only after the memory under the limit is used. Under EngineCore the
+  count also covers only the page groups the workers hold created (the reserve,
+  `before_schedule`), so a device that refuses pages is a wait too; the reserve doubles
+  after each schedule in which vLLM's `allocate_slots` found too few free blocks
+  (`watch_misses`), whatever the block and page sizes. On a shared budget the workers keep
+  no reserve and create in `execute_model`, where a refusal ends the engine: there the
+  budget's limit must fit the GPU.
 - **Several servers on one GPU** (`VATTN_BUDGET=NAME`, optional `VATTN_BUDGET_LIMIT`):
   the scheduler's books draw from the budget NAME shared with the other servers of the
   GPU (`vattn.Budget.shared`; the first visible GPU's, one worker's bytes: with tensor
