@@ -67,7 +67,8 @@ def real(tmp_path_factory):
         out, log = tmp / f"{name}.json", tmp / f"{name}.log"
         with log.open("w") as f:
             try:
-                rc = subprocess.run([py, "-m", "tests.integrations.vllm_real_run", str(ckpt), str(out)],
+                extra = vattn_env.pop("VATTN_VLLM_REAL_ARGS", "").split()
+                rc = subprocess.run([py, "-m", "tests.integrations.vllm_real_run", str(ckpt), str(out), *extra],
                                     env={**env, **vattn_env}, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                     timeout=RUN_TIMEOUT_S).returncode
             except subprocess.TimeoutExpired:
@@ -111,3 +112,17 @@ def test_misses_grow_the_reserve_in_a_real_scheduler(real):
     assert books is not None, "EngineCore did not run in this process, or its KV cache is not on vattn memory"
     assert books["num_misses"] > 0 and books["target"] > 4 and books["num_refusals"] == 0, books
     assert got["tokens"] == stock["tokens"]
+
+
+@pytest.mark.parametrize("page", [64 << 10, 2 << 20], ids=["64KiB", "2MiB"])
+def test_idle_trim_gives_memory_back_in_a_running_vllm(real, page):
+    """After the pass the engine idles (`VATTN_VLLM_IDLE_TRIM_S=2`, 6 s): EngineCore's idle loop
+    trims and sends the unmaps to the worker, which then holds the null block's pages only and
+    no reserve; the engine still runs (the run reads the worker afterwards and exits cleanly)."""
+    run, _ = real
+    got = run(f"vattn-idle-{page}", VATTN_VLLM="1", VATTN_VLLM_PAGE_SIZE=str(page), VATTN_VLLM_IDLE_TRIM_S="2",
+              VATTN_VLLM_REAL_ARGS="--requests 8 --idle-wait 6")
+    (busy,), (idle,) = got["workers"], got["workers_after_idle"]
+    null_pages = -(-busy["block_bytes"] // page)  # block 0: always mapped
+    assert busy["mapped_bytes"] > null_pages * page * busy["regions"]
+    assert idle["mapped_bytes"] == null_pages * page * idle["regions"] and idle["spare_groups"] == 0, idle

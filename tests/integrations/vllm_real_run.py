@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=1, help="timed passes (the tokens are the last one's)")
+    ap.add_argument("--idle-wait", type=float, default=0.0,
+                    help="then idle this many seconds and read the workers again (`workers_after_idle`)")
     a = ap.parse_args(argv)
     if a.make_checkpoint:
         make_checkpoint(a.ckpt, a.layers, a.hidden, a.seed)
@@ -113,6 +115,10 @@ def main(argv: list[str] | None = None) -> None:
         workers = llm.collective_rpc(worker_stats)
     except Exception as e:  # noqa: BLE001  (a vLLM without callable RPCs: say so, do not fail the run)
         workers = f"{type(e).__name__}: {e}"
+    after_idle = None
+    if a.idle_wait > 0:  # EngineCore's idle loop trims (VATTN_VLLM_IDLE_TRIM_S) while this process sleeps
+        time.sleep(a.idle_wait)
+        after_idle = llm.collective_rpc(worker_stats)
     res_books = None  # the scheduler's books, where EngineCore runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
     skv = getattr(getattr(getattr(getattr(core, "scheduler", None), "kv_cache_manager", None), "block_pool", None),
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                      "reserve": skv.reserve, "held_groups": skv._held()}
     out_tokens = sum(n for _, n in reqs)
     res = {"tokens": tokens, "wall_s": walls, "output_tok_s": [out_tokens / w for w in walls], "load_s": load_s,
-           "workers": workers, "books": res_books,
+           "workers": workers, "workers_after_idle": after_idle, "books": res_books,
            "env": {k: v for k, v in os.environ.items() if k.startswith("VATTN_")}}
     try:
         from vattn.integrations import plugins
