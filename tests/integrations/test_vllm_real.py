@@ -126,3 +126,24 @@ def test_idle_trim_gives_memory_back_in_a_running_vllm(real, page):
     null_pages = -(-busy["block_bytes"] // page)  # block 0: always mapped
     assert busy["mapped_bytes"] > null_pages * page * busy["regions"]
     assert idle["mapped_bytes"] == null_pages * page * idle["regions"] and idle["spare_groups"] == 0, idle
+
+
+_stock_serve: dict = {}
+
+
+@pytest.mark.parametrize("page", [64 << 10, 2 << 20], ids=["64KiB", "2MiB"])
+def test_vllm_serve_with_the_plugin_gives_stock_tokens(real, page):
+    """`vllm serve` (`python -m vllm.entrypoints.openai.api_server`: API server, EngineCore and
+    worker processes) with `VATTN_VLLM=1`: 8 completions of the workload, token ids in and out,
+    one at a time (a batch of one: the tokens do not depend on arrival times), equal to stock
+    `vllm serve`'s; the worker's KV cache is on vattn memory (its page memfd is open in the
+    server's process tree); the server stops cleanly."""
+    run, _ = real
+    args = "--requests 8 --serve"
+    if not _stock_serve:
+        _stock_serve.update(run("serve-stock", VATTN_VLLM="0", VATTN_VLLM_REAL_ARGS=args))
+    stock = _stock_serve
+    got = run(f"serve-vattn-{page}", VATTN_VLLM="1", VATTN_VLLM_PAGE_SIZE=str(page), VATTN_VLLM_REAL_ARGS=args)
+    assert stock["vattn_memfds"] == 0 and got["vattn_memfds"] > 0
+    assert got["server_rc"] == 0, got["server_rc"]
+    assert len(got["tokens"]) == 8 and got["tokens"] == stock["tokens"]

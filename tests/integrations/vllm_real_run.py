@@ -68,11 +68,97 @@ def worker_stats(worker=None) -> dict | None:
             "regions": len(g.regions), "mapped_bytes": w.mapped_bytes, "spare_groups": len(w.spare), "seq": w.seq}
 
 
+def vattn_memfds(root: int) -> int:
+    """How many of `root`'s process tree's open files are vattn's page memfds (the host
+    backend's `vattn-pages`): > 0 where a worker's KV cache is on vattn memory."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, grew = {root}, True
+    while grew:
+        new = {p for p, pp in parent.items() if pp in tree} - tree
+        tree |= new
+        grew = bool(new)
+    n = 0
+    for pid in tree:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    n += "vattn-pages" in os.readlink(fd)
+                except OSError:
+                    pass
+        except OSError:
+            pass
+    return n
+
+
+def serve_http(a: argparse.Namespace) -> None:
+    """`--serve`: the same requests through `vllm serve` (`python -m
+    vllm.entrypoints.openai.api_server`, the engine in its own processes), one at a time (a
+    batch of one: tokens that do not depend on arrival times), `/v1/completions` with token
+    ids in and out (`return_token_ids`); then the server is stopped (SIGINT, as Ctrl-C)."""
+    import signal
+    import socket
+    import subprocess
+    import urllib.request
+
+    reqs = workload(a.requests, a.seed)
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    max_len = max(len(p) + n for p, n in workload(32, a.seed)) + 8
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", a.ckpt, "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "float32", "--skip-tokenizer-init", "--max-num-seqs",
+           str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-model-len",
+           str(max_len), "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
+    log = open(a.out + ".server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server was not ready in 600 s")
+            time.sleep(1)
+        tokens, t = [], time.perf_counter()
+        for p, n in reqs:
+            body = json.dumps({"model": a.ckpt, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                               "return_token_ids": True}).encode()
+            rq = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(rq, timeout=600) as r:
+                tokens.append(json.loads(r.read())["choices"][0]["token_ids"])
+        wall = time.perf_counter() - t
+        memfds = vattn_memfds(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        log.close()
+    Path(a.out).write_text(json.dumps({"tokens": tokens, "wall_s": wall, "server_rc": rc, "vattn_memfds": memfds,
+                                       "env": {k: v for k, v in os.environ.items() if k.startswith("VATTN_")}}))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("ckpt")
     ap.add_argument("out", nargs="?")
     ap.add_argument("--make-checkpoint", action="store_true")
+    ap.add_argument("--serve", action="store_true", help="through `vllm serve`, one request at a time")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--requests", type=int, default=32)
@@ -85,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.make_checkpoint:
         make_checkpoint(a.ckpt, a.layers, a.hidden, a.seed)
+        return
+    if a.serve:
+        serve_http(a)
         return
 
     from vllm import LLM, SamplingParams
