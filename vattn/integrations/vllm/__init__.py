@@ -50,10 +50,13 @@ different processes (one process with multiprocessing off; the code path is the 
 - **Short of memory** (the limit, `VATTN_VLLM_LIMIT` bytes per worker or `set_limit`):
   `get_num_free_blocks` counts what can be backed now, so `allocate_slots` returns None
   and vLLM preempts or waits, as when its own pool is full. Cached prefix blocks are
-  handed out (evicted) only after the memory under the limit is used. The count looks at
-  the limit only: if the device refuses pages the limit allows (another process took the
-  memory an idle trim gave back), the worker's `create` raises inside `execute_model` and
-  the engine dies. Sharing a GPU, give each process a limit whose sum fits it.
+  handed out (evicted) only after the memory under the limit is used. Under EngineCore the
+  count also covers only the page groups the workers hold created (the reserve,
+  `before_schedule`), so a device that refuses pages is a wait too; the reserve doubles
+  after each schedule in which vLLM's `allocate_slots` found too few free blocks
+  (`watch_misses`), whatever the block and page sizes. On a shared budget the workers keep
+  no reserve and create in `execute_model`, where a refusal ends the engine: there the
+  budget's limit must fit the GPU.
 - **Several servers on one GPU** (`VATTN_BUDGET=NAME`, optional `VATTN_BUDGET_LIMIT`):
   the scheduler's books draw from the budget NAME shared with the other servers of the
   GPU (`vattn.Budget.shared`; the first visible GPU's, one worker's bytes: with tensor
@@ -241,11 +244,45 @@ def before_schedule(engine_core: Any) -> None:
     skv = _scheduler_kv(sched)
     if skv is None or skv.reserve is None:
         return
-    want = skv.want_reserve(waiting=bool(len(getattr(sched, "waiting", ()))))
+    waiting = bool(len(getattr(sched, "waiting", ())))
+    if not watch_misses(sched, skv) and waiting and not len(getattr(sched, "running", ())):
+        skv.note_miss()  # no manager to watch: requests wait and none runs, so memory holds them
+    want = skv.want_reserve(waiting=waiting)
     if want is None:
         return
     ready = engine_core.model_executor.collective_rpc(reserve_rpc, args=(skv.drain(), want))
     skv.confirm(ready if isinstance(ready, list) else [ready], want)
+
+
+def watch_misses(scheduler: Any, skv: SchedulerKV) -> bool:
+    """Tell `skv` of every allocation vLLM finds short (`KVCacheManager.allocate_slots`
+    returns None only when the free blocks, `get_num_free_blocks`, are fewer than the
+    request needs: then it waits or preempts). Installed once, on the scheduler's own
+    manager object (the class is not touched). Without it the books could not know what a
+    waiting request needs: they counted themselves short only below one page's worth of
+    free blocks, and a request needing more than the reserve waited forever (issue 41: 64
+    KiB pages, 256 KiB blocks, a reserve of one block). Returns whether it is installed."""
+    kvm = getattr(scheduler, "kv_cache_manager", None)
+    alloc = getattr(kvm, "allocate_slots", None)
+    if alloc is None:
+        return False
+    if getattr(alloc, "_vattn_watch", None) is skv:
+        return True
+    inner = getattr(alloc, "_vattn_inner", alloc)  # a new SchedulerKV (a new engine) on the same manager
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        blocks = inner(*args, **kwargs)
+        if blocks is None:
+            skv.note_miss()
+        return blocks
+
+    allocate_slots._vattn_watch = skv  # type: ignore[attr-defined]
+    allocate_slots._vattn_inner = inner  # type: ignore[attr-defined]
+    try:
+        kvm.allocate_slots = allocate_slots
+    except AttributeError:  # a manager with __slots__: the page criterion alone
+        return False
+    return True
 
 
 def on_idle(engine_core: Any) -> None:
@@ -369,5 +406,5 @@ __all__ = [
     "UnsupportedLayoutError",
     "OpsOutOfOrderError", "attach", "align_num_blocks", "apply", "apply_rpc", "before_schedule", "enabled",
     "block_layout", "hello_rpc", "idle_wakeup", "kv_cache_buffer", "on_idle", "reserve_rpc", "set_limit", "settings",
-    "start", "take_ops", "worker_kv",
+    "start", "take_ops", "watch_misses", "worker_kv",
 ]

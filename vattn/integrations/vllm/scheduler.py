@@ -153,7 +153,9 @@ class SchedulerKV:
         self.recorder.ready = reserve
         self.target = reserve_groups()  # what the next top-up asks each worker to hold ready
         self.retry_at = 0.0
-        self.short = False  # the last schedule saw less than a page group free
+        self.short = False  # the last schedule saw less than a page group (or a block) free
+        self.misses = 0  # allocations vLLM found short (`note_miss`) since the last `want_reserve`
+        self.num_misses = 0  # ... in all
         self.num_refusals = 0
         self._sync_cap()
         q = block_pool.free_block_queue
@@ -165,8 +167,19 @@ class SchedulerKV:
         """Blocks `get_new_blocks` can give now: vLLM's mapped free blocks and what the
         elastic pool can back under its limit (and the workers' confirmed reserve)."""
         n = self.block_pool.free_block_queue.num_free_blocks + self.pool.available_blocks()
-        self.short = n * self.layout.block_bytes < self.layout.page_size
+        # less than one page group free, or less than one block where a block is larger than a page
+        # (before issue 41 this compared with a page only: never short once one big block was free)
+        g = self.layout
+        self.short = n * g.block_bytes < max(g.page_size, g.block_bytes)
         return n
+
+    def note_miss(self) -> None:
+        """vLLM found fewer free blocks than a request needed (`allocate_slots` returned
+        None: it waits or preempts). The next top-up grows the reserve, whatever the block
+        and page sizes: a request that needs more blocks than the reserve covers is a miss
+        every step until the reserve grows, and with nothing running nothing else frees."""
+        self.misses += 1
+        self.num_misses += 1
 
     def num_unused_blocks(self) -> int:
         """Free blocks whatever the memory (for `reset_prefix_cache`'s "nothing in use")."""
@@ -276,10 +289,12 @@ class SchedulerKV:
 
     def want_reserve(self, waiting: bool, now: float | None = None) -> int | None:
         """The reserve to ask the workers for before the next schedule, or None (enough, or
-        a refusal is being waited out). While requests wait and the last schedule found
-        less than a page group free, the request doubles (up to what the limit allows)."""
+        a refusal is being waited out). The request doubles (up to what the limit allows)
+        when the last schedule missed: vLLM found fewer free blocks than a request needed
+        (`note_miss`), or requests wait and less than a page group (or a block) was free."""
         if self.reserve is None:
             return None
+        missed, self.misses = self.misses > 0, 0
         now = time.monotonic() if now is None else now
         if now < self.retry_at:
             return None
@@ -288,7 +303,7 @@ class SchedulerKV:
         lg = self.limit_groups()
         if lg is not None:
             room = min(room, lg - held)
-        grow = waiting and self.short and self.reserve < room
+        grow = (missed or (waiting and self.short)) and self.reserve < room
         if grow:
             self.target = min(2 * self.target, max(room, 1))
         want = max(0, min(self.target, room))
