@@ -13,6 +13,7 @@ import torch
 torch.set_num_threads(1)
 
 import vattn
+from vattn.prefix_cache import PrefixCache
 from tests import fake_cuda as fake_cuda_lib
 
 # The repository: subprocess tests run from it and put it on PYTHONPATH (`tests.*` imports).
@@ -168,6 +169,20 @@ def fill(cache: vattn.KVCache, slot: int, start: int, end: int, tag: float) -> N
         val = (tag * 1000 + layer * 100 + pos % 97)[:, None, None].to(cache.config.dtype)
         cache.k_cache(layer)[slot, start:end] = val
         cache.v_cache(layer)[slot, start:end] = -val
+
+
+def cached(cache: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float, flush: bool = True) -> None:
+    """A request computes `prompt` (its K/V: `fill`'s pattern `tag`), caches it in the prefix
+    cache `pc` and ends; `flush`: then wait for the offload tiers' writes (the disk writes run on
+    the writer thread)."""
+    r = cache.alloc_reqid()
+    n = pc.map_prefix(r, prompt)
+    assert cache.step({r: len(prompt)})
+    fill(cache, r, n, len(prompt), tag)
+    pc.insert(r, prompt)
+    cache.free_reqid(r)
+    if flush and pc.tiers is not None:
+        assert pc.tiers.flush()
 
 
 def check(cache: vattn.KVCache, slot: int, end: int, tag: float) -> None:

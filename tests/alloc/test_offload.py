@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vattn
-from tests.conftest import REPO, SMALL, check, fill
+from tests.conftest import REPO, SMALL, cached, check, fill
 from vattn.errors import InvalidConfigError, OutOfPhysicalMemoryError
 from vattn.offload import disk as disk_mod
 from vattn.prefix_cache import PrefixCache
@@ -30,18 +30,6 @@ SALT = "tiny-test-model"  # a disk tier needs a salt naming the weights
 def blk(cache: vattn.KVCache) -> int:
     """A block's bytes (one page group: the fake CUDA driver's pages are larger, as many tokens)."""
     return cache.geometry.group_bytes
-
-
-def cached(cache: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float) -> None:
-    """A request computes `prompt` (its K/V: `fill`'s pattern `tag`), caches it and ends."""
-    r = cache.alloc_reqid()
-    n = pc.map_prefix(r, prompt)
-    assert cache.step({r: len(prompt)})
-    fill(cache, r, n, len(prompt), tag)
-    pc.insert(r, prompt)
-    cache.free_reqid(r)
-    if pc.tiers is not None:
-        assert pc.tiers.flush()  # (the disk writes run on the writer thread)
 
 
 def hit(cache: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float | None) -> int:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import vattn
-from tests.conftest import REPO, SMALL, fill
+from tests.conftest import REPO, SMALL, cached as cache_prompt, fill
 from vattn.offload import disk as disk_mod
 from vattn.prefix_cache import PrefixCache
 
@@ -27,12 +27,7 @@ def cache() -> vattn.KVCache:
 
 
 def cached(c: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float) -> None:
-    r = c.alloc_reqid()
-    n = pc.map_prefix(r, prompt)
-    assert c.step({r: len(prompt)})
-    fill(c, r, n, len(prompt), tag)
-    pc.insert(r, prompt)
-    c.free_reqid(r)
+    cache_prompt(c, pc, prompt, tag, flush=False)  # (these tests watch the tiers' writes themselves)
 
 
 def one_block(i: int) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import vattn
-from tests.conftest import SMALL, check, fill
+from tests.conftest import SMALL, cached as cache_prompt, check
 from tests.helpers import NOBODY
 from vattn.errors import InvalidConfigError, UnsafeOffloadDirError
 from vattn.prefix_cache import PrefixCache
@@ -48,12 +48,7 @@ def tiers(c: vattn.KVCache, d: Path, host: int = MB) -> PrefixCache:
 
 
 def cached(c: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float) -> None:
-    r = c.alloc_reqid()
-    n = pc.map_prefix(r, prompt)
-    assert c.step({r: len(prompt)})
-    fill(c, r, n, len(prompt), tag)
-    pc.insert(r, prompt)
-    c.free_reqid(r)
+    cache_prompt(c, pc, prompt, tag, flush=False)  # (these tests watch the tiers' writes themselves)
 
 
 def hit(c: vattn.KVCache, pc: PrefixCache, prompt: list[int], tag: float) -> int:
