@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -141,56 +141,57 @@ def build_app(state: ServerState) -> Any:
                           f"{', '.join(map(repr, state.served_names))}", param="model", code="model_not_found",
                           status=404)
 
+    async def utility(request: Request, answer: Callable[[dict], dict]) -> Response:
+        """A vLLM utility route: the API key, the JSON body, its `model` served here, then
+        `answer(body)` (a Refusal from any of them is the OpenAI error it names)."""
+        refused = unauthorized(request)
+        if refused is not None:
+            return refused
+        try:
+            body = parse_json(await request.body())
+            _served(body.get("model"))
+            return JSONResponse(answer(body))
+        except Refusal as e:
+            return refuse(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+    def tokenized(body: dict) -> dict:
+        tok = state.tokenizer
+        if isinstance(body.get("messages"), list):
+            try:
+                text = tok.apply_chat_template(body["messages"], tokenize=False,
+                                               add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+            except Exception as e:  # noqa: BLE001 - the template's own error, as a 400
+                raise Refusal(f"the chat template cannot render these messages: {e}", param="messages",
+                              code="invalid_value") from None
+            ids = tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+        elif isinstance(body.get("prompt"), str):
+            ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        else:
+            raise Refusal("/tokenize needs `prompt` (a string) or `messages` (a list)", param="prompt",
+                          code="invalid_value")
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    def detokenized(body: dict) -> dict:
+        ids = body.get("tokens")
+        vocab = len(state.tokenizer)
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
+            raise Refusal(f"`tokens` must be a list of token ids in [0, {vocab})", param="tokens",
+                          code="invalid_value")
+        return {"prompt": state.tokenizer.decode(ids)}
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         """vLLM's /tokenize: a `prompt` (`add_special_tokens`, default true) or chat `messages`
         (through the chat template, as /v1/chat/completions); `vllm bench serve` aligns its
         random prompts with it."""
-        refused = unauthorized(request)
-        if refused is not None:
-            return refused
-        try:
-            body = parse_json(await request.body())
-            _served(body.get("model"))
-            tok = state.tokenizer
-            if isinstance(body.get("messages"), list):
-                try:
-                    text = tok.apply_chat_template(body["messages"], tokenize=False,
-                                                   add_generation_prompt=bool(body.get("add_generation_prompt", True)))
-                except Exception as e:  # noqa: BLE001 - the template's own error, as a 400
-                    raise Refusal(f"the chat template cannot render these messages: {e}", param="messages",
-                                  code="invalid_value") from None
-                ids = tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
-            elif isinstance(body.get("prompt"), str):
-                ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
-            else:
-                raise Refusal("/tokenize needs `prompt` (a string) or `messages` (a list)", param="prompt",
-                              code="invalid_value")
-        except Refusal as e:
-            return refuse(e)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+        return await utility(request, tokenized)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         """vLLM's /detokenize: `tokens` (ids of this vocabulary) to `prompt` (text)."""
-        refused = unauthorized(request)
-        if refused is not None:
-            return refused
-        try:
-            body = parse_json(await request.body())
-            _served(body.get("model"))
-            ids = body.get("tokens")
-            vocab = len(state.tokenizer)
-            if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
-                raise Refusal(f"`tokens` must be a list of token ids in [0, {vocab})", param="tokens",
-                              code="invalid_value")
-        except Refusal as e:
-            return refuse(e)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        return JSONResponse({"prompt": state.tokenizer.decode(ids)})
+        return await utility(request, detokenized)
 
     async def generate(request: Request, chat: bool) -> Response:
         refused = unauthorized(request)
