@@ -86,9 +86,13 @@ def build_llm(model: str, *, max_model_len: int | None = None, max_num_seqs: int
     if max_num_seqs is not None:
         kw["max_batch_size"] = max_num_seqs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
+
+    def start() -> Any:
+        return LLM(os.path.abspath(model), **{k: v for k, v in kw.items() if v is not None})
+
     try:
         try:
-            llm = LLM(os.path.abspath(model), **{k: v for k, v in kw.items() if v is not None})
+            llm = start()
         except InvalidConfigError as e:
             alts = getattr(e, "sharing_alternatives", None)
             if alts is None or not enable_prefix_caching:
@@ -97,12 +101,11 @@ def build_llm(model: str, *, max_model_len: int | None = None, max_num_seqs: int
             # a small model's block can outgrow the context. The server then starts with the
             # fused layout (one buffer for all layers: shorter blocks), or without prefix
             # caching where no layout fits, and says so (vllm serve starts with its default too).
-            alts = sorted(alts, key=lambda a: a["page_size"] != page_size)  # a --page-size given is kept if it can be
-            kw.update(alts[0] if alts else {"enable_prefix_caching": False})
-            logger.warning("vattn serve: %s; starting with %s", e, ", ".join(f"{k}={v}" for k, v in
-                                                                          (alts[0] if alts else
-                                                                           {"enable_prefix_caching": False}).items()))
-            llm = LLM(os.path.abspath(model), **{k: v for k, v in kw.items() if v is not None})
+            # A --page-size given is kept where a layout fits at it.
+            change = min(alts, key=lambda a: a["page_size"] != page_size, default={"enable_prefix_caching": False})
+            kw.update(change)
+            logger.warning("vattn serve: %s; starting with %s", e, ", ".join(f"{k}={v}" for k, v in change.items()))
+            llm = start()
     except InvalidConfigError as e:
         raise _in_flag_terms(e, memory_limit) from None
     if llm.tokenizer is None:
