@@ -432,6 +432,14 @@ class SlotBooks:
         self.unref(victims)
         return len(victims)
 
+    def add_created(self, groups: list[Any]) -> None:
+        """Groups new from the driver become spare; under zero_reused_pages they count as
+        dirty (whatever the memory held: CUDA promises no zeros), cleared before a request
+        reads them."""
+        if self.track_dirty:
+            self.dirty.update(groups)
+        self.physical.put_spare(groups)
+
     def note_dirty(self, slots: list[int], groups: list[Any]) -> None:
         """zero_reused_pages: a slot that got a group with someone else's data must be cleared."""
         if self.dirty:

@@ -627,9 +627,7 @@ class Coordinator:
                     groups = physical.create(n - physical.num_created)
                     if groups is None:
                         raise budget_refused(n - physical.num_created, books.geometry.group_bytes)
-                    if books.track_dirty:  # new from the driver: cleared before a request reads them
-                        books.dirty.update(groups)
-                    physical.put_spare(groups)
+                    books.add_created(groups)
                     created += len(groups)
             return created
 

@@ -132,9 +132,7 @@ class Mapper:
         groups = physical.create(need, n - need, unlocked=books.unlocked(background))
         if groups is None:
             raise budget_refused(need, gb)
-        if books.track_dirty:  # new from the driver: whatever the memory held (CUDA promises no zeros)
-            books.dirty.update(groups)
-        physical.put_spare(groups)
+        books.add_created(groups)
 
     def map_slots(self, plan: KindPlan) -> int:
         """Map the plan's given groups, then spare ones, in one backend call (atomic), copy
