@@ -241,6 +241,11 @@ def main() -> None:
         return
     if args.quick:
         args.requests, args.rounds = 64, 1
+    if args.baseline == "vllm" and not os.environ.get("VATTN_VLLM_PYTHON"):
+        from vattn.checks import not_own
+
+        if (why := not_own(args.vllm_python)) is not None:  # a default under /tmp another user could plant
+            raise SystemExit(f"--vllm-python {args.vllm_python}: {why}; name a python you made")
 
     from vattn.bench._models import char_checkpoint
 

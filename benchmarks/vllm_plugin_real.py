@@ -43,6 +43,11 @@ def main() -> None:
     ap.add_argument("--reserve", default=None, help="VATTN_VLLM_RESERVE for the plugin's runs (default: its own)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if not os.environ.get("VATTN_VLLM_PYTHON"):
+        from vattn.checks import not_own
+
+        if (why := not_own(a.python)) is not None:  # a default under /tmp another user could plant
+            raise SystemExit(f"--python {a.python}: {why}; name a python you made")
     tmp = Path(tempfile.mkdtemp(prefix="vllm-plugin-real-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("VATTN_")}
     env.update(OMP_NUM_THREADS=str(a.threads), VLLM_CPU_KVCACHE_SPACE="2", TOKENIZERS_PARALLELISM="false",

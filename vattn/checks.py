@@ -7,6 +7,7 @@ An "int" is anything that is an integer without loss: a Python int, a numpy inte
 from __future__ import annotations
 
 import math
+import os
 import numbers
 import operator
 import re
@@ -189,3 +190,27 @@ def not_regular(st: Any) -> str | None:
         if test(m):
             return what
     return None if stat_mod.S_ISREG(m) else "not a regular file"
+
+
+def not_own(path: str, *, within: str = "/tmp") -> str | None:
+    """Why `path` (an interpreter a benchmark or test would run by default, e.g. a venv under
+    /tmp) might be another user's plant, or None: the path itself (a venv's `python` is a
+    link: its owner counts) and every directory above it up to `within` must be this user's,
+    and no directory writable by group or others. Returns what is wrong, with its owner and mode."""
+    import stat as stat_mod
+
+    p = os.path.abspath(path)
+    stop = os.path.abspath(within)
+    first = True  # (a link's own mode is always 0777: only its owner says who made it)
+    while p not in (stop, os.path.dirname(p)):
+        try:
+            st = os.lstat(p)
+        except OSError as e:
+            return f"{p}: {e.strerror}"
+        if st.st_uid != os.getuid():
+            return f"{p} is not yours ({stat_text(st)})"
+        if not (first and stat_mod.S_ISLNK(st.st_mode)) and stat_mod.S_IMODE(st.st_mode) & 0o022:
+            return f"{p} is writable by others ({stat_text(st)})"
+        first = False
+        p = os.path.dirname(p)
+    return None

