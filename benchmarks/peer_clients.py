@@ -93,6 +93,12 @@ def missing(name: str) -> str | None:
         return f"no guidellm venv at {GUIDELLM_VENV} (VATTN_GUIDELLM_VENV); {how}"
     if name == "prometheus" and shutil.which(PROMETHEUS) is None:
         return f"no `prometheus` binary (VATTN_PROMETHEUS); {how} (Debian's package)"
+    if name in ("vllm", "guidellm"):  # default venvs under /tmp: run only what this user made
+        from vattn.checks import not_own
+
+        exe = VLLM_VENV / "bin" / "python" if name == "vllm" else GUIDELLM_VENV / "bin" / "guidellm"
+        if (why := not_own(str(exe))) is not None:
+            return f"the {name} venv is not one to run: {why}; {how}"
     return None
 
 

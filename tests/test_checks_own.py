@@ -17,6 +17,7 @@ def test_own_paths_pass_and_plants_are_named(tmp_path):
     os.chmod(py.parent, 0o755)
     assert not_own(str(py), within=str(tmp_path)) is None
     assert "No such file" in not_own(str(tmp_path / "none" / "python"), within=str(tmp_path))
+    assert not_own("/usr/bin/env", within=str(tmp_path)) is None  # outside the shared folder: not checked
     os.chmod(tmp_path / "venv", 0o777)  # a folder anyone may write: a python planted in it
     assert "writable by others" in not_own(str(py), within=str(tmp_path))
     os.chmod(tmp_path / "venv", 0o755)

@@ -194,13 +194,16 @@ def not_regular(st: Any) -> str | None:
 
 def not_own(path: str, *, within: str = "/tmp") -> str | None:
     """Why `path` (an interpreter a benchmark or test would run by default, e.g. a venv under
-    /tmp) might be another user's plant, or None: the path itself (a venv's `python` is a
-    link: its owner counts) and every directory above it up to `within` must be this user's,
-    and no directory writable by group or others. Returns what is wrong, with its owner and mode."""
+    /tmp) might be another user's plant, or None: inside the shared folder `within`, the path
+    itself (a venv's `python` is a link: its owner counts) and every directory above it up to
+    `within` must be this user's, none writable by group or others. A path outside `within` is
+    not checked. Returns what is wrong, with its owner and mode."""
     import stat as stat_mod
 
     p = os.path.abspath(path)
     stop = os.path.abspath(within)
+    if os.path.commonpath([p, stop]) != stop:
+        return None  # not in the shared folder: a path the user named, theirs to vouch for
     first = True  # (a link's own mode is always 0777: only its owner says who made it)
     while p not in (stop, os.path.dirname(p)):
         try:
