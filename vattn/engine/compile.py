@@ -33,14 +33,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from vattn.errors import InvalidConfigError
-
-if TYPE_CHECKING:
-    from vattn.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +46,18 @@ logger = logging.getLogger(__name__)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
-def compile_mode(config: EngineConfig, has_states: bool = False) -> str | None:
+class CompileSettings(Protocol):
+    """What `compile_mode` reads of an `EngineConfig` (a protocol, so that this module, which
+    `vattn.engine.config` imports to check `compile=`, does not import it back)."""
+
+    @property
+    def compile(self) -> bool | str: ...
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+
+
+def compile_mode(config: CompileSettings, has_states: bool = False) -> str | None:
     """Inductor's mode for `config.compile`, or None (eager). Raises InvalidConfigError for a
     value it does not take, and for what it does not cover: a model with recurrent states
     (their mixers run per request in Python, `vattn.engine.states`) and tensor parallelism."""
