@@ -81,7 +81,7 @@ def test_scheduler_imports_without_torch():
 
 @pytest.mark.parametrize("modules,blocked", [
     (["vattn.allocator"], ABOVE_THE_BOOKS),
-    (["vattn.block_books"], ABOVE_THE_BOOKS),  # the elastic pool's books, on the same page layer
+    (["vattn.pool.books"], ABOVE_THE_BOOKS),  # the elastic pool's books, on the same page layer
     (["vattn.engine.scheduler", "vattn.engine.sequence"], ABOVE_THE_SCHEDULER),
 ], ids=["books", "pool-books", "scheduler"])
 def test_plain_modules_import_no_torch_anywhere(modules, blocked):

@@ -1,2 +1,2 @@
 """The slot allocator and what it stands on: vattn.allocator, vattn.pages, vattn.cache, the
-elastic pool (vattn.pool, vattn.block_books), prefix caching (vattn.prefix_cache), errors."""
+elastic pool (vattn.pool, vattn.pool.books), prefix caching (vattn.prefix_cache), errors."""

@@ -289,7 +289,7 @@ def test_books_the_host_cannot_hold_are_refused_before_they_are_built(monkeypatc
     """ElasticPool(3 << 30, ...) passed its checks and its books filled host memory until
     the OOM killer ended the process. The books are measured against what the host can
     give, as pages are: a pool that fits is built, one that does not is a clear error."""
-    from vattn import pool as pool_mod
+    from vattn.pool import elastic as pool_mod
     from vattn.vmem import host
 
     monkeypatch.setattr(host, "available_memory", lambda: 8 << 30)  # a host with 8 GiB available

@@ -55,7 +55,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from vattn import checks
-from vattn.block_books import BlockBooks, PoolStats
+from vattn.pool.books import BlockBooks, PoolStats
 from vattn.budget import Budget
 from vattn.checks import as_int
 from vattn.config import CUDA_DRIVERS, parse_dtype
