@@ -140,8 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except VattnError as e:
             print(f"vattn: error: {e}", file=sys.stderr)
             return 2
-    if argv[:1] in (["top"], ["budget"]):  # shared budgets (vattn.budget_cli)
-        from vattn import budget_cli
+    if argv[:1] in (["top"], ["budget"]):  # shared budgets (vattn.budget.cli)
+        from vattn.budget import cli as budget_cli
 
         try:
             return (budget_cli.top_main if argv[0] == "top" else budget_cli.budget_main)(argv[1:])

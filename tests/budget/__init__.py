@@ -1,2 +1,2 @@
-"""The memory budget (vattn.budget, vattn.budget_shared): slots of several caches on one
+"""The memory budget (vattn.budget, vattn.budget.shared): slots of several caches on one
 budget, and one budget shared by processes."""

@@ -26,8 +26,10 @@ import torch
 import vattn
 from tests.conftest import REPO
 from tests.helpers import NOBODY
-from vattn import budget_shared
-from vattn.budget_shared import table as table_mod
+from vattn.budget import shared as budget_shared
+from vattn.budget.shared import directory as directory_mod
+from vattn.budget.shared import table as table_mod
+from vattn.budget.shared import wake
 
 MAX = (1 << 63) - 1  # a table's largest byte value
 MiB = 1 << 20
@@ -90,7 +92,7 @@ def test_a_squatted_user_directory_is_refused(shm, second_user, monkeypatch, tmp
     world-writable one (/dev/shm/vattn-UID): one another user made first is refused."""
     shm.chmod(0o1777)  # like /dev/shm
     monkeypatch.delenv(budget_shared.DIR_ENV)
-    monkeypatch.setattr(table_mod, "SHM", shm)
+    monkeypatch.setattr(directory_mod, "SHM", shm)
     mine = shm / f"vattn-{os.geteuid()}"
     assert budget_shared.budget_dir() == mine
     second_user(f"ln -s {tmp_path} {mine}")  # a link to a directory of root's
@@ -302,7 +304,7 @@ _LEAVE = textwrap.dedent("""
     import json, logging, os, sys
     import numpy as np
     import vattn
-    from vattn.budget_shared import table
+    from vattn.budget.shared import table
     from vattn.vmem.host import process_page_bytes
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -369,7 +371,7 @@ def test_wake_ups_from_a_user_who_may_not_join_are_dropped(second_user):
 
     where = budget_shared.place(create=True)
     nonce = 0x5EED
-    sock = table_mod.listen(nonce)
+    sock = wake.listen(nonce)
     if sock is None:
         pytest.skip("no abstract sockets here")
     try:
@@ -383,7 +385,7 @@ def test_wake_ups_from_a_user_who_may_not_join_are_dropped(second_user):
                         os.setresgid(NOBODY, NOBODY, NOBODY)
                         os.setresuid(NOBODY, NOBODY, NOBODY)
                     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-                        s.sendto(b"!", table_mod.wake_address(os.getppid(), nonce))
+                        s.sendto(b"!", wake.wake_address(os.getppid(), nonce))
                     code = 0
                 finally:
                     os._exit(code)
@@ -391,24 +393,24 @@ def test_wake_ups_from_a_user_who_may_not_join_are_dropped(second_user):
             assert select.select([sock], [], [], 5)[0]
 
         send(as_nobody=True)
-        assert not table_mod.drain(sock, where)  # read, and not counted
+        assert not wake.drain(sock, where)  # read, and not counted
         send(as_nobody=False)
-        assert table_mod.drain(sock, where)
+        assert wake.drain(sock, where)
     finally:
         sock.close()
 
 
 # ------------------------------------------------------------- the import circle ----
 def test_budget_and_budget_shared_import_no_circle():
-    """Issue 30: `vattn.budget_shared` builds on `vattn.budget` through public names;
+    """Issue 30: `vattn.budget.shared` builds on `vattn.budget.base` through public names;
     `vattn.budget` imports it only inside `Budget.shared`, never at import time."""
     def module_level(path: Path) -> list[ast.ImportFrom | ast.Import]:
         return [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
 
-    for node in module_level(REPO / "vattn" / "budget.py"):
+    for node in module_level(REPO / "vattn" / "budget" / "__init__.py"):
         names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-        assert not any(str(n).startswith("vattn.budget_shared") for n in names)
-    for path in (REPO / "vattn" / "budget_shared").glob("*.py"):
+        assert not any(str(n).startswith("vattn.budget.shared") for n in names)
+    for path in (REPO / "vattn" / "budget" / "shared").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "vattn.budget":
+            if isinstance(node, ast.ImportFrom) and node.module in ("vattn.budget", "vattn.budget.base"):
                 assert not [a.name for a in node.names if a.name.startswith("_")], path

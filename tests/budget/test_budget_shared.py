@@ -20,9 +20,9 @@ import pytest
 
 import vattn
 from tests.conftest import REPO
-from vattn import budget_shared
-from vattn.budget_cli import format_budgets, human
-from vattn.budget_shared import list_budgets
+from vattn.budget import shared as budget_shared
+from vattn.budget.cli import format_budgets, human
+from vattn.budget.shared import list_budgets
 from vattn.vmem.host import process_page_bytes as memfd_bytes  # physical bytes, read from /proc
 
 GROUP = 16 << 10  # tests/budget/budget_member.py: 2 layers x K/V x 4 KiB; 32 tokens of a slot

@@ -23,8 +23,8 @@ import pytest
 from tests.budget.test_budget_shared import REPO, live_pids, memfd_bytes, row, wait_for
 from tests.integrations.test_serve import SKIP, burst, call, ckpt, expected, free_port, wait_ready  # noqa: F401
 from tests.integrations.test_serve_requests import parse_metrics
-from vattn import budget_shared
-from vattn.budget_shared import list_budgets
+from vattn.budget import shared as budget_shared
+from vattn.budget.shared import list_budgets
 
 pytestmark = pytest.mark.skipif(bool(SKIP), reason=SKIP)
 

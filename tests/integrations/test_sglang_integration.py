@@ -700,7 +700,7 @@ def test_a_budget_shared_with_another_process(monkeypatch, tmp_path):
     holds all of, cached: SGLang's free count includes those pages, and its allocation
     gets them (the other process, idle, gives them back)."""
     from tests.budget.test_budget_shared import GROUP, Member, memfd_bytes, row, wait_for
-    from vattn import budget_shared
+    from vattn.budget import shared as budget_shared
 
     monkeypatch.setenv(budget_shared.DIR_ENV, str(tmp_path))
     monkeypatch.setenv("VATTN_BUDGET", "sg")

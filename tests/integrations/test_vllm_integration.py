@@ -889,7 +889,7 @@ def test_a_budget_shared_with_another_process(monkeypatch, tmp_path):
     import sys
 
     from tests.budget.test_budget_shared import REPO, Member, memfd_bytes, row, wait_for
-    from vattn import budget_shared
+    from vattn.budget import shared as budget_shared
 
     group = 2 * PAGE  # the scheduler's page group: one page in each of the 2 layers' regions
     monkeypatch.setenv(budget_shared.DIR_ENV, str(tmp_path))
@@ -944,7 +944,7 @@ def test_a_budget_shared_with_another_process(monkeypatch, tmp_path):
 def test_on_a_shared_budget_the_workers_keep_no_reserve(monkeypatch, tmp_path):
     """Under EngineCore the workers keep a reserve of created pages against other processes;
     on a shared budget the budget keeps them off instead (no reserve, no top-ups)."""
-    from vattn import budget_shared
+    from vattn.budget import shared as budget_shared
 
     monkeypatch.setenv(budget_shared.DIR_ENV, str(tmp_path))
     cfg = kv_config()

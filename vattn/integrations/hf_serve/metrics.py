@@ -141,7 +141,7 @@ def _budget(budget: Any) -> Iterator[Any]:
     name = getattr(budget, "name", None)
     if name is None:  # an in-process budget: its pools are this server's
         return
-    from vattn.budget_shared import list_budgets
+    from vattn.budget.shared import list_budgets
 
     labels = ["pid", "label"]
     mapped = GaugeMetricFamily("vattn:budget_member_mapped_bytes", "bytes each member took", labels=labels)

@@ -95,7 +95,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vattn.budget_shared import POLL_S
+from vattn.budget.shared import POLL_S
 from vattn.errors import InvalidConfigError, OpsOutOfOrderError, UnsupportedLayoutError  # (re-exported)
 from vattn.idle import MAX_DELAY
 from vattn.integrations import _env

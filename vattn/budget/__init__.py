@@ -1,18 +1,22 @@
 """`Budget`: one physical-memory budget that several caches (several models) draw from.
 
 Bytes are the unit; the participants' protocol (register, try_take, reclaim, give) and the
-rules that keep it deadlock-free are in `vattn.budget_base`.
+rules that keep it deadlock-free are in `vattn.budget.base`.
 
-The books live in `vattn.budget_base` (`BudgetBase`), which the members of a budget shared by
-processes (`vattn.budget_shared`) build on as well; `Budget` adds `Budget.shared`, and every
-budget is a `Budget` (`isinstance(Budget.shared(...), Budget)`), so `vattn.budget_shared` never
+The books live in `vattn.budget.base` (`BudgetBase`), which the members of a budget shared by
+processes (`vattn.budget.shared`) build on as well; `Budget` adds `Budget.shared`, and every
+budget is a `Budget` (`isinstance(Budget.shared(...), Budget)`), so `vattn.budget.shared` never
 imports this module back.
+
+The package, by job: this module (`Budget`, the public class), `base` (`BudgetBase`: the books
+of one process and the participants' protocol), `shared/` (one budget shared by the processes
+of a GPU or host: `Budget.shared`), `cli` (`vattn top`, `vattn budget set-limit`).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from vattn.budget_base import BudgetBase, BudgetStats, Cached, Reclaim
+from vattn.budget.base import BudgetBase, BudgetStats, Cached, Reclaim
 
 
 class Budget(BudgetBase):
@@ -39,13 +43,13 @@ class Budget(BudgetBase):
         the current GPU if there is one, else the host. `member_limit`: bytes this process
         may take at most. `label`: the name `vattn top` shows (default: the command).
         Pass it wherever a `Budget` goes (`KVCache(budget=)`, `ElasticPool`, `LLM`);
-        `vattn.budget_shared` explains the mechanism. Calling it again in the same process
+        `vattn.budget.shared` explains the mechanism. Calling it again in the same process
         returns the same member. Only processes of the same user join (the tables are in
         /dev/shm/vattn-UID), or of a group in a directory shared on purpose
         (`VATTN_BUDGET_DIR`, mode 2770): docs/budget.md, "Who may join". Byte values are at
         most 2**63 - 1 (`InvalidConfigError` past it); `device` must exist."""
         # imported on use: a process-local budget never loads the table machinery (sockets, /dev/shm)
-        from vattn.budget_shared import join
+        from vattn.budget.shared import join
 
         return join(name, limit, device=device, member_limit=member_limit, label=label)
 

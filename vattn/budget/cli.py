@@ -1,5 +1,5 @@
 """`vattn top` and `vattn budget set-limit`: the shared budgets of this machine, live, and
-their limits changed at run time (see `vattn.budget_shared`)."""
+their limits changed at run time (see `vattn.budget.shared`)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ import time
 from fractions import Fraction
 from typing import Any, Sequence
 
-from vattn.budget_shared import Skipped, budget_dir, set_limit, survey
+from vattn.budget.shared import Skipped, budget_dir, set_limit, survey
 from vattn.checks import MAX_BYTES
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

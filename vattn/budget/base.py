@@ -29,7 +29,7 @@ returns how many bytes it gave. It must not raise; it may give back more or less
 than asked.
 
 `BudgetBase` holds those books for one process; `vattn.Budget` (`vattn.budget`) is the public
-class, and the members of a budget shared by processes (`vattn.budget_shared`) build on it too.
+class, and the members of a budget shared by processes (`vattn.budget.shared`) build on it too.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class BudgetStats:
 
 class BudgetBase(metaclass=ABCMeta):  # ABCMeta: `vattn.Budget` counts every budget as one (its __subclasshook__)
     """The books of a thread-safe physical-memory budget in bytes (limit, bytes taken, participants).
-    Use `vattn.Budget`; `vattn.budget_shared.SharedBudget` builds on it too."""
+    Use `vattn.Budget`; `vattn.budget.shared.SharedBudget` builds on it too."""
 
     def __init__(self, limit: int | None = None) -> None:
         self._lock = threading.Lock()

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from vattn.budget_base import BudgetBase, BudgetStats
-from vattn.budget_shared.table import (
-    ANSWER_S, POLL_S, DamagedTableError, Place, Table, check_name, claim, close_sender, device_key, drain,
-    forget_sender, listen, place, unlink_if_same, wake_members)
+from vattn.budget.base import BudgetBase, BudgetStats
+from vattn.budget.shared.directory import Place, check_name, device_key, place, unlink_if_same
+from vattn.budget.shared.table import ANSWER_S, POLL_S, Table, claim
+from vattn.budget.shared.wake import close_sender, drain, forget_sender, listen, wake_members
 from vattn.checks import MAX_BYTES, byte_count, byte_limit
-from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
+from vattn.errors import ClosedError, DamagedTableError, InvalidConfigError, InvalidRequestError
 
 logger = logging.getLogger("vattn.budget")
 

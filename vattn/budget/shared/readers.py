@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
-from vattn.budget_shared.member import registry_locked
-from vattn.budget_shared.table import (
-    ANSWER_S, PREFIX, Place, Table, UnsafeTableError, budget_dir, check_name, open_locked, place, unlink_if_same,
-    wake_members)
+from vattn.budget.shared.member import registry_locked
+from vattn.budget.shared.directory import PREFIX, Place, budget_dir, check_name, place, unlink_if_same
+from vattn.budget.shared.table import ANSWER_S, Table, open_locked
+from vattn.budget.shared.wake import wake_members
 from vattn.checks import MAX_BYTES, byte_limit
-from vattn.errors import InvalidRequestError, VattnError
+from vattn.errors import InvalidRequestError, UnsafeTableError, VattnError
 
 
 class Skipped(NamedTuple):

@@ -48,18 +48,20 @@ after they are released, so the physical memory of all members together never ex
 the limit (the vLLM integration is the exception: its scheduler counts, and its workers
 unmap what it gave back with their next step or idle call, within about `POLL_S`).
 
-The package, by job: `table` (the file in /dev/shm: layout, locks, rows, the books, the
-wake-ups), `member` (this process's `SharedBudget`: its lease on the budget and its
-responder thread), `readers` (`list_budgets` and `set_limit` for `vattn top` / `vattn budget`,
-from any process).
+The package, by job: `directory` (where the tables live, who may join, the checks a file passes
+before it is opened, a device's key), `table` (the file in /dev/shm: layout, locks, rows,
+the books), `wake` (the wake-up sockets), `member` (this process's `SharedBudget`: its lease
+on the budget and its responder thread), `readers` (`list_budgets` and `set_limit` for
+`vattn top` / `vattn budget`, from any process).
 """
 from __future__ import annotations
 
-from vattn.budget_shared.member import SharedBudget, SharedBudgetStats, join
-from vattn.budget_shared.readers import Skipped, Survey, list_budgets, reading, set_limit, survey
-from vattn.budget_shared.table import (  # noqa: F401 - MAX_MEMBERS, PREFIX, check_name: re-exported
-    ANSWER_S, DIR_ENV, MAX_MEMBERS, POLL_S, PREFIX, DamagedTableError, Place, UnsafeTableError, budget_dir,
-    check_name, device_key, place, table_path)
+from vattn.budget.shared.member import SharedBudget, SharedBudgetStats, join
+from vattn.budget.shared.directory import (  # noqa: F401 - PREFIX, check_name: re-exported
+    DIR_ENV, PREFIX, Place, budget_dir, check_name, device_key, place, table_path)
+from vattn.budget.shared.readers import Skipped, Survey, list_budgets, reading, set_limit, survey
+from vattn.budget.shared.table import ANSWER_S, MAX_MEMBERS, POLL_S  # noqa: F401 - MAX_MEMBERS: re-exported
+from vattn.errors import DamagedTableError, UnsafeTableError
 
 _reading = reading  # the name the tests have used
 
