@@ -439,6 +439,8 @@ def hybrid_plot(result: dict[str, Any]) -> Any:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set(yscale="log", ylabel="requests that fit / uniform-16 (log)",
            title=f"hybrid models: requests that fit {result['budget_gib']:g} GiB (memory per request, time-averaged)")
+    ratios = [r["fit_vs_uniform"] for r in rows]
+    ax.set_ylim(0.6 * min(ratios), 8 * max(ratios))  # room for the legend above the bars
     ax.set_xticks(range(len(cases)), [f"{m}\n{w}" for m, w in cases], rotation=45, ha="right", fontsize=7)
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
