@@ -50,6 +50,7 @@ def test_kernel_figures(tmp_path) -> None:
     assert main(["bench", "paper", "--quick", "--figure", "2", "3", "6", "--out", str(tmp_path)]) == 0
     index = json.loads((tmp_path / "paper_host.json").read_text())["result"]
     assert set(index["figures"]) == {"2", "3", "6"} and not index["failures"]
+    assert index["figures"]["3"]["file"] == "paper_fig3_host.json"  # beside the index, wherever that is
     f2, f3, f6 = _load(tmp_path, 2), _load(tmp_path, 3), _load(tmp_path, 6)
     assert [r["context"] for r in f2["rows"]] == f2["scaled"]["contexts"]["used"]
     assert f2["scaled"]["contexts"]["paper"] == [1024, 2048, 4096, 8192, 16384, 32768]

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             payload = {"benchmark": f"paper_fig{n}", "environment": _common.environment(args.device),
                        "config": {k: v for k, v in vars(args).items() if k not in ("bench", "out", "no_plot")},
                        "result": res}
-            entry["path"] = str(_common.save(f"paper_fig{n}_{tag}", payload, fig, out=args.out))
+            entry["file"] = _common.save(f"paper_fig{n}_{tag}", payload, fig, out=args.out).name  # beside the index
             if fig is not None:
                 close(fig)
         figures[str(n)] = entry
