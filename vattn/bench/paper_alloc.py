@@ -27,6 +27,8 @@ def _decode(model: Any, reqs: list, args: argparse.Namespace, tok_bytes: int) ->
 
 # ---------------------------------------------------------- allocation: fig 4 ----
 def fig4(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
+    """Decode tokens/s against the batch (900-token requests) and the allocation bandwidth it
+    needs, against what a synchronous `step` maps per page size."""
     from . import alloc
 
     batches = pick(args, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300], [1, 8, 32, 64, 128, 256, 300], [1, 32, 128],
@@ -68,6 +70,8 @@ def fig4(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
 
 # --------------------------------------------------------------- fig 11 overlap ----
 def fig11(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
+    """Decode iteration latency with pages mapped inside `step` (sync) or by the background worker,
+    per page size."""
     from . import overlap
 
     cuda = is_cuda(args)
@@ -85,7 +89,8 @@ def fig11(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
     rows = []
     for layout, page in progress(configs, desc="fig11", unit="page"):
         oargs = argparse.Namespace(device=args.device, modes=["sync", "background"], batch=batch, iters=None,
-                                   quick=args.quick, budget_s=None, warmup=4, layers=layers, hidden=None if cuda else 64,
+                                   quick=args.quick, budget_s=None, warmup=4, layers=layers,
+                                   hidden=None if cuda else 64,
                                    heads=None if cuda else 16, kv_heads=None if cuda else 16,
                                    head_dim=None if cuda else 128, page_size=page, layout=layout, stagger=False,
                                    reserve=False, repeats=1, eager=False, seed=args.seed)

@@ -193,6 +193,7 @@ TRACE_LONGEST_PROMPT = 4096  # the arXiv trace's prompts are at most 4054 tokens
 
 
 def fig8(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
+    """Requests per minute on the arXiv trace, prompts scaled to each context."""
     paper = [65536, 131072, 196608]
     ctxs = pick(args, paper, paper, [65536], [1024, 2048, 3072], [512, 1024], scaled, "contexts")
     n = pick(args, "the arXiv trace", 64, 16, 16, 4, scaled, "requests")
@@ -290,6 +291,7 @@ def online_hf_cb(model: Any, reqs: list, arrivals: list[float], args: argparse.N
 
 
 def fig9(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
+    """Request latency under Poisson arrivals at two fractions of vattn's offline capacity."""
     from vattn.report import latency_stats
 
     ctx = pick(args, "the arXiv trace", 16384, 4096, 1024, 512, scaled, "context (prompts scaled to it)")

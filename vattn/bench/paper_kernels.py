@@ -56,6 +56,7 @@ def _kernel_rows(args: argparse.Namespace, cases: list[tuple[int, int]], phase: 
 
 
 def fig2(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
+    """Prefill attention latency, paged (blocks of 16) against the vattn cache and a contiguous tensor."""
     paper = [1024, 2048, 4096, 8192, 16384, 32768]
     ctxs = pick(args, paper, paper, [1024, 4096, 16384], [1024, 2048, 4096], [256, 512, 1024], scaled, "contexts")
     out = _kernel_rows(args, [(1, c) for c in ctxs], "prefill", [16], scaled, "fig2")
@@ -70,6 +71,7 @@ def fig2(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
 
 
 def fig3(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
+    """Decode attention latency against the batch, paged at blocks of 16-128 against the vattn cache."""
     batches = pick(args, [1, 2, 4, 8, 16], [1, 2, 4, 8, 16], [1, 4, 16], [1, 2, 4, 8, 16], [1, 4], scaled, "batches")
     ctx = pick(args, 16384, 16384, 16384, 4096, 1024, scaled, "context")
     blocks = [16, 32, 64, 128]
@@ -86,6 +88,7 @@ def fig3(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
 
 
 def fig6(args: argparse.Namespace, scaled: dict) -> dict[str, Any]:
+    """One request's prefill attention tokens/s against the context, paged (16) against the vattn cache."""
     paper = [2048, 4096, 8192, 16384, 32768, 65536, 131072, 196608]
     ctxs = pick(args, paper, paper, [2048, 16384, 65536], [1024, 2048, 4096], [512, 1024], scaled, "contexts")
     out = _kernel_rows(args, [(1, c) for c in ctxs], "prefill", [16], scaled, "fig6")
