@@ -10,6 +10,7 @@ import torch
 from vattn.cli import main
 
 ENV_KEYS = {"device", "torch", "commit", "date"}
+MiB = 1 << 20
 
 
 def _load(folder, name: str) -> dict:
@@ -70,6 +71,52 @@ def test_fragmentation_hybrid_models(tmp_path) -> None:
     for r in res["replays"]:
         assert r["measured_full_MiB"] == pytest.approx(r["model_full_MiB"], rel=1e-9), r
         assert r["measured_window_MiB"] == pytest.approx(r["model_window_MiB"], rel=1e-9), r
+
+
+def test_fragmentation_new_layer_kinds(tmp_path) -> None:
+    """DeepSeek-V3's latent, Llama 4's chunks and GPT-OSS's 128-token windows: each manager's
+    bytes at one iteration are the closed form's, and the rows at 128K follow from them."""
+    import numpy as np
+
+    from vattn.bench import _hybrid
+
+    def held(model: str, manager: str, length: int) -> dict[str, int]:  # one decode taking it to `length`
+        m = next(x for x in _hybrid.MANAGERS if x.name == manager)
+        h = _hybrid.held(m, _hybrid.HYBRIDS[model], np.array([length]), np.array([length - 1]))
+        return {k: int(v[0]) for k, v in h.items()}
+
+    # DeepSeek-V3, 61 layers: 576 latent values a token (1,152 bytes) against 128 heads x (192 + 128)
+    assert held("deepseek-v3", "pools", 1000)["full"] == 1008 * 1152 * 61  # 63 blocks of 16 latent rows
+    assert held("deepseek-v3", "uniform-16", 1000)["full"] == 1008 * 128 * 320 * 2 * 61
+    assert held("deepseek-v3", "vattn-L-64K", 1000)["full"] == -(-1000 * 1152 // 65536) * 65536 * 61  # one buffer
+    # Llama 4 Scout: 36 chunked layers (8192) and 12 NoPE full ones, 8 KV heads x 128 (2,048 bytes K)
+    tb = 8 * 128 * 2
+    assert held("llama-4-scout", "pools", 10000)["window"] == (625 - 512) * 16 * 2 * tb * 36  # from 8192
+    assert held("llama-4-scout", "vattn-L-64K", 10000)["window"] == (313 - 1808 * tb // 65536) * 65536 * 2 * 36
+    assert held("llama-4-scout", "pools", 10000)["full"] == 10000 * 2 * tb * 12
+    # GPT-OSS-120B: 18 window layers of 128 tokens, 18 full ones, 8 KV heads x 64 (1,024 bytes K)
+    assert held("gpt-oss-120b", "pools", 1000)["window"] == (63 - 872 // 16) * 16 * 2 * 1024 * 18
+    assert held("gpt-oss-120b", "vattn-L-2M", 1000)["window"] == 2 * MiB * 2 * 18  # 2,048 tokens a page
+    assert held("gpt-oss-120b", "vattn-L-64K", 5000)["window"] == (79 - 4872 // 64) * 65536 * 2 * 18
+
+    assert main(["bench", "fragmentation", "--hybrid", "--requests", "100", "--hybrid-requests", "30",
+                 "--hybrid-contexts", "131072", "--hybrid-replay-requests", "0", "--hybrid-models", "deepseek-v3",
+                 "llama-4-scout", "gpt-oss-120b", "--no-plot", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "fragmentation_hybrid_host.json").read_text())["result"]
+    rows = {(r["model"], r["manager"]): r for r in res["rows"] if r["workload"] == "long-128K"}
+    assert len(rows) == 3 * len(_hybrid.MANAGERS)
+    ds = {m: r for (model, m), r in rows.items() if model == "deepseek-v3"}
+    assert ds["pools"]["fit_vs_uniform"] == pytest.approx(128 * 320 / 576)  # 71x: the latent, same blocks
+    assert ds["vattn-L-64K"]["tokens_per_page"] == pytest.approx(65536 / 1152)
+    assert ds["pools"]["fit"] >= ds["vattn-L-64K"]["fit"] >= ds["vattn-L-2M"]["fit"] > 60 * ds["uniform-16"]["fit"]
+    for model in ("llama-4-scout", "gpt-oss-120b"):  # windows given back; keeping them costs about uniform's
+        r = {m: x for (mo, m), x in rows.items() if mo == model}
+        assert r["pools"]["fit"] > r["vattn-L-64K"]["fit"] > r["vattn-L-2M"]["fit"] > r["uniform-16"]["fit"]
+        assert r["vattn-L-2M-keep"]["fit"] < r["uniform-16"]["fit"] * 1.01
+        assert r["pools"]["full_MiB"] == r["uniform-16"]["full_MiB"]  # full layers: every token either way
+    # vattn keeps a chunked layer as a window of its chunk: up to a chunk more than the pools' chunk start
+    l4 = {m: x for (mo, m), x in rows.items() if mo == "llama-4-scout"}
+    assert 1.5 < l4["vattn-L-64K"]["window_MiB"] / l4["pools"]["window_MiB"] < 2.1
 
 
 def test_fragmentation_trace_csv(tmp_path, capsys: pytest.CaptureFixture) -> None:

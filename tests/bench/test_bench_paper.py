@@ -3,13 +3,16 @@ host through the real command and writes its JSON (with the environment) and PNG
 are on structure and on values computed deterministically, never on timings."""
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import random
 
 import pytest
 import torch
 
 import vattn
-from vattn.bench import paper
+from vattn.bench import paper, paper_common, paper_engines
 from vattn.cli import main
 
 ENV_KEYS = {"device", "torch", "commit", "date"}
@@ -27,6 +30,13 @@ def _load(folder, n: int) -> dict:
     return res
 
 
+def _check_decode(row: dict, system: str, iterations: int) -> None:
+    """Figure 7's numbers of one engine: finite, positive, from `iterations` decode iterations."""
+    tok_s, mean, ms = row[f"{system}_decode_tok_s"], row[f"{system}_decode_tok_s_mean"], row[f"{system}_iteration_ms"]
+    assert all(math.isfinite(x) and x > 0 for x in (tok_s, mean, ms)), row
+    assert row[f"{system}_decode_iterations"] == iterations, row
+
+
 def test_help_lists_paper(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as e:
         main(["bench", "--help"])
@@ -40,6 +50,7 @@ def test_kernel_figures(tmp_path) -> None:
     assert main(["bench", "paper", "--quick", "--figure", "2", "3", "6", "--out", str(tmp_path)]) == 0
     index = json.loads((tmp_path / "paper_host.json").read_text())["result"]
     assert set(index["figures"]) == {"2", "3", "6"} and not index["failures"]
+    assert index["figures"]["3"]["file"] == "paper_fig3_host.json"  # beside the index, wherever that is
     f2, f3, f6 = _load(tmp_path, 2), _load(tmp_path, 3), _load(tmp_path, 6)
     assert [r["context"] for r in f2["rows"]] == f2["scaled"]["contexts"]["used"]
     assert f2["scaled"]["contexts"]["paper"] == [1024, 2048, 4096, 8192, 16384, 32768]
@@ -91,7 +102,9 @@ def test_engine_figures_vattn_only(tmp_path) -> None:
     f7, f8, f9 = _load(tmp_path, 7), _load(tmp_path, 8), _load(tmp_path, 9)
     for res in (f7, f8, f9):
         assert res["systems"] == ["vattn"] and any("--no-paged-engine" in n for n in res["notes"])
-    assert [r["batch"] for r in f7["rows"]] == [1, 4] and all(r["vattn_decode_tok_s"] > 0 for r in f7["rows"])
+    assert [r["batch"] for r in f7["rows"]] == [1, 4]
+    for r in f7["rows"]:  # timed per decode iteration inside the run: a real figure, never nan
+        _check_decode(r, "vattn", r["new_tokens"] - 1)
     assert [r["context"] for r in f8["rows"]] == [512, 1024]
     assert f8["rows"][0]["prompt_tokens"] < f8["rows"][1]["prompt_tokens"]  # prompts scaled to the context
     assert all(r["vattn_requests_per_min"] > 0 and r["requests"] == 4 for r in f8["rows"])
@@ -119,9 +132,36 @@ def test_cuda_without_gpu_fails_clearly(tmp_path, capsys: pytest.CaptureFixture)
 
 @pytest.mark.slow
 def test_engine_figures_against_the_paged_engine(tmp_path) -> None:
-    if paper._hf_cb_problem():
-        pytest.skip(paper._hf_cb_problem())
+    if paper.hf_cb_problem():
+        pytest.skip(paper.hf_cb_problem())
     assert main(["bench", "paper", "--quick", "--figure", "7", "9", "--out", str(tmp_path)]) == 0
     f7, f9 = _load(tmp_path, 7), _load(tmp_path, 9)
-    assert f7["systems"] == ["vattn", "hf_cb"] and all(r["vattn_over_paged"] > 0 for r in f7["rows"])
+    assert f7["systems"] == ["vattn", "hf_cb"]
+    for r in f7["rows"]:
+        _check_decode(r, "vattn", r["new_tokens"] - 1)
+        _check_decode(r, "hf_cb", r["new_tokens"] - 2)  # the last forward has no next one to end it
+        assert math.isfinite(r["vattn_over_paged"]) and r["vattn_over_paged"] > 0
     assert {r["system"] for r in f9["rows"]} == {"vattn", "hf_cb"}
+
+
+def test_fig7_decode_timed_per_iteration() -> None:
+    """Both engines' decode figures come from the iterations after the last prefill, each timed
+    on its own (vattn: step(); the paged engine: forward start to the next forward's start): 3
+    requests of 6 new tokens give 5 decode iterations of 3 tokens each (the paged engine's last
+    one has no end mark), so the figures are finite and positive on a loaded host too."""
+    args = argparse.Namespace(device="cpu", seed=0)
+    model, shape = paper_common.model(args, paper_common.CUDA_ENGINE_MODEL, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32), {})
+    rng = random.Random(0)
+    reqs = [(paper_common.seed_tokens(40, shape["vocab_size"], rng), 6) for _ in range(3)]
+    v = paper_engines.decode_vattn(model, reqs, args, 256)
+    assert v["decode_iterations"] == 5 and v["decode_tok_s"] == pytest.approx(3 / (v["iteration_ms"] / 1e3))
+    assert all(math.isfinite(v[k]) and v[k] > 0 for k in ("decode_tok_s", "decode_tok_s_mean", "iteration_ms"))
+    if paper.hf_cb_problem():
+        pytest.skip(paper.hf_cb_problem())
+    h = paper_engines.decode_hf_cb(model, reqs, paper_common.engine_args(3, 256))
+    assert h["decode_iterations"] == 4
+    assert all(math.isfinite(h[k]) and h[k] > 0 for k in ("decode_tok_s", "decode_tok_s_mean", "iteration_ms"))
+    with pytest.raises(RuntimeError, match="no decode-only iteration"):  # one new token: nothing to time
+        paper_engines.decode_vattn(model, [(p, 1) for p, _ in reqs], args, 256)

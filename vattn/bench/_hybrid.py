@@ -1,18 +1,24 @@
 """`vattn bench fragmentation --hybrid`: memory per request and requests that fit for models
-that mix layer kinds (Gemma-2, Gemma-3's 5 local to 1 global, a Mamba hybrid), at their real
-shapes and long contexts.
+that mix layer kinds (Gemma-2, Gemma-3's 5 local to 1 global, a Mamba hybrid) or keep other
+than K and V per head (DeepSeek-V3's latent, Llama 4's chunked local attention, GPT-OSS's
+alternating windows with sinks), at their real shapes and long contexts.
 
 Managers (bytes one request holds at each iteration, per GPU, K and V, bf16):
 - `uniform-16`: one block size for every layer and no window (vLLM's behaviour before its
   hybrid allocator): every attention layer holds every token, in blocks of 16; a Mamba
-  layer holds its state.
+  layer holds its state; a latent layer (DeepSeek) its expanded K and V, every head (what a
+  cache that knows only K/V per head keeps: transformers' paged cache refuses the latent).
 - `pools`: per-kind pools (vLLM's hybrid KV cache manager), blocks of 16 tokens: full layers
   hold every token in blocks; a sliding layer holds the blocks from the one with the first key its next
-  query sees (`SlidingWindowManager.remove_skipped_blocks`); every kind's page has one byte
+  query sees (`SlidingWindowManager.remove_skipped_blocks`), a chunked layer those from its
+  query's chunk start (`ChunkedLocalAttentionManager`); a latent layer its latent
+  (`MLAAttentionSpec`); every kind's page has one byte
   size, so with Mamba layers the attention block grows until a page holds a Mamba layer's
   state (rounded up to 16 tokens) and a state takes one such page.
 - `vattn-L-<page>`: vattn per-layer with this change: full layers hold ceil(l x token / page)
-  pages, a sliding layer the pages from the one with its window's first key; the Mamba
+  pages (a latent layer: its one buffer of latent rows), a sliding layer the pages from the one
+  with its window's first key, a chunked layer those of a window of the chunk size (how
+  vattn keeps it today: up to a chunk more than the pools); the Mamba
   states of a request are one contiguous row of its slot, mapped in pages (modelled: a fixed
   size per request from the config).
 - `vattn-L-<page>-keep`: the same without giving window pages back (vattn before it; what
@@ -55,10 +61,19 @@ class HybridShape:
     mamba_layers: int = 0
     mamba_state: int = 0  # bytes of one Mamba layer's state for one request (conv + SSM)
     elem: int = 2
+    chunked: bool = False  # the window layers are chunked local attention (chunks of `window` tokens)
+    latent: bool = False  # a layer keeps one latent row a token (kv_heads 1 x head_dim values), not K and V
+    expanded: int = 0  # latent: values a token a layer as K and V of every head (what `uniform` keeps)
+    sinks: bool = False  # learned sink logits per head (parameters: nothing kept per token)
+
+    def __post_init__(self) -> None:
+        if self.latent and (self.window_layers or not self.expanded):
+            raise ValueError(f"{self.name}: a latent shape is modelled with full layers only and needs `expanded` "
+                             "(the values a token a layer as K and V of every head)")
 
     @property
     def token_bytes(self) -> int:
-        """One token of one attention layer's K (or V)."""
+        """One token of one attention layer's K (or V); of a latent layer, its latent row."""
         return self.kv_heads * self.head_dim * self.elem
 
     @property
@@ -80,7 +95,15 @@ HYBRIDS: dict[str, HybridShape] = {s.name: s for s in (
     HybridShape("gemma-3-27b", 10, 52, 1024, 16, 128, 131072),
     HybridShape("jamba-1.5-mini", 4, 0, 0, 8, 128, 262144, mamba_layers=28,
                 mamba_state=_mamba_state(8192, 16, 4)),
+    # kv_lora_rank 512 + qk_rope_head_dim 64 a token; expanded: 128 heads x (K 128 + 64, V 128)
+    HybridShape("deepseek-v3", 61, 0, 0, 1, 576, 163840, latent=True, expanded=128 * (192 + 128)),
+    # attention_chunk_size 8192, no_rope_layer_interval 4: every 4th layer a NoPE full one
+    HybridShape("llama-4-scout", 12, 36, 8192, 8, 128, 10485760, chunked=True),
+    # layer_types alternate sliding_attention (128) and full_attention, from layer 0; sinks
+    HybridShape("gpt-oss-120b", 18, 18, 128, 8, 64, 131072, sinks=True),
 )}
+# the shapes `replay` serves (K and V per head: the replayed cache's two buffers a layer)
+REPLAYABLE = [name for name, s in HYBRIDS.items() if not s.latent]
 
 
 @dataclass(frozen=True)
@@ -112,18 +135,24 @@ def held(m: Manager, s: HybridShape, length: np.ndarray, start: np.ndarray) -> d
     """Bytes one request holds per kind at an iteration taking it to `length` tokens whose
     queries start at `start` (arrays of int64)."""
     tb = s.token_bytes
-    first_key = np.maximum(0, start - s.window + 1) if s.window else np.zeros_like(start)
+    if not s.window:
+        first_key = np.zeros_like(start)
+    elif s.chunked and m.kind == "pools":  # the query's chunk start
+        first_key = start // s.window * s.window
+    else:  # a window's first key (vattn keeps a chunked layer as a window of its chunk)
+        first_key = np.maximum(0, start - s.window + 1)
     if m.kind in ("uniform", "pools"):
         block = block_tokens(m, s)
-        full = _ceil(length, block) * block * 2 * tb
+        row = (s.expanded * s.elem if m.kind == "uniform" else tb) if s.latent else 2 * tb  # K and V, a token
+        full = _ceil(length, block) * block * row
         if m.kind == "uniform" or not s.window:
             win = full
         else:
-            win = (_ceil(length, block) - first_key // block) * block * 2 * tb
+            win = (_ceil(length, block) - first_key // block) * block * row
         state = s.mamba_state if m.kind == "uniform" else max(s.mamba_state, block * 2 * tb)
     else:
         p = m.page
-        full = _ceil(length * tb, p) * p * 2
+        full = _ceil(length * tb, p) * p * (1 if s.latent else 2)  # a latent layer: one buffer
         win = full if m.keep or not s.window else (_ceil(length * tb, p) - first_key * tb // p) * p * 2
         state = -(-s.mamba_state * s.mamba_layers // p) * p // max(1, s.mamba_layers) if s.mamba_layers else 0
     return {"full": full * s.full_layers, "window": win * s.window_layers,

@@ -43,10 +43,11 @@ next to it: the check that the model above is the allocator's arithmetic.
     vattn bench fragmentation [--trace CSV | --synthetic lognormal] [--replay-requests 0]
 
 HYBRID (`--hybrid`, saved as fragmentation_hybrid_<device>): models that mix full-attention,
-sliding-window and Mamba layers (Gemma-2, Gemma-3, Jamba) at their real shapes on long
-contexts, vattn with sliding-window pages given back against one block size for every layer
-(vLLM's behaviour before its hybrid allocator) and per-kind pools (its hybrid KV cache
-manager); see `vattn.bench._hybrid`.
+sliding-window and Mamba layers (Gemma-2, Gemma-3, Jamba), or keep other than K and V per head
+(DeepSeek-V3's latent, Llama 4's chunked local attention, GPT-OSS's alternating 128-token
+windows with sinks) at their real shapes on long contexts, vattn with sliding-window pages
+given back against one block size for every layer (vLLM's behaviour before its hybrid
+allocator) and per-kind pools (its hybrid KV cache manager); see `vattn.bench._hybrid`.
 
     vattn bench fragmentation --hybrid [--hybrid-contexts 8192 32768 131072]
 """
@@ -327,15 +328,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     h = p.add_argument_group("hybrid models (--hybrid)")
     h.add_argument("--hybrid", action="store_true",
-                   help="models with sliding-window / Mamba layers instead: memory per request and requests that "
-                   "fit, vattn vs one block size for all layers and per-kind pools (fragmentation_hybrid_<device>)")
+                   help="models with sliding-window, chunked, latent or Mamba layers instead: memory per request "
+                   "and requests that fit, vattn vs one block size for all layers and per-kind pools "
+                   "(fragmentation_hybrid_<device>)")
     h.add_argument("--hybrid-models", nargs="+", default=list(_hybrid.HYBRIDS), choices=list(_hybrid.HYBRIDS),
                    help="hybrid model shapes (default: all)")
     h.add_argument("--hybrid-contexts", type=int, nargs="+", default=[8192, 32768, 131072],
                    help="long-context workloads' context lengths, besides the arXiv trace (default: 8192 32768 "
                    "131072)")
     h.add_argument("--hybrid-requests", type=int, default=2000, help="requests per long workload (default: 2000)")
-    h.add_argument("--hybrid-replay-model", default="gemma-3-27b", choices=list(_hybrid.HYBRIDS),
+    h.add_argument("--hybrid-replay-model", default="gemma-3-27b", choices=_hybrid.REPLAYABLE,
                    help="the shape the real allocator replays (default: gemma-3-27b)")
     h.add_argument("--hybrid-replay-requests", type=int, default=16,
                    help="long requests the real allocator serves per page size (default: 16)")
@@ -413,7 +415,8 @@ def hybrid_table(result: dict[str, Any]) -> tuple[list[str], list[list]]:
                      f"{r['measured_window_MiB']:.1f} | {r['model_window_MiB']:.1f}", "", "", "", "", ""])
     print(f"\nHybrid models: mean MiB per running request (time-averaged over every iteration of the workload; "
           f"full / window / state: by layer kind), requests that fit {result['budget_gib']:g} GiB, ratios to "
-          f"uniform-16 (one block size for every layer, no window). '(replay)' rows: the real allocator, measured | "
+          f"uniform-16 (one block size for every layer, no window, a latent layer's K and V expanded per head; "
+          f"window: sliding or chunked layers). '(replay)' rows: the real allocator, measured | "
           f"computed. Computed in {result['model_seconds']:.2f} s, replays {result['replay_seconds']:.0f} s.")
     return headers, rows
 
@@ -436,6 +439,8 @@ def hybrid_plot(result: dict[str, Any]) -> Any:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set(yscale="log", ylabel="requests that fit / uniform-16 (log)",
            title=f"hybrid models: requests that fit {result['budget_gib']:g} GiB (memory per request, time-averaged)")
+    ratios = [r["fit_vs_uniform"] for r in rows]
+    ax.set_ylim(0.6 * min(ratios), 8 * max(ratios))  # room for the legend above the bars
     ax.set_xticks(range(len(cases)), [f"{m}\n{w}" for m, w in cases], rotation=45, ha="right", fontsize=7)
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
