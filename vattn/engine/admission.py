@@ -19,13 +19,11 @@ In order, a waiting sequence is
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
+from vattn.engine.schedule_types import KVSlots, PrefixSlots, ScheduledSequence
 from vattn.engine.sequence import Sequence, SequenceStatus
 from vattn.errors import FatalEngineError, NoFreeSlotError, OutOfPhysicalMemoryError
-
-if TYPE_CHECKING:
-    from vattn.engine.scheduler import KVSlots, PrefixSlots, ScheduledSequence
 
 logger = logging.getLogger(__name__)
 

@@ -35,13 +35,11 @@ no cache failure: the scheduler lets it propagate from every cache call, untouch
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Collection
+from typing import Callable, Collection
 
+from vattn.engine.schedule_types import KVSlots, ScheduledSequence, SchedulerConfig
 from vattn.engine.sequence import Sequence, SequenceStatus
 from vattn.errors import FatalEngineError
-
-if TYPE_CHECKING:
-    from vattn.engine.scheduler import KVSlots, ScheduledSequence, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
