@@ -266,13 +266,13 @@ def test_gpu_run_compiles_the_e2e_part_on_cuda() -> None:
     import argparse
 
     from vattn import bench
-    from vattn.bench import _e2e, gpu
+    from vattn.bench import _e2e_measure, gpu
 
     mod = bench.module("e2e")
     for device, compiled in (("cuda", True), ("cpu", False)):
         argv = gpu._argv(mod, "e2e", argparse.Namespace(device=device, quick=True), None)
         assert ("--compile" in argv) is compiled and "--engine-overhead" in argv, argv
     model = build_model(tiny_config())  # untied: the input embedding is left out (a step reads 3 of its rows)
-    nbytes = _e2e.decode_bytes(model, B=3, context=10.5)
+    nbytes = _e2e_measure.decode_bytes(model, B=3, context=10.5)
     params = sum(p.numel() for p in model.parameters()) - 128 * 64
     assert nbytes == dict(weights=4.0 * params, kv=3 * 10.5 * 2 * 2 * 2 * 16 * 4)  # B x ctx x K,V x layers x H_kv x D x 4

@@ -382,7 +382,7 @@ def test_engine_on_cuda_matches_sdpa_kernel() -> None:
 @pytest.mark.gpu
 def test_config_model_is_made_on_the_gpu_in_the_run_dtype() -> None:
     from vattn.engine.config import EngineConfig
-    from vattn.engine.model_runner import load_model
+    from vattn.engine.loader import load_model
 
     host_state, gpu_state = torch.random.get_rng_state(), torch.cuda.get_rng_state()
     loaded = load_model(tiny_config(), EngineConfig(dtype="bfloat16", seed=0), torch.device("cuda"))

@@ -26,7 +26,7 @@ from tests.helpers import PAGE, build_model, tiny_config  # noqa: E402
 import vattn  # noqa: E402
 from vattn.attention import flash_attn_4_available  # noqa: E402
 from vattn.engine import LLM  # noqa: E402
-from vattn.engine.model_runner import seeded_model  # noqa: E402
+from vattn.engine.loader import seeded_model  # noqa: E402
 from vattn.errors import InvalidConfigError  # noqa: E402
 from vattn.integrations.hf import state_mixers  # noqa: E402
 

@@ -28,7 +28,7 @@ from tests.helpers import (  # noqa: E402
 )
 
 from vattn.engine import LLM, SamplingParams  # noqa: E402
-from vattn.engine.model_runner import prefix_salt  # noqa: E402
+from vattn.engine.loader import prefix_salt  # noqa: E402
 from vattn.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from vattn.errors import InvalidConfigError  # noqa: E402
 

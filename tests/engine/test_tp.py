@@ -922,7 +922,7 @@ def test_closing_releases_the_group_whatever_raises(monkeypatch: pytest.MonkeyPa
     import types
 
     import vattn.engine.llm as llm_module
-    from vattn.engine.model_runner import load_model
+    from vattn.engine.loader import load_model
 
     closed: list[str] = []
     stub = types.SimpleNamespace(

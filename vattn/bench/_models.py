@@ -25,8 +25,8 @@ def llama_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, n
 def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0, attn_implementation: str | None = None
                 ) -> Any:
     """Random weights from `seed` (the global RNGs are left as they were), made on `device` in
-    `dtype` (no host copy), in eval mode (`vattn.engine.model_runner.seeded_model`)."""
-    from vattn.engine.model_runner import seeded_model
+    `dtype` (no host copy), in eval mode (`vattn.engine.loader.seeded_model`)."""
+    from vattn.engine.loader import seeded_model
 
     kw = {} if attn_implementation is None else dict(attn_implementation=attn_implementation)
     return seeded_model(config, seed, device, dtype, **kw).eval()

@@ -133,7 +133,7 @@ def trained_model(args: argparse.Namespace) -> tuple[Any, dict]:
 
 
 def random_model(args: argparse.Namespace) -> Any:
-    from vattn.engine.model_runner import seeded_model
+    from vattn.engine.loader import seeded_model
 
     return seeded_model(model_config(args, initializer_range=args.random_init), args.seed).eval()
 

@@ -30,16 +30,20 @@ returned is vLLM's: per prompt the `beam_width` best sequences, best first, each
 `tokens` (the prompt's first), `cum_logprob` (the raw sum of the generated tokens' logprobs),
 and `text` (the whole sequence decoded) when the engine has a tokenizer; `score` is the
 length-penalised score (transformers' `sequences_scores`).
+
+`search_batch` drives the groups of prompts searched together on the engine's slots and runner.
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+import dataclasses
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from vattn.checks import as_int
-from vattn.errors import InvalidRequestError
+from vattn.errors import InvalidRequestError, OutOfPhysicalMemoryError
 
 NEG = -1.0e9  # transformers' "impossible" score
 
@@ -200,3 +204,90 @@ class BeamGroup:
             out.append(BeamSearchSequence(tokens, cum, score, self.prompt_len, reason,
                                           decode(tokens) if decode is not None else None))
         return out
+
+
+class _Beam:
+    """A live beam of `search_batch`: its slot, its tokens (prompt + generated), and how many
+    of them the slot holds computed (all but the last chosen token)."""
+
+    __slots__ = ("slot", "tokens", "computed")
+
+    def __init__(self, slot: int, tokens: list[int], computed: int = 0) -> None:
+        self.slot, self.tokens, self.computed = slot, tokens, computed
+
+
+def search_batch(kv: Any, runner: Any, prompts: list[list[int]], params: BeamSearchParams, eos: frozenset[int],
+                 decode: Callable[[list[int]], str] | None,
+                 record: Callable[[BeamSearchStats], None]) -> list[BeamSearchOutput]:
+    """Search `prompts` together, their beams in free slots of `kv` (the engine's `KVSlots`,
+    which must hold them all): each step backs every live beam (`kv.step`), runs one forward
+    over them (`runner.last_logits`) and lets each prompt's group choose. Every slot of the
+    search is freed at the end, and each prompt's stats go to `record`, whatever happens.
+    OutOfPhysicalMemoryError when the beams do not fit into physical memory."""
+    g = runner.cache.geometry
+    groups = [BeamGroup(p, params, eos) for p in prompts]
+    stats = [BeamSearchStats() for _ in prompts]
+    live: set[int] = set()  # slots of the search
+    peak = 0  # the most bytes the live tokens held after a step
+    try:
+        for group, prompt in zip(groups, prompts):
+            slot = kv.alloc_reqid()
+            live.add(slot)
+            group.beams = [_Beam(slot, list(prompt))] * params.beam_width
+        while any(not grp.done for grp in groups):
+            rows = list({id(b): b for grp in groups if not grp.done for b in grp.beams}.values())
+            if not kv.step({b.slot: len(b.tokens) for b in rows}):
+                raise OutOfPhysicalMemoryError(
+                    f"the {len(rows)} beams of this search do not fit into physical memory; raise "
+                    "physical_memory, lower beam_width or max_tokens, or search fewer prompts at once")
+            peak = max(peak, runner.cache.stats().active_bytes)
+            logits = runner.last_logits([(b.slot, b.computed, b.tokens[b.computed:]) for b in rows])
+            logprobs = torch.log_softmax(logits, dim=-1).cpu()
+            row_of = {id(b): i for i, b in enumerate(rows)}
+            for b in rows:
+                b.computed = len(b.tokens)
+            for n, grp in enumerate(groups):
+                if not grp.done:
+                    chosen = grp.advance(logprobs[[row_of[id(b)] for b in grp.beams]])
+                    _next_beams(kv, g, grp, chosen, live, stats, n)
+    finally:
+        for slot in live:
+            kv.free_reqid(slot)
+        stats = [dataclasses.replace(s, peak_kv_bytes=peak) for s in stats]
+        for s in stats:
+            record(s)
+    return [BeamSearchOutput(grp.sequences(eos, decode), s) for grp, s in zip(groups, stats)]
+
+
+def _next_beams(kv: Any, g: Any, grp: BeamGroup, chosen: list[tuple[int, int]], live: set[int],
+                stats: list[BeamSearchStats], n: int) -> None:
+    """Give `grp` (prompt `n`) the beams it `chose` (parent index, token): a parent not chosen
+    is freed, one chosen k times keeps its slot for its last child and is forked (at its
+    computed length, `g` the cache's geometry) for the others, counted in `stats[n]`."""
+    old = list({id(b): b for b in grp.beams}.values())
+    if grp.done:
+        for b in old:
+            kv.free_reqid(b.slot)
+            live.discard(b.slot)
+        return
+    left: dict[int, int] = {}
+    for p, _ in chosen:
+        left[id(grp.beams[p])] = left.get(id(grp.beams[p]), 0) + 1
+    for b in old:  # pruned: freed before the forks, which need slots
+        if id(b) not in left:
+            kv.free_reqid(b.slot)
+            live.discard(b.slot)
+    beams = []
+    for p, token in chosen:
+        parent = grp.beams[p]
+        left[id(parent)] -= 1
+        if left[id(parent)]:  # chosen again later: fork it, it keeps its slot for the last
+            slot = kv.fork(parent.slot, parent.computed)
+            live.add(slot)
+            shared = g.shared_pages(parent.computed)
+            stats[n] = stats[n] + BeamSearchStats(1, shared, g.pages_for(parent.computed) - shared)
+            beams.append(_Beam(slot, parent.tokens + [token], parent.computed))
+        else:
+            parent.tokens.append(token)
+            beams.append(parent)
+    grp.beams = beams

@@ -12,67 +12,43 @@ with LLM("path/to/checkpoint", max_batch_size=8, page_size=64 << 10) as llm:
 Sharing physical pages (see `Scheduler`): parallel samples fork the prompt's slot;
 `enable_prefix_caching=True` maps cached prompt pages into new requests;
 `preemption_mode="swap"` parks a preempted request in host memory instead of recomputing it.
+
+Its parts: the requests checked at the edges (`requests.py`), the model loaded (`loader.py`),
+the iterations in flight (`inflight.py`), beam search's driver (`beam_search.py`) and the
+figures it reports (`figures.py`).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import operator
 import threading
-import time
-from collections import deque
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 from typing import Sequence as Seq
 
 import torch
 
 from vattn.checks import is_int
-from vattn.engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams, BeamSearchStats
+from vattn.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchStats, search_batch
 from vattn.engine.config import EngineConfig
-from vattn.engine.detokenizer import make_detokenizer
-from vattn.engine.model_runner import InFlight, LoadedModel, ModelRunner, load_model, prefix_salt
+from vattn.engine.figures import EngineFigures
+from vattn.engine.inflight import InFlightQueue
+from vattn.engine.loader import LoadedModel, load_model, prefix_salt
+from vattn.engine.model_runner import ModelRunner
 from vattn.engine.parallel import AgreedSlots, TensorParallel, TPModelRunner
+from vattn.engine.requests import (as_id_list, as_params_list, as_prompt_list, check_context_length, eos_token_ids,
+                                   make_sequence, request_output, requests_of, tokenize)
 from vattn.engine.sampling_params import SamplingParams
-from vattn.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from vattn.engine.spec_decode import NgramProposer, SpecCounters, SpecDecodeStats
-from vattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
+from vattn.engine.scheduler import Scheduler, SchedulerOutput
+from vattn.engine.spec_decode import NgramProposer, SpecCounters
+from vattn.engine.sequence import RequestOutput, Sequence
 from vattn.engine.turns import TurnLock
-from vattn.errors import (ClosedError, ContextLengthError, InvalidConfigError, InvalidRequestError,
-                          OutOfPhysicalMemoryError)
+from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
 from vattn.idle import IdleTrim
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """Prefix caching figures. Every sequence that gets a new slot (a new request, or one
-    recomputing after a preemption) is looked up; forked samples are not."""
-
-    num_query_tokens: int  # tokens of the sequences looked up
-    num_hit_tokens: int  # of those, mapped from cached pages instead of computed (every tier's)
-    num_pinned_pages: int  # page groups the cache keeps now
-    block_tokens: int  # tokens a cached block covers: the sharing granularity (`Geometry.share_tokens`)
-    # the offload tiers (offload_bytes, offload_dir): hits restored from each (inside num_hit_tokens),
-    # and the bytes each holds now (the host tier's include swapped-out requests)
-    num_host_hit_tokens: int = 0
-    num_disk_hit_tokens: int = 0
-    host_bytes: int = 0
-    disk_bytes: int = 0
-
-    @property
-    def num_device_hit_tokens(self) -> int:
-        """Hits mapped from pages in device memory (no copy)."""
-        return self.num_hit_tokens - self.num_host_hit_tokens - self.num_disk_hit_tokens
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
-
-
-class LLM:
+class LLM(EngineFigures):
     """A generation engine: `LLM(model, **config).generate(prompts, sampling_params)`.
 
     `model`: a local checkpoint directory (loaded with `local_files_only=True`; its
@@ -163,17 +139,14 @@ class LLM:
         spec = self.config.speculative_config
         self._spec_counters = SpecCounters() if spec is not None else None
         self.scheduler = Scheduler(self.config.scheduler_config(), kv,
-                                   eos_token_ids=_eos_token_ids(loaded.model), prefix_cache=self.prefix_cache,
+                                   eos_token_ids=eos_token_ids(loaded.model), prefix_cache=self.prefix_cache,
                                    proposer=NgramProposer(spec) if spec is not None else None,
                                    spec_counters=self._spec_counters)
         self.runner.eos_token_ids = self.scheduler.eos_token_ids  # the sampler masks them under min_tokens
         self.max_context_len = self.runner.max_context_len
         self._next_id = 0
         self._unclaimed: list[RequestOutput] = []  # final outputs the next step() returns
-        # iterations launched whose outputs were not taken yet, oldest first; at most `_depth`
-        # stay in flight when step() returns: 1 with asynchronous scheduling, else 0
-        self._in_flight: deque[tuple[list[ScheduledSequence], InFlight]] = deque()
-        self._depth = 1 if self.config.uses_async_scheduling() else 0
+        self._in_flight = InFlightQueue(1 if self.config.uses_async_scheduling() else 0)  # launched, not taken
         self._lock = TurnLock()  # handed over between iterations: another thread's abort waits one step, not a generate
         self._closed = False
         self._generating: int | None = None  # the thread in generate, if any
@@ -202,7 +175,7 @@ class LLM:
         ignored: a client may go away just as its request finishes. Returns the ids it
         aborted. Raises InvalidRequestError for an id that is not an int, and under tensor
         parallelism while another thread is in generate (see the class docstring)."""
-        ids = [request_id] if is_int(request_id) else _as_id_list(request_id)
+        ids = [request_id] if is_int(request_id) else as_id_list(request_id)
         generating = self._generating  # read without the lock: generate may hold it for a step
         if self.tp is not None and generating is not None and generating != threading.get_ident():
             raise InvalidRequestError(
@@ -248,7 +221,8 @@ class LLM:
             self._trim_if_idle()
             batch = self._schedule()
             if batch.scheduled:
-                self._launch(batch)  # on the device; with async scheduling it runs on after this step
+                # on the device (its samples placeholders until taken); with async scheduling it runs on after this step
+                self._in_flight.launch(self.runner, self.scheduler, batch.scheduled)
             outputs = self._postprocess(drain=not batch.scheduled)  # with async: the iteration before's
             self._note_idle()
         self._lock.hand_over()  # threads waiting for the lock (an abort, an add) go before the next step
@@ -263,8 +237,8 @@ class LLM:
         queued. Requests added online before keep running meanwhile; their final outputs
         are returned by the next step(). If this call raises after queueing (an interrupt),
         its requests are aborted and the engine stays usable."""
-        prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        prompt_list = as_prompt_list(prompts)
+        params_list = as_params_list(sampling_params, len(prompt_list))
         with self._lock:
             seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params_list)]
             for seq in seqs:
@@ -326,7 +300,7 @@ class LLM:
         into physical memory (every slot of the search is freed)."""
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         with self._lock:
             self._check_open()
             if self.tp is not None:
@@ -343,130 +317,21 @@ class LLM:
                     f"(max_batch_size={self.config.max_batch_size}); raise max_batch_size or lower beam_width")
             token_lists = []
             for prompt in prompt_list:
-                _, ids = self._tokenize(prompt)
-                if len(ids) + params.max_tokens > self.max_context_len:
-                    raise ContextLengthError(
-                        f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds max_context_len="
-                        f"{self.max_context_len}; shorten the prompt, lower max_tokens or raise max_context_len")
+                _, ids = tokenize(prompt, self.tokenizer, self.runner.vocab_size)
+                check_context_length(len(ids), params.max_tokens, self.max_context_len)
                 token_lists.append(ids)
             self._note_busy()
             try:
                 eos = frozenset() if params.ignore_eos else self.eos_token_ids
+                decode = None if self.tokenizer is None else self.tokenizer.decode
                 per_batch = max(1, free // width)
                 outputs: list[BeamSearchOutput] = []
                 for i in range(0, len(token_lists), per_batch):
-                    outputs += self._beam_batch(token_lists[i:i + per_batch], params, eos)
+                    outputs += search_batch(self.scheduler.kv, self.runner, token_lists[i:i + per_batch], params, eos,
+                                            decode, self._record_beam_stats)
             finally:
                 self._note_idle()
             return outputs
-
-    def beam_search_stats(self) -> BeamSearchStats:
-        """The forks of every beam search so far: page groups shared, copied, and what copying
-        every forked beam would have cost (`pages_if_copied`)."""
-        return self._beam_stats
-
-    def _beam_batch(self, prompts: list[list[int]], params: BeamSearchParams,
-                    eos: frozenset[int]) -> list[BeamSearchOutput]:
-        """Search `prompts` together (lock held; their beams fit into the free slots)."""
-        kv, g = self.scheduler.kv, self.runner.cache.geometry
-        groups = [BeamGroup(p, params, eos) for p in prompts]
-        stats = [BeamSearchStats() for _ in prompts]
-        live: set[int] = set()  # slots of the search
-        peak = 0  # the most bytes the live tokens held after a step
-        try:
-            for group, prompt in zip(groups, prompts):
-                slot = kv.alloc_reqid()
-                live.add(slot)
-                group.beams = [_Beam(slot, list(prompt))] * params.beam_width
-            while True:
-                active = [grp for grp in groups if not grp.done]
-                if not active:
-                    break
-                rows = list({id(b): b for grp in active for b in grp.beams}.values())
-                if not kv.step({b.slot: len(b.tokens) for b in rows}):
-                    raise OutOfPhysicalMemoryError(
-                        f"the {len(rows)} beams of this search do not fit into physical memory; raise "
-                        "physical_memory, lower beam_width or max_tokens, or search fewer prompts at once")
-                peak = max(peak, self.runner.cache.stats().active_bytes)
-                logits = self.runner.last_logits([(b.slot, b.computed, b.tokens[b.computed:]) for b in rows])
-                logprobs = torch.log_softmax(logits, dim=-1).cpu()
-                row_of = {id(b): i for i, b in enumerate(rows)}
-                for b in rows:
-                    b.computed = len(b.tokens)
-                for n, grp in enumerate(groups):
-                    if grp.done:
-                        continue
-                    chosen = grp.advance(logprobs[[row_of[id(b)] for b in grp.beams]])
-                    old = list({id(b): b for b in grp.beams}.values())
-                    if grp.done:
-                        for b in old:
-                            kv.free_reqid(b.slot)
-                            live.discard(b.slot)
-                        continue
-                    left: dict[int, int] = {}
-                    for p, _ in chosen:
-                        left[id(grp.beams[p])] = left.get(id(grp.beams[p]), 0) + 1
-                    for b in old:  # pruned: freed before the forks, which need slots
-                        if id(b) not in left:
-                            kv.free_reqid(b.slot)
-                            live.discard(b.slot)
-                    beams = []
-                    for p, token in chosen:
-                        parent = grp.beams[p]
-                        left[id(parent)] -= 1
-                        if left[id(parent)]:  # chosen again later: fork it, it keeps its slot for the last
-                            slot = kv.fork(parent.slot, parent.computed)
-                            live.add(slot)
-                            shared = g.shared_pages(parent.computed)
-                            stats[n] = stats[n] + BeamSearchStats(1, shared, g.pages_for(parent.computed) - shared)
-                            beams.append(_Beam(slot, parent.tokens + [token], parent.computed))
-                        else:
-                            parent.tokens.append(token)
-                            beams.append(parent)
-                    grp.beams = beams
-        finally:
-            for slot in live:
-                kv.free_reqid(slot)
-            stats = [dataclasses.replace(s, peak_kv_bytes=peak) for s in stats]
-            for s in stats:
-                self._beam_stats = self._beam_stats + s
-        decode = None if self.tokenizer is None else self.tokenizer.decode
-        return [BeamSearchOutput(grp.sequences(eos, decode), s) for grp, s in zip(groups, stats)]
-
-    # ------------------------------------------------------------------ figures ----
-    def memory_stats(self):
-        """The cache's `MemoryStats` (mapped, used, fragmentation, ...; `host_bytes` and
-        `disk_bytes`: what the offload tiers hold)."""
-        return self.runner.cache.stats()
-
-    def prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """How much the prefix cache saved (None without enable_prefix_caching)."""
-        pc = self.prefix_cache
-        if pc is None:
-            return None
-        with self._lock:
-            pinned = self.runner.cache.stats().num_pinned_pages if not self._closed else 0
-            host = self.runner.cache.host
-            return PrefixCacheStats(pc.num_query_tokens, pc.num_hit_tokens, pinned, pc.block_tokens,
-                                    pc.num_host_hit_tokens, pc.num_disk_hit_tokens, host.nbytes,
-                                    host.sink.disk_bytes if host.sink is not None else 0)
-
-    def spec_decode_stats(self) -> SpecDecodeStats | None:
-        """Speculative decoding's figures: draft tokens proposed and accepted, in total and per
-        request, and the acceptance rate (None without speculative_config)."""
-        if self._spec_counters is None:
-            return None
-        with self._lock:
-            return self._spec_counters.stats()
-
-    @property
-    def async_scheduling(self) -> bool:
-        """Whether the engine schedules asynchronously (`EngineConfig.async_scheduling`, see `step`)."""
-        return self._depth > 0
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -476,11 +341,6 @@ class LLM:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: Iterable[int]) -> None:
         self.scheduler.eos_token_ids = self.runner.eos_token_ids = frozenset(ids)
-
-    @property
-    def cache(self):
-        """The engine's `vattn.KVCache`."""
-        return self.runner.cache
 
     # ------------------------------------------------------------------ closing ----
     def close(self) -> None:
@@ -539,56 +399,20 @@ class LLM:
 
     def _make_sequence(self, prompt: str | Seq[int], params: SamplingParams | None) -> Sequence:
         self._check_open()
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling params must be a SamplingParams, got {type(params).__name__}"
-                + (" (write SamplingParams(**d))" if isinstance(params, Mapping) else ""))
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError(
-                f"stop strings ({params.stop!r}) need a tokenizer to find them in the text, and this engine has "
-                "none; pass tokenizer= to LLM (or load a checkpoint that has one), or stop on stop_token_ids")
-        text, ids = self._tokenize(prompt)
-        if len(ids) + params.max_tokens > self.max_context_len:
-            raise ContextLengthError(
-                f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds max_context_len="
-                f"{self.max_context_len}; shorten the prompt, lower max_tokens or raise max_context_len")
-        seq = Sequence(self._next_id, ids, params, time.perf_counter(), prompt=text)
-        if self.tokenizer is not None:  # the text grows token by token (its samples get their own)
-            seq.detokenizer = make_detokenizer(self.tokenizer, params.skip_special_tokens)
+        seq = make_sequence(self._next_id, prompt, params, self.tokenizer, self.runner.vocab_size,
+                            self.max_context_len)
         if self.tp is not None:
-            self.tp.note_request(seq.request_id, ids, params)
+            self.tp.note_request(seq.request_id, seq.prompt_token_ids, seq.params)
         self._next_id += 1
         return seq
-
-    def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("string prompts need a tokenizer (the model has none); pass token ids")
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty")
-            return prompt, list(self.tokenizer.encode(prompt))
-        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:  # a tensor or array
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
-            raise InvalidRequestError(
-                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        vocab = self.runner.vocab_size
-        bad = [t for t in prompt if not is_int(t) or not 0 <= operator.index(t) < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
-        return None, [operator.index(t) for t in prompt]
 
     def _report_finished(self, seqs: list[Sequence]) -> None:
         """Sequences finished outside postprocess (errors while scheduling, aborts): keep the
         final output of each request they complete for the next step()."""
-        for samples in _requests_of(seqs):
+        for samples in requests_of(seqs):
             if all(s.is_finished for s in samples):
                 self._release(samples)
-                self._unclaimed.append(self._output(samples))
+                self._unclaimed.append(request_output(samples))
 
     def _schedule(self) -> SchedulerOutput:
         """The next iteration's batch, backed by the cache (under tensor parallelism the same
@@ -601,25 +425,13 @@ class LLM:
         self._report_finished(batch.finished)  # before the run: kept even if it is interrupted
         return batch
 
-    def _launch(self, batch: SchedulerOutput) -> None:
-        """Queue the model's iteration on the device and count its tokens computed (its samples
-        are placeholders until its outputs are taken: `_postprocess`)."""
-        run = self.runner.launch(batch.scheduled)
-        self.scheduler.commit(batch.scheduled, run.errors)
-        self._in_flight.append((batch.scheduled, run))
-
     def _postprocess(self, drain: bool = False) -> list[RequestOutput]:
-        """Final outputs not returned yet, and those of the iterations launched, oldest first,
-        until `_depth` are left in flight (none when `drain`, or when no request is left
-        unfinished: what is in flight would only be dropped)."""
+        """Final outputs not returned yet, and those of the iterations launched (see
+        `InFlightQueue.take`)."""
         outputs, self._unclaimed = self._unclaimed, []
-        while self._in_flight and (drain or len(self._in_flight) > self._depth or not self.scheduler.has_unfinished()):
-            scheduled, run = self._in_flight.popleft()
-            result = run.result()  # waits for the device
-            changed = self.scheduler.postprocess(scheduled, result.tokens, result.errors, logprobs=result.logprobs,
-                                                 accepted=result.accepted)
-            for samples in _requests_of(changed):
-                out = self._output(samples)
+        for changed in self._in_flight.take(self.scheduler, drain):
+            for samples in requests_of(changed):
+                out = request_output(samples)
                 if out.finished:
                     self._release(samples)
                 outputs.append(out)
@@ -629,90 +441,3 @@ class LLM:
         """Forget the sampling state of a finished request's samples."""
         for seq in samples:
             self.runner.release(seq.seq_id)
-
-    def _output(self, samples: list[Sequence]) -> RequestOutput:
-        """The RequestOutput of one request, from its samples (index order)."""
-        first = samples[0]
-        outputs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason, s.error, s.stop_reason,
-                                    None if s.logprobs is None else list(s.logprobs), s.cumulative_logprob)
-                   for s in samples]
-        finished = all(s.is_finished for s in samples)
-        first_times = [s.first_token_time for s in samples if s.first_token_time is not None]
-        metrics = RequestMetrics(
-            first.arrival_time, min(first_times, default=None),
-            max(s.finished_time for s in samples) if finished else None,
-            sum(len(o.token_ids) for o in outputs), sum(s.spec.num_draft_tokens for s in samples),
-            sum(s.spec.num_accepted_tokens for s in samples))
-        return RequestOutput(
-            request_id=first.request_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
-            outputs=outputs, finished=finished, num_preemptions=sum(s.num_preemptions for s in samples),
-            metrics=metrics)
-
-
-class _Beam:
-    """A live beam of `LLM.beam_search`: its slot, its tokens (prompt + generated), and how many
-    of them the slot holds computed (all but the last chosen token)."""
-
-    __slots__ = ("slot", "tokens", "computed")
-
-    def __init__(self, slot: int, tokens: list[int], computed: int = 0) -> None:
-        self.slot, self.tokens, self.computed = slot, tokens, computed
-
-
-def _requests_of(seqs: Iterable[Sequence]) -> list[list[Sequence]]:
-    """The distinct requests (their samples lists) of `seqs`, in order of first appearance."""
-    return list({id(s.samples): s.samples for s in seqs}.values())
-
-
-def _as_prompt_list(prompts: Any) -> list[Any]:
-    """One prompt (a string, token ids) or a sequence of prompts -> a list of prompts."""
-    if isinstance(prompts, str):
-        return [prompts]
-    if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) in (1, 2):  # a tensor or array
-        prompts = prompts.tolist()
-    if (isinstance(prompts, (bytes, Mapping, set, frozenset)) or not isinstance(prompts, Iterable)
-            or getattr(prompts, "ndim", None) == 0):
-        raise InvalidRequestError(
-            "prompts must be a string, a list of token ids, or a list of those; "
-            f"got {type(prompts).__name__}")
-    prompts = list(prompts)
-    if prompts and all(is_int(t) for t in prompts):
-        return [prompts]  # one prompt of token ids
-    return prompts
-
-
-def _as_id_list(request_ids: Any) -> list[int]:
-    if isinstance(request_ids, (str, bytes, Mapping)) or not isinstance(request_ids, Iterable):
-        raise InvalidRequestError(f"request_id must be an int or a list of ints, got {type(request_ids).__name__}")
-    ids = list(request_ids)
-    bad = [i for i in ids if not is_int(i)]
-    if bad:
-        raise InvalidRequestError(f"request ids must be ints, got {bad[:5]}")
-    return [operator.index(i) for i in ids]
-
-
-def _as_params_list(sampling_params: Any, n: int) -> list[Any]:
-    """None, one SamplingParams for every prompt, or one per prompt -> a list of n."""
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Iterable):
-        raise InvalidRequestError(
-            "sampling_params must be a SamplingParams or a list of them (one per prompt); got "
-            f"{type(sampling_params).__name__}"
-            + (" (write SamplingParams(**d))" if isinstance(sampling_params, Mapping) else ""))
-    params = list(sampling_params)
-    if len(params) != n:
-        raise InvalidRequestError(f"got {len(params)} sampling_params for {n} prompts; give one per prompt")
-    return params
-
-
-def _eos_token_ids(model: Any) -> frozenset[int]:
-    eos = None
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        eos = gen.eos_token_id
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)

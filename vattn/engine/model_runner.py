@@ -8,11 +8,12 @@ forward context. Logits are computed only for the last token of each sequence th
 samples this iteration (`logits_to_keep`); a sequence whose prompt ends this iteration
 with PENDING samples (parallel sampling) lends its row to each of them.
 
-`launch` queues the forward and the sampling on the device and returns at once (`InFlight`):
-the sampled tokens stay on the device, where the next iteration's inputs read them, and a
-copy to the host is under way; `InFlight.result()` waits for it. A sequence whose last token
-is still a placeholder (asynchronous scheduling: `Sequence.num_placeholders`) gets it from the
-tokens of the iteration launched before, on the device:
+`launch` queues the forward and the sampling on the device and returns at once (`InFlight`,
+`vattn.engine.inflight`): the sampled tokens stay on the device, where the next iteration's
+inputs read them, and a copy to the host is under way; `InFlight.result()` waits for it. A
+sequence whose last token is still a placeholder (asynchronous scheduling:
+`Sequence.num_placeholders`) gets it from the tokens of the iteration launched before, on the
+device:
 ```
 input_ids [T] (host)     [ 17  4  9 | 0 | 0 | 3 ... ]   0: a placeholder, `feed` row r >= 0
 feed      [T] (host)     [ -1 -1 -1 | 2 | 0 |-1 ... ]
@@ -20,8 +21,8 @@ ids on the device = where(feed >= 0, previous tokens [S'] at feed, input_ids)
 ```
 On the host (the CPU backend) the forward has run when `launch` returns.
 
-The rows are sampled by `vattn.engine.sampler.Sampler` (batched on the device; `Sampler`,
-`Sampled` and `argmax_tokens` are importable from here too).
+The rows are sampled by `vattn.engine.sampler.Sampler` (batched on the device). Loading the
+model, and the prefix cache's and disk tier's salts, are `vattn.engine.loader`'s.
 
 Failures (see `ModelRunner.launch`): one request's sampling that raises fails that request
 only; a forward that raises cannot be pinned on one request, so every sequence of the
@@ -29,26 +30,24 @@ batch is run again alone, and only those that fail alone fail.
 """
 from __future__ import annotations
 
-import copy
-import hashlib
-import itertools
 import logging
-import os
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
 from vattn.attention import (AttentionKernel, AttentionMetadata, ForwardContext, forward_context, select_kernel,
                              to_device)
 from vattn.cache import KVCache
-from vattn.engine.compile import CompiledForward, compile_mode
-from vattn.engine.config import MODEL_DTYPES, EngineConfig
+from vattn.config import CacheConfig
 from vattn.engine import latent, states
+from vattn.engine.compile import CompiledForward, compile_mode
+from vattn.engine.config import EngineConfig
 from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
+from vattn.engine.inflight import InFlight
+from vattn.engine.loader import weights_fingerprint
 from vattn.engine.rejection import verify
-from vattn.engine.sampler import NOTHING_SAMPLED, Sampled, Sampler, argmax_tokens  # noqa: F401 - importable here too
+from vattn.engine.sampler import NOTHING_SAMPLED, Sampled, Sampler
 from vattn.engine.scheduler import ScheduledSequence, SeqId
-from vattn.engine.sequence import TokenLogprobs
 from vattn.errors import InvalidConfigError, UnsupportedModelError
 from vattn.prefix_cache import PrefixCache
 
@@ -57,178 +56,11 @@ MAX_DEFAULT_CONTEXT = 4096
 logger = logging.getLogger(__name__)
 
 
-class RunOutput(NamedTuple):
-    """What one iteration produced, by sequence id (request id, sample index)."""
-
-    tokens: dict[SeqId, int]  # the sampled token of every sequence whose computed tokens reached its end
-    errors: dict[SeqId, str]  # why a sequence failed (it finishes with "error"); its tokens are not computed
-    logprobs: dict[SeqId, TokenLogprobs] = {}  # of sequences that asked (SamplingParams.logprobs); never mutated
-    accepted: dict[SeqId, list[int]] = {}  # speculative decoding: the drafts each verified sequence keeps; never mutated
-
-
-class InFlight:
-    """An iteration launched on the device (`ModelRunner.launch`): its sampled tokens stay
-    there (`tokens`: the next iteration's inputs read them) while a copy goes to the host;
-    `result()` waits for that copy. What failed at launch is known at once (`errors`)."""
-
-    def __init__(self, sampled: Sampled) -> None:
-        self.rows = {sid: row for row, sid in enumerate(sampled.seq_ids)}  # each sampled sequence's row
-        self.tokens = sampled.tokens  # [S] int64 on the device, or None
-        self.errors = sampled.errors
-        self.logprobs = sampled.logprobs  # on the device; read by result(), after the tokens' copy
-        self.accepted = sampled.accepted  # on the host (verification reads the target's tokens there)
-        self._host = self.tokens  # on CUDA a pinned copy, written when the device gets there
-        self._copied: Any = None  # the CUDA event after that copy
-        if self.tokens is not None and self.tokens.device.type == "cuda":
-            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-            self._host.copy_(self.tokens, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def result(self) -> RunOutput:
-        """The sampled tokens as ints (waiting for the device), and the errors."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        ids = self._host.tolist() if self._host is not None else []
-        errors = self.errors
-        logprobs = {sid: entry for rows in self.logprobs for sid, entry in rows.to_host().items()
-                    if sid not in errors}
-        return RunOutput({sid: ids[row] for sid, row in self.rows.items() if sid not in errors}, errors, logprobs,
-                         self.accepted)
-
-
-
-
-class LoadedModel(NamedTuple):
-    model: Any  # a transformers PreTrainedModel (causal LM)
-    tokenizer: Any  # or None
-    dtype: torch.dtype  # what the model and the cache run in
-
-
-def load_model(model: Any, config: EngineConfig, device: torch.device) -> LoadedModel:
-    """The model (and a checkpoint's tokenizer) from a local checkpoint directory, a
-    transformers config (random weights seeded by `config.seed`) or a loaded model, and
-    the dtype to run it in (see EngineConfig.dtype)."""
-    from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        return LoadedModel(model, None, _check_dtype(config.dtype or model.dtype))
-    default = torch.float16 if device.type == "cuda" else torch.float32
-    if isinstance(model, PretrainedConfig):
-        dtype = _check_dtype(config.dtype or default)
-        # On CUDA the weights are made on the device in the run dtype: an 8B model built on
-        # the host in float32 first takes ~32 GB and minutes. On the host, as before (float32,
-        # then cast), so the seeded weights equal transformers' own from_config.
-        try:
-            hf_model = (seeded_model(model, config.seed, device, dtype) if device.type == "cuda"
-                        else seeded_model(model, config.seed))
-        except ValueError as e:
-            raise InvalidConfigError(f"cannot build a causal LM from {type(model).__name__}: {e}") from None
-        return LoadedModel(hf_model, None, dtype)
-    if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        if not os.path.isdir(path):
-            raise InvalidConfigError(
-                f"model {path!r} is not a local checkpoint directory; vattn loads models offline "
-                "(local_files_only=True): give a directory written by save_pretrained(), a "
-                "transformers config, or a loaded PreTrainedModel")
-        try:
-            hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                            dtype=config.dtype or "auto")
-        except (OSError, ValueError, KeyError) as e:
-            raise InvalidConfigError(f"cannot load a causal LM from {path!r}: {e}") from None
-        return LoadedModel(hf_model, load_tokenizer(path), run_dtype(hf_model.dtype, config, device))
-    raise InvalidConfigError(
-        f"model must be a checkpoint directory, a transformers PretrainedConfig or a PreTrainedModel, "
-        f"got {type(model).__name__}")
-
-
-def seeded_model(config: Any, seed: int, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, **kwargs: Any) -> Any:
-    """A causal LM from a transformers config with random weights from `seed`, made on
-    `device` (default: the host) in `dtype` (default: transformers' float32), with no host
-    copy. `config` is copied (the model keeps and edits its own); the global RNGs, the
-    device's too, are left as they were. `kwargs`: more `from_config` arguments."""
-    from transformers import AutoModelForCausalLM
-
-    dev = torch.device(device if device is not None else "cpu")
-    gpus = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    with torch.random.fork_rng(devices=gpus), dev:  # manual_seed seeds the GPU's generator too
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
-
-
-def weights_fingerprint(model: Any) -> bytes:
-    """16 bytes that differ between models whose weights differ (the disk tier's salt): a hash
-    of every parameter's and buffer's name, dtype, shape and bytes (on CUDA, of two
-    position-weighted sums of each tensor's bytes, computed on the device)."""
-    h = hashlib.blake2b(digest_size=16)
-    with torch.no_grad():
-        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [bytes]
-            if raw.device.type == "cpu":
-                h.update(memoryview(raw.numpy()))
-            else:
-                h.update(_device_digest(raw))
-    return h.digest()
-
-
-def _device_digest(raw: torch.Tensor, chunk: int = 1 << 26) -> bytes:
-    """Two sums of `raw`'s bytes (`[N]` uint8 on a device), each byte weighted by a function
-    of its position, wrapping in int64: a checksum that moves when any byte does."""
-    sums = torch.zeros(2, dtype=torch.int64, device=raw.device)
-    for start in range(0, raw.numel(), chunk):
-        x = raw[start:start + chunk].to(torch.int64) + 1  # [n]
-        pos = torch.arange(start, start + x.numel(), dtype=torch.int64, device=raw.device)
-        w1 = pos * 0x1E3779B97F4A7C15 % 0x7FFFFFFFFFFFFFE7 + 1
-        w2 = (pos ^ 0x5DEECE66D) * 0x2545F4914F6CDD1D % 0x7FFFFFFFFFFFFFC5 + 1
-        sums += torch.stack([(x * w1).sum(), (x * x * w2).sum()])
-    return b"".join(int(v).to_bytes(8, "little", signed=True) for v in sums.tolist())
-
-
-def load_tokenizer(path: str) -> Any:
-    """A checkpoint directory's tokenizer, or None when it has none (token-id prompts only)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception:  # noqa: BLE001 - no tokenizer files
-        return None
-
-
-def run_dtype(checkpoint_dtype: torch.dtype | None, config: EngineConfig, device: torch.device) -> torch.dtype:
-    """What a checkpoint runs in: config.dtype, else its half type on CUDA, float32 on CPU."""
-    dtype = config.dtype
-    if dtype is None:
-        is_half = checkpoint_dtype in (torch.float16, torch.bfloat16)
-        dtype = checkpoint_dtype if device.type == "cuda" and is_half else torch.float32
-    return _check_dtype(dtype)
-
-
-def prefix_salt(model: Any, dtype: torch.dtype) -> bytes:
-    """What makes K/V of the same tokens differ between models: the config's class, every
-    value of the config, and the dtype the model runs in (the prefix cache's salt)."""
-    config = model.config
-    h = hashlib.sha256(type(config).__name__.encode())
-    h.update(config.to_json_string(use_diff=False).encode())
-    h.update(str(dtype).encode())
-    return h.digest()
-
-
 def _kv_layers(config: Any) -> list[int]:
     """The layers of a model with recurrent states that have attention (so K/V)."""
     from vattn.integrations.hf import layer_kinds
 
     return [i for i, kind in enumerate(layer_kinds(config)) if kind != "linear_attention"]
-
-
-def _check_dtype(dtype: torch.dtype) -> torch.dtype:
-    if dtype not in MODEL_DTYPES:
-        raise InvalidConfigError(f"the model's dtype {dtype} is not supported; pass dtype= one of {MODEL_DTYPES}")
-    return dtype
 
 
 class ModelRunner:
@@ -257,11 +89,48 @@ class ModelRunner:
     def _build(self, model: Any, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> None:
         """__init__'s work: every refusal that needs no cache first, then the cache and what
         runs on it."""
-        from vattn.integrations.hf import (check_model, has_attention_sinks, latent_modules, layer_kinds,
-                                           layer_windows, use_vattn_attention)
+        from vattn.integrations.hf import use_vattn_attention
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
+        has_states, latent_layers, compiled = self._check(config)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        # K/V only for the layers that have attention: not a state model's Mamba2 / gated delta-net
+        # layers (a model with none still gets one small layer: the cache also hands out the slots);
+        # their recurrent states are a layer kind of the same cache (vattn.engine.states)
+        kv_layers = _kv_layers(self.model.config) if has_states else list(range(self.model.config.num_hidden_layers))
+        specs = states.state_specs(self.model) if has_states else []
+        # A batch whose forward raised is run again request by request, unless a layer keeps a
+        # state: the layers that ran moved it on
+        self.rerun_alone = not specs
+        self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
+        cache_config = self._cache_config(config, kv_layers, specs, latent_layers)
+        want_graphs = self._graphs_wanted(config)  # InvalidConfigError for cuda_graphs=True where they cannot run
+        # UnsupportedModelError: the model cannot route its attention through vattn's
+        self.previous_attention = use_vattn_attention(self.model)
+        try:
+            self.cache = KVCache(cache_config, budget=config.budget)
+        except ImportError as e:  # e.g. no CUDA backend in this build
+            raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
+        self._bind_cache(kv_layers, specs, latent_layers)
+        self.sampler = Sampler(self.device, config.seed)
+        self.eos_token_ids: frozenset[int] = frozenset()  # masked under min_tokens (LLM keeps it the scheduler's)
+        self.num_fed_tokens = 0  # input tokens read on the device from the iteration before (async scheduling)
+        self.compiled = (CompiledForward(self.model, compiled, [c for c in self.k_caches + self.v_caches if c is not None])
+                         if compiled else None)  # vattn.engine.compile
+        if want_graphs:
+            self.graphs = DecodeGraphs(self.graph_target(), config.max_num_seqs or config.max_batch_size)
+        self.offload = (config.offload_bytes, config.offload_dir, config.offload_dir_bytes)
+        if config.offload_bytes is not None and not config.enable_prefix_caching:  # swapped-out requests only
+            self.cache.host.configure(config.offload_bytes)
+
+    def _check(self, config: EngineConfig) -> tuple[bool, list[Any], str | None]:
+        """The refusals that need no cache: what the model has (recurrent states, its latent
+        attention layers) and the inductor mode it compiles with (None: eager); packs the host's
+        linear layers (`cpu_linear`). Sets `eager_only`."""
+        from vattn.engine.cpu_gemm import pack_linears
+        from vattn.integrations.hf import check_model, has_attention_sinks, latent_modules, layer_kinds
+
         # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states and
         # latent attention only on one rank
         one_rank = config.tensor_parallel_size == 1
@@ -278,22 +147,26 @@ class ModelRunner:
         if compiled and self.eager_only:
             raise InvalidConfigError(f"compile={config.compile!r} does not cover {self.eager_only} yet; pass "
                                      "compile=False (it runs eagerly)")
-        from vattn.engine.cpu_gemm import pack_linears
-
         if compiled is not None and config.cpu_linear == "onednn":
             raise InvalidConfigError("cpu_linear='onednn' and compile= together: inductor does not lower the packed "
                                      "linear; leave cpu_linear='auto' (compiled engines keep F.linear)")
         # (a compiled forward keeps F.linear: inductor cannot lower the packed op)
-        self.packed_linears = pack_linears(self.model, dtype, torch.device(device),
+        self.packed_linears = pack_linears(self.model, self.dtype, torch.device(self.device),
                                            "default" if compiled is not None else config.cpu_linear)
         if has_states and config.speculative_config is not None:
             raise InvalidConfigError(
                 "speculative_config: this model has recurrent-state layers (Mamba2 / gated delta-net), whose states "
                 "a rejected draft would have moved on (no rollback through their snapshots yet); pass "
                 "speculative_config=None")
+        return has_states, latent_layers, compiled
+
+    def _cache_config(self, config: EngineConfig, kv_layers: list[int], specs: list[Any],
+                      latent_layers: list[Any]) -> CacheConfig:
+        """The cache's configuration for this model (its K/V layers `kv_layers`, their windows and
+        widths; the recurrent states `specs`) and the engine's `config`. Sets `max_context_len`."""
+        from vattn.integrations.hf import layer_windows
+
         hf = self.model.config
-        self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        num_layers = hf.num_hidden_layers
         num_heads = getattr(hf, "num_attention_heads", None) or 1  # (a Mamba2 model has no attention)
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -302,64 +175,42 @@ class ModelRunner:
         if self.max_context_len > max_pos:
             raise InvalidConfigError(
                 f"max_context_len={self.max_context_len} exceeds the model's max_position_embeddings={max_pos}")
-
-        # K/V only for the layers that have attention: not a state model's Mamba2 / gated delta-net
-        # layers (a model with none still gets one small layer: the cache also hands out the slots);
-        # their recurrent states are a layer kind of the same cache (vattn.engine.states)
-        kv_layers = _kv_layers(self.model.config) if has_states else list(range(num_layers))
         windows = layer_windows(hf)  # by the model's layer index; the cache's by its K/V layer
         kv_windows = tuple(windows[layer] for layer in kv_layers) or (None,)
-        specs = states.state_specs(self.model) if has_states else []
         # latent attention: the cache keeps per token what transformers' own cache keeps, one
         # latent "head" as K and the shared RoPE key as V (another width)
         spec = latent.latent_spec(self.model, latent_layers) if latent_layers else None
         if spec is not None:
             num_kv_heads, head_dim = spec.heads, spec.k_width
-        # A batch whose forward raised is run again request by request, unless a layer keeps a
-        # state: the layers that ran moved it on
-        self.rerun_alone = not specs
-        self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
-        want_graphs = self._graphs_wanted(config)  # InvalidConfigError for cuda_graphs=True where they cannot run
-        # UnsupportedModelError: the model cannot route its attention through vattn's
-        self.previous_attention = use_vattn_attention(self.model)
-        try:
-            self.cache = KVCache(num_layers=max(1, len(kv_layers)), num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 max_batch_size=config.max_batch_size, max_context_len=self.max_context_len,
-                                 dtype=self.dtype, device=str(self.device), page_size=config.page_size,
-                                 layout=config.layout, physical_memory=config.physical_memory,
-                                 background=config.background, prefetch=config.prefetch,
-                                 prefetch_tokens=config.prefetch_tokens, budget=config.budget,
-                                 # FlashAttention 4 multiplies the rows after a context (up to its
-                                 # 128-row tile's end) by zero probabilities: they must be finite, so
-                                 # no page reaches a request with what it did not write (measured on
-                                 # an H200: NaN rows there made NaN outputs; docs/gpu.md)
-                                 zero_reused_pages=self.kernel.name == "flash_attn_4",
-                                 # sliding-window layers give their pages behind the window back
-                                 layer_windows=kv_windows if config.layout == "per-layer" else None,
-                                 state_bytes=states.state_bytes(specs),
-                                 num_snapshots=states.SNAPSHOTS_PER_SLOT * config.max_batch_size
-                                 if specs and config.enable_prefix_caching else 0,
-                                 v_head_dim=spec.v_width if spec is not None else None)
-        except ImportError as e:  # e.g. no CUDA backend in this build
-            raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
+        return CacheConfig(
+            num_layers=max(1, len(kv_layers)), num_kv_heads=num_kv_heads, head_dim=head_dim,
+            max_batch_size=config.max_batch_size, max_context_len=self.max_context_len, dtype=self.dtype,
+            device=str(self.device), page_size=config.page_size, layout=config.layout,
+            physical_memory=config.physical_memory, background=config.background, prefetch=config.prefetch,
+            prefetch_tokens=config.prefetch_tokens,
+            # FlashAttention 4 multiplies the rows after a context (up to its 128-row tile's end) by
+            # zero probabilities: they must be finite, so no page reaches a request with what it did
+            # not write (measured on an H200: NaN rows there made NaN outputs; docs/gpu.md)
+            zero_reused_pages=self.kernel.name == "flash_attn_4",
+            # sliding-window layers give their pages behind the window back
+            layer_windows=kv_windows if config.layout == "per-layer" else None,
+            state_bytes=states.state_bytes(specs),
+            num_snapshots=states.SNAPSHOTS_PER_SLOT * config.max_batch_size
+            if specs and config.enable_prefix_caching else 0,
+            v_head_dim=spec.v_width if spec is not None else None)
+
+    def _bind_cache(self, kv_layers: list[int], specs: list[Any], latent_layers: list[Any]) -> None:
+        """The cache's views by the model's layer index (`k_caches`, `v_caches`: `[B, T, H_kv, D]`
+        each, None for a layer without attention), and the state mixers and latent layers bound
+        to it (undone at close)."""
         unbind_states, unbind_latent = states.bind(self.model, self.cache, specs), latent.install(latent_layers)
         self._unbind_states = lambda: (unbind_latent(), unbind_states())
         self.slot_tokens = self.cache.geometry.slot_tokens
-        # by the model's layer index: [B, T, H_kv, D] each, None for a layer without attention
+        num_layers = self.model.config.num_hidden_layers
         self.k_caches = [None] * num_layers
         self.v_caches = [None] * num_layers
         for i, layer in enumerate(kv_layers):
             self.k_caches[layer], self.v_caches[layer] = self.cache.k_cache(i), self.cache.v_cache(i)
-        self.sampler = Sampler(self.device, config.seed)
-        self.eos_token_ids: frozenset[int] = frozenset()  # masked under min_tokens (LLM keeps it the scheduler's)
-        self.num_fed_tokens = 0  # input tokens read on the device from the iteration before (async scheduling)
-        self.compiled = (CompiledForward(self.model, compiled, [c for c in self.k_caches + self.v_caches if c is not None])
-                         if compiled else None)  # vattn.engine.compile
-        if want_graphs:
-            self.graphs = DecodeGraphs(self.graph_target(), config.max_num_seqs or config.max_batch_size)
-        self.offload = (config.offload_bytes, config.offload_dir, config.offload_dir_bytes)
-        if config.offload_bytes is not None and not config.enable_prefix_caching:  # swapped-out requests only
-            self.cache.host.configure(config.offload_bytes)
 
     def prefix_cache(self, salt: bytes) -> PrefixCache:
         """The prefix cache over this runner's cache (every layer kind's part of a block), with

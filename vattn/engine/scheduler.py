@@ -23,26 +23,13 @@ Every iteration:
    tier is all or nothing), else it and everything behind it waits (the running sequences
    free memory as they finish): an admission never takes a running sequence's pages;
 3. `kv.step({slot: num_computed_tokens + num_new_tokens})` backs the batch with pages.
-   When it cannot, a sequence admitted in this iteration goes back to waiting first (the
-   newest: it has not run; not a preemption), then the newest running sequence is
-   preempted, and step is tried again. A
-   sequence left alone whose prompt chunk still cannot be backed runs a shorter chunk
-   (halved until it fits: what a chunk needs grows with its length, a sliding window's
-   pages too, not only the prompt's); one that cannot be backed even alone, one token at a
-   time, is finished with finish_reason "error".
+   When it cannot, drafts, then this iteration's admissions, then running sequences (the
+   newest first) give way, and a prompt left alone runs a shorter chunk; one that cannot be
+   backed even alone finishes with "error" (`vattn.engine.preemption`, which also says what
+   preemption by recompute or swap does, and what happens when the cache's `step` raises).
 
-Preemption (`SchedulerConfig.preemption_mode`, vLLM's names):
-- "recompute" (the default): the slot is freed; the sequence goes back to the waiting
-  queue keeping its generated tokens and computes prompt + generated as a prefill later.
-- "swap": its computed tokens are copied to host memory (`kv.swap_out`) and its slot is
-  freed; re-admission takes it back (`kv.swap_in`: no copy at all when nobody took its old
-  slot or pages meanwhile) with its tokens computed. A swap-in that finds no slot or
-  memory leaves it waiting (FCFS: nothing behind it is admitted in that iteration), unless
-  nothing runs that could free memory: then it recomputes. A sequence preempted again
-  before it ran keeps its host copy (nothing changed), and one that never ran in its slot
-  (admitted too early) is not copied either. A swap-in that must copy first drops the
-  pages its new slot shares with a live request or the prefix cache, so sharing (forks,
-  prefix caching) works in this mode too.
+How a waiting sequence gets its slot (swapped back in, forked from a sibling, or a new slot
+with its cached prefix mapped) is `vattn.engine.admission`'s.
 
 Parallel sampling (`SamplingParams.n > 1`): only sample 0 is queued; the others are
 PENDING. The iteration that computes the end of sample 0's prompt draws the first token of
@@ -84,16 +71,6 @@ not scheduled: nothing it could compute would be kept. One that `schedule` must 
 fit even alone; the cache failed again) while its token is in flight keeps its `error` and its
 slot until `postprocess` has taken that token, so it ends with the tokens it would have had.
 Synchronous scheduling is the same calls with `postprocess` right after `commit`.
-
-When `kv.step` raises (a `BackendError`, the host's mapping limit, ...), the failure
-belongs to no one request: the iteration runs nothing, and every sequence it had
-scheduled is sent back to the waiting queue like a preempted one (it keeps its generated
-tokens and recomputes). A sequence whose iteration fails that way `MAX_FAILURES` times in
-a row finishes with "error" and the cache's message; one that completes an iteration
-starts counting again. The cache keeps its books consistent when its `step` raises (a
-failed map changes nothing; see `vattn.allocator`), so the engine keeps serving. A
-`FatalEngineError` (e.g. a tensor-parallel collective that failed because a peer died) is
-no cache failure: the scheduler lets it propagate from every cache call, untouched.
 """
 from __future__ import annotations
 
@@ -101,155 +78,22 @@ import bisect
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Protocol
+from typing import Any, Collection, Iterable, Mapping
 
-from vattn.checks import as_int
+from vattn.engine.admission import Admission
+from vattn.engine.preemption import MAX_FAILURES, Preemption  # noqa: F401 - MAX_FAILURES importable here too
+from vattn.engine.schedule_types import (  # noqa: F401 - importable from here too
+    PREEMPTION_MODES, KVSlots, PrefixSlots, Proposer, ScheduledSequence, SchedulerConfig, SchedulerOutput, SeqId,
+    StepOutcome)
 from vattn.engine.sequence import FinishReason, Sequence, SequenceStatus
-from vattn.errors import FatalEngineError, InvalidConfigError, NoFreeSlotError, OutOfPhysicalMemoryError
+from vattn.errors import FatalEngineError
 
 logger = logging.getLogger(__name__)
 
-MAX_FAILURES = 2  # failed iterations in a row after which a sequence finishes with "error"
 LOAD_PATIENCE_S = 10.0  # a request waits this long at most for its blocks read from disk
 LOAD_POLL_S = 0.005  # a schedule with only such requests waits this long for a read, not spinning
 
-SeqId = tuple[int, int]  # (request_id, sample index)
-
-
-class StepOutcome(Protocol):
-    failed: tuple[int, ...]
-
-    def __bool__(self) -> bool: ...
-
-
-class PrefixSlots(Protocol):
-    """What the scheduler needs of a prefix cache (`vattn.prefix_cache.PrefixCache` fits)."""
-
-    def map_prefix(self, reqid: int, token_ids: list[int], fits: Callable[[int], bool] | None = None) -> int: ...
-
-    def uncount(self, reqid: int) -> None: ...
-
-    def insert(self, reqid: int, token_ids: list[int]) -> None: ...
-
-
-class KVSlots(Protocol):
-    """What the scheduler needs of the cache (`vattn.KVCache` fits). `can_fork` and `fork`
-    are called only for requests with n > 1; `can_step` is optional (without it, admission
-    is decided by the step alone, as with tensor parallelism)."""
-
-    @property
-    def num_free_reqids(self) -> int: ...
-
-    def alloc_reqid(self) -> int: ...
-
-    def free_reqid(self, reqid: int) -> None: ...
-
-    def step(self, seq_lens: Mapping[int, int]) -> StepOutcome: ...
-
-    def can_step(self, seq_lens: Mapping[int, int]) -> bool: ...
-
-    def can_fork(self, reqid: int, num_tokens: int) -> bool: ...
-
-    def fork(self, reqid: int, num_tokens: int) -> int: ...
-
-    def swap_out(self, reqid: int, num_tokens: int) -> Any: ...
-
-    def swap_in(self, handle: Any) -> int: ...
-
-
-PREEMPTION_MODES = ("recompute", "swap")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """max_num_seqs: sequences running at once; max_num_batched_tokens: tokens per
-    iteration (the prefill chunk size follows from it: what decodes leave);
-    preemption_mode: 'recompute' | 'swap' (see the module docstring)."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    preemption_mode: str = "recompute"
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            object.__setattr__(self, name, as_int(getattr(self, name), name, InvalidConfigError, low=1))
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise InvalidConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise InvalidConfigError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
-                f"{self.max_num_seqs}, so that every running sequence can decode each iteration")
-
-
-class ScheduledSequence(NamedTuple):
-    seq: Sequence
-    num_new_tokens: int  # tokens computed this iteration, from seq.num_computed_tokens on (drafts included)
-    # PENDING samples of seq's request that draw their first token from seq's logits row
-    # (seq is sample 0 and this iteration computes the end of its prompt)
-    fan_out: tuple[Sequence, ...] = ()
-    # speculative decoding: draft tokens computed after seq's last token (the last num_new_tokens),
-    # verified by the target's rows; the computed length then stands after those accepted
-    drafts: tuple[int, ...] = ()
-
-
-class Proposer(Protocol):
-    """Draft tokens for speculative decoding (`vattn.engine.spec_decode.NgramProposer` fits)."""
-
-    def propose(self, seq: Sequence, limit: int) -> list[int]: ...
-
-    def observe(self, seq: Sequence, proposed: int, accepted: int) -> None: ...
-
-
-class SchedulerOutput(NamedTuple):
-    scheduled: list[ScheduledSequence]  # backed by the cache: run these
-    preempted: list[Sequence]  # sent back to the waiting queue this iteration (memory or a failed step)
-    finished: list[Sequence]  # finished with "error": cannot fit even alone, or the cache failed again
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-def _shorter_chunks(plan: list[ScheduledSequence], failed: Collection[int]) -> list[ScheduledSequence] | None:
-    """`plan` with the prompt chunks of the `failed` slots halved, or None when every failed
-    slot computes one token already."""
-    failed = set(failed)
-    if not any(item.seq.slot in failed and item.num_new_tokens > 1 for item in plan):
-        return None
-    return [item._replace(num_new_tokens=item.num_new_tokens // 2)
-            if item.seq.slot in failed and item.num_new_tokens > 1 else item for item in plan]
-
-
-class _Fits:
-    """`fits(n)` of one admission (see `Scheduler._fits`). `sticky` (other sequences run this
-    iteration): once a length is refused every later ask is, so a lookup restores its whole
-    chain from the lower tiers or nothing, and the scheduler leaves the request waiting
-    (`refused`): a request restored in part computes the rest, and needs the same pages for
-    it a little later, where it preempts the newest running sequence (measured: 5x the
-    preemptions of waiting)."""
-
-    def __init__(self, can_step: Callable[[Mapping[int, int]], bool], lens: dict[int, int], slot: int,
-                 total: int, budget: int, sticky: bool) -> None:
-        self.can_step, self.lens, self.slot, self.total, self.budget = can_step, lens, slot, total, budget
-        self.sticky = sticky
-        self.refused = False
-
-    def __call__(self, n: int) -> bool:
-        if self.refused and self.sticky:
-            return False
-        self.lens[self.slot] = n + min(self.total - n, self.budget)
-        try:
-            ok = bool(self.can_step(self.lens))
-        except FatalEngineError:  # e.g. a failed collective: the engine stops
-            raise
-        except Exception:  # noqa: BLE001 - the step itself will say what is wrong
-            ok = True
-        self.refused |= not ok
-        return ok
-
-
-class Scheduler:
+class Scheduler(Admission, Preemption):
     """FCFS continuous batching with a token budget, chunked prefill, preemption and
     parallel sampling by forking."""
 
@@ -332,45 +176,7 @@ class Scheduler:
 
         if skip and not plan:  # nothing to run but reads from disk: wait a little for one, not spin
             getattr(self.prefix_cache, "wait_loads", time.sleep)(LOAD_POLL_S)
-        preempted: list[Sequence] = []
-        finished: list[Sequence] = []
-        while plan:
-            try:
-                backed = self.kv.step({s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in plan})
-            except FatalEngineError:  # e.g. a failed collective: the engine stops
-                raise
-            except Exception as e:  # noqa: BLE001 - any cache failure: see the module docstring
-                self._fail([s.seq for s in plan], e, preempted, finished)
-                plan = []
-                break
-            if backed:
-                break
-            if any(s.drafts for s in plan):  # drafts never cost a sequence its place: run without them first
-                plan = [s._replace(num_new_tokens=s.num_new_tokens - len(s.drafts), drafts=()) if s.drafts else s
-                        for s in plan]
-                continue
-            if admitted and len(self.running) > 1:  # never preempt a running sequence for an admission:
-                victim = admitted.pop()  # the newest admitted goes back to waiting (it has not run)
-                self._unadmit(victim)
-                preempted.append(victim)
-                plan = [s for s in plan if s.seq is not victim]
-                continue
-            if len(self.running) == 1:  # then it is the whole plan: a shorter prompt chunk may fit (what a
-                shorter = _shorter_chunks(plan, backed.failed)  # chunk needs grows with its length: a sliding
-                if shorter is not None:                          # window's pages, not only the prompt's)
-                    plan = shorter
-                    continue
-            victim = max(self.running, key=lambda s: s.seq_id)  # the newest sequence
-            if len(self.running) == 1:  # it alone, one token at a time
-                need = victim.num_computed_tokens + plan[0].num_new_tokens
-                self._fail_seq(victim, finished, (
-                    f"request {victim.request_id} (sample {victim.index}) needs {need} "
-                    "tokens of KV cache, more than the physical memory can hold even when it runs "
-                    "alone; raise physical_memory or lower max_tokens / the prompt length"))
-            else:
-                self.preempt(victim)
-                preempted.append(victim)
-            plan = [s for s in plan if s.seq is not victim]
+        plan, preempted, finished = self._back(plan, admitted)
         return SchedulerOutput([self._with_fan_out(s) for s in plan], preempted, finished)
 
     def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
@@ -402,105 +208,6 @@ class Scheduler:
         self.loading.pop(seq.seq_id, None)
         return False
 
-    def _admit(self, seq: Sequence, plan: list[ScheduledSequence], budget: int) -> bool:
-        """Give waiting `seq` a slot (and what of its tokens the slot already holds), or
-        return False to leave it waiting. `plan`: this iteration's sequences so far, `budget`
-        the tokens left. With prefix caching the lookup restores from a lower tier only
-        what the request can then run with beside `plan` (`kv.can_step`), and a request that
-        cannot run beside `plan` even with its device hit is left waiting (while `plan` runs:
-        its sequences free memory), so an admission never takes the pages of a running
-        sequence and never restores blocks it cannot keep."""
-        if seq.swap is not None:
-            try:
-                seq.slot = self.kv.swap_in(seq.swap)
-            except (NoFreeSlotError, OutOfPhysicalMemoryError):
-                if self.running:
-                    return False  # wait for memory: the running sequences will free some
-                seq.swap = None  # nothing runs that could free memory: recompute instead
-            except FatalEngineError:  # e.g. a failed collective: the engine stops
-                raise
-            except Exception as e:  # noqa: BLE001 - the cache's books hold: recompute instead
-                logger.warning("vattn: swapping request %d back in failed (%s: %s); it recomputes",
-                               seq.request_id, type(e).__name__, e)
-                seq.swap = None
-            else:
-                seq.num_computed_tokens = seq.swap.num_tokens
-                self.num_swapped_in += 1
-                return True
-        source = self._fork_source(seq)
-        if source is not None:
-            try:
-                seq.slot = self.kv.fork(source.slot, seq.num_prompt_tokens)
-            except (NoFreeSlotError, OutOfPhysicalMemoryError):
-                return False  # no page for the copy of the partial page: wait for memory
-            except FatalEngineError:  # e.g. a failed collective: the engine stops
-                raise
-            except Exception as e:  # noqa: BLE001 - the cache's books hold: compute the prompt instead
-                logger.warning("vattn: forking request %d's prompt failed (%s: %s); sample %d computes it",
-                               seq.request_id, type(e).__name__, e, seq.index)
-            else:
-                seq.num_computed_tokens = seq.num_prompt_tokens
-                return True
-        seq.slot = self.kv.alloc_reqid()
-        fits = self._fits(seq, plan, budget)
-        if self.prefix_cache is not None:
-            self._looked_up.add(seq.slot)
-            try:
-                if fits is None:
-                    seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids)
-                else:
-                    seq.num_computed_tokens = self.prefix_cache.map_prefix(seq.slot, seq.token_ids, fits=fits)
-            except FatalEngineError:  # e.g. a failed collective: the engine stops
-                raise
-            except Exception as e:  # noqa: BLE001 - a miss: the books hold, the sequence computes it all
-                logger.warning("vattn: mapping cached prefix pages for request %d failed (%s: %s)",
-                               seq.request_id, type(e).__name__, e)
-        if plan and fits is not None and (fits.refused or not fits(seq.num_computed_tokens)):
-            self.num_admissions_held += 1
-            self._release(seq)
-            return False
-        return True
-
-    def _fits(self, seq: Sequence, plan: list[ScheduledSequence], budget: int) -> _Fits | None:
-        """`fits(n)`: whether `seq`, holding its first `n` tokens in its new slot, can run its
-        first chunk this iteration beside `plan` (planned by `kv.can_step`, nothing mapped);
-        None when the cache cannot tell (the step decides)."""
-        can_step = getattr(self.kv, "can_step", None)
-        if can_step is None:
-            return None
-        lens = {s.seq.slot: s.seq.num_computed_tokens + s.num_new_tokens for s in plan}
-        return _Fits(can_step, lens, seq.slot, seq.num_tokens, budget, sticky=bool(plan))
-
-    def _release(self, seq: Sequence) -> None:
-        """Give back the slot `_admit` gave `seq` (it stays waiting; what it mapped stays
-        cached) and take back its lookup's counts: it is looked up again when admitted."""
-        if self.prefix_cache is not None and seq.slot in self._looked_up:
-            self._looked_up.discard(seq.slot)
-            uncount = getattr(self.prefix_cache, "uncount", None)
-            if uncount is not None:
-                uncount(seq.slot)
-        self.kv.free_reqid(seq.slot)
-        seq.slot, seq.num_computed_tokens = None, 0
-
-    def _unadmit(self, seq: Sequence) -> None:
-        """Send `seq`, admitted in this schedule, back to waiting before it ran (the step
-        could not back it): no preemption, nothing computed to keep."""
-        self.running.remove(seq)
-        self.num_unadmitted += 1
-        self._release(seq)
-        seq.status = SequenceStatus.WAITING
-        self._enqueue(seq)
-
-    def _fork_source(self, seq: Sequence) -> Sequence | None:
-        """A running sibling of `seq` whose slot holds the whole prompt and can be forked
-        there (`kv.can_fork`: a sliding window may have moved past the prompt, recurrent
-        states are right at one length only), if any."""
-        if len(seq.samples) == 1:
-            return None
-        n = seq.num_prompt_tokens
-        return next((s for s in seq.samples if s is not seq and s.status is SequenceStatus.RUNNING
-                     and s.num_computed_tokens >= n and self.kv.can_fork(s.slot, n)), None)
-
     @staticmethod
     def _with_fan_out(item: ScheduledSequence) -> ScheduledSequence:
         seq = item.seq
@@ -509,33 +216,6 @@ class Scheduler:
             if pending:
                 return item._replace(fan_out=tuple(pending))
         return item
-
-    def _fail(self, seqs: list[Sequence], error: Exception, preempted: list[Sequence],
-              finished: list[Sequence]) -> None:
-        """The cache could not back an iteration of `seqs`: requeue them, or finish those
-        that failed MAX_FAILURES times in a row."""
-        logger.warning("vattn: the KV cache failed to back an iteration of requests %s (%s: %s); "
-                       "they recompute, or finish with an error after %d failures in a row",
-                       [s.request_id for s in seqs], type(error).__name__, error, MAX_FAILURES)
-        for seq in seqs:
-            seq.num_failures += 1
-            if seq.num_failures >= MAX_FAILURES:
-                self._fail_seq(seq, finished, (
-                    f"the KV cache failed {seq.num_failures} times in a row to back an iteration of "
-                    f"request {seq.request_id}: {type(error).__name__}: {error}"))
-            else:
-                self.preempt(seq, count=False)
-                preempted.append(seq)
-
-    def _fail_seq(self, seq: Sequence, finished: list[Sequence], error: str) -> None:
-        """Finish running `seq` with "error" now (into `finished`), or, while a token it sampled
-        is in flight, when that token is taken (`postprocess`): the tokens it ends with are
-        those of synchronous scheduling. Meanwhile it keeps its slot and is not scheduled."""
-        if seq.num_placeholders:
-            seq.error = error
-        else:
-            self.finish(seq, "error", error=error)
-            finished.append(seq)
 
     # --------------------------------------------------------------- postprocess ----
     def commit(self, scheduled: list[ScheduledSequence], errors: Mapping[SeqId, str] | None = None) -> None:
@@ -667,37 +347,6 @@ class Scheduler:
                     self.finish(seq, "abort")
             seqs += live
         return seqs
-
-    def preempt(self, seq: Sequence, count: bool = True) -> None:
-        """Free `seq`'s slot and queue it again (it keeps its generated tokens): swapped out,
-        or to recompute. `count`: a preemption for memory (counted in num_preemptions;
-        swapped out in "swap" mode; with prefix caching, what it computed stays cached)."""
-        self.running.remove(seq)
-        ran = count and seq.has_run  # one that never ran in its slot was only admitted too early
-        if not (ran and self.config.preemption_mode == "swap" and self._swap_out(seq)):
-            if ran:
-                self._cache_prefix(seq, seq.token_ids[:seq.num_computed_tokens])
-            self.kv.free_reqid(seq.slot)  # one swapped in that has not run since keeps its host copy
-        if ran:
-            seq.num_preemptions += 1
-            self.num_preemptions += 1
-        seq.slot, seq.num_computed_tokens = None, 0
-        seq.status = SequenceStatus.WAITING
-        self._enqueue(seq)
-
-    def _swap_out(self, seq: Sequence) -> bool:
-        """Copy `seq`'s computed tokens to host memory and free its slot; False (slot kept)
-        when the copy fails."""
-        try:
-            seq.swap = self.kv.swap_out(seq.slot, seq.num_computed_tokens)
-        except FatalEngineError:  # e.g. a failed collective: the engine stops
-            raise
-        except Exception as e:  # noqa: BLE001 - e.g. no host memory: recompute instead
-            logger.warning("vattn: swapping request %d out failed (%s: %s); it recomputes",
-                           seq.request_id, type(e).__name__, e)
-            return False
-        self.num_swapped_out += 1
-        return True
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, now: float | None = None) -> None:
         """Mark `seq` finished and give its slot back (its pages stay for the next request).

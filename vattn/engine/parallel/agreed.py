@@ -9,8 +9,9 @@ from typing import Any, NamedTuple
 import torch
 
 from vattn.engine.config import EngineConfig
-from vattn.engine.model_runner import ModelRunner, Sampled
+from vattn.engine.model_runner import ModelRunner
 from vattn.engine.parallel.group import ALLOC_REQID, FORK, PREFIX, STEP, SWAP_IN, SWAP_OUT, TensorParallel
+from vattn.engine.sampler import Sampled
 from vattn.errors import NoFreeSlotError, OutOfPhysicalMemoryError, RankCacheError, TensorParallelError
 from vattn.prefix_cache import Hit, PrefixCache, token_array
 

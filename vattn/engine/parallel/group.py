@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vattn.engine.config import EngineConfig
-from vattn.engine.model_runner import LoadedModel
+from vattn.engine.loader import LoadedModel
 from vattn.engine.parallel.shard import load_shard
 from vattn.errors import InvalidConfigError, InvalidRequestError, TensorParallelError
 

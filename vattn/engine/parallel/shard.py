@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vattn.engine.config import EngineConfig
-from vattn.engine.model_runner import LoadedModel, load_model, load_tokenizer, run_dtype
+from vattn.engine.loader import LoadedModel, load_model, load_tokenizer, run_dtype
 from vattn.errors import InvalidConfigError
 
 logger = logging.getLogger(__name__)
