@@ -41,7 +41,11 @@ def onednn_available() -> bool:
 
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> Callable:
     def forward(x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        if x.dtype != weight.dtype or x.numel() < MIN_ROWS * x.shape[-1] or x.requires_grad:
+        # Under torch.compile (another engine compiling the same model object, e.g. the e2e
+        # bench's eager and compiled engines side by side): F.linear, which inductor lowers
+        # itself; its oneDNN lowering asserts on a packed weight that is not a graph constant.
+        if torch.compiler.is_compiling() or x.dtype != weight.dtype or x.numel() < MIN_ROWS * x.shape[-1] \
+                or x.requires_grad:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return forward
