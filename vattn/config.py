@@ -78,7 +78,7 @@ class CacheConfig:
     `state_bytes`: bytes of a slot's recurrent states (Mamba2, gated delta-net layers), one
     more layer kind: a row of whole pages per slot, mapped at its first step, in the same
     budget (`KVCache.state_rows`); `num_snapshots`: rows after the slots' that keep copies of
-    states at prefix blocks' ends (`KVCache.snapshot`, the prefix cache).
+    states at prefix blocks' ends (`KVCache.snapshots`, the prefix cache).
     `v_head_dim`: V's width where it differs from K's `head_dim` (multi-head latent attention
     keeps per token a latent of `head_dim` values as K and a shared RoPE key of `v_head_dim`
     as V, what transformers' own cache keeps): K and V of a layer then share one buffer, a

@@ -4,8 +4,9 @@ groups each slot maps, and the references, pins and dirty marks of every group).
 Python, no torch.
 
 A slot's pages in a kind are a prefix `slot_pages[s]` of references to that kind's page
-groups; in a sliding-window kind its leading entries may be holes (None): pages wholly
-behind the window, unmapped while the slot's virtual range stays reserved. A group may be
+groups; in a kind that gives pages back (a sliding window, chunked attention: its manager
+says which, `vattn.allocator.kinds`) its leading entries may be holes (None): pages wholly
+behind what its queries read, unmapped while the slot's virtual range stays reserved. A group may be
 mapped into several slots at once (a fork shares the whole pages of a prefix); `refs`
 counts the slots that map each group, plus one while it is pinned:
 

@@ -208,7 +208,6 @@ def plan_step(managers: Sequence[Reach], lens: dict[int, int], short: Sequence[i
     free slots, pre-mapped tails and pins, of the kind or (released) of another. `short`:
     the slots short of pages in some kind (the others only give back pages)."""
     kinds = [m.books for m in managers]
-    slots = kinds[0].slots
     local = [m for m in managers if m.gives_back]
     cands = set(short)
     if local:
@@ -217,7 +216,7 @@ def plan_step(managers: Sequence[Reach], lens: dict[int, int], short: Sequence[i
     # per candidate slot and kind: (first page kept, first page mapped, pages to map, groups given back)
     wants = {s: [_slot_need(m, s, lens[s]) for m in managers] for s in cands}
     # slots that only give pages back first (always served), then the others oldest first
-    active = slots.active
+    active = kinds[0].slots.active
     order = sorted(cands, key=lambda s: (any(w[2] for w in wants[s]), active[s]))
     gb = [b.geometry.group_bytes for b in kinds]
     spare = [len(b.physical.spare) for b in kinds]
