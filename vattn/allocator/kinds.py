@@ -272,9 +272,10 @@ class LocalAttention(KindManager):
     def first_needed(self, slot: int, new_len: int) -> int:
         """Its queries start at the previous step length (a step re-planned at the same
         length is the same iteration), and the first of them reads the least."""
-        slots = self.books.slots
+        books = self.books
+        slots, g = books.slots, books.geometry
         start = slots.prev_lens[slot] if new_len == slots.max_lens[slot] else slots.max_lens[slot]
-        return self._page(self.first_key(min(start, new_len - 1)))
+        return self.first_key(min(start, new_len - 1)) * g.token_bytes // g.page_size  # (the step's hot path)
 
     def first_read(self, num_tokens: int) -> int:
         return self._page(self.first_key(num_tokens))
