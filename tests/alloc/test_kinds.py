@@ -72,6 +72,31 @@ def test_a_chunked_kind_gives_back_whole_chunks_exactly_at_chunk_boundaries() ->
             cache.swap_out(r, 60)
 
 
+def test_every_kind_is_run_by_the_manager_its_spec_type_names() -> None:
+    """One {spec type: manager} table (`registry.MANAGERS`) builds every kind; a spec no
+    manager runs is refused, naming the table."""
+    from dataclasses import dataclass
+
+    from vattn.allocator.kinds import KindSpec
+    from vattn.allocator.registry import MANAGERS, manager_for
+
+    with kinds_cache((8, Chunk(16), None), state_bytes=3000, num_snapshots=2) as cache:
+        kinds = cache.allocator.kinds
+        assert [k.name for k in kinds] == ["full", "window=8", "chunk=16", "state"] == cache.kind_names
+        assert [type(k).__name__ for k in kinds] == ["FullAttention", "SlidingWindow", "ChunkedLocal", "RecurrentState"]
+        assert all(type(k) is MANAGERS[type(k.spec)] for k in kinds)
+        assert cache.snapshots is kinds[3].snapshots and all(k.snapshots is None for k in kinds[:3])
+
+    @dataclass(frozen=True)
+    class Unknown(KindSpec):
+        pass
+
+    with pytest.raises(ValueError, match="registry.MANAGERS"):
+        manager_for(Unknown("x", None, []))
+    with kinds_cache() as cache, pytest.raises(vattn.InvalidRequestError, match="no recurrent states"):
+        cache.snapshots.want(0, [8])
+
+
 def test_a_failed_slot_keeps_its_lengths_and_pages_in_every_kind() -> None:
     with kinds_cache(physical_memory=52 * PAGE) as cache:
         r = cache.alloc_reqid()
