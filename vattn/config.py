@@ -4,11 +4,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
 from vattn import checks
-from vattn.allocator.kinds import LayerKind, Window
 from vattn.checks import MAX_PAGE_SIZE  # noqa: F401 (re-exported: it was defined here)
 from vattn.errors import InvalidConfigError
 
@@ -101,7 +101,7 @@ class CacheConfig:
     prefetch_tokens: int = PREFETCH_TOKENS
     cuda_driver: str = "auto"
     zero_reused_pages: bool = False
-    layer_windows: tuple[int | LayerKind | None, ...] | None = None
+    layer_windows: tuple[Any, ...] | None = None  # per layer: None, an int or a LayerKind
     state_bytes: int = 0
     num_snapshots: int = 0
     v_head_dim: int | None = None
@@ -131,20 +131,19 @@ class CacheConfig:
             if len(windows) != self.num_layers:
                 raise InvalidConfigError(f"layer_windows has {len(windows)} entries; give one per layer "
                                          f"(num_layers={self.num_layers}), None for full attention")
-            windows = tuple(w.size if isinstance(w, Window) else w if w is None or isinstance(w, LayerKind)
-                            else checks.positive(w, "a layer window") for w in windows)  # (a Window is its int)
+            windows = tuple(_layer_entry(w) for w in windows)
             # a window (or chunk) as long as the context is full attention: nothing is ever behind it
             windows = tuple(None if w is None or _tokens(w) >= self.max_context_len else w for w in windows)
             object.__setattr__(self, "layer_windows", windows if any(w is not None for w in windows) else None)
 
-    def layer_kinds(self) -> list[tuple[int | LayerKind | None, tuple[int, ...]]]:
+    def layer_kinds(self) -> list[tuple[Any, tuple[int, ...]]]:
         """(entry of `layer_windows`, layers) of each layer kind, full attention first, then
         windows from the largest, then the other `LayerKind`s (chunks) from the largest: one
         kind with the fused layout or without windows (every page kept)."""
         windows = self.layer_windows
         if windows is None or self.layout != "per-layer":
             return [(None, tuple(range(self.num_layers)))]
-        sizes = sorted(set(windows), key=lambda w: (w is not None, isinstance(w, LayerKind),
+        sizes = sorted(set(windows), key=lambda w: (w is not None, not isinstance(w, int),
                                                     getattr(w, "label", ""), -_tokens(w or 0)))
         return [(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in sizes]
 
@@ -153,9 +152,20 @@ class CacheConfig:
         return torch.device(self.device)
 
 
-def _tokens(entry: int | LayerKind) -> int:
+def _layer_entry(w: Any) -> Any:
+    """An entry of `layer_windows`, checked: None, a window (an int > 0), or a
+    `vattn.allocator.LayerKind` (known by its `size` and `spec`: this module cannot import
+    the allocator, whose page layer imports it); a `Window` becomes its int."""
+    if w is None:
+        return None
+    if hasattr(w, "spec") and hasattr(w, "size"):
+        return w.entry()
+    return checks.positive(w, "a layer window")
+
+
+def _tokens(entry: Any) -> int:
     """The tokens of a `layer_windows` entry: a window's, or a `LayerKind`'s size."""
-    return entry.size if isinstance(entry, LayerKind) else entry
+    return entry if isinstance(entry, int) else entry.size
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,10 @@ class LayerKind:
         before a window's first key."""
         raise NotImplementedError
 
+    def entry(self) -> LayerKind | int:
+        """What `CacheConfig.layer_windows` keeps for it (layers of equal entries are one kind)."""
+        return self
+
 
 class Window(LayerKind):
     """A sliding window of `size` tokens (what an int in `layer_windows` means)."""
@@ -101,6 +105,9 @@ class Window(LayerKind):
 
     def spec(self, base: KindSpec, margin: int) -> KindSpec:
         return WindowSpec(**base.layout(), window=self.size + margin)
+
+    def entry(self) -> int:
+        return self.size  # (an int: the same kind as the int it stands for)
 
 
 class Chunk(LayerKind):
