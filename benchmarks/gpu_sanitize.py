@@ -47,7 +47,7 @@ def windows(device: str) -> str:
         with LLM(copy.deepcopy(model), device=device, dtype="float16" if cuda else "float32", attention=kernel,
                  max_batch_size=2, max_num_batched_tokens=256, page_size=page, prefetch=False) as llm:
             runs[kernel] = _tokens(llm, prompts, 8)
-            books = next(k.books for k in llm.cache.allocator.kinds if k.books.window is not None)
+            books = next(k.books for k in llm.cache.allocator.kinds if k.gives_back)
             holes = max(holes, max(books.holes(s) for s in range(books.num_slots)))
             assert llm.runner.kernel.name == kernel, f"{kernel} fell back to {llm.runner.kernel.name}"
     assert holes > 0, "no page was given back behind the window"

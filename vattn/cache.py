@@ -9,7 +9,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from vattn.allocator import Coordinator, KindSpec, MemoryStats, StateGeometry, StepResult
+from vattn.allocator import Coordinator, KindSpec, MemoryStats, StateGeometry, StateSpec, StepResult
+from vattn.allocator.kinds import layer_name, layer_spec
+from vattn.allocator.snapshots import Snapshots
 from vattn.checks import as_int
 from vattn.config import CacheConfig, Geometry
 from vattn.errors import ClosedError, InvalidConfigError, InvalidRequestError
@@ -97,26 +99,26 @@ class KVCache:
         max_bytes, unit = self._budget_bytes(g, state_bytes)
         self._range = self.backend.reserve(g.buffer_bytes * g.num_buffers + state_bytes, page_size)
         bases = [self._range.addr + b * g.buffer_bytes for b in range(g.num_buffers)]
-        self._k, self._v = self._make_views()
+        self._k, self._v = _kv_views(self.backend, self._range, g)
         # uint8 views of each whole buffer (and of the states'): pages are copied (fork) and cleared through them
-        self._bytes = self._byte_views(state_bytes)
+        self._bytes = _byte_views(self.backend, self._range, g, state_bytes)
         kinds = config.layer_kinds()
         # per kind: its buffers (K of its layers, then V), in the order its page groups hold them
         # (K and V of a layer in one buffer where their widths differ: its layers' buffers only)
         self.kind_buffers = [list(range(g.num_buffers)) if config.layout != "per-layer"
                              else [*layers] if g.buffers_per_layer == 1
                              else [*layers, *(config.num_layers + i for i in layers)] for _, layers in kinds]
-        self.kind_names = ["full" if w is None else f"window={w}" for w, _ in kinds]
+        self.kind_names = [layer_name(entry) for entry, _ in kinds]
         if self.states is not None:
             self.kind_buffers.append([g.num_buffers])
             self.kind_names.append("state")
         self._kind_of = {b: k for k, buffers in enumerate(self.kind_buffers) for b in buffers}  # buffer -> kind
-        specs = [self._kind_spec(name, window, layers, bases, buffers)
-                 for name, (window, layers), buffers in zip(self.kind_names, kinds, self.kind_buffers)]
+        specs = [self._kind_spec(name, entry, layers, bases, buffers)
+                 for name, (entry, layers), buffers in zip(self.kind_names, kinds, self.kind_buffers)]
         if self.states is not None:
-            specs.append(KindSpec("state", self.states, [self._range.addr + g.num_buffers * g.buffer_bytes],
-                                  num_snapshots=config.num_snapshots,
-                                  copy_pages=functools.partial(_copy_pages, weakref.ref(self), [g.num_buffers])))
+            specs.append(StateSpec("state", self.states, [self._range.addr + g.num_buffers * g.buffer_bytes],
+                                   num_snapshots=config.num_snapshots,
+                                   copy_pages=functools.partial(_copy_pages, weakref.ref(self), [g.num_buffers])))
         self.kv_kind_buffers = self.kind_buffers[:len(kinds)]  # the K/V kinds' (a pin handle's kinds, in order)
         self.allocator = Coordinator(self.backend, specs, num_slots=config.max_batch_size,
                                      max_len=config.max_context_len, max_bytes=max_bytes,
@@ -157,56 +159,25 @@ class KVCache:
             return min(cap, max(1, int(self.backend.default_memory_fraction * free) // unit) * unit), unit
         return cap, unit
 
-    def _kind_spec(self, name: str, window: int | None, layers: tuple[int, ...], bases: list[int],
+    def _kind_spec(self, name: str, entry: Any, layers: tuple[int, ...], bases: list[int],
                    buffers: list[int]) -> KindSpec:
-        """The layer kind whose K/V buffers are `buffers` (the cache's whole geometry when it
-        is the only one)."""
+        """The spec of the layer kind `entry` names (`CacheConfig.layer_windows`: None, a
+        window, a `LayerKind`) whose K/V buffers are `buffers` (the cache's whole geometry
+        when it is the only one)."""
         c, g, ref = self.config, self.geometry, weakref.ref(self)
         if len(self.config.layer_kinds()) > 1:
             g = Geometry(dataclasses.replace(c, num_layers=len(layers), layer_windows=None, state_bytes=0,
                                              num_snapshots=0), self.page_size)
-        return KindSpec(name, g, [bases[b] for b in buffers],
-                        window=None if window is None else window + self._window_margin(),
+        base = KindSpec(name, g, [bases[b] for b in buffers],
                         zero_pages=functools.partial(_zero_pages, ref, buffers) if c.zero_reused_pages else None,
                         copy_pages=functools.partial(_copy_pages, ref, buffers))
+        return layer_spec(entry, base, self._window_margin())
 
     def _window_margin(self) -> int:
         """Tokens kept mapped before a sliding window: the kernels read from a block boundary
         before it on CUDA (FlashAttention's local attention starts at the key block holding
         the window's first key); the CPU kernels read exactly the window."""
         return WINDOW_MARGIN_TOKENS if self.backend.device.type == "cuda" else 0
-
-    def _byte_views(self, state_bytes: int) -> list[torch.Tensor]:
-        """One `[buffer_bytes]` uint8 view of each buffer, and `[state_bytes]` of the states'
-        rows when there are any (page copies and clears)."""
-        g = self.geometry
-        views = [self.backend.tensor(self._range, b * g.buffer_bytes, (g.buffer_bytes,), (1,), torch.uint8)
-                 for b in range(g.num_buffers)]
-        if state_bytes:
-            views.append(self.backend.tensor(self._range, g.num_buffers * g.buffer_bytes, (state_bytes,), (1,),
-                                             torch.uint8))
-        return views
-
-    def _make_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        g, c = self.geometry, self.config
-        vd = c.v_head_dim or c.head_dim
-        hd = c.num_kv_heads * (c.head_dim + (c.v_head_dim or 0))  # elements of a layer's token in a buffer
-        esz = g.elem_size
-        tok = hd * g.layers_per_buffer  # elements per token in one buffer
-        ks, vs = [], []
-        for layer in range(c.num_layers):
-            if c.layout == "per-layer":
-                kb, vb, off = layer, c.num_layers + layer, 0
-            else:  # fused: [B, slot_tokens, num_layers, H, D], layer is a strided view
-                kb, vb, off = 0, 1, layer * hd * esz
-            voff = off
-            if c.v_head_dim is not None:  # one buffer: a token's row its K ([H, head_dim]), then its V
-                vb, voff = kb, off + c.num_kv_heads * c.head_dim * esz
-            for buf, o, d, out in ((kb, off, c.head_dim, ks), (vb, voff, vd, vs)):
-                shape = (c.max_batch_size, c.max_context_len, c.num_kv_heads, d)
-                out.append(self.backend.tensor(self._range, buf * g.buffer_bytes + o, shape,
-                                               (g.slot_tokens * tok, tok, d, 1), c.dtype))
-        return ks, vs
 
     # -------------------------------------------------------------- the paper's API ----
     def k_cache(self, layer: int) -> torch.Tensor:
@@ -326,12 +297,6 @@ class KVCache:
         end = start + num_pages * self.page_size
         return [self._bytes[b][start:end] for b in self.kv_kind_buffers[kind]]
 
-    def snapshot_row(self) -> int | None:
-        """A free snapshot row with its pages mapped, to fill through `state_rows()` (a
-        snapshot restored from a lower tier), or None when no row or memory is left; keep it
-        with `pin_snapshot` or give it back with `free_snapshot`."""
-        return self.allocator.snapshot_row()
-
     def swap_out(self, reqid: int, num_tokens: int) -> SwapHandle:
         """Preempt `reqid` by swapping: copy its first `num_tokens` tokens (K and V of every
         layer, and its recurrent states) to host memory (pinned on CUDA, in chunks of at
@@ -420,44 +385,12 @@ class KVCache:
             raise ClosedError("this cache was closed; create a new one with vattn.init()")
         return self._bytes[-1].view(-1, self.states.row_bytes)
 
-    def want_snapshots(self, reqid: int, boundaries: Sequence[int]) -> None:
-        """Snapshot `reqid`'s states when an iteration passes each of these token counts:
-        the step that plans that iteration gives it a snapshot row (when memory allows),
-        listed by `planned_snapshots` for the state layers to write."""
-        self.allocator.want_snapshots(reqid, boundaries)
-
-    def planned_snapshots(self) -> dict[int, dict[int, int]]:
-        """Per slot of the last step, {token count: snapshot row} its iteration writes ({}
-        without recurrent states)."""
-        return self.allocator.planned_snapshots()
-
-    def take_snapshots(self, reqid: int, upto: int) -> dict[int, int]:
-        """The snapshot rows `reqid`'s computed iterations wrote, at token counts up to
-        `upto`: {count: row}; keep each with `pin_snapshot` or give it back with `free_snapshot`."""
-        return self.allocator.take_snapshots(reqid, upto)
-
-    def snapshot(self, reqid: int) -> int | None:
-        """A snapshot row with a copy of `reqid`'s states as they are (after its last
-        iteration), or None when no row or memory is left."""
-        return self.allocator.snapshot(reqid)
-
-    def pin_snapshot(self, row: int) -> tuple[int, int]:
-        """Keep snapshot `row` (a prefix block's states) until memory runs short (least
-        recently used first) or `trim()`; returns its handle."""
-        return self.allocator.pin_snapshot(row)
-
-    def snapshot_pinned(self, handle: tuple[int, int]) -> bool:
-        """Whether the kept snapshot `handle` names was not evicted since."""
-        return self.allocator.snapshot_pinned(handle)
-
-    def free_snapshot(self, handle: int | tuple[int, int]) -> None:
-        """Give back a snapshot row, or a kept snapshot (by its handle)."""
-        self.allocator.free_snapshot(handle)
-
-    def restore_snapshot(self, reqid: int, handle: tuple[int, int]) -> bool:
-        """`reqid`'s states become those of the kept snapshot `handle` (before its first
-        step: a prefix cache hit). False when it was evicted or no memory holds the row."""
-        return self.allocator.restore_snapshot(reqid, handle)
+    @property
+    def snapshots(self) -> Snapshots:
+        """The recurrent states' snapshots (`vattn.allocator.snapshots.Snapshots`: `want`,
+        `planned`, `take`, `capture`, `new_row`, `pin`, `is_pinned`, `free`, `restore`), rows
+        of `state_rows()` after the slots'; InvalidRequestError without recurrent states."""
+        return self.allocator.snapshots
 
     def trim(self) -> int:
         """Unmap and release now every physical page no live token needs (pages of free
@@ -505,6 +438,39 @@ class KVCache:
         return (f"KVCache(layers={c.num_layers}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
                 f"batch={c.max_batch_size}, context={c.max_context_len}, dtype={c.dtype}, "
                 f"device={c.device}, page_size={self.page_size}, layout={c.layout})")
+
+
+def _kv_views(backend: Backend, rng: Any, g: Geometry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's K and V view `[max_batch_size, max_context_len, num_kv_heads, head_dim]`
+    (V `v_head_dim` wide where it differs) of the reservation `rng`."""
+    c = g.config
+    vd = c.v_head_dim or c.head_dim
+    hd = c.num_kv_heads * (c.head_dim + (c.v_head_dim or 0))  # elements of a layer's token in a buffer
+    esz = g.elem_size
+    tok = hd * g.layers_per_buffer  # elements per token in one buffer
+    ks, vs = [], []
+    for layer in range(c.num_layers):
+        if c.layout == "per-layer":
+            kb, vb, off = layer, c.num_layers + layer, 0
+        else:  # fused: [B, slot_tokens, num_layers, H, D], layer is a strided view
+            kb, vb, off = 0, 1, layer * hd * esz
+        voff = off
+        if c.v_head_dim is not None:  # one buffer: a token's row its K ([H, head_dim]), then its V
+            vb, voff = kb, off + c.num_kv_heads * c.head_dim * esz
+        for buf, o, d, out in ((kb, off, c.head_dim, ks), (vb, voff, vd, vs)):
+            shape = (c.max_batch_size, c.max_context_len, c.num_kv_heads, d)
+            out.append(backend.tensor(rng, buf * g.buffer_bytes + o, shape, (g.slot_tokens * tok, tok, d, 1), c.dtype))
+    return ks, vs
+
+
+def _byte_views(backend: Backend, rng: Any, g: Geometry, state_bytes: int) -> list[torch.Tensor]:
+    """One `[buffer_bytes]` uint8 view of each buffer, and `[state_bytes]` of the states' rows
+    when there are any (page copies and clears)."""
+    views = [backend.tensor(rng, b * g.buffer_bytes, (g.buffer_bytes,), (1,), torch.uint8)
+             for b in range(g.num_buffers)]
+    if state_bytes:
+        views.append(backend.tensor(rng, g.num_buffers * g.buffer_bytes, (state_bytes,), (1,), torch.uint8))
+    return views
 
 
 # The allocator reaches the byte views through a weak reference: it must hold nothing that

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -68,14 +69,16 @@ class CacheConfig:
     the driver, which promises no zeros on CUDA); off by default: the engine always writes
     before it reads, and its kernels mask the rows after a context (the engine turns it on
     for FlashAttention 4, whose tiles read those rows: a NaN there poisons the output).
-    `layer_windows`: per layer, its sliding window in tokens (None: full attention); with
-    the per-layer layout each window size is a layer kind of its own whose pages wholly
-    behind the window are given back as a request grows (see `layer_kinds`). The fused
-    layout keeps every page (a page holds every layer of its tokens).
+    `layer_windows`: per layer, its sliding window in tokens (None: full attention), or a
+    `vattn.allocator.LayerKind` naming another kind (`Chunk(C)`: Llama 4's chunked local
+    attention); with the per-layer layout each window size (each `LayerKind`) is a layer kind
+    of its own whose pages wholly behind what its queries read are given back as a request
+    grows (see `layer_kinds`). The fused layout keeps every page (a page holds every layer of
+    its tokens).
     `state_bytes`: bytes of a slot's recurrent states (Mamba2, gated delta-net layers), one
     more layer kind: a row of whole pages per slot, mapped at its first step, in the same
     budget (`KVCache.state_rows`); `num_snapshots`: rows after the slots' that keep copies of
-    states at prefix blocks' ends (`KVCache.snapshot`, the prefix cache).
+    states at prefix blocks' ends (`KVCache.snapshots`, the prefix cache).
     `v_head_dim`: V's width where it differs from K's `head_dim` (multi-head latent attention
     keeps per token a latent of `head_dim` values as K and a shared RoPE key of `v_head_dim`
     as V, what transformers' own cache keeps): K and V of a layer then share one buffer, a
@@ -98,7 +101,7 @@ class CacheConfig:
     prefetch_tokens: int = PREFETCH_TOKENS
     cuda_driver: str = "auto"
     zero_reused_pages: bool = False
-    layer_windows: tuple[int | None, ...] | None = None
+    layer_windows: tuple[Any, ...] | None = None  # per layer: None, an int or a LayerKind
     state_bytes: int = 0
     num_snapshots: int = 0
     v_head_dim: int | None = None
@@ -128,23 +131,41 @@ class CacheConfig:
             if len(windows) != self.num_layers:
                 raise InvalidConfigError(f"layer_windows has {len(windows)} entries; give one per layer "
                                          f"(num_layers={self.num_layers}), None for full attention")
-            windows = tuple(None if w is None else checks.positive(w, "a layer window") for w in windows)
-            # a window as long as the context is full attention: nothing is ever behind it
-            windows = tuple(None if w is None or w >= self.max_context_len else w for w in windows)
+            windows = tuple(_layer_entry(w) for w in windows)
+            # a window (or chunk) as long as the context is full attention: nothing is ever behind it
+            windows = tuple(None if w is None or _tokens(w) >= self.max_context_len else w for w in windows)
             object.__setattr__(self, "layer_windows", windows if any(w is not None for w in windows) else None)
 
-    def layer_kinds(self) -> list[tuple[int | None, tuple[int, ...]]]:
-        """(window, layers) of each layer kind, full attention first, then windows from the
-        largest: one kind with the fused layout or without windows (every page kept)."""
+    def layer_kinds(self) -> list[tuple[Any, tuple[int, ...]]]:
+        """(entry of `layer_windows`, layers) of each layer kind, full attention first, then
+        windows from the largest, then the other `LayerKind`s (chunks) from the largest: one
+        kind with the fused layout or without windows (every page kept)."""
         windows = self.layer_windows
         if windows is None or self.layout != "per-layer":
             return [(None, tuple(range(self.num_layers)))]
-        sizes = sorted(set(windows), key=lambda w: (w is not None, -(w or 0)))
+        sizes = sorted(set(windows), key=lambda w: (w is not None, not isinstance(w, int),
+                                                    getattr(w, "label", ""), -_tokens(w or 0)))
         return [(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in sizes]
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+def _layer_entry(w: Any) -> Any:
+    """An entry of `layer_windows`, checked: None, a window (an int > 0), or a
+    `vattn.allocator.LayerKind` (known by its `size` and `spec`: this module cannot import
+    the allocator, whose page layer imports it); a `Window` becomes its int."""
+    if w is None:
+        return None
+    if hasattr(w, "spec") and hasattr(w, "size"):
+        return w.entry()
+    return checks.positive(w, "a layer window")
+
+
+def _tokens(entry: Any) -> int:
+    """The tokens of a `layer_windows` entry: a window's, or a `LayerKind`'s size."""
+    return entry if isinstance(entry, int) else entry.size
 
 
 @dataclass(frozen=True)

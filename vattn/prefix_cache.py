@@ -254,14 +254,14 @@ could not keep). A
             n = end * t
             if end:
                 key = keys[end - 1]
-                if cache.restore_snapshot(reqid, self.snapshots[key]):
+                if cache.snapshots.restore(reqid, self.snapshots[key]):
                     self.snapshots.move_to_end(key)
                 else:  # no memory for the request's states: a miss
                     cache.truncate_pinned(reqid, 0)
                     n = 0
             hit = Hit(n, n, (), t)
         want = {len(ids) // t * t, chain * t} if chain * t > hit.num_tokens else {len(ids) // t * t}
-        cache.want_snapshots(reqid, sorted(b for b in want if b > hit.num_tokens))
+        cache.snapshots.want(reqid, sorted(b for b in want if b > hit.num_tokens))
         return hit
 
     # ---------------------------------------------------------- the lower tiers ----
@@ -362,15 +362,15 @@ could not keep). A
             if row is None:
                 return False
             self._drop_snapshot(key)
-            self.snapshots[key] = cache.pin_snapshot(row)
-        if not cache.restore_snapshot(reqid, self.snapshots[key]):
+            self.snapshots[key] = cache.snapshots.pin(row)
+        if not cache.snapshots.restore(reqid, self.snapshots[key]):
             return False
         self.snapshots.move_to_end(key)
         return True
 
     def _longest_snapshot(self, keys: Sequence[bytes], blocks: int) -> int:
         """The most leading blocks of `keys[:blocks]` whose last keeps a snapshot (0: none)."""
-        snaps, kept = self.snapshots, self.cache.snapshot_pinned
+        snaps, kept = self.snapshots, self.cache.snapshots.is_pinned
         return next((i for i in range(blocks, 0, -1) if keys[i - 1] in snaps and kept(snaps[keys[i - 1]])), 0)
 
     def lookup(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[Any]]:
@@ -415,23 +415,23 @@ could not keep). A
     def _keep_snapshots(self, reqid: int, num_tokens: int, keys: list[bytes]) -> None:
         cache, t = self.cache, self.block_tokens
         whole = num_tokens // t * t
-        taken = cache.take_snapshots(reqid, whole)
+        taken = cache.snapshots.take(reqid, whole)
         if whole and whole == num_tokens and whole not in taken and cache.allocator.num_tokens(reqid) == whole:
-            row = cache.snapshot(reqid)  # its states are at the boundary now
+            row = cache.snapshots.capture(reqid)  # its states are at the boundary now
             if row is not None:
                 taken[whole] = row
         for b, row in sorted(taken.items()):
             key = keys[b // t - 1]
             if key not in self.entries or self._has_snapshot(key):  # its K/V was not pinned, or kept already
-                cache.free_snapshot(row)
+                cache.snapshots.free(row)
             else:
-                self.snapshots[key] = cache.pin_snapshot(row)
+                self.snapshots[key] = cache.snapshots.pin(row)
                 if self.tiers is not None:  # with the block's copy in the host tier
                     self.tiers.save_state(key, row)
             if key in self.snapshots:
                 self.snapshots.move_to_end(key)
         for key in [k for k, h in self.snapshots.items()  # evicted, or their K/V block was
-                    if not cache.snapshot_pinned(h) or k not in self.entries or not self.pinned(self.entries[k])]:
+                    if not cache.snapshots.is_pinned(h) or k not in self.entries or not self.pinned(self.entries[k])]:
             self._drop_snapshot(key)
 
     def _holes(self, handles: Sequence[Any]) -> list[bool]:
@@ -444,12 +444,12 @@ could not keep). A
 
     def _has_snapshot(self, key: bytes) -> bool:
         handle = self.snapshots.get(key)
-        return handle is not None and self.cache.snapshot_pinned(handle)
+        return handle is not None and self.cache.snapshots.is_pinned(handle)
 
     def _drop_snapshot(self, key: bytes) -> None:
         handle = self.snapshots.pop(key, None)
         if handle is not None:
-            self.cache.free_snapshot(handle)
+            self.cache.snapshots.free(handle)
 
     def pinned(self, handles: tuple) -> bool:
         """Whether every page of a block is still pinned, in every layer kind (holes behind a

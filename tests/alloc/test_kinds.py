@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import vattn
+from vattn.allocator import Chunk
+from vattn.allocator.kinds import ChunkedLocal
 
 PAGE = 4096  # 2 KV heads x 64 dims x fp32: 512 B a token, 8 tokens a page
 
@@ -42,6 +44,57 @@ def test_a_failed_step_leaves_what_the_window_reads_mapped() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.split()[-1]) == 7 * 2 * 64  # the window's keys are there, as written
+
+
+def test_a_chunked_kind_gives_back_whole_chunks_exactly_at_chunk_boundaries() -> None:
+    """Llama 4's chunked local attention: a query at q reads its own chunk only (keys from
+    q // 16 * 16 on). The pages of the chunks behind go back when the first query of a new
+    chunk is planned, not a token earlier nor later (a window of the chunk's size would give
+    back one page at 32, none at 17); the full kind keeps every page, the current chunk's
+    keys stay, and a fork or a swap-out behind the current chunk is refused."""
+    with kinds_cache((Chunk(16), None)) as cache:  # 8 tokens a page: a chunk is 2 pages
+        chunk, full = cache.allocator.kinds[1], cache.allocator.kinds[0]
+        assert cache.kind_names == ["full", "chunk=16"] and isinstance(chunk, ChunkedLocal)
+        r = cache.alloc_reqid()
+        seen = []
+        for n in (16, 17, 24, 32, 33, 48, 49, 64, 65):  # queries from the previous length on
+            assert cache.step({r: n})
+            cache.k_cache(0)[r, n - 1] = float(n)
+            seen.append((n, chunk.books.holes(r), chunk.books.num_mapped(r), full.books.num_mapped(r)))
+            cache.allocator.check_invariants()
+        assert seen == [(16, 0, 2, 2), (17, 2, 1, 3), (24, 2, 1, 3), (32, 2, 2, 4), (33, 4, 1, 5),
+                        (48, 4, 2, 6), (49, 6, 1, 7), (64, 6, 2, 8), (65, 8, 1, 9)]
+        assert float(cache.k_cache(0)[r, 64, 0, 0]) == 65.0  # the current chunk's keys, as written
+        st = cache.stats().kinds
+        assert st["chunk=16"].num_mapped_pages == 1 and st["full"].num_mapped_pages == 9
+        assert cache.can_fork(r, 65) and not cache.can_fork(r, 60)  # 60 reads from 48: given back
+        with pytest.raises(vattn.InvalidRequestError, match="chunked-attention layers gave back"):
+            cache.swap_out(r, 60)
+
+
+def test_every_kind_is_run_by_the_manager_its_spec_type_names() -> None:
+    """One {spec type: manager} table (`registry.MANAGERS`) builds every kind; a spec no
+    manager runs is refused, naming the table."""
+    from dataclasses import dataclass
+
+    from vattn.allocator.kinds import KindSpec
+    from vattn.allocator.registry import MANAGERS, manager_for
+
+    with kinds_cache((8, Chunk(16), None), state_bytes=3000, num_snapshots=2) as cache:
+        kinds = cache.allocator.kinds
+        assert [k.name for k in kinds] == ["full", "window=8", "chunk=16", "state"] == cache.kind_names
+        assert [type(k).__name__ for k in kinds] == ["FullAttention", "SlidingWindow", "ChunkedLocal", "RecurrentState"]
+        assert all(type(k) is MANAGERS[type(k.spec)] for k in kinds)
+        assert cache.snapshots is kinds[3].snapshots and all(k.snapshots is None for k in kinds[:3])
+
+    @dataclass(frozen=True)
+    class Unknown(KindSpec):
+        pass
+
+    with pytest.raises(ValueError, match="registry.MANAGERS"):
+        manager_for(Unknown("x", None, []))
+    with kinds_cache() as cache, pytest.raises(vattn.InvalidRequestError, match="no recurrent states"):
+        cache.snapshots.want(0, [8])
 
 
 def test_a_failed_slot_keeps_its_lengths_and_pages_in_every_kind() -> None:
@@ -154,22 +207,22 @@ def test_snapshots_are_pages_of_the_budget_kept_least_recently_used() -> None:
     with state_cache(physical_memory=7 * unit) as cache:
         rows = cache.state_rows()
         r = cache.alloc_reqid()
-        cache.want_snapshots(r, [8, 16])
+        cache.snapshots.want(r, [8, 16])
         assert cache.step({r: 12})
-        planned = cache.planned_snapshots()
+        planned = cache.snapshots.planned()
         assert list(planned) == [r] and list(planned[r]) == [8]
         row = planned[r][8]
         assert row >= 3  # a snapshot row, after the slots'
         rows[row] = 1  # what the state layers write at token 8
-        assert cache.step({r: 20}) and list(cache.planned_snapshots()[r]) == [16]
-        taken = cache.take_snapshots(r, 16)
+        assert cache.step({r: 20}) and list(cache.snapshots.planned()[r]) == [16]
+        taken = cache.snapshots.take(r, 16)
         assert sorted(taken) == [8, 16]
-        h8 = cache.pin_snapshot(taken[8])
-        cache.free_snapshot(taken[16])
-        assert cache.snapshot_pinned(h8)
+        h8 = cache.snapshots.pin(taken[8])
+        cache.snapshots.free(taken[16])
+        assert cache.snapshots.is_pinned(h8)
         assert cache.stats().kinds["state"].num_mapped_pages == 3  # r's row, the kept one, the free one (cached)
         new = cache.alloc_reqid()
-        assert cache.restore_snapshot(new, h8)  # copied at its first step, when its row is mapped
+        assert cache.snapshots.restore(new, h8)  # copied at its first step, when its row is mapped
         assert cache.step({new: 9}) and int(rows[new].sum()) == PAGE
         cache.free_reqid(new)
         cache.free_reqid(r)
@@ -178,9 +231,9 @@ def test_snapshots_are_pages_of_the_budget_kept_least_recently_used() -> None:
         free_row = taken[16]
         for n in range(8, 257, 8):  # the hog's pages come from the free snapshot row, then the kept one
             assert cache.step({hog: n})
-            if not cache.snapshot_pinned(h8):
+            if not cache.snapshots.is_pinned(h8):
                 break
-        assert not cache.snapshot_pinned(h8) and not state.slot_pages[free_row]
+        assert not cache.snapshots.is_pinned(h8) and not state.slot_pages[free_row]
         cache.allocator.check_invariants()
         assert cache.allocator.layer.created_bytes <= 7 * unit
 
@@ -193,7 +246,7 @@ def run_child(code: str) -> str:
 
 
 def test_a_slots_own_state_row_is_never_kept_as_a_snapshot() -> None:
-    """pin_snapshot of a live slot's row used to keep it as a snapshot: trim() evicted it,
+    """snapshots.pin of a live slot's row used to keep it as a snapshot: trim() evicted it,
     unmapping the slot's states, and reading them was a SIGSEGV."""
     out = run_child("""
         import vattn
@@ -202,14 +255,14 @@ def test_a_slots_own_state_row_is_never_kept_as_a_snapshot() -> None:
                           prefetch=False)
         r = c.alloc_reqid(); assert c.step({r: 5}); c.state_rows()[r].fill_(7)
         try:
-            c.pin_snapshot(r)
+            c.snapshots.pin(r)
         except vattn.InvalidRequestError as e:
             print("refused:", e)
         c.trim()
         print(int(c.state_rows()[r].sum()))  # (a SIGSEGV when trim() unmapped the slot's row)
         c.allocator.check_invariants()
     """)
-    assert "refused: pin_snapshot(0): row 0 is slot 0's own state row" in out
+    assert "refused: snapshots.pin(0): row 0 is slot 0's own state row" in out
     assert int(out.split()[-1]) == 7 * PAGE
 
 
@@ -217,36 +270,36 @@ def test_snapshot_rows_are_handed_out_once_and_bad_handles_are_refused() -> None
     with state_cache(num_snapshots=3) as cache:
         r = cache.alloc_reqid()
         assert cache.step({r: 5})
-        row = cache.snapshot(r)
+        row = cache.snapshots.capture(r)
         assert row is not None
         cache.allocator.check_invariants()  # a row the caller holds is accounted for
-        cache.free_snapshot(row)
+        cache.snapshots.free(row)
         for bad, what in ((row, "is free"), (r, "own state row"), (99, "not a row of this cache"),
                           ("x", "an int"), (1.0, "an int")):
             with pytest.raises(vattn.InvalidRequestError, match=what):
-                cache.free_snapshot(bad)
+                cache.snapshots.free(bad)
             with pytest.raises(vattn.InvalidRequestError, match=what):
-                cache.pin_snapshot(bad)
-        handle = cache.pin_snapshot(cache.snapshot_row())
+                cache.snapshots.pin(bad)
+        handle = cache.snapshots.pin(cache.snapshots.new_row())
         with pytest.raises(vattn.InvalidRequestError, match="kept already"):
-            cache.pin_snapshot(handle[0])
+            cache.snapshots.pin(handle[0])
         for bad in ((1, 2, 3), ("a", 1), 5):
-            if bad != 5:  # (an int is a row for free_snapshot)
-                with pytest.raises(vattn.InvalidRequestError, match="handle pin_snapshot returned"):
-                    cache.free_snapshot(bad)
-            with pytest.raises(vattn.InvalidRequestError, match="handle pin_snapshot returned"):
-                cache.restore_snapshot(r, bad)
-        cache.free_snapshot(handle)
-        cache.free_snapshot(handle)  # freed (or evicted) already: nothing
-        rows = [cache.snapshot_row() for _ in range(3)]
+            if bad != 5:  # (an int is a row for snapshots.free)
+                with pytest.raises(vattn.InvalidRequestError, match="handle pin returned"):
+                    cache.snapshots.free(bad)
+            with pytest.raises(vattn.InvalidRequestError, match="handle pin returned"):
+                cache.snapshots.restore(r, bad)
+        cache.snapshots.free(handle)
+        cache.snapshots.free(handle)  # freed (or evicted) already: nothing
+        rows = [cache.snapshots.new_row() for _ in range(3)]
         assert sorted(rows) == [3, 4, 5]  # every snapshot row once, no slot's
         cache.allocator.check_invariants()
         for x in rows:
-            cache.free_snapshot(x)
+            cache.snapshots.free(x)
         with pytest.raises(vattn.InvalidRequestError, match="boundary"):
-            cache.want_snapshots(r, [-5])
+            cache.snapshots.want(r, [-5])
         with pytest.raises(vattn.InvalidRequestError, match="upto"):
-            cache.take_snapshots(r, "x")
+            cache.snapshots.take(r, "x")
         cache.allocator.check_invariants()
 
 
@@ -261,7 +314,7 @@ def test_a_request_without_states_of_its_own_is_not_snapshotted() -> None:
                           prefetch=False)
         r = c.alloc_reqid()
         try:
-            c.snapshot(r)
+            c.snapshots.capture(r)
         except vattn.InvalidRequestError as e:
             print("refused:", e)
     """)
@@ -271,19 +324,19 @@ def test_a_request_without_states_of_its_own_is_not_snapshotted() -> None:
         r = cache.alloc_reqid()
         assert cache.step({r: 5})
         rows[r] = 7
-        kept = cache.pin_snapshot(cache.snapshot(r))
+        kept = cache.snapshots.pin(cache.snapshots.capture(r))
         cache.free_reqid(r)
         again = cache.alloc_reqid()
         assert again == r and int(rows[again].sum()) == 7 * PAGE  # the earlier request's states
         with pytest.raises(vattn.InvalidRequestError, match="step it first"):
-            cache.snapshot(again)
-        assert cache.restore_snapshot(again, kept)
+            cache.snapshots.capture(again)
+        assert cache.snapshots.restore(again, kept)
         with pytest.raises(vattn.InvalidRequestError, match="with the snapshot it restores"):
-            cache.snapshot(again)
+            cache.snapshots.capture(again)
         assert cache.step({again: 6})
-        row = cache.snapshot(again)
+        row = cache.snapshots.capture(again)
         assert row is not None and int(rows[row].sum()) == 7 * PAGE
-        cache.free_snapshot(row)
+        cache.snapshots.free(row)
         cache.allocator.check_invariants()
 
 

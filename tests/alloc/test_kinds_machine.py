@@ -188,10 +188,10 @@ class KindsMachine(RuleBasedStateMachine):
         held = sorted(r for r, n in self.lens.items() if n and self.state[r] is not None)
         if held:
             r = pick(held, i)
-            row = self.cache.snapshot(r)
+            row = self.cache.snapshots.capture(r)
             if row is not None:
                 assert int(self.rows[row, 0]) == self.state[r]
-                self.snapshots.append((self.cache.pin_snapshot(row), self.state[r]))
+                self.snapshots.append((self.cache.snapshots.pin(row), self.state[r]))
 
     @rule(i=INDEX)
     def restore_snapshot(self, i: int) -> None:
@@ -200,10 +200,10 @@ class KindsMachine(RuleBasedStateMachine):
         handle, value = pick(self.snapshots, i)
         r = self.cache.alloc_reqid()
         self._admit(r, 0, [], None)
-        if self.cache.restore_snapshot(r, handle):
+        if self.cache.snapshots.restore(r, handle):
             self.restoring[r] = value
         else:
-            assert not self.cache.snapshot_pinned(handle)  # evicted for memory: a miss
+            assert not self.cache.snapshots.is_pinned(handle)  # evicted for memory: a miss
 
     @invariant()
     def books_agree_and_what_is_read_is_there(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import vattn
 from tests.conftest import SMALL, check, fill
 from vattn.allocator import KindPlan, StepPlan
-from vattn.allocator.plan import plan_backing, plan_fork, plan_step
+from vattn.allocator.plan import plan_backing, plan_step
 
 PAGE = 4096  # SMALL: 128 B a token, 32 tokens a page; a page group is 4 pages (2 layers x K/V)
 
@@ -22,8 +22,8 @@ def test_a_step_is_planned_from_the_books_then_carried_out():
         assert c.step({a: 64, b: 64})  # 4 page groups: the whole budget
         fill(c, a, 0, 64, 1)
         c.free_reqid(b)  # b's two pages are cached now
-        books, before = c.allocator.books, calls(c)
-        plan = plan_step([books], {a: 65, new: 10}, [a, new], c.allocator.max_bytes)
+        before = calls(c)
+        plan = plan_step(c.allocator.kinds, {a: 65, new: 10}, [a, new], c.allocator.max_bytes)
         assert calls(c) == before  # deciding made no backend call
         assert isinstance(plan, StepPlan) and len(plan.kinds) == 1 and isinstance(plan.kinds[0], KindPlan)
         assert plan.served == (a, new) and plan.failed == ()  # oldest first
@@ -42,7 +42,7 @@ def test_a_fork_is_planned_as_shared_groups_a_fresh_page_and_its_copy():
         assert c.step({a: 80})  # pages 0, 1 whole, page 2 partly filled
         books = c.allocator.books
         g, child = c.geometry, 1
-        shares, maps, copies = plan_fork(books, a, child, 80)
+        shares, maps, copies = c.allocator.kinds[0].fork_parts(a, child, 80)
         assert shares == ((child, 0, tuple(books.slot_pages[a][:2])),)
         assert maps == ((child, 2, 1),) and copies == ((g.page_offset(a, 2), g.page_offset(child, 2)),)
         plan = plan_backing([books], [maps], {}, c.allocator.max_bytes, copies=[copies], shares=[shares])

@@ -41,7 +41,7 @@ WINDOW = 512
 
 
 def window_kind(cache: Any) -> Any:
-    return next(k for k in cache.allocator.kinds if k.books.window is not None)
+    return next(k for k in cache.allocator.kinds if k.gives_back)
 
 
 def _window_cache(**kw: Any) -> vattn.KVCache:

@@ -189,7 +189,7 @@ def run_shared(family: str, mode: str = "swap") -> tuple[list, Any, dict[str, in
         params = [SamplingParams(temperature=0, max_tokens=m, n=2, ignore_eos=True) for m in SHARED_MAX_TOKENS]
         outs = run_online(llm, shared_prompts(), params, SHARED_ARRIVALS)
         assert states_given_back(llm)  # every slot's snapshots settled
-        kept = sum(map(llm.cache.snapshot_pinned, llm.prefix_cache.snapshots.values()))
+        kept = sum(map(llm.cache.snapshots.is_pinned, llm.prefix_cache.snapshots.values()))
         assert len(state_books(llm).cached) == kept  # only cached blocks keep snapshots (pressure may evict them all)
         calls["preemptions"] = llm.num_preemptions
         return outs, llm.prefix_cache_stats(), calls
@@ -232,7 +232,7 @@ def test_state_snapshots_are_evicted_least_recently_used_first() -> None:
         books = state_books(llm)
         assert len(books.cached) == len(pc.snapshots)
         llm.runner.cache.trim()  # (what the idle engine does) evicts every cached block and snapshot
-        assert not books.cached and not any(llm.cache.snapshot_pinned(h) for h in pc.snapshots.values())
+        assert not books.cached and not any(llm.cache.snapshots.is_pinned(h) for h in pc.snapshots.values())
         assert llm.cache.stats().kinds["state"].num_created_pages == 0
     assert hits[:12] == [0, 0, 96] * 4  # the third prompt of a prefix restores the state at 96 tokens
     assert max(kept) == 2 * SNAPSHOTS_PER_SLOT and hits[12] == 0  # the first prefix's snapshots were evicted: a miss
@@ -242,12 +242,12 @@ def test_state_snapshots_are_evicted_least_recently_used_first() -> None:
 def test_prefix_hits_without_their_state_give_other_tokens(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The mutation check: hits that map the K/V but keep the slot's state as it was (no
     restore) give other tokens, so the test above sees the state."""
-    from vattn.cache import KVCache
+    from vattn.allocator import Snapshots
 
-    def no_restore(self: KVCache, reqid: int, handle: tuple[int, int]) -> bool:
-        return self.snapshot_pinned(handle)
+    def no_restore(self: Snapshots, reqid: int, handle: tuple[int, int]) -> bool:
+        return self.is_pinned(handle)
 
-    monkeypatch.setattr(KVCache, "restore_snapshot", no_restore)
+    monkeypatch.setattr(Snapshots, "restore", no_restore)
     outs, stats, _ = run_shared(family)
     assert stats.num_hit_tokens > 0
     assert [[o.token_ids for o in out.outputs] for out in outs] != [[r] * 2 for r in shared_reference(family)]

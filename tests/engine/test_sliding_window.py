@@ -28,6 +28,7 @@ from tests.helpers import (  # noqa: E402
 )
 
 import vattn  # noqa: E402
+from vattn.allocator.kinds import SlidingWindow  # noqa: E402
 from vattn.engine import LLM, SamplingParams  # noqa: E402
 from vattn.errors import InvalidConfigError, InvalidRequestError  # noqa: E402
 from vattn.integrations.hf import layer_windows  # noqa: E402
@@ -75,7 +76,7 @@ def window_cache(layer_windows: tuple, max_batch_size: int = 2, max_context_len:
 
 def window_kinds(cache: Any) -> list[Any]:
     """The managers of the cache's sliding-window layer kinds."""
-    return [kind for kind in cache.allocator.kinds if kind.books.window is not None]
+    return [kind for kind in cache.allocator.kinds if isinstance(kind, SlidingWindow)]
 
 
 def check_window_bound(cache: Any, batched: int = BATCHED) -> None:
@@ -84,7 +85,7 @@ def check_window_bound(cache: Any, batched: int = BATCHED) -> None:
     for alloc in window_kinds(cache):
         books, g = alloc.books, alloc.geometry
         tpp = g.share_tokens
-        bound = -(-(books.window + batched - 1) // tpp) + 1
+        bound = -(-(alloc.window + batched - 1) // tpp) + 1
         for s in range(books.num_slots):
             assert books.num_mapped(s) <= bound, (s, books.slot_pages[s], bound)
 

@@ -4,8 +4,9 @@ groups each slot maps, and the references, pins and dirty marks of every group).
 Python, no torch.
 
 A slot's pages in a kind are a prefix `slot_pages[s]` of references to that kind's page
-groups; in a sliding-window kind its leading entries may be holes (None): pages wholly
-behind the window, unmapped while the slot's virtual range stays reserved. A group may be
+groups; in a kind that gives pages back (a sliding window, chunked attention: its manager
+says which, `vattn.allocator.kinds`) its leading entries may be holes (None): pages wholly
+behind what its queries read, unmapped while the slot's virtual range stays reserved. A group may be
 mapped into several slots at once (a fork shares the whole pages of a prefix); `refs`
 counts the slots that map each group, plus one while it is pinned:
 
@@ -171,6 +172,19 @@ class Slots:
         self.max_lens[slot] = 0
         self.warm_changed(slot)
 
+    def revert(self, reqids: Iterable[int]) -> list[int]:
+        """The last step's iteration will not run for `reqids`: the lengths of those it moved
+        go back to what they were before it. Returns those slots."""
+        out = []
+        for s in reqids:
+            if s not in self.active or self.moved_at[s] != self.num_steps:
+                continue
+            self.max_lens[s], self.prev_lens[s] = self.prev_lens[s], self.older_lens[s]
+            self.moved_at[s] = 0
+            self.ran.pop(s, None)
+            out.append(s)
+        return out
+
     def warm_slot(self) -> int:
         """The free slot alloc_reqid hands out next: most pages mapped, then lowest index."""
         heap, pages, free = self._warm_heap, self.warm_pages, self.free_slots
@@ -235,12 +249,11 @@ class SlotBooks:
     """
 
     def __init__(self, geometry: KindGeometry, physical: PageGroups, slots: Slots, *, track_dirty: bool,
-                 window: int | None = None, primary: bool = True, name: str = "full") -> None:
-        """`window`: the tokens a query of these layers sees (their sliding window, plus the
-        kernels' margin), None for full attention: pages behind it are given back.
-        `primary`: the first kind, whose pages `alloc_reqid` prefers (the warm slot)."""
+                 primary: bool = True, name: str = "full") -> None:
+        """`primary`: the first kind, whose pages `alloc_reqid` prefers (the warm slot).
+        Which pages a query reads, and so which may become holes, is the kind's manager's
+        (`vattn.allocator.kinds`): the books only keep them."""
         self.geometry = geometry
-        self.window = window
         self.physical = physical  # the page layer's groups of this kind: spare, fences
         self.slots = slots
         self.name = name
@@ -331,32 +344,12 @@ class SlotBooks:
             self.dirty_slots.add(slot)
 
     def holes(self, slot: int) -> int:
-        """Leading pages of `slot` given back behind its sliding window (None entries)."""
+        """Leading pages of `slot` given back behind what its queries read (None entries)."""
         return self.lead[slot]
 
     def num_mapped(self, slot: int) -> int:
         """Pages of `slot` that are mapped (its holes are not)."""
         return len(self.slot_pages[slot]) - self.holes(slot)
-
-    def first_needed(self, slot: int, new_len: int) -> int:
-        """The first page an iteration taking `slot` to `new_len` tokens reads (0 without a
-        window): its queries start at the previous step length, and a query at position q
-        sees keys from q - window + 1 on."""
-        if self.window is None:
-            return 0
-        slots = self.slots
-        start = slots.prev_lens[slot] if new_len == slots.max_lens[slot] else slots.max_lens[slot]
-        first_key = max(0, min(start, new_len - 1) - self.window + 1)
-        return first_key * self.geometry.token_bytes // self.geometry.page_size
-
-    def reads_held(self, slot: int, start: int) -> bool:
-        """Whether `slot` still maps every key a query at position `start` sees (its holes
-        lie wholly behind that query's window)."""
-        holes = self.holes(slot)
-        if not holes or self.window is None:
-            return not holes
-        g = self.geometry
-        return holes <= max(0, start - self.window + 1) * g.token_bytes // g.page_size
 
     def pages_changed(self, slot: int) -> None:
         """Keep the derived figures of `slot` in step with `slot_pages[slot]`."""
@@ -472,11 +465,11 @@ class SlotBooks:
 
     def live_tokens(self, slot: int) -> int:
         """Tokens of `slot` in mapped pages (those behind its window were given back)."""
-        n = self.slots.max_lens[slot]
-        if self.window is None:
+        n, holes = self.slots.max_lens[slot], self.lead[slot]
+        if not holes:
             return n
         g = self.geometry
-        return max(0, n - self.holes(slot) * g.page_size // g.token_bytes)
+        return max(0, n - holes * g.page_size // g.token_bytes)
 
     def cached_groups(self) -> int:
         """An estimate, without the lock, of what could be given back now: spare groups, free
@@ -507,7 +500,6 @@ class SlotBooks:
             lead = next((i for i, grp in enumerate(pages) if grp is not None), len(pages))
             assert lead == self.lead[s], f"slot {s}: {lead} leading holes, booked {self.lead[s]}"
             assert len(held) == len(pages) - lead, f"slot {s} has a hole after a mapped page"
-            assert self.window is not None or len(held) == len(pages), f"slot {s} has holes without a window"
             if any(counts[grp] > 1 for grp in held):
                 assert s in self.shared_slots
         g, max_lens = self.geometry, self.slots.max_lens

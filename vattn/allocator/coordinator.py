@@ -3,18 +3,20 @@ threading (one lock over the books; one pre-mapping worker, stopped around every
 moves pages), composed of parts with one job each. Plain Python.
 
 ```
-Coordinator       alloc_reqid / free_reqid / step, fork, pins, swap, snapshots, trim, budget, close
+Coordinator       alloc_reqid / free_reqid / step, fork, pins, swap, trim, budget, close
  |- slots         Slots        slots, lengths, fences, the lock           (books.py)
- |- kinds         one manager per layer kind (kinds.py): full attention, sliding window,
- |   |            recurrent state; each a SlotBooks (its pages) and a Mapper (its movements)
+ |- kinds         one manager per layer kind, the class its spec's type names
+ |   |            (registry.MANAGERS: kinds.py, states.py): each a SlotBooks (its pages),
+ |   |            a Mapper (its movements) and what the kind decides differently
+ |   '- snapshots Snapshots    the state kind's rows for the prefix cache (snapshots.py)
  |- layer         PageLayer    every kind's page groups on one budget      (vattn/pages.py)
  |- plans         StepPlan     every kind planned before any maps          (plan.py)
  |- premapper     Premapper    one background worker for every kind        (premap.py)
  '- sharing, swap fork, pins, prefixes; park / resume                      (sharing.py, swap.py)
 ```
 A step is all or nothing across the kinds: a slot is served in every kind or in none, and a
-slot that fails keeps exactly the lengths and pages it had (a sliding window's give-back is
-part of the plan). Unmapping waits for the device: a step records a fence (a CUDA event on
+slot that fails keeps exactly the lengths and pages it had (a kind's give-back behind its
+queries is part of the plan). Unmapping waits for the device: a step records a fence (a CUDA event on
 the current stream) for every slot the previous iteration ran, and a slot's pages are
 unmapped only after its fence. A slot freed after an iteration still gets that iteration's
 fence (`ran` is not cleared by free_reqid).
@@ -26,58 +28,28 @@ every buffer of the cache is `unit_bytes`; `max_pages` counts those units). With
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
-from vattn.allocator import sharing, swap
+from vattn.allocator import memory, sharing, swap
 from vattn.allocator.books import MemoryStats, Slots, SlotBooks, as_index
-from vattn.allocator.kinds import FullAttention, RecurrentState, SlidingWindow, StateBooks, StateGeometry, StateMapper
-from vattn.allocator.mapper import Mapper, budget_refused, carry_out
-from vattn.allocator.plan import (
-    StepPlan,
-    StepResult,
-    check_reads,
-    normalize,
-    plan_backing,
-    plan_step,
-    reclaimable,
-    short_and_edge,
-)
-from vattn.allocator.premap import Premapper, map_ahead, plan_premap
-from vattn.checks import as_int, is_int
-from vattn.errors import InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError
+from vattn.allocator.kinds import KindManager, KindSpec
+from vattn.allocator.mapper import carry_out
+from vattn.allocator.plan import StepPlan, StepResult, normalize, plan_backing, plan_step, short_and_edge
+from vattn.allocator.premap import Premapper, map_ahead, premap
+from vattn.allocator.registry import manager_for
+from vattn.errors import InvalidRequestError, NoFreeSlotError
 from vattn.pages import PageLayer
 
 if TYPE_CHECKING:  # the books import no torch: sizes are ints by the time they get here
-    from vattn.allocator.books import KindGeometry
+    from vattn.allocator.snapshots import Snapshots
     from vattn.vmem.base import Backend
 
 
 _BACKED = StepResult()  # (frozen: one for every step that maps nothing)
-
-
-@dataclass(frozen=True)
-class KindSpec:
-    """One layer kind of a cache, as the cache lays it out: its name ("full", "window=W",
-    "state"), byte layout, buffers (their base addresses), and for a sliding window its
-    tokens (with the kernels' margin), for recurrent states the snapshot rows after the
-    slots' rows. `zero_pages(offsets)` clears pages (zero_reused_pages); `copy_pages(pairs)`
-    copies pages between offsets in every buffer of the kind (fork, snapshots)."""
-
-    name: str
-    geometry: KindGeometry
-    bases: Sequence[int]
-    window: int | None = None
-    num_snapshots: int = 0
-    zero_pages: Callable[[list[int]], None] | None = None
-    copy_pages: Callable[[list[tuple[int, int]]], None] | None = None
-
-    @property
-    def is_state(self) -> bool:
-        return isinstance(self.geometry, StateGeometry)
 
 
 class Coordinator:
@@ -107,23 +79,18 @@ class Coordinator:
         self.slots = slots = Slots(num_slots, max_len)
         self.layer = PageLayer(backend, kinds[0].geometry.page_size, budget=budget, reclaim=self._give_back,
                                cached=self._cached_bytes)
-        self.kinds: list[FullAttention] = []
-        for i, spec in enumerate(kinds):
-            physical = self.layer.add_kind(spec.bases)
-            if spec.is_state:
-                books: SlotBooks = StateBooks(spec.geometry, physical, slots, num_snapshots=spec.num_snapshots,
-                                              name=spec.name)
-                kind: FullAttention = RecurrentState(spec.name, books, StateMapper(books, copy_pages=spec.copy_pages))
-            else:
-                books = SlotBooks(spec.geometry, physical, slots, track_dirty=spec.zero_pages is not None,
-                                  window=spec.window, primary=i == 0, name=spec.name)
-                mapper = Mapper(books, zero_pages=spec.zero_pages, copy_pages=spec.copy_pages)
-                kind = (SlidingWindow if spec.window is not None else FullAttention)(spec.name, books, mapper)
-            self.kinds.append(kind)
+        # one manager per kind, of the class its spec's type names (`registry.MANAGERS`)
+        self.kinds: list[KindManager] = [manager_for(spec).create(spec, self.layer.add_kind(spec.bases), slots,
+                                                                  primary=i == 0) for i, spec in enumerate(kinds)]
         self._books = [kind.books for kind in self.kinds]
         self._mappers = [kind.mapper for kind in self.kinds]
-        self._windows = [kind.books for kind in self.kinds if kind.books.window is not None]
-        self._states = [kind for kind in self.kinds if isinstance(kind, RecurrentState)]
+        self._local = any(kind.gives_back for kind in self.kinds)  # pages go back behind some kind's queries
+        self._stepped = [kind for kind in self.kinds if kind.sees_steps]  # (what `_finish_step` tells)
+        state = next((kind for kind in self.kinds if kind.snapshots is not None), None)
+        self._snapshots = state.snapshots if state is not None else None
+        if state is not None:  # (its rows are backed within the budget of every kind)
+            state.snapshots.bind(self._quiet, functools.partial(_back_row, self._carry, self._books,
+                                                                self.kinds.index(state)))
         self._pinned = sharing.pinned_kinds(self.kinds)
         self.unit_bytes = sum(b.geometry.group_bytes for b in self._books)  # one page of every buffer
         self.max_bytes = max_bytes
@@ -168,8 +135,7 @@ class Coordinator:
             return self.slots.max_lens[self.slots.check_active(reqid)]
 
     def allocation(self, slot: int) -> int | None:
-        """Which allocation holds `slot` now: a number no later `alloc_reqid` (or fork, or
-        swap-in) gives again; None while the slot is free."""
+        """Which allocation holds `slot` now (a number never given again), None while it is free."""
         return self.slots.active.get(slot)
 
     @property
@@ -191,20 +157,21 @@ class Coordinator:
             with slots.lock:
                 slots.check_open()
                 lens, short, edge = normalize(slots, books, seq_lens, ahead)
-                if not (short or self._moves(lens)):
+                if not (short or _moves(self.kinds, lens)):
                     slots.fence_ran(layer.fence())
                     return self._finish_step(lens, _BACKED, edge)
         with self._quiet():  # the worker stopped after its batch in flight
             lens, short, edge = normalize(slots, books, seq_lens, ahead)
-            windows = self._windows
-            if windows:
-                check_reads(windows, lens)
+            local = self._local
+            if local:
+                for kind in self.kinds:
+                    kind.check_reads(lens)
             slots.fence_ran(layer.fence())
-            if (windows or self._shared()) and sharing.unshare_new_owners(self.kinds, lens):
+            if (local or _shared(books)) and sharing.unshare_new_owners(self.kinds, lens):
                 short, edge = short_and_edge(books, lens, ahead)
             result = _BACKED
-            if short or (windows and self._gives_back(lens)):
-                plan, mapped, unmapped = self._carry(lambda limit: plan_step(books, lens, short, limit))
+            if short or (local and _gives_back(self.kinds, lens)):
+                plan, mapped, unmapped = self._carry(lambda limit: plan_step(self.kinds, lens, short, limit))
                 result = StepResult(plan.failed, mapped, unmapped, out_of_memory=plan.limit < self.max_bytes)
                 for s in plan.failed:  # not backed: this iteration will not run them
                     del lens[s]
@@ -223,30 +190,9 @@ class Coordinator:
         with self.slots.lock:
             self.slots.check_open()
             lens, short, _ = normalize(self.slots, self._books, seq_lens, 0)
-            if not (short or (self._windows and self._gives_back(lens))):
+            if not (short or (self._local and _gives_back(self.kinds, lens))):
                 return True
-            return not plan_step(self._books, lens, short, self.max_bytes).failed
-
-    def _shared(self) -> bool:
-        """Whether some kind's slot may map a group another slot shares (lock held)."""
-        for b in self._books:
-            if b.shared_slots:
-                return True
-        return False
-
-    def _moves(self, lens: dict[int, int]) -> bool:
-        """Whether the step must stop the worker though no slot is short: pages shared with a
-        new owner, pages to clear, pages behind a window to give back (or holes where a new
-        owner reads), snapshots to plan (lock held)."""
-        for b in self._books:
-            if b.shared_slots or b.dirty_slots:
-                return True
-        if self._windows and any(b.first_needed(s, n) != b.holes(s) for b in self._windows for s, n in lens.items()):
-            return True
-        return bool(self._states) and any(kind.due(s, n) for kind in self._states for s, n in lens.items())
-
-    def _gives_back(self, lens: dict[int, int]) -> bool:
-        return any(b.first_needed(s, n) > b.holes(s) for b in self._windows for s, n in lens.items())
+            return not plan_step(self.kinds, lens, short, self.max_bytes).failed
 
     def _carry(self, make_plan: Callable[[int], StepPlan]) -> tuple[StepPlan, int, int]:
         return carry_out(self._mappers, make_plan, self.max_bytes)
@@ -255,7 +201,7 @@ class Coordinator:
         """The books of the iteration `lens` runs (lock held), and what to pre-map next."""
         slots = self.slots
         ml, prev, older, moved = slots.max_lens, slots.prev_lens, slots.older_lens, slots.moved_at
-        started: list[tuple[int, int, int]] | None = [] if self._states else None
+        started: list[tuple[int, int, int]] | None = [] if self._stepped else None
         slots.num_steps += 1
         step = slots.num_steps
         for s, n in lens.items():
@@ -271,9 +217,9 @@ class Coordinator:
                     started.append((s, m, n))
         slots.ran = lens
         if started:  # (a step that runs beside the worker has no snapshot due: `_moves`)
-            for kind in self._states:
+            for kind in self._stepped:
                 for s, m, n in started:
-                    kind.after_step(s, m, n, lambda: self._new_snapshot_row(lens))
+                    kind.after_step(s, m, n, lens)
         if result and self.prefetch:
             self._premap(edge)
         return result
@@ -285,33 +231,19 @@ class Coordinator:
         gave back behind a window are those any iteration from the same start gives back;
         the snapshot rows it planned are wanted again). Slots the last step did not move are
         left alone."""
-        slots = self.slots
-        with slots.lock:
-            for s in reqids:
-                if s not in slots.active or slots.moved_at[s] != slots.num_steps:
-                    continue
-                slots.max_lens[s], slots.prev_lens[s] = slots.prev_lens[s], slots.older_lens[s]
-                slots.moved_at[s] = 0
-                slots.ran.pop(s, None)
-                for kind in self._states:
-                    kind.books.unplan(s)
+        with self.slots.lock:
+            for s in self.slots.revert(reqids):
+                for kind in self.kinds:
+                    kind.reverted(s)
 
     def _premap(self, edge: list[int] | None) -> None:
-        """Hand what the next iterations will want to the worker, or map it now without one
-        (`background=False`: the same books, the tests rely on that). `edge`: the slots
-        near a page (None: find them)."""
+        """Pre-map what the next iterations want (`premap`); `edge`: slots near a page (None: find them)."""
         if edge is None:
             edge = short_and_edge(self._books, self.slots.ran, self.prefetch_tokens)[1]
-        job = plan_premap(self._books, edge, self.prefetch_tokens)
-        if not job or self.premapper.busy:  # busy: a step beside the worker; the next one plans again
-            return
-        if not self.background:
-            try:
-                map_ahead(self._mappers, job, self.max_bytes)
-            except Exception as e:  # pre-mapping is best effort; the next step maps on demand
-                self._record_worker_error(e)
-            return
-        self.premapper.submit(job)
+        error = premap(self.premapper, self._books, self._mappers, edge, self.prefetch_tokens, self.max_bytes,
+                       self.background)
+        if error is not None:  # pre-mapping is best effort; the next step maps on demand
+            self._record_worker_error(error)
 
     def _record_worker_error(self, e: BaseException) -> None:
         if self.worker_error is None:
@@ -345,8 +277,7 @@ class Coordinator:
             return sharing.pin(self.slots, self._pinned, reqid, num_pages)
 
     def num_pinned(self, handles: Sequence[sharing.Handle]) -> int:
-        """How many of `handles`, from the first, are still pinned (not evicted); marks them
-        most recently used."""
+        """How many of `handles`, from the first, are still pinned; marks them most recently used."""
         with self.slots.lock:
             return sharing.num_pinned(self._pinned, handles)
 
@@ -377,9 +308,8 @@ class Coordinator:
             sharing.drop_prefix(self.slots, self.kinds, slot)
 
     def first_reads(self, num_tokens: int) -> list[int]:
-        """Per K/V kind (the kinds of a pin handle, in order), the first page the query right
-        after a slot's first `num_tokens` tokens reads (0 but for a sliding window)."""
-        return [sharing.first_read(kind.books, num_tokens) for kind in self._pinned]
+        """Per K/V kind (a pin handle's), the first page the query after `num_tokens` tokens reads."""
+        return [kind.first_read(num_tokens) for kind in self._pinned]
 
     @property
     def pins(self) -> OrderedDict[Any, int]:
@@ -402,10 +332,8 @@ class Coordinator:
         data, with no copy. Its pages stay mapped until device work enqueued before this call
         finished."""
         with self.slots.lock:
-            slot = swap.fence_parked(self.slots, reqid, self.layer.fence())
-        self.free_reqid(slot)
-        with self.slots.lock:
-            return slot, tuple(kind.books.epoch[slot] for kind in self.kinds)
+            self.slots.check_open()
+            return swap.park(self.slots, self.kinds, reqid, self.layer.fence())
 
     def resume(self, slot: int, epochs: Sequence[int], num_tokens: int,
                first_pages: Sequence[int] | None = None) -> tuple[int, tuple[bool, ...]]:
@@ -416,178 +344,13 @@ class Coordinator:
                                self.layer.fence())
 
     # -------------------------------------------------------------- snapshots ----
-    def _state(self) -> RecurrentState:
-        if not self._states:
-            raise InvalidRequestError("this cache keeps no recurrent states (state_bytes=0): it has no snapshots")
-        return self._states[0]
-
-    def want_snapshots(self, reqid: int, boundaries: Sequence[int]) -> None:
-        """Snapshot `reqid`'s states when an iteration passes each of these token counts (the
-        step that plans it gives it a snapshot row when memory allows: `planned_snapshots`)."""
-        books = self._state().books
-        with self.slots.lock:
-            slot = self.slots.check_active(reqid)
-            want = {as_int(b, "boundary", InvalidRequestError, low=1) for b in boundaries}
-            if want:
-                books.wants[slot] = want
-            else:
-                books.wants.pop(slot, None)
-
-    def planned_snapshots(self) -> dict[int, dict[int, int]]:
-        """Per slot of the last step, {token count: snapshot row} its iteration writes (the
-        state layers copy their states there when they reach that count)."""
-        if not self._states:
-            return {}
-        books = self._states[0].books
-        with self.slots.lock:
-            return {s: dict(rows) for s, rows in books.planned.items() if s in self.slots.ran}
-
-    def take_snapshots(self, reqid: int, upto: int) -> dict[int, int]:
-        """The snapshot rows `reqid`'s computed iterations wrote at token counts up to `upto`
-        ({count: row}): the caller keeps each (`pin_snapshot`) or frees it."""
-        books = self._state().books
-        upto = as_index(upto, "upto")
-        with self.slots.lock:
-            slot = self.slots.check_active(reqid)
-            out: dict[int, int] = {}
-            for held in (books.taken.get(slot), books.planned.get(slot)):
-                for b in [b for b in held or () if b <= upto]:
-                    out[b] = held.pop(b)
-            books.loose.update(out.values())
-            return out
-
-    def snapshot(self, reqid: int) -> int | None:
-        """A snapshot row holding `reqid`'s states as they are now, or None (no row, or no
-        memory even after evicting cached snapshots). InvalidRequestError when `reqid` has no
-        states of its own yet: not stepped since its slot was allocated (its row is unmapped,
-        or holds an earlier request's), or a restore is pending (`restore_snapshot`)."""
-        kind = self._state()
-        with self._quiet():
-            slot = self.slots.check_active(reqid)
-            if slot not in kind.books.has_states or slot in kind.books.restores:
-                raise InvalidRequestError(
-                    f"reqid {slot} has no recurrent states of its own yet (they come at its first step"
-                    f"{', with the snapshot it restores' if slot in kind.books.restores else ''}): step it first")
-            row = self._new_snapshot_row({})
-            if row is not None:
-                g = kind.geometry
-                kind.mapper.copy_pages([(g.page_offset(slot, p), g.page_offset(row, p))
-                                        for p in range(g.pages_per_slot)])
-                kind.books.loose.add(row)
-            return row
-
-    def snapshot_row(self) -> int | None:
-        """A free snapshot row with its pages mapped, for the caller to fill (a snapshot
-        restored from a lower tier), or None when no row or memory is left; keep it with
-        `pin_snapshot` or give it back with `free_snapshot`."""
-        books = self._state().books
-        with self._quiet():
-            row = self._new_snapshot_row({})
-            if row is not None:
-                books.loose.add(row)
-            return row
-
-    def _loose_row(self, books: StateBooks, row: Any, call: str) -> int:
-        """`row` when it is a snapshot row the caller holds (from `take_snapshots`,
-        `snapshot` or `snapshot_row`, not kept or freed since), else InvalidRequestError
-        saying what it is. Lock held."""
-        row = as_int(row, "row", InvalidRequestError, what="a snapshot row (an int)")
-        if row in books.loose:
-            return row
-        if 0 <= row < books.num_slots:
-            what = f"slot {row}'s own state row, not a snapshot row"
-        elif not books.num_slots <= row < books.num_slots + books.num_snapshots:
-            what = f"not a row of this cache (snapshot rows are {books.num_slots} .. " \
-                   f"{books.num_slots + books.num_snapshots - 1})"
-        elif row in books.cached:
-            what = "kept already (free it by the handle pin_snapshot returned)"
-        elif row in books.free_rows:
-            what = "free (given back already, or never handed out)"
-        else:
-            what = "planned for a request's iteration (take_snapshots hands it out once written)"
-        raise InvalidRequestError(f"{call}({row}): row {row} is {what}; pass a row that take_snapshots, snapshot "
-                                  "or snapshot_row returned, once")
-
-    @staticmethod
-    def _handle(handle: Any, call: str) -> tuple[int, int]:
-        """A kept snapshot's (row, generation) handle, or InvalidRequestError."""
-        if not (isinstance(handle, tuple) and len(handle) == 2 and all(is_int(x) for x in handle)):
-            raise InvalidRequestError(f"{call} takes the (row, generation) handle pin_snapshot returned, got {handle!r}")
-        return int(handle[0]), int(handle[1])
-
-    def pin_snapshot(self, row: int) -> tuple[int, int]:
-        """Keep snapshot `row` (a prefix block's states), evictable least recently used first;
-        a (row, generation) handle. `row` is one the caller holds (InvalidRequestError else)."""
-        books = self._state().books
-        with self.slots.lock:
-            row = self._loose_row(books, row, "pin_snapshot")
-            books.loose.discard(row)
-            gen = next(books._snap_generation)
-            books.cached[row] = gen
-            return row, gen
-
-    def snapshot_pinned(self, handle: tuple[int, int]) -> bool:
-        """Whether the snapshot `handle` names is still kept (not evicted since)."""
-        row, gen = self._handle(handle, "snapshot_pinned")
-        return self._states[0].books.cached.get(row) == gen if self._states else False
-
-    def free_snapshot(self, handle: int | tuple[int, int]) -> None:
-        """Give back a snapshot row the caller holds (`take_snapshots`', `snapshot`'s,
-        `snapshot_row`'s), or a kept snapshot's handle (nothing when it was evicted or freed
-        since). InvalidRequestError for anything else (a slot's row, a row freed already)."""
-        books = self._state().books
-        with self.slots.lock:
-            if isinstance(handle, tuple):
-                row, gen = self._handle(handle, "free_snapshot")
-                if books.cached.get(row) != gen:
-                    return
-                del books.cached[row]
-            else:
-                row = self._loose_row(books, handle, "free_snapshot")
-                books.loose.discard(row)
-            books.free_rows.append(row)
-
-    def restore_snapshot(self, reqid: int, handle: tuple[int, int]) -> bool:
-        """`reqid`'s states become the kept snapshot's, copied at its first step (its state
-        row is mapped then); the snapshot is not evicted meanwhile. False when it was
-        evicted already (nothing changed)."""
-        books = self._state().books
-        row, gen = self._handle(handle, "restore_snapshot")
-        with self.slots.lock:
-            slot = self.slots.check_active(reqid)
-            if books.cached.get(row) != gen:
-                return False
-            books.hold(slot, row)
-            books.cached.move_to_end(row)
-            return True
-
-    def _new_snapshot_row(self, lens: Mapping[int, int]) -> int | None:
-        """A free snapshot row with its pages mapped, taken from the free rows (evicting the
-        least recently used cached snapshot when none is free), or None (lock held, worker
-        stopped)."""
-        kind = self._states[0]
-        books = kind.books
-        if not books.free_rows and books.cached:
-            row = next(iter(books.cached))
-            kind.mapper.evict(len(books.slot_pages[row]))
-        if not books.free_rows:
-            return None
-        mapped = [r for r in books.free_rows if books.slot_pages[r]]
-        row = mapped[-1] if mapped else books.free_rows[-1]
-        books.free_rows.remove(row)
-        missing = kind.geometry.pages_per_slot - len(books.slot_pages[row])
-        if missing > 0:
-            needs = [[] for _ in self.kinds]
-            needs[self.kinds.index(kind)] = [(row, len(books.slot_pages[row]), missing)]
-            try:
-                plan, _, _ = self._carry(lambda limit: plan_backing(self._books, needs, lens, limit))
-            except BaseException:
-                books.free_rows.append(row)
-                raise
-            if plan.failed:
-                books.free_rows.append(row)
-                return None
-        return row
+    @property
+    def snapshots(self) -> Snapshots:
+        """The recurrent-state kind's snapshots (`vattn.allocator.snapshots.Snapshots`);
+        InvalidRequestError for a cache without recurrent states."""
+        if self._snapshots is None:
+                raise InvalidRequestError("this cache keeps no recurrent states (state_bytes=0): it has no snapshots")
+        return self._snapshots
 
     # ----------------------------------------------------------------- memory ----
     def trim(self) -> int:
@@ -596,13 +359,7 @@ class Coordinator:
         groups released."""
         with self._quiet():
             self.slots.fence_ran(self.layer.fence())
-            released = 0
-            for kind in self.kinds:
-                books = kind.books
-                kind.mapper.reclaim(reclaimable(books, {}), books.physical.num_created)
-                kind.mapper.evict(books.physical.num_created)
-                released += kind.mapper.release_spare(len(books.physical.spare))
-            return released
+            return memory.trim(self.kinds)
 
     def reserve_physical(self, nbytes: int) -> int:
         """Create page groups in every kind until at least `nbytes` of physical memory
@@ -611,25 +368,8 @@ class Coordinator:
         nbytes = as_index(nbytes, "nbytes")
         if nbytes < 0:
             raise InvalidRequestError(f"nbytes must be >= 0, got {nbytes}")
-        unit = self.unit_bytes
-        n = -(-nbytes // unit)
         with self._quiet():
-            # a kind holding more than n groups keeps them: count the bytes there will be
-            after = sum(max(n, b.physical.num_created) * b.geometry.group_bytes for b in self._books)
-            if after > self.max_bytes:
-                raise OutOfPhysicalMemoryError(
-                    f"{nbytes} bytes is {n} page groups of every kind: {after} bytes with the groups that exist "
-                    f"now, over the budget of {self.max_bytes} bytes; raise physical_memory (or trim() first)")
-            created = 0
-            for books in self._books:
-                physical = books.physical
-                if n > physical.num_created:
-                    groups = physical.create(n - physical.num_created)
-                    if groups is None:
-                        raise budget_refused(n - physical.num_created, books.geometry.group_bytes)
-                    books.add_created(groups)
-                    created += len(groups)
-            return created
+            return memory.reserve(self.kinds, -(-nbytes // self.unit_bytes), self.max_bytes, nbytes)
 
     @property
     def max_pages(self) -> int:
@@ -651,30 +391,12 @@ class Coordinator:
 
     def _give_back(self, nbytes: int) -> int:
         """The shared budget asks for memory (another cache is short): release spare groups,
-        then cached pages (free slots, pre-mapped tails, pins no slot maps), up to `nbytes`.
-        Never raises. Returns the bytes given back."""
-        given = 0
+        then cached pages, up to `nbytes`. Never raises. Returns the bytes given back."""
         try:
             with self._quiet():
-                for kind in self.kinds:  # spare groups first, every kind's
-                    gb = kind.geometry.group_bytes
-                    given += kind.mapper.release_spare(min(len(kind.books.physical.spare),
-                                                           -(-(nbytes - given) // gb))) * gb
-                    if given >= nbytes:
-                        return given
-                self.slots.fence_ran(self.layer.fence())
-                for kind in self.kinds:
-                    books, mapper, gb = kind.books, kind.mapper, kind.geometry.group_bytes
-                    want = -(-(nbytes - given) // gb)
-                    if want <= 0:
-                        break
-                    mapper.reclaim(reclaimable(books, {}), want)
-                    if len(books.physical.spare) < want:
-                        mapper.evict(want - len(books.physical.spare))
-                    given += mapper.release_spare(min(want, len(books.physical.spare))) * gb
-                return given
-        except Exception:  # closed, or a driver call failed: give what we can
-            return given
+                return memory.give_back(self.kinds, self.slots, self.layer, nbytes)
+        except Exception:  # closed
+            return 0
 
     def _cached_bytes(self) -> int:
         """The budget's estimate, without the lock, of what `_give_back` could give now."""
@@ -682,40 +404,17 @@ class Coordinator:
 
     # ---------------------------------------------------------------- figures ----
     def stats(self) -> MemoryStats:
-        """The memory figures; with several kinds, their sums (bytes exact; page counts add
-        groups of different sizes) with each kind's own in `kinds`. `free_tokens`: tokens
-        that fit in what is spare, cached and left in the budget, were every K/V layer to
-        hold them."""
+        """The memory figures (see `vattn.allocator.memory.stats`)."""
         with self.slots.lock:
             self.slots.check_open()
-            room = self.max_bytes - self.layer.created_bytes
-            if len(self._books) == 1:
-                return self._books[0].stats(self.max_bytes // self._books[0].geometry.group_bytes)
-            per = [b.stats(b.physical.num_created + max(0, room) // b.geometry.group_bytes) for b in self._books]
-        first = per[0]
-        free_bytes = sum((s.num_free_pages + s.num_cached_pages) * s.group_bytes for s in per) + max(0, room)
-        token_bytes = sum(b.geometry.held_bytes(1) for b in self._books if not isinstance(b, StateBooks))
-        return replace(
-            first,
-            group_bytes=sum(s.group_bytes for s in per),
-            num_created_pages=sum(s.num_created_pages for s in per),
-            num_free_pages=sum(s.num_free_pages for s in per),
-            num_mapped_pages=sum(s.num_mapped_pages for s in per),
-            num_cached_pages=sum(s.num_cached_pages for s in per),
-            max_pages=self.max_pages,
-            mapped_bytes=sum(s.mapped_bytes for s in per),
-            used_bytes=sum(s.used_bytes for s in per),
-            free_tokens=free_bytes // token_bytes if token_bytes else 0,
-            num_pinned_pages=self._pinned[0].books.stats(0).num_pinned_pages if self._pinned else 0,
-            kinds={b.name: s for b, s in zip(self._books, per)},
-        )
+            return memory.stats(self.kinds, self.max_bytes, self.layer.created_bytes, self.max_pages)
 
     def check_invariants(self) -> None:
         """Assert the books are consistent (for tests and debugging)."""
         with self.slots.lock:
             self.slots.check_invariants()
-            for books in self._books:
-                books.check_invariants()
+            for kind in self.kinds:
+                kind.check_invariants()
             assert self.layer.created_bytes <= self.max_bytes, "more pages than the budget"
 
     # ---------------------------------------------------------------- closing ----
@@ -738,19 +437,7 @@ class Coordinator:
         # Every page is given back even when a driver call fails on the way; the first
         # error is raised at the end.
         with slots.lock:
-            per_kind = []
-            for books in self._books:
-                g, n = books.geometry, len(books.slot_pages)
-                offsets = [g.page_offset(s, p) for s in range(n) for p, grp in enumerate(books.slot_pages[s])
-                           if grp is not None]
-                per_kind.append((offsets, list(books.refs)))  # each group once, however many slots map it
-                books.slot_pages, books.refs, books.capacity = [[] for _ in range(n)], {}, [0] * n
-                books.lead = [0] * n
-                books.pins.clear()
-                books.shared_slots.clear()
-                books.dirty.clear()
-                books.dirty_slots.clear()
-            errors = self.layer.close(per_kind)
+            errors = self.layer.close(memory.unbook(self._books))
         if errors:
             raise errors[0]
 
@@ -764,6 +451,42 @@ class Coordinator:
             self.premapper.quiesce()
             self.slots.check_open()  # close() may have run while we waited
             yield
+
+
+def _shared(books: Sequence[SlotBooks]) -> bool:
+    """Whether some kind's slot may map a group another slot shares (lock held)."""
+    for b in books:
+        if b.shared_slots:
+            return True
+    return False
+
+
+def _moves(kinds: Sequence[KindManager], lens: dict[int, int]) -> bool:
+    """Whether the step must stop the worker though no slot is short: some kind has pages
+    to move (`KindManager.moves`: shared with a new owner, to clear, to give back, holes
+    where a new owner reads, snapshots to plan; lock held)."""
+    for kind in kinds:
+        if kind.moves(lens):
+            return True
+    return False
+
+
+def _gives_back(kinds: Sequence[KindManager], lens: dict[int, int]) -> bool:
+    """Whether the step gives pages back behind some kind's queries (lock held)."""
+    for kind in kinds:
+        if kind.gives_back_now(lens):
+            return True
+    return False
+
+
+def _back_row(carry: Callable[[Callable[[int], StepPlan]], tuple[StepPlan, int, int]], books: Sequence[SlotBooks],
+              k: int, row: int, first: int, count: int, lens: Mapping[int, int]) -> bool:
+    """Map `count` pages of kind `k`'s `row` from page `first` within the budget of every
+    kind (a snapshot row; lock held, worker stopped). False when memory is short."""
+    needs: list[list[tuple[int, int, int]]] = [[] for _ in books]
+    needs[k] = [(row, first, count)]
+    plan, _, _ = carry(lambda limit: plan_backing(books, needs, lens, limit))
+    return not plan.failed
 
 
 __all__ = ["Coordinator", "KindSpec"]

@@ -1,102 +1,212 @@
-"""The layer kinds of a slot cache, one manager each (vLLM v1's `SingleTypeKVCacheManager`):
-what a kind's books, planning and mapping do differently. Plain Python, no torch.
+"""The layer kinds of a slot cache, each a spec and a manager (vLLM v1's `KVCacheSpec` and
+`SingleTypeKVCacheManager`): the spec says what a kind is (its layout, its window or
+chunk), the manager owns everything a kind does differently; the coordinator builds one
+manager per spec through `vattn.allocator.registry.MANAGERS` and asks the managers, never
+the spec's type. Plain Python, no torch.
 
 ```
-kind            pages a slot of n tokens needs      shared (fork, prefix)     given back
-FullAttention   pages_for(n)                         whole pages of the prefix  never (deferred reclamation)
-SlidingWindow   the pages its next queries read      pages within the window    pages wholly behind the window
-RecurrentState  its state row (fixed), once it ran   never: written in place    with the slot
+manager         spec        a query at q reads from   a fork shares       given back
+FullAttention   KindSpec    token 0                   whole prefix pages  never (deferred reclamation)
+SlidingWindow   WindowSpec  q - window + 1            pages it reads      pages wholly behind the window
+ChunkedLocal    ChunkSpec   q // chunk * chunk        pages it reads      whole chunks behind q's chunk
+RecurrentState  StateSpec   (a state row, no tokens)  never: copied       with the slot (states.py)
 ```
-A manager is a kind's `SlotBooks` and `Mapper` and the few decisions that differ (which
-pages a fork shares, whether a fork or a swap-out may happen at a length, where a parked
-slot's live pages start). The coordinator (`vattn.allocator.coordinator`) plans every kind
-of a call before any maps. The recurrent-state kind also keeps *snapshots*: rows of its
-buffer, after the slots' rows, holding a copy of a slot's states at a prefix block's end
-(the prefix cache's part of a block for the state kind), in the same page layer and budget.
+A swap keeps what the next query reads (every token; a state row as it is).
+A manager is its kind's `SlotBooks` (pages) and `Mapper` (movements) and the decisions that
+differ: the pages a slot needs (its geometry's `pages_for`), the first page a query reads
+(`first_needed`, `first_read`, `covers`), whether a fork or a swap-out may happen at a
+length and what it shares or keeps (`can_fork`, `fork_parts`, `check_swap_out`,
+`first_page`), what goes back behind a step (`gives_back`), and its part of a step
+(`moves`, `after_step`, `reverted`). The plan (`plan.py`), sharing (`sharing.py`) and swap
+(`swap.py`) code asks the manager; the books know nothing of windows.
+
+A model's mapping names a layer's kind in `CacheConfig.layer_windows`: None (full attention),
+an int (a sliding window of that many tokens) or a `LayerKind` (`Window`, `Chunk`), which
+makes its kind's spec (`layer_spec`).
 """
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from vattn.allocator.books import SlotBooks
 from vattn.allocator.mapper import Mapper
-from vattn.allocator.plan import plan_fork
 from vattn.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from vattn.allocator.books import Slots
+    from vattn.allocator.books import KindGeometry, Slots
+    from vattn.allocator.snapshots import Snapshots
     from vattn.pages import PageGroups
 
 
+# --------------------------------------------------------------------- specs ----
 @dataclass(frozen=True)
-class StateGeometry:
-    """The recurrent-state kind's layout: one buffer of rows, a row per slot, then a row per
-    snapshot; a row holds a slot's states (`state_bytes`) in whole pages.
+class KindSpec:
+    """One layer kind of a cache as the cache lays it out, full attention as such: its name
+    ("full", "window=W", "chunk=C", "state"), byte layout and buffers (their base
+    addresses). `zero_pages(offsets)` clears pages (zero_reused_pages); `copy_pages(pairs)`
+    copies pages between offsets in every buffer of the kind (fork, snapshots)."""
 
-    ```
-    state buffer: [ slot 0 | slot 1 | ... | slot B-1 | snapshot 0 | ... | snapshot S-1 ]
-                    row_bytes each (state_bytes rounded up to whole pages)
-    ```
-    """
+    name: str
+    geometry: KindGeometry
+    bases: Sequence[int]
+    zero_pages: Callable[[list[int]], None] | None = None
+    copy_pages: Callable[[list[tuple[int, int]]], None] | None = None
 
-    page_size: int
-    state_bytes: int
-    max_len: int  # a row that holds states holds a slot's every token (its capacity)
+    def layout(self) -> dict[str, Any]:
+        """The fields every spec has (what a `LayerKind` builds its own spec from)."""
+        return {f.name: getattr(self, f.name) for f in fields(KindSpec)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowSpec(KindSpec):
+    """A sliding-window kind: a query sees its last `window` tokens (with the kernels'
+    margin: what the pages must hold)."""
+
+    window: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkSpec(KindSpec):
+    """A chunked-local-attention kind (Llama 4): a query sees the keys of its own chunk of
+    `chunk` tokens only."""
+
+    chunk: int
+
+
+# ------------------------------------------------------- what a model names ----
+@dataclass(frozen=True)
+class LayerKind:
+    """A layer kind a model's mapping names in `CacheConfig.layer_windows` beside None (full
+    attention) and an int (a sliding window): a kind of `size` tokens that makes its own
+    spec. Layers of equal `LayerKind`s are one kind of the cache."""
+
+    size: int
+    label = "kind"
 
     @property
-    def row_bytes(self) -> int:
-        return -(-self.state_bytes // self.page_size) * self.page_size
+    def name(self) -> str:
+        return f"{self.label}={self.size}"
 
-    @property
-    def pages_per_slot(self) -> int:
-        return self.row_bytes // self.page_size
+    def spec(self, base: KindSpec, margin: int) -> KindSpec:
+        """This kind's spec on `base`'s layout; `margin`: tokens the device's kernels read
+        before a window's first key."""
+        raise NotImplementedError
 
-    num_buffers = 1
-
-    @property
-    def group_bytes(self) -> int:
-        return self.page_size
-
-    token_bytes = 0  # (no token lives in a page: none of the token arithmetic applies)
-    share_tokens = share_pages = 1
-
-    def pages_for(self, num_tokens: int) -> int:
-        """A slot that holds tokens holds its whole state row."""
-        return self.pages_per_slot if num_tokens > 0 else 0
-
-    def page_offset(self, slot: int, page: int) -> int:
-        return slot * self.row_bytes + page * self.page_size
-
-    def tokens_in(self, num_pages: int) -> int:
-        return self.max_len if num_pages >= self.pages_per_slot else 0
-
-    def held_bytes(self, num_tokens: int) -> int:
-        return self.state_bytes if num_tokens > 0 else 0
-
-    def first_writable(self, num_tokens: int) -> int:
-        return 0  # the states are written in place: no page of a row is ever shared
-
-    def shared_pages(self, num_tokens: int) -> int:
-        return 0
+    def entry(self) -> LayerKind | int:
+        """What `CacheConfig.layer_windows` keeps for it (layers of equal entries are one kind)."""
+        return self
 
 
-class FullAttention:
-    """K/V of full-attention layers: every token kept; forks and prefixes share whole pages."""
+class Window(LayerKind):
+    """A sliding window of `size` tokens (what an int in `layer_windows` means)."""
+
+    label = "window"
+
+    def spec(self, base: KindSpec, margin: int) -> KindSpec:
+        return WindowSpec(**base.layout(), window=self.size + margin)
+
+    def entry(self) -> int:
+        return self.size  # (an int: the same kind as the int it stands for)
+
+
+class Chunk(LayerKind):
+    """Chunked local attention of `size` tokens (Llama 4's `attention_chunk_size`): no margin,
+    its attention reads exactly the query's chunk (`vattn.attention.sdpa_attention`)."""
+
+    label = "chunk"
+
+    def spec(self, base: KindSpec, margin: int) -> KindSpec:
+        return ChunkSpec(**base.layout(), chunk=self.size)
+
+
+def layer_kind(entry: Any) -> LayerKind | None:
+    """An entry of `CacheConfig.layer_windows` as a `LayerKind` (None: full attention)."""
+    if entry is None or isinstance(entry, LayerKind):
+        return entry
+    return Window(entry)
+
+
+def layer_spec(entry: Any, base: KindSpec, margin: int) -> KindSpec:
+    """The spec of the layers `entry` names (`layer_kind`), on `base`'s layout."""
+    kind = layer_kind(entry)
+    return base if kind is None else kind.spec(base, margin)
+
+
+def layer_name(entry: Any) -> str:
+    kind = layer_kind(entry)
+    return "full" if kind is None else kind.name
+
+
+# ------------------------------------------------------------------ managers ----
+class KindManager:
+    """A layer kind's books, mapper and decisions; the base decides as full attention does
+    (every token kept, whole pages of a prefix shared, nothing given back)."""
 
     pinned_pages = True  # its pages are a prefix block's pages (`pin`, `map_pinned`)
+    gives_back = False  # pages behind its queries' first key go back as a request grows
+    sees_steps = False  # `after_step` does something (the coordinator skips it otherwise)
+    snapshots: Snapshots | None = None  # the state kind's
+    what = "full-attention"  # its layers, in messages
 
-    def __init__(self, name: str, books: SlotBooks, mapper: Mapper) -> None:
-        self.name = name
+    def __init__(self, spec: KindSpec, books: SlotBooks, mapper: Mapper) -> None:
+        self.spec = spec
+        self.name = spec.name
         self.books = books
         self.mapper = mapper
+
+    @classmethod
+    def create(cls, spec: KindSpec, physical: PageGroups, slots: Slots, *, primary: bool) -> KindManager:
+        """The manager of `spec`'s kind over `physical` (its groups of the page layer).
+        `primary`: the first kind, whose pages `alloc_reqid` prefers (the warm slot)."""
+        books = SlotBooks(spec.geometry, physical, slots, track_dirty=spec.zero_pages is not None,
+                          primary=primary, name=spec.name)
+        return cls(spec, books, Mapper(books, zero_pages=spec.zero_pages, copy_pages=spec.copy_pages))
 
     @property
     def geometry(self) -> Any:
         return self.books.geometry
 
+    # --------------------------------------------------- what a query reads ----
+    def first_needed(self, slot: int, new_len: int) -> int:
+        """The first page an iteration taking `slot` to `new_len` tokens reads."""
+        return 0
+
+    def first_read(self, num_tokens: int) -> int:
+        """The first page of a slot the query right after its first `num_tokens` tokens reads."""
+        return 0
+
+    def reads_held(self, slot: int, start: int) -> bool:
+        """Whether `slot` still maps every key a query at position `start` sees."""
+        return not self.books.lead[slot]
+
+    def covers(self, holes: int, num_pages: int) -> bool:
+        """Whether the first `num_pages` pages of a slot, of which the first `holes` were
+        given back, hold every key a query right after them sees (a prefix mapped from
+        pinned pages, or cut to that length)."""
+        return not holes
+
+    # ------------------------------------------------------------ a step ----
+    def check_reads(self, lens: Mapping[int, int]) -> None:
+        """InvalidRequestError (nothing moved) when the step `lens` would read pages given back."""
+
+    def gives_back_now(self, lens: Mapping[int, int]) -> bool:
+        """Whether the step `lens` gives pages back (lock held)."""
+        return False
+
+    def moves(self, lens: Mapping[int, int]) -> bool:
+        """Whether the step `lens` must move this kind's pages though no slot is short:
+        pages shared with a new owner, pages to clear (lock held)."""
+        books = self.books
+        return bool(books.shared_slots or books.dirty_slots)
+
+    def after_step(self, slot: int, start: int, end: int, lens: Mapping[int, int]) -> None:
+        """The step `lens` that takes `slot` from `start` to `end` tokens was served (`sees_steps`)."""
+
+    def reverted(self, slot: int) -> None:
+        """The last step's iteration will not run for `slot` (`Coordinator.revert_step`)."""
+
+    # ------------------------------------------------------ fork and swap ----
     def can_fork(self, slot: int, num_tokens: int) -> bool:
         """Whether a fork of `slot` at `num_tokens` finds every page the child reads."""
         return True
@@ -106,16 +216,28 @@ class FullAttention:
         return InvalidRequestError(f"reqid {parent} cannot be forked at token {num_tokens}")
 
     def fork_parts(self, parent: int, child: int, num_tokens: int) -> tuple[tuple, tuple, tuple]:
-        """(shares, maps, copies) that give `child` the first `num_tokens` tokens of `parent`."""
-        return plan_fork(self.books, parent, child, num_tokens)
+        """(shares, maps, copies) that give `child` (empty) the first `num_tokens` tokens of
+        `parent`: the groups of its whole pages, and spare groups for the rest (the partly
+        filled last page; every page of a kind written in place, `geometry.shared_pages`),
+        into which those pages are copied. A parent's holes stay holes in the child."""
+        books, g = self.books, self.geometry
+        full = g.shared_pages(num_tokens)  # whole pages: shared
+        copy = g.pages_for(num_tokens) - full
+        shares = ((child, 0, tuple(books.slot_pages[parent][:full])),) if full else ()
+        if not copy:
+            return shares, (), ()
+        maps = ((child, full, copy),)
+        copies = tuple((g.page_offset(parent, p), g.page_offset(child, p)) for p in range(full, full + copy))
+        return shares, maps, copies
 
     def check_swap_out(self, slot: int, num_tokens: int) -> None:
         """InvalidRequestError where the slot's data cannot be parked at `num_tokens`."""
 
     def first_page(self, slot: int) -> int:
         """The first page `slot` maps (its live pages start there: a swap copies from it)."""
-        return 0
+        return self.books.lead[slot]
 
+    # -------------------------------------------------------------- slots ----
     def freed(self, slot: int) -> None:
         """`slot`'s request ended (lock held)."""
         self.books.freed(slot)
@@ -128,250 +250,121 @@ class FullAttention:
         worker stopped): its pages are unmapped."""
         self.mapper.empty(slot)
 
-    def after_step(self, slot: int, start: int, end: int, supply: Callable[..., Any]) -> None:
-        """The step that takes `slot` from `start` to `end` tokens was served."""
+    def check_invariants(self) -> None:
+        """Assert this kind's books are consistent (lock held)."""
+        self.books.check_invariants()
+        if not self.gives_back:
+            assert not any(self.books.lead), f"{self.name}: holes in a kind that gives nothing back"
 
 
-class SlidingWindow(FullAttention):
-    """K/V of sliding-window layers: pages wholly behind the window are given back as a
-    request grows (holes at the start of its row); forks and prefixes share only pages
-    within the window."""
+class FullAttention(KindManager):
+    """K/V of full-attention layers: every token kept; forks and prefixes share whole pages."""
+
+
+class LocalAttention(KindManager):
+    """K/V of layers whose query at position q reads keys from `first_key(q)` on: pages
+    wholly behind that are given back as a request grows (holes at the start of its row),
+    and forks and prefixes share only the pages a query still reads."""
+
+    gives_back = True
+
+    def first_key(self, q: int) -> int:
+        """The first token a query at position `q` reads (nondecreasing in q)."""
+        raise NotImplementedError
+
+    def _page(self, token: int) -> int:
+        g = self.books.geometry
+        return token * g.token_bytes // g.page_size
+
+    def first_needed(self, slot: int, new_len: int) -> int:
+        """Its queries start at the previous step length (a step re-planned at the same
+        length is the same iteration), and the first of them reads the least."""
+        books = self.books
+        slots, g = books.slots, books.geometry
+        start = slots.prev_lens[slot] if new_len == slots.max_lens[slot] else slots.max_lens[slot]
+        return self.first_key(min(start, new_len - 1)) * g.token_bytes // g.page_size  # (the step's hot path)
+
+    def first_read(self, num_tokens: int) -> int:
+        return self._page(self.first_key(num_tokens))
+
+    def reads_held(self, slot: int, start: int) -> bool:
+        holes = self.books.lead[slot]
+        return not holes or holes <= self._page(self.first_key(start))
+
+    def covers(self, holes: int, num_pages: int) -> bool:
+        if not holes:
+            return True
+        g = self.books.geometry
+        first = self.first_key(num_pages * g.page_size // g.token_bytes)  # the next query's first key
+        return holes * g.page_size <= first * g.token_bytes  # (a token may straddle two pages)
+
+    def check_reads(self, lens: Mapping[int, int]) -> None:
+        """A slot stepped back behind its window or chunk would read pages given back."""
+        books = self.books
+        g, lead, max_lens = books.geometry, books.lead, books.slots.max_lens
+        for s, n in lens.items():
+            holes = lead[s]
+            if holes and max_lens[s] and self.first_needed(s, n) < holes:
+                raise InvalidRequestError(
+                    f"reqid {s}'s {self.what} layers gave back the pages before token "
+                    f"{holes * g.page_size // g.token_bytes} and this step reads from page "
+                    f"{self.first_needed(s, n)}; an iteration's queries must start at the previous step's length "
+                    "(free the request and compute it again)")
+
+    def gives_back_now(self, lens: Mapping[int, int]) -> bool:
+        lead = self.books.lead
+        return any(self.first_needed(s, n) > lead[s] for s, n in lens.items())
+
+    def moves(self, lens: Mapping[int, int]) -> bool:
+        """Also pages to give back, or holes where a new owner reads."""
+        lead = self.books.lead
+        return super().moves(lens) or any(self.first_needed(s, n) != lead[s] for s, n in lens.items())
 
     def can_fork(self, slot: int, num_tokens: int) -> bool:
-        return self.books.reads_held(slot, num_tokens)
+        return self.reads_held(slot, num_tokens)
 
     def fork_refused(self, parent: int, num_tokens: int) -> InvalidRequestError:
         return InvalidRequestError(
-            f"reqid {parent}'s sliding-window layers gave back pages the child's first query (at token "
-            f"{num_tokens}) reads: fork before the parent moves a window past it, or compute the prompt")
+            f"reqid {parent}'s {self.what} layers gave back pages the child's first query (at token "
+            f"{num_tokens}) reads: fork before the parent moves past it, or compute the prompt")
 
     def check_swap_out(self, slot: int, num_tokens: int) -> None:
         """The parked tokens must hold every key the request's next query (at `num_tokens`)
-        reads: refused when the window gave back pages it sees (a count too far behind)."""
-        if not self.books.reads_held(slot, num_tokens):
+        reads: refused when pages it sees were given back (a count too far behind)."""
+        if not self.reads_held(slot, num_tokens):
             raise InvalidRequestError(
-                f"slot {slot}'s sliding-window layers gave back the pages before token "
-                f"{self.geometry.tokens_in(self.books.holes(slot))}, which a request "
-                f"resumed at {num_tokens} tokens reads: swap it out at a count its window still holds (its length)")
-
-    def first_page(self, slot: int) -> int:
-        return self.books.holes(slot)
+                f"slot {slot}'s {self.what} layers gave back the pages before token "
+                f"{self.geometry.tokens_in(self.books.lead[slot])}, which a request "
+                f"resumed at {num_tokens} tokens reads: swap it out at a count they still hold (its length)")
 
 
-class StateBooks(SlotBooks):
-    """The recurrent-state kind's books: a row per slot (`slot_pages[s]`, its states), then
-    a row per snapshot (`slot_pages[num_slots + i]`). A snapshot row is free (its pages kept
-    for the next snapshot, reclaimable), held by a slot (`planned` for the iteration that
-    writes it, `taken` once written), or cached (`cached`: kept for a prefix block, least
-    recently used first, evicted under memory pressure)."""
+class SlidingWindow(LocalAttention):
+    """K/V of sliding-window layers: a query at q sees keys from q - window + 1 on."""
 
-    def __init__(self, geometry: StateGeometry, physical: PageGroups, slots: Slots, *, num_snapshots: int,
-                 name: str = "state") -> None:
-        super().__init__(geometry, physical, slots, track_dirty=False, primary=False, name=name)
-        extra = num_snapshots
-        self.slot_pages += [[] for _ in range(extra)]
-        self.capacity += [0] * extra
-        self.lead += [0] * extra
-        self.epoch += [0] * extra
-        self.num_snapshots = num_snapshots
-        self.free_rows: list[int] = list(range(slots.num_slots + extra - 1, slots.num_slots - 1, -1))
-        self.cached: OrderedDict[int, int] = OrderedDict()  # row -> generation of its pin, LRU first
-        self._snap_generation = itertools.count(1)
-        self.wants: dict[int, set[int]] = {}  # slot -> token counts to snapshot its states at
-        self.planned: dict[int, dict[int, int]] = {}  # slot -> {boundary: row} the coming iteration writes
-        self.taken: dict[int, dict[int, int]] = {}  # slot -> {boundary: row} written, not cached yet
-        self.restores: dict[int, int] = {}  # slot -> cached row copied into it at its first step
-        self.held: dict[int, int] = {}  # cached row -> slots about to restore it (not evicted meanwhile)
-        self.loose: set[int] = set()  # rows handed to the caller (taken, snapshot): kept or freed by it
-        # slots whose row holds their request's states (stepped, forked, swapped in): a new owner's
-        # row holds an earlier request's, and a prefix mapped into a slot brings none
-        self.has_states: set[int] = set()
+    what = "sliding-window"
 
-    def row_of(self, index: int) -> int:
-        return self.slots.num_slots + index
+    def __init__(self, spec: WindowSpec, books: SlotBooks, mapper: Mapper) -> None:
+        super().__init__(spec, books, mapper)
+        self.window = spec.window
 
-    def pages_changed(self, slot: int) -> None:
-        self.capacity[slot] = self.geometry.tokens_in(len(self.slot_pages[slot]))
-
-    def new_owner(self, slot: int) -> None:
-        super().new_owner(slot)
-        self.has_states.discard(slot)
-
-    def check_slot(self, slot: int) -> None:
-        assert len(self.slot_pages[slot]) in (0, self.geometry.pages_per_slot), f"slot {slot}'s state row is partial"
-
-    def num_evictable(self) -> int:
-        """Pages of free snapshot rows and cached snapshots (least recently used first) that
-        no slot is about to restore."""
-        pages = self.slot_pages
-        return (sum(len(pages[r]) for r in self.free_rows)
-                + sum(len(pages[r]) for r in self.cached if r not in self.held))
-
-    def victims(self, count: int) -> list[int]:
-        """The snapshot rows whose pages `count` evicted groups come from: free rows with
-        pages first, then cached snapshots, least recently used first."""
-        rows, got = [], 0
-        for r in itertools.chain([r for r in self.free_rows if self.slot_pages[r]], self.cached):
-            if got >= count:
-                break
-            if r in self.held:
-                continue
-            rows.append(r)
-            got += len(self.slot_pages[r])
-        return rows
-
-    def release_rows(self, slot: int) -> None:
-        """`slot` leaves: the snapshot rows it held are free again (their pages kept)."""
-        self.wants.pop(slot, None)
-        for rows in (self.planned.pop(slot, {}), self.taken.pop(slot, {})):
-            self.free_rows.extend(rows.values())
-        self.unhold(slot)
-
-    def unplan(self, slot: int) -> None:
-        """The iteration `slot` was last stepped for will not run: the rows planned for it
-        are free again and their boundaries wanted again."""
-        rows = self.planned.pop(slot, None)
-        if rows:
-            self.free_rows.extend(rows.values())
-            self.wants.setdefault(slot, set()).update(rows)
-
-    def hold(self, slot: int, row: int) -> None:
-        """`slot` restores cached `row` at its first step: it is not evicted meanwhile."""
-        self.unhold(slot)
-        self.restores[slot] = row
-        self.held[row] = self.held.get(row, 0) + 1
-
-    def unhold(self, slot: int) -> None:
-        row = self.restores.pop(slot, None)
-        if row is not None:
-            left = self.held[row] - 1
-            if left:
-                self.held[row] = left
-            else:
-                del self.held[row]
-
-    def cached_groups(self) -> int:
-        return super().cached_groups() + self.num_evictable()
-
-    def check_invariants(self, max_pages: int | None = None) -> None:
-        super().check_invariants(max_pages)
-        assert all(s in self.slots.active and len(self.slot_pages[s]) == self.geometry.pages_per_slot
-                   for s in self.has_states), "a slot with states has no state row"
-        held = [r for rows in (*self.planned.values(), *self.taken.values()) for r in rows.values()]
-        rows = held + self.free_rows + list(self.cached) + list(self.loose)
-        assert sorted(rows) == list(range(self.num_slots, self.num_slots + self.num_snapshots)), \
-            "a snapshot row is lost or in two places"
-        for r in held + list(self.cached) + list(self.loose):
-            assert len(self.slot_pages[r]) == self.geometry.pages_per_slot, f"snapshot row {r} is not mapped"
-        holders: dict[int, int] = {}
-        for s, r in self.restores.items():
-            assert s in self.slots.active and r in self.cached, f"slot {s} restores a row that is not kept"
-            holders[r] = holders.get(r, 0) + 1
-        assert holders == self.held
+    def first_key(self, q: int) -> int:
+        return max(0, q - self.window + 1)
 
 
-class StateMapper(Mapper):
-    """The state kind's mapper: evicting a snapshot unmaps its row (after the device work
-    so far: a copy may read or write it)."""
+class ChunkedLocal(LocalAttention):
+    """K/V of chunked local attention layers (Llama 4): a query at q sees the keys of its own
+    chunk, from q // chunk * chunk on, so every whole chunk behind the current one goes back
+    when the first query of a new chunk is planned (at the boundary, not a window later)."""
 
-    books: StateBooks
+    what = "chunked-attention"
 
-    def evict(self, count: int) -> int:
-        books = self.books
-        rows = books.victims(count)
-        if not rows:
-            return 0
-        g = books.geometry
-        books.physical.wait([books.physical.fence()])
-        books.physical.unmap([g.page_offset(r, p) for r in rows for p in range(len(books.slot_pages[r]))])
-        freed = 0
-        for r in rows:
-            freed += len(books.slot_pages[r])
-            books.unref(books.slot_pages[r])
-            books.slot_pages[r] = []
-            books.pages_changed(r)
-            if r in books.cached:
-                del books.cached[r]
-                books.free_rows.append(r)
-        return freed
+    def __init__(self, spec: ChunkSpec, books: SlotBooks, mapper: Mapper) -> None:
+        super().__init__(spec, books, mapper)
+        self.chunk = spec.chunk
+
+    def first_key(self, q: int) -> int:
+        return q // self.chunk * self.chunk
 
 
-class RecurrentState(FullAttention):
-    """The recurrent states of Mamba2 / gated delta-net layers: a fixed row per slot, mapped
-    when the slot is first stepped, never shared (the layers write it in place: a fork
-    copies it), right at one length only (the slot's latest). Its snapshots are rows of the
-    same buffer, kept for the prefix cache's blocks (`want`, `planned`, `take`, `pin`)."""
-
-    pinned_pages = False
-    books: StateBooks
-    mapper: StateMapper
-
-    def can_fork(self, slot: int, num_tokens: int) -> bool:
-        # a state has seen exactly its slot's tokens (none before its first step: a mapped prefix, a restore)
-        books = self.books
-        return books.slots.max_lens[slot] == num_tokens and slot in books.has_states and slot not in books.restores
-
-    def fork_refused(self, parent: int, num_tokens: int) -> InvalidRequestError:
-        return InvalidRequestError(
-            f"reqid {parent}'s recurrent states have seen {self.books.slots.max_lens[parent]} tokens, not "
-            f"{num_tokens}: they cannot be forked there (compute the child's prompt)")
-
-    def check_swap_out(self, slot: int, num_tokens: int) -> None:
-        """The states are parked as they are: at the slot's length, or at its length before
-        its last step when that iteration did not run (a scheduler preempting a request it
-        had just stepped); any other count is refused."""
-        slots = self.books.slots
-        if slot in self.books.restores or slot not in self.books.has_states:
-            raise InvalidRequestError(f"slot {slot} has no recurrent states yet (they come at its first step): step "
-                                      "it first")
-        if num_tokens not in (slots.max_lens[slot], slots.prev_lens[slot]):
-            raise InvalidRequestError(
-                f"slot {slot}'s recurrent states have seen {slots.max_lens[slot]} tokens (or "
-                f"{slots.prev_lens[slot]}, before its last step), not {num_tokens}: they are parked as they are")
-
-    def freed(self, slot: int) -> None:
-        super().freed(slot)
-        self.books.release_rows(slot)
-        self.books.has_states.discard(slot)
-
-    def adopted(self, slot: int) -> None:
-        self.books.has_states.add(slot)
-
-    def dropped(self, slot: int) -> None:
-        """No snapshot is restored into `slot` at its first step (its row is mapped then)."""
-        self.books.unhold(slot)
-
-    def after_step(self, slot: int, start: int, end: int, supply: Callable[..., Any]) -> None:
-        """The iteration from `start` to `end` runs: the rows the one before it wrote are
-        taken, and the boundaries it passes that the prefix cache wants get rows
-        (`supply()`: a row with pages, or None; best effort)."""
-        books = self.books
-        books.has_states.add(slot)  # (the iteration writes them)
-        row = books.restores.get(slot)
-        if row is not None:  # a prefix hit: its states are the snapshot's before the iteration runs
-            g = books.geometry
-            self.mapper.copy_pages([(g.page_offset(row, p), g.page_offset(slot, p)) for p in range(g.pages_per_slot)])
-            books.unhold(slot)
-        planned = books.planned.pop(slot, None)
-        if planned:
-            books.taken.setdefault(slot, {}).update(planned)
-        want = books.wants.get(slot)
-        if not want:
-            return
-        for b in sorted(want):
-            if start < b <= end:
-                want.discard(b)
-                row = supply()
-                if row is not None:
-                    books.planned.setdefault(slot, {})[b] = row
-        if not want:
-            del books.wants[slot]
-
-    def due(self, slot: int, end: int) -> bool:
-        """Whether a step of `slot` to `end` passes a boundary the prefix cache wants."""
-        want = self.books.wants.get(slot)
-        return bool(want) and min(want) <= end
-
-
-__all__ = ["FullAttention", "RecurrentState", "SlidingWindow", "StateBooks", "StateGeometry",
-           "StateMapper"]
+__all__ = ["Chunk", "ChunkSpec", "ChunkedLocal", "FullAttention", "KindManager", "KindSpec", "LayerKind",
+           "LocalAttention", "SlidingWindow", "Window", "WindowSpec", "layer_kind", "layer_name", "layer_spec"]

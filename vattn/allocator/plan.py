@@ -27,7 +27,7 @@ room for another's). A failed slot moves in no kind: its lengths and pages stay 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from vattn.allocator.books import as_index
 from vattn.errors import ContextLengthError, InvalidRequestError, UnknownReqIdError
@@ -36,6 +36,17 @@ if TYPE_CHECKING:
     from vattn.allocator.books import SlotBooks, Slots
 
 Unmaps = tuple[tuple[int, int], ...]  # (slot, tail pages to unmap)
+
+
+class Reach(Protocol):
+    """What a plan asks a layer kind's manager (`vattn.allocator.kinds.KindManager`): its
+    books, and which page the queries of a step read first (pages before it go back where
+    the kind `gives_back`)."""
+
+    books: SlotBooks
+    gives_back: bool
+
+    def first_needed(self, slot: int, new_len: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -190,39 +201,22 @@ def short_and_edge(kinds: Sequence[SlotBooks], lens: dict[int, int], ahead: int)
 
 
 # --------------------------------------------------------------------- plans ----
-def check_reads(kinds: Sequence[SlotBooks], lens: Mapping[int, int]) -> None:
-    """InvalidRequestError (nothing moved) when a step would read pages a sliding window
-    gave back: a slot stepped back behind its window."""
-    for b in kinds:
-        if b.window is None:
-            continue
-        g = b.geometry
-        for s, n in lens.items():
-            holes = b.lead[s]
-            if holes and b.slots.max_lens[s] and b.first_needed(s, n) < holes:
-                raise InvalidRequestError(
-                    f"reqid {s}'s sliding-window layers gave back the pages before token "
-                    f"{holes * g.page_size // g.token_bytes} and this step reads from page "
-                    f"{b.first_needed(s, n)}; an iteration's queries must start at the previous step's length "
-                    "(free the request and compute it again)")
-
-
-def plan_step(kinds: Sequence[SlotBooks], lens: dict[int, int], short: Sequence[int], limit: int) -> StepPlan:
+def plan_step(managers: Sequence[Reach], lens: dict[int, int], short: Sequence[int], limit: int) -> StepPlan:
     """Who of the step's slots is served in every kind (oldest first: the caller preempts the
-    newest) and the movements that back them: pages behind each window given back, then
-    spare groups, new ones within `limit` (bytes), and pages reclaimed from free slots,
-    pre-mapped tails and pins, of the kind or (released) of another. `short`: the slots
-    short of pages in some kind (the others only give back pages behind a window)."""
-    slots = kinds[0].slots
-    windows = [b for b in kinds if b.window is not None]
+    newest) and the movements that back them: pages behind what each kind's queries read
+    given back, then spare groups, new ones within `limit` (bytes), and pages reclaimed from
+    free slots, pre-mapped tails and pins, of the kind or (released) of another. `short`:
+    the slots short of pages in some kind (the others only give back pages)."""
+    kinds = [m.books for m in managers]
+    local = [m for m in managers if m.gives_back]
     cands = set(short)
-    if windows:
-        cands.update(s for s, n in lens.items() if any(b.first_needed(s, n) > b.lead[s] for b in windows))
+    if local:
+        cands.update(s for s, n in lens.items() if any(m.first_needed(s, n) > m.books.lead[s] for m in local))
     K = len(kinds)
     # per candidate slot and kind: (first page kept, first page mapped, pages to map, groups given back)
-    wants = {s: [_slot_need(b, s, lens[s]) for b in kinds] for s in cands}
+    wants = {s: [_slot_need(m, s, lens[s]) for m in managers] for s in cands}
     # slots that only give pages back first (always served), then the others oldest first
-    active = slots.active
+    active = kinds[0].slots.active
     order = sorted(cands, key=lambda s: (any(w[2] for w in wants[s]), active[s]))
     gb = [b.geometry.group_bytes for b in kinds]
     spare = [len(b.physical.spare) for b in kinds]
@@ -270,12 +264,13 @@ def plan_step(kinds: Sequence[SlotBooks], lens: dict[int, int], short: Sequence[
     return StepPlan(lens, tuple(served), tuple(failed), tuple(plans), limit)
 
 
-def _slot_need(b: SlotBooks, s: int, n: int) -> tuple[int, int, int, list[Any]]:
-    """(first page `s` keeps in kind `b`, the first page it maps, pages to map, the groups its
+def _slot_need(m: Reach, s: int, n: int) -> tuple[int, int, int, list[Any]]:
+    """(first page `s` keeps in kind `m`, the first page it maps, pages to map, the groups its
     give-back unmaps) for a step to length `n`."""
+    b = m.books
     pages = b.slot_pages[s]
     holes = b.lead[s]
-    first = b.first_needed(s, n) if b.window is not None else 0
+    first = m.first_needed(s, n)
     start, back = len(pages), []
     if first > holes:  # wholly behind the window: given back, spare unless someone else holds it
         back = [grp for grp in pages[holes:first] if grp is not None]
@@ -395,22 +390,6 @@ def plan_backing(kinds: Sequence[SlotBooks], needs: Sequence[Sequence[tuple[int,
     return StepPlan(lens, served=slots, limit=limit, kinds=tuple(
         KindPlan(maps=tuple(needs[k]), copies=tuple(copies[k]) if copies else (),
                  shares=tuple(shares[k]) if shares else (), **supplies[k]) for k in range(K)))
-
-
-def plan_fork(books: SlotBooks, parent: int, child: int, num_tokens: int) -> tuple[tuple, tuple, tuple]:
-    """`child` (empty) maps the groups of `parent`'s whole pages of `num_tokens` tokens, and
-    spare groups for the rest (the partly filled last page; every page of a kind whose pages
-    are written in place, `geometry.shared_prefix`), into which those pages are copied.
-    Returns (shares, maps, copies) of this kind."""
-    g = books.geometry
-    full = g.shared_pages(num_tokens)  # whole pages: shared
-    copy = g.pages_for(num_tokens) - full
-    shares = ((child, 0, tuple(books.slot_pages[parent][:full])),) if full else ()
-    if not copy:
-        return shares, (), ()
-    maps = ((child, full, copy),)
-    copies = tuple((g.page_offset(parent, p), g.page_offset(child, p)) for p in range(full, full + copy))
-    return shares, maps, copies
 
 
 def plan_unmaps(books: SlotBooks, donors: list[tuple[int, int]], count: int,

@@ -49,6 +49,24 @@ def plan_premap(kinds: Sequence[SlotBooks], edge: list[int], ahead: int) -> Job:
     return job
 
 
+def premap(premapper: Premapper, kinds: Sequence[SlotBooks], mappers: Sequence[Mapper], edge: list[int], ahead: int,
+           limit: int, background: bool) -> Exception | None:
+    """After a step: hand what the next iterations will want (`plan_premap`) to the worker, or
+    map it now without one (`background=False`: the same books, the tests rely on that).
+    Returns the error of mapping now (best effort), or None."""
+    job = plan_premap(kinds, edge, ahead)
+    if not job or premapper.busy:  # busy: a step beside the worker; the next one plans again
+        return None
+    if background:
+        premapper.submit(job)
+        return None
+    try:
+        map_ahead(mappers, job, limit)
+    except Exception as e:
+        return e
+    return None
+
+
 def map_ahead(mappers: Sequence[Mapper], job: Job, limit: int, worker: Premapper | None = None) -> None:
     """Map spare (or newly created, within `limit` bytes) groups into the job's slots, a
     kind's `worker_batch` at a time; never reclaims. Lock held on entry. On the `worker` it is released

@@ -24,44 +24,31 @@ from vattn.allocator.plan import KindPlan, StepPlan, plan_backing
 from vattn.errors import InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemoryError
 
 if TYPE_CHECKING:
-    from vattn.allocator.books import SlotBooks, Slots
-    from vattn.allocator.kinds import FullAttention
+    from vattn.allocator.books import Slots
+    from vattn.allocator.kinds import KindManager
 
 Handle = tuple[Any, ...]  # (group, generation of its pin[, the other kinds' handles]); (None, 0): behind a window
 Carry = Callable[[Callable[[int], StepPlan]], tuple[StepPlan, int, int]]  # mapper.carry_out over the kinds
 
 
-def window_covers(books: SlotBooks, holes: int, num_pages: int) -> bool:
-    """Whether the first `num_pages` pages of a slot, of which the first `holes` were given
-    back behind a sliding window, hold every key a query right after them sees (a prefix
-    mapped from pinned pages, or cut to that length)."""
-    if not holes:
-        return True
-    g = books.geometry
-    if books.window is None:
-        return False
-    first_read = num_pages * g.page_size // g.token_bytes - books.window + 1  # the next query's first key
-    return holes * g.page_size <= first_read * g.token_bytes  # (a token may straddle two pages)
-
-
-def check_truncate(books: SlotBooks, slot: int, num_tokens: int) -> int:
+def check_truncate(kind: KindManager, slot: int, num_tokens: int) -> int:
     """The pages of `slot`'s first `num_tokens` tokens (whole sharing units); raises where
-    its sliding window gave back pages the query right after them reads."""
-    g = books.geometry
+    the kind gave back pages the query right after them reads."""
+    g = kind.geometry
     keep = num_tokens // g.share_tokens * g.share_pages
-    if num_tokens and not window_covers(books, books.holes(slot), keep):
-        raise truncate_refused(slot, num_tokens)
+    if num_tokens and not kind.covers(kind.books.holes(slot), keep):
+        raise truncate_refused(kind, slot, num_tokens)
     return keep
 
 
-def truncate_refused(slot: int, num_tokens: int) -> InvalidRequestError:
+def truncate_refused(kind: KindManager, slot: int, num_tokens: int) -> InvalidRequestError:
     return InvalidRequestError(
-        f"num_tokens={num_tokens}: reqid {slot}'s sliding-window layers have no pages for the window "
+        f"num_tokens={num_tokens}: reqid {slot}'s {kind.what} layers have no pages for the keys "
         "before it (given back); map fewer or no cached tokens")
 
 
 # ---------------------------------------------------------------------- fork ----
-def fork(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, reqid: int, num_tokens: int,
+def fork(slots: Slots, kinds: Sequence[KindManager], carry: Carry, reqid: int, num_tokens: int,
          fence: Any) -> int:
     """A new request whose first `num_tokens` tokens are `reqid`'s, in every kind: its slot
     maps the groups of the parent's whole pages and fresh groups for the rest, into which
@@ -108,12 +95,12 @@ def fork(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, reqid: int,
 
 
 # ---------------------------------------------------------------------- pins ----
-def pinned_kinds(kinds: Sequence[FullAttention]) -> list[FullAttention]:
+def pinned_kinds(kinds: Sequence[KindManager]) -> list[KindManager]:
     """The kinds whose pages are a prefix block's pages (K/V kinds)."""
     return [kind for kind in kinds if kind.pinned_pages]
 
 
-def pin(slots: Slots, kinds: Sequence[FullAttention], reqid: int, num_pages: int) -> list[Handle]:
+def pin(slots: Slots, kinds: Sequence[KindManager], reqid: int, num_pages: int) -> list[Handle]:
     """Pin the first `num_pages` pages of `reqid` (whole pages of tokens it wrote) in every
     K/V kind; one handle each (see `KVCache.pin`)."""
     slot = slots.check_active(reqid)
@@ -128,7 +115,7 @@ def pin(slots: Slots, kinds: Sequence[FullAttention], reqid: int, num_pages: int
     return [(*first, tuple(rest)) for first, *rest in zip(*per_kind)]
 
 
-def split(kinds: Sequence[FullAttention], handles: Sequence[Handle]) -> list[list[tuple[Any, int]]]:
+def split(kinds: Sequence[KindManager], handles: Sequence[Handle]) -> list[list[tuple[Any, int]]]:
     """Handles -> per kind, its (group, generation) handles."""
     if len(kinds) == 1:
         return [list(handles)]
@@ -138,7 +125,7 @@ def split(kinds: Sequence[FullAttention], handles: Sequence[Handle]) -> list[lis
     return out
 
 
-def num_pinned(kinds: Sequence[FullAttention], handles: Sequence[Handle]) -> int:
+def num_pinned(kinds: Sequence[KindManager], handles: Sequence[Handle]) -> int:
     """How many of `handles`, from the first, are still pinned in every kind; marks them most
     recently used."""
     n = len(handles)
@@ -151,12 +138,12 @@ def num_pinned(kinds: Sequence[FullAttention], handles: Sequence[Handle]) -> int
     return n
 
 
-def is_pinned(kinds: Sequence[FullAttention], handles: Sequence[Handle]) -> bool:
+def is_pinned(kinds: Sequence[KindManager], handles: Sequence[Handle]) -> bool:
     """Whether every one of `handles` is still pinned in every kind (holes are)."""
     return all(len(kind.books.pinned(hs)) == len(hs) for kind, hs in zip(kinds, split(kinds, handles)))
 
 
-def map_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, handles: Sequence[Handle],
+def map_pinned(slots: Slots, kinds: Sequence[KindManager], reqid: int, handles: Sequence[Handle],
                fence: Any) -> int:
     """Map the leading still-pinned `handles` as the first pages of a request that has not
     run yet (its slot keeps nothing of earlier requests), in every K/V kind alike, in whole
@@ -177,7 +164,7 @@ def map_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, handles
     num -= num % g.share_pages
     while num:
         holes = [max((i + 1 for i, grp in enumerate(groups[:num]) if grp is None), default=0) for groups in per_kind]
-        if all(window_covers(kind.books, h, num) for kind, h in zip(kinds, holes)):
+        if all(kind.covers(h, num) for kind, h in zip(kinds, holes)):
             break
         num -= g.share_pages
     if not num:
@@ -195,7 +182,7 @@ def map_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, handles
     return slots.max_lens[slot]
 
 
-def truncate_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, num_tokens: int) -> int:
+def truncate_pinned(slots: Slots, kinds: Sequence[KindManager], reqid: int, num_tokens: int) -> int:
     """Keep only the first `num_tokens` tokens (whole sharing units) of what `map_pinned`
     mapped into a request that has not run yet, in every K/V kind; the later pages stay
     pinned. Refused (nothing changed) where a window kind gave back pages its next query
@@ -216,7 +203,7 @@ def truncate_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, nu
             raise InvalidRequestError(
                 f"num_tokens={num_tokens} must be a whole number of sharing units ({g.share_tokens} tokens in "
                 f"{g.share_pages} page(s) each) of at most the {mapped} tokens map_pinned mapped into reqid {slot}")
-        keeps.append(check_truncate(books, slot, num_tokens))
+        keeps.append(check_truncate(kind, slot, num_tokens))
     unmapped = 0
     for kind, keep in zip(kinds, keeps):
         drop = len(kind.books.slot_pages[slot]) - keep
@@ -225,16 +212,7 @@ def truncate_pinned(slots: Slots, kinds: Sequence[FullAttention], reqid: int, nu
     return unmapped
 
 
-def first_read(books: SlotBooks, num_tokens: int) -> int:
-    """The first page of a slot the query right after its first `num_tokens` tokens reads:
-    0 without a sliding window."""
-    if books.window is None:
-        return 0
-    g = books.geometry
-    return max(0, num_tokens - books.window + 1) * g.token_bytes // g.page_size
-
-
-def extend_prefix(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, reqid: int, num_tokens: int,
+def extend_prefix(slots: Slots, kinds: Sequence[KindManager], carry: Carry, reqid: int, num_tokens: int,
                   fence: Any) -> tuple[int, list[tuple[int, int]]]:
     """Back `num_tokens` tokens of a request that has not run yet with pages after what
     `map_pinned` mapped into it (or from its first page), in every K/V kind, for the caller to
@@ -268,7 +246,7 @@ def extend_prefix(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, re
                 kind.mapper.reclaim([(slot, len(pages) - end)], len(pages) - end)
     gave_back = False  # a window kind's pages before its first read became holes
     for kind in pinned:
-        first = first_read(kind.books, num_tokens)
+        first = kind.first_read(num_tokens)
         if first > kind.books.holes(slot):
             kind.mapper.drop_behind(slot, first)
             gave_back = True
@@ -294,7 +272,7 @@ def extend_prefix(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, re
     return num_tokens, fill
 
 
-def check_unrun(kinds: Sequence[FullAttention], slot: int, held: int) -> None:
+def check_unrun(kinds: Sequence[KindManager], slot: int, held: int) -> None:
     """InvalidRequestError unless `slot` holds just the `held` tokens of pinned pages
     `map_pinned` mapped into it, or is new (no length yet): it has not run."""
     for kind in kinds:
@@ -307,7 +285,7 @@ def check_unrun(kinds: Sequence[FullAttention], slot: int, held: int) -> None:
                 "prefix right after map_pinned, before its first step")
 
 
-def drop_prefix(slots: Slots, kinds: Sequence[FullAttention], slot: int) -> None:
+def drop_prefix(slots: Slots, kinds: Sequence[KindManager], slot: int) -> None:
     """Unmap every page of a request that has not run yet (what `map_pinned` and
     `extend_prefix` mapped into it) in every kind, and forget a snapshot it was to restore:
     it computes its tokens from the first (a restore that failed)."""
@@ -316,7 +294,7 @@ def drop_prefix(slots: Slots, kinds: Sequence[FullAttention], slot: int) -> None
     slots.max_lens[slot] = slots.prev_lens[slot] = 0
 
 
-def unshare_new_owners(kinds: Sequence[FullAttention], lens: dict[int, int]) -> bool:
+def unshare_new_owners(kinds: Sequence[KindManager], lens: dict[int, int]) -> bool:
     """A new request must not write into pages another slot shares, nor find holes where it
     reads: unmap every page of a freshly allocated slot of the step that still maps a
     shared group (it keeps nothing of them) or holes behind a window. Returns whether any
@@ -332,7 +310,7 @@ def unshare_new_owners(kinds: Sequence[FullAttention], lens: dict[int, int]) -> 
                 kind.mapper.empty(s)
                 books.shared_slots.discard(s)
                 changed = True
-        if books.window is not None:
+        if kind.gives_back:
             for s in lens:
                 if books.lead[s] and not max_lens[s]:  # an earlier request's pages are nothing to it
                     kind.mapper.empty(s)
@@ -340,5 +318,5 @@ def unshare_new_owners(kinds: Sequence[FullAttention], lens: dict[int, int]) -> 
     return changed
 
 
-__all__ = ["Handle", "check_truncate", "check_unrun", "drop_prefix", "extend_prefix", "first_read", "fork", "is_pinned", "map_pinned", "num_pinned", "pin",
-           "pinned_kinds", "split", "truncate_pinned", "truncate_refused", "unshare_new_owners", "window_covers"]
+__all__ = ["Handle", "check_truncate", "check_unrun", "drop_prefix", "extend_prefix", "fork", "is_pinned", "map_pinned",
+           "num_pinned", "pin", "pinned_kinds", "split", "truncate_pinned", "truncate_refused", "unshare_new_owners"]

@@ -13,7 +13,7 @@ from vattn.errors import InvalidRequestError, NoFreeSlotError, OutOfPhysicalMemo
 
 if TYPE_CHECKING:
     from vattn.allocator.books import Slots
-    from vattn.allocator.kinds import FullAttention
+    from vattn.allocator.kinds import KindManager
 
 Carry = Callable[[Callable[[int], StepPlan]], tuple[StepPlan, int, int]]
 
@@ -28,7 +28,17 @@ def fence_parked(slots: Slots, reqid: int, fence: Any) -> int:
     return slot
 
 
-def resume(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, slot: int, epochs: Sequence[int],
+def park(slots: Slots, kinds: Sequence[KindManager], reqid: int, fence: Any) -> tuple[int, tuple[int, ...]]:
+    """Free `reqid`'s slot, its pages kept mapped until `fence` (the copy to host swap_out
+    enqueued): (slot, every kind's epoch of it), which `resume` compares."""
+    slot = fence_parked(slots, reqid, fence)
+    slots.free(slot)
+    for kind in kinds:
+        kind.freed(slot)
+    return slot, tuple(kind.books.epoch[slot] for kind in kinds)
+
+
+def resume(slots: Slots, kinds: Sequence[KindManager], carry: Carry, slot: int, epochs: Sequence[int],
            num_tokens: int, first_pages: Sequence[int], fence: Any) -> tuple[int, tuple[bool, ...]]:
     """A slot for a parked request of `num_tokens` tokens: its own, in the kinds whose pages
     are untouched since it was parked at `epochs` (one per kind), and pages mapped for the
@@ -67,7 +77,7 @@ def resume(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, slot: int
             pages = books.slot_pages[new]
             if any(grp is not None and books.refs[grp] > 1 for grp in pages) or books.holes(new):
                 mapper.empty(new)  # the copy must not land in shared pages, nor in holes
-            if first and books.window is not None:
+            if first and kind.gives_back:
                 mapper.drop_behind(new, first)
             missing = kind.geometry.pages_for(num_tokens) - len(books.slot_pages[new])
             needs.append([(new, len(books.slot_pages[new]), missing)] if missing > 0 else [])
@@ -91,7 +101,7 @@ def resume(slots: Slots, kinds: Sequence[FullAttention], carry: Carry, slot: int
     return new, tuple(not kept for kept in untouched)
 
 
-def take(slots: Slots, kinds: Sequence[FullAttention], slot: int) -> None:
+def take(slots: Slots, kinds: Sequence[KindManager], slot: int) -> None:
     """Hand free `slot` to a new request in every kind."""
     slots.take(slot)
     for kind in kinds:
@@ -103,4 +113,4 @@ def untake(slots: Slots, slot: int) -> None:
     slots.untake(slot)
 
 
-__all__ = ["fence_parked", "resume", "take", "untake"]
+__all__ = ["fence_parked", "park", "resume", "take", "untake"]

@@ -17,7 +17,7 @@ prompt or a chunk of one) alone on its slot's views.
 
 Prefix caching (`vattn.prefix_cache.PrefixCache`, the state kind's part of a block): the step
 that plans an iteration gives the boundaries the prefix cache wants a snapshot row each
-(`KVCache.planned_snapshots`); a request's run of a state layer is split at those boundaries
+(`KVCache.snapshots.planned`); a request's run of a state layer is split at those boundaries
 (the attention layers run the chunk whole) and each layer copies its states into the row
 there, so a snapshot is exact at a block boundary whatever the chunking.
 """
@@ -118,7 +118,7 @@ class StateViews:
     def planned(self, meta: Any) -> dict[int, dict[int, int]]:
         """{slot: {boundary: snapshot row}} of the iteration `meta` describes (read once per forward)."""
         if self._planned[0] is not meta:
-            self._planned = (meta, self.cache.planned_snapshots())
+            self._planned = (meta, self.cache.snapshots.planned())
         return self._planned[1]
 
     def snapshot_layer(self, slot: int, layer: int, row: int) -> None:

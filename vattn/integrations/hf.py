@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from vattn.attention import ForwardContext, attend, forward_context, get_forward_context
+from vattn.allocator.kinds import Chunk
 from vattn.cache import KVCache
 from vattn.checks import as_int
 from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
@@ -67,19 +68,20 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.unsqueeze(0), None  # [1, T, H_q, D]
 
 
-def layer_windows(config: Any) -> tuple[int | None, ...]:
+def layer_windows(config: Any) -> tuple[int | Chunk | None, ...]:
     """Per layer of a transformers config, the sliding window its attention uses (None: full
     attention): `layer_types` where the config has them (Gemma-2/3, Qwen2's
     use_sliding_window, Ministral, gpt-oss), else `sliding_window` for every layer (Mistral).
-    A chunked layer (Llama 4) reads at most its `attention_chunk_size` last tokens: for its
-    pages a window of that size (transformers' caches keep it so too)."""
+    A chunked layer (Llama 4) reads its own chunk of `attention_chunk_size` tokens: a
+    `Chunk`, the cache's chunked kind (whole chunks behind a query's go back)."""
     text = config.get_text_config(decoder=True)
     window = getattr(text, "sliding_window", None)
     types = getattr(text, "layer_types", None)
     if types is None:
         return (window,) * text.num_hidden_layers
     chunk = getattr(text, "attention_chunk_size", None)
-    return tuple(window if t == "sliding_attention" else chunk if t == "chunked_attention" else None for t in types)
+    return tuple(window if t == "sliding_attention" else Chunk(chunk) if t == "chunked_attention" and chunk else None
+                 for t in types)
 
 
 def _attention_chunk(module: torch.nn.Module) -> int | None:

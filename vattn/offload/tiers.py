@@ -309,16 +309,16 @@ class Tiers:
 
     def restore_state(self, block: HostBlock) -> int | None:
         """A snapshot row holding `block`'s states (copied from host memory), or None when no
-        row or memory is left. The caller keeps it (`pin_snapshot`) or frees it."""
+        row or memory is left. The caller keeps it (`snapshots.pin`) or frees it."""
         cache = self.cache
-        row = cache.snapshot_row()
+        row = cache.snapshots.new_row()
         if row is None:
             return None
         try:
             self.copier.wait(block.ready)
             self.copier.to_device(None, [(block.state, cache.state_rows()[row])])
         except BaseException:
-            cache.free_snapshot(row)
+            cache.snapshots.free(row)
             raise
         return row
 

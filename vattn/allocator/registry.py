@@ -1,0 +1,26 @@
+"""Which manager runs each kind of spec (vLLM v1's `spec_manager_map`): a new layer kind is
+its spec and manager classes and one line here. Plain Python."""
+from __future__ import annotations
+
+from vattn.allocator.kinds import (
+    ChunkedLocal, ChunkSpec, FullAttention, KindManager, KindSpec, SlidingWindow, WindowSpec)
+from vattn.allocator.states import RecurrentState, StateSpec
+
+MANAGERS: dict[type[KindSpec], type[KindManager]] = {
+    KindSpec: FullAttention,
+    WindowSpec: SlidingWindow,
+    ChunkSpec: ChunkedLocal,
+    StateSpec: RecurrentState,
+}
+
+
+def manager_for(spec: KindSpec) -> type[KindManager]:
+    """The manager class of `spec`'s kind (ValueError for a spec no manager runs)."""
+    cls = MANAGERS.get(type(spec))
+    if cls is None:
+        raise ValueError(f"no layer kind manager runs a {type(spec).__name__}: add one to "
+                         "vattn.allocator.registry.MANAGERS")
+    return cls
+
+
+__all__ = ["MANAGERS", "manager_for"]
