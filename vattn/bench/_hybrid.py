@@ -17,8 +17,8 @@ Managers (bytes one request holds at each iteration, per GPU, K and V, bf16):
   state (rounded up to 16 tokens) and a state takes one such page.
 - `vattn-L-<page>`: vattn per-layer with this change: full layers hold ceil(l x token / page)
   pages (a latent layer: its one buffer of latent rows), a sliding layer the pages from the one
-  with its window's first key, a chunked layer those of a window of the chunk size (how
-  vattn keeps it today: up to a chunk more than the pools); the Mamba
+  with its window's first key, a chunked layer those from its query's chunk start (its own
+  kind, `vattn.allocator.kinds.ChunkedLocal`); the Mamba
   states of a request are one contiguous row of its slot, mapped in pages (modelled: a fixed
   size per request from the config).
 - `vattn-L-<page>-keep`: the same without giving window pages back (vattn before it; what
@@ -137,9 +137,9 @@ def held(m: Manager, s: HybridShape, length: np.ndarray, start: np.ndarray) -> d
     tb = s.token_bytes
     if not s.window:
         first_key = np.zeros_like(start)
-    elif s.chunked and m.kind == "pools":  # the query's chunk start
+    elif s.chunked:  # the query's chunk start (the pools' ChunkedLocalAttentionManager and vattn's chunked kind)
         first_key = start // s.window * s.window
-    else:  # a window's first key (vattn keeps a chunked layer as a window of its chunk)
+    else:  # a window's first key
         first_key = np.maximum(0, start - s.window + 1)
     if m.kind in ("uniform", "pools"):
         block = block_tokens(m, s)
@@ -237,6 +237,7 @@ def replay(args: Any) -> list[dict[str, Any]]:
     """The real allocator on the long workload at `--hybrid-replay-model`'s shape: one full and
     one sliding layer, the page's tokens kept, a token shrunk; figures scaled back."""
     import vattn
+    from vattn.allocator import Chunk
 
     s = HYBRIDS[args.hybrid_replay_model]
     context = max(c for c in args.hybrid_contexts if c <= s.max_context)
@@ -250,7 +251,7 @@ def replay(args: Any) -> list[dict[str, Any]]:
         if head_dim < 1 or HOST_PAGE % tpp:
             continue
         scale = s.token_bytes / (head_dim * 2)  # real bytes per replayed byte
-        kinds = (None, s.window) if s.window else (None,)
+        kinds = (None, Chunk(s.window) if s.chunked else s.window) if s.window else (None,)
         t0 = time.perf_counter()
         measured = {"full": 0.0, "window": 0.0}
         model = {"full": 0.0, "window": 0.0}
@@ -267,10 +268,10 @@ def replay(args: Any) -> list[dict[str, Any]]:
                 kinds_st = st.kinds or {"full": st}
                 measured["full"] += kinds_st["full"].active_bytes
                 if s.window:
-                    measured["window"] += kinds_st[f"window={s.window}"].active_bytes
+                    measured["window"] += kinds_st[f"{'chunk' if s.chunked else 'window'}={s.window}"].active_bytes
                 length = np.array([r[1] for r in slots.values()], dtype=np.int64)
                 start = np.array([r[0] for r in slots.values()], dtype=np.int64)
-                one = HybridShape(s.name, 1, 1 if s.window else 0, s.window, 1, head_dim, context)
+                one = HybridShape(s.name, 1, 1 if s.window else 0, s.window, 1, head_dim, context, chunked=s.chunked)
                 h = held(Manager(m.name, "vattn", HOST_PAGE), one, length, start)
                 model["full"] += float(h["full"].sum())
                 model["window"] += float(h["window"].sum())
