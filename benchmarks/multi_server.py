@@ -144,6 +144,7 @@ def vllm_server(ckpt: str, mode: str, args: argparse.Namespace, budget_dir: str,
     cmd = vllm_command(args.vllm_python, ckpt, port, args.requests, args.max_batch_tokens, ("--seed", "0", *cache))
     env = {k: v for k, v in os.environ.items() if not k.startswith("VATTN_")}
     env.update(VLLM_ENV, VLLM_CPU_OMP_THREADS_BIND=str("AB".index(name) % (os.cpu_count() or 1)),
+               TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=plugin_path(Path(budget_dir).parent / "plugin", REPO), VATTN_BUDGET_DIR=budget_dir)
     if mode == "stock":
         env["VATTN_VLLM"] = "0"
