@@ -90,8 +90,10 @@ def tree_page_bytes(pids: list[int]) -> int:
 
 def books(budget_dir: str, trees: list[list[int]]) -> list[int]:
     """Each server's `mapped` bytes in the budget books of `budget_dir`, then each one's
-    `cached` (`vattn top`'s MAPPED and CACHED: what it holds, and what of it it would give back;
-    the member is the process of the server's tree that joined, vLLM's EngineCore)."""
+    `cached`, then the asks it was sent (`vattn top`'s MAPPED and CACHED, and the table's ask
+    count: what it holds, what of it it would give back, how often another member that was
+    short asked it for pages; the member is the process of the server's tree that joined,
+    vLLM's EngineCore)."""
     from vattn.budget_shared import survey
 
     old = os.environ.get("VATTN_BUDGET_DIR")
@@ -103,7 +105,7 @@ def books(budget_dir: str, trees: list[list[int]]) -> list[int]:
             del os.environ["VATTN_BUDGET_DIR"]
         else:
             os.environ["VATTN_BUDGET_DIR"] = old
-    return [sum(m[k] for m in members if m["pid"] in tree) for k in ("mapped", "cached") for tree in trees]
+    return [sum(m[k] for m in members if m["pid"] in tree) for k in ("mapped", "cached", "asks") for tree in trees]
 
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
@@ -252,7 +254,8 @@ def run_mode(mode: str, ckpts: dict[str, str], prompts: dict[str, list[list[str]
         # count what it holds over its level now (after the warm-up built its cache, before any burst)
         base = [read(p.pid) - (args.trash_bytes if args.device != "cpu" else 0) for p, _ in servers.values()] \
             if args.device != "cpu" else [0, 0]
-        # (seconds, physical bytes of A, of B[, A's and B's mapped bytes in the budget books, their cached])
+        # (seconds, physical bytes of A, of B[, A's and B's mapped bytes in the budget books, their
+        # cached bytes, the asks each was sent])
         samples: list[tuple] = []
         stop = threading.Event()
         t0 = time.monotonic()
@@ -301,6 +304,7 @@ def run_mode(mode: str, ckpts: dict[str, str], prompts: dict[str, list[list[str]
     over = [b[0] - a[0] for a, b in zip(samples, samples[1:]) if a[1] + a[2] > args.total_bytes]
     out["physical_over_limit_s"] = sum(over)
     out["books_peak_sum_MiB"] = max(s[3] + s[4] for s in samples) / MB if with_books else None
+    out["asks_sent_to"] = list(samples[-1][7:9]) if with_books else None  # (A, B; the count since they started)
     return out
 
 
@@ -452,7 +456,8 @@ def report(runs: dict[str, Any], args: argparse.Namespace) -> None:
                                                       ("burst_s", "burst_s", "mean"))}
         print(ratios)
     print("peak of A + B: " + ", ".join(f"{m} {r['peak_sum_MiB']:.2f} MiB (books {r['books_peak_sum_MiB'] or 0:.2f}, "
-                                        f"physical over the limit {r['physical_over_limit_s']:.2f} s)"
+                                        f"physical over the limit {r['physical_over_limit_s']:.2f} s, asks sent to "
+                                        f"A, B: {r['asks_sent_to']})"
                                         for m, r in runs.items()) + f"; limit {args.total_bytes / MB:.2f} MiB")
 
     import matplotlib
@@ -487,7 +492,7 @@ def report(runs: dict[str, Any], args: argparse.Namespace) -> None:
         "answers_equal": {"reference": ref, "sent": sent, "equal": equal},
         "ratios": ratios,
         "modes": {m: {"peak_sum_MiB": r["peak_sum_MiB"], "books_peak_sum_MiB": r["books_peak_sum_MiB"],
-                      "physical_over_limit_s": r["physical_over_limit_s"],
+                      "physical_over_limit_s": r["physical_over_limit_s"], "asks_sent_to": r["asks_sent_to"],
                       "bursts": r["bursts"], "load_average": r["load_average"],
                       **{n: {k: v for k, v in r[n].items() if k != "texts"} for n in ("A", "B")}}
                   for m, r in runs.items()},
