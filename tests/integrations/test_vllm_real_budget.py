@@ -6,7 +6,7 @@ B's burst does not fit beside what A kept after its own, so A's scheduler gives 
 block holds and B maps them: the books show A shrink while B grows, the two never past the
 budget's limit, and every answer is stock vLLM's (`VATTN_VLLM=0`, the same bursts).
 
-`slow`: four vLLM servers start (two with the plugin, two stock), about 5 minutes on 2 CPUs.
+`slow`: four vLLM servers start (two with the plugin, two stock), 1-2.5 minutes on 2 CPUs.
 Skipped without a python with vLLM (`VATTN_VLLM_PYTHON`, default `/tmp/venv-vllmcpu/bin/python`:
 docs/benchmarks.md, "vLLM's CPU build")."""
 from __future__ import annotations
