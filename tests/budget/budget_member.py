@@ -123,6 +123,8 @@ def main() -> None:
         elif op == "free":
             cache.free_reqid(cmd["r"])
             out = True
+        elif op == "reclaim":  # what the cache asks the budget when it is `n` bytes short
+            out = budget.reclaim(cmd["n"])
         elif op == "churn":
             out = churn(cache, cmd["seconds"], cmd["seed"])
         elif op == "generate":

@@ -164,6 +164,19 @@ def test_an_idle_member_gives_its_cached_pages_to_another_process(member):
     assert row("burst", b.pid)["refusals"] >= 1
 
 
+def test_a_short_member_asks_for_a_share_of_the_budget_at_once(member):
+    """A member one page group short asks the others for an eighth of the limit (of what they
+    cache): the rest of its burst then takes without another round trip to their responders."""
+    a = member("share", "--limit", str(LIMIT))
+    b = member("share")
+    fill_and_free(a, 1024)  # the whole budget cached by a
+    wait_for(lambda: row("share", a.pid)["cached"] == LIMIT, 10)  # as a's responder publishes it
+    got = b.call("reclaim", n=GROUP)
+    assert got["out"] >= GROUP and got["budget_used"] <= LIMIT - GROUP
+    wait_for(lambda: row("share", a.pid)["gave"] == LIMIT // 8, 10)  # 4 groups asked, not 1
+    assert memfd_bytes(a.pid) == LIMIT - LIMIT // 8
+
+
 def test_pages_under_live_data_are_never_taken(member):
     a = member("live", "--limit", str(LIMIT))
     b = member("live")

@@ -26,6 +26,7 @@ from vattn.errors import ClosedError, DamagedTableError, InvalidConfigError, Inv
 
 logger = logging.getLogger("vattn.budget")
 
+ASK_SHARE = 8  # a short member asks the others for at least 1/8 of the budget's limit (of what they cache)
 LEAVE_WAIT_S = 2.0  # the longest giving back or leaving waits for a stuck process's lock on the books
 
 _registry_lock = threading.Lock()
@@ -230,6 +231,12 @@ class SharedBudget(BudgetBase):
             if lim is None or (ml >= 0 and self._taken + n > ml):
                 return freed  # the others' bytes cannot help: no budget limit, or this member's own binds
             short = t.used() + n - lim
+            if short > 0:
+                # A member short once is short again at its next steps (a burst), and every
+                # ask is a round trip to the others' responder threads: ask for a share of
+                # the budget at once (of what they have cached), and wait only for `short`.
+                spare = sum(int(r["cached"][j]) for j in t.live() if j != i)
+                short = max(short, min(lim // ASK_SHARE, spare))
             asks = t.ask(short, exclude=i) if short > 0 else []
             wake = [(int(r["pid"][a.row]), a.nonce) for a in asks]
         wake_members(wake)
