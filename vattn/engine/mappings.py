@@ -16,15 +16,29 @@ install(found) -> undo             runs its layers on the current forward's cach
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import Any, Callable, Protocol, cast
 
 from vattn.allocator.registry import mapping_modules
 
 
-def model_mappings() -> list[ModuleType]:
+class ModelMapping(Protocol):
+    """What a model mapping module has (the table above)."""
+
+    LABEL: str
+
+    def find(self, model: Any) -> list[Any]: ...
+
+    def problem(self, model: Any, engine: bool) -> str | None: ...
+
+    def layer_kinds(self, model: Any, found: list[Any], windows: tuple[Any, ...]) -> tuple[Any, ...]: ...
+
+    def install(self, found: list[Any]) -> Callable[[], None]: ...
+
+
+def model_mappings() -> list[ModelMapping]:
     """The model mapping modules of the registered layer kinds (imported on first use: they
     import torch and transformers' pieces)."""
-    return [importlib.import_module(name) for name in mapping_modules()]
+    return [cast(ModelMapping, importlib.import_module(name)) for name in mapping_modules()]
 
 
-__all__ = ["model_mappings"]
+__all__ = ["ModelMapping", "model_mappings"]

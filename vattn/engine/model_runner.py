@@ -45,7 +45,7 @@ from vattn.engine.config import EngineConfig
 from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
 from vattn.engine.inflight import InFlight
 from vattn.engine.loader import weights_fingerprint
-from vattn.engine.mappings import model_mappings
+from vattn.engine.mappings import ModelMapping, model_mappings
 from vattn.engine.rejection import verify
 from vattn.engine.sampler import NOTHING_SAMPLED, Sampled, Sampler
 from vattn.engine.scheduler import ScheduledSequence, SeqId
@@ -125,7 +125,7 @@ class ModelRunner:
         if config.offload_bytes is not None and not config.enable_prefix_caching:  # swapped-out requests only
             self.cache.host.configure(config.offload_bytes)
 
-    def _check(self, config: EngineConfig) -> tuple[bool, list[tuple[Any, list[Any]]], str | None]:
+    def _check(self, config: EngineConfig) -> tuple[bool, list[tuple[ModelMapping, list[Any]]], str | None]:
         """The refusals that need no cache: what the model has (recurrent states, the layers of
         its model mappings: (mapping, their modules) of each it has) and the inductor mode it
         compiles with (None: eager); packs the host's linear layers (`cpu_linear`). Sets `eager_only`."""
@@ -163,7 +163,7 @@ class ModelRunner:
         return has_states, mapped, compiled
 
     def _cache_config(self, config: EngineConfig, kv_layers: list[int], specs: list[Any],
-                      mapped: list[tuple[Any, list[Any]]]) -> CacheConfig:
+                      mapped: list[tuple[ModelMapping, list[Any]]]) -> CacheConfig:
         """The cache's configuration for this model (its K/V layers `kv_layers`, their windows and
         widths; the recurrent states `specs`) and the engine's `config`. Sets `max_context_len`."""
         from vattn.integrations.hf import layer_windows
@@ -198,7 +198,7 @@ class ModelRunner:
             num_snapshots=states.SNAPSHOTS_PER_SLOT * config.max_batch_size
             if specs and config.enable_prefix_caching else 0)
 
-    def _bind_cache(self, kv_layers: list[int], specs: list[Any], mapped: list[tuple[Any, list[Any]]]) -> None:
+    def _bind_cache(self, kv_layers: list[int], specs: list[Any], mapped: list[tuple[ModelMapping, list[Any]]]) -> None:
         """The cache's views by the model's layer index (`k_caches`, `v_caches`: `[B, T, H_kv, D]`
         each, None for a layer without attention), and the state mixers and the model mappings'
         layers bound to it (undone at close, the mappings' first)."""
