@@ -70,19 +70,7 @@ class KVCache:
         to use instead of the one `config.device` names (tests, custom memory). `budget`: a
         `vattn.Budget` shared with other caches and elastic pools: pages are created only
         within it, and memory one gives back (free requests' cached pages) another can take."""
-        if config is None:
-            try:
-                config = CacheConfig(**kwargs)
-            except TypeError as e:
-                raise InvalidConfigError(f"{e}; see help(vattn.init) for the arguments") from None
-        elif not isinstance(config, CacheConfig):
-            raise InvalidConfigError(
-                f"the cache's configuration must be a vattn.CacheConfig, got {config!r}; or pass the sizes as "
-                "keywords: vattn.init(num_layers=..., num_kv_heads=..., head_dim=..., max_batch_size=..., "
-                "max_context_len=...)")
-        elif kwargs:
-            raise InvalidConfigError("give either a CacheConfig or keyword arguments, not both")
-        self.config = config
+        self.config = config = _config(config, kwargs)
         self.backend = backend if backend is not None else make_backend(config.torch_device, config.cuda_driver)
         page_size = config.page_size if config.page_size is not None else self.backend.default_page_size
         self.backend.check_page_size(page_size)
@@ -102,24 +90,7 @@ class KVCache:
         self._k, self._v = _kv_views(self.backend, self._range, g)
         # uint8 views of each whole buffer (and of the states'): pages are copied (fork) and cleared through them
         self._bytes = _byte_views(self.backend, self._range, g, state_bytes)
-        kinds = config.layer_kinds()
-        # per kind: its buffers (K of its layers, then V), in the order its page groups hold them
-        # (K and V of a layer in one buffer where their widths differ: its layers' buffers only)
-        self.kind_buffers = [list(range(g.num_buffers)) if config.layout != "per-layer"
-                             else [*layers] if g.buffers_per_layer == 1
-                             else [*layers, *(config.num_layers + i for i in layers)] for _, layers in kinds]
-        self.kind_names = [layer_name(entry) for entry, _ in kinds]
-        if self.states is not None:
-            self.kind_buffers.append([g.num_buffers])
-            self.kind_names.append("state")
-        self._kind_of = {b: k for k, buffers in enumerate(self.kind_buffers) for b in buffers}  # buffer -> kind
-        specs = [self._kind_spec(name, entry, layers, bases, buffers)
-                 for name, (entry, layers), buffers in zip(self.kind_names, kinds, self.kind_buffers)]
-        if self.states is not None:
-            specs.append(StateSpec("state", self.states, [self._range.addr + g.num_buffers * g.buffer_bytes],
-                                   num_snapshots=config.num_snapshots,
-                                   copy_pages=functools.partial(_copy_pages, weakref.ref(self), [g.num_buffers])))
-        self.kv_kind_buffers = self.kind_buffers[:len(kinds)]  # the K/V kinds' (a pin handle's kinds, in order)
+        specs = self._kind_specs(bases)
         self.allocator = Coordinator(self.backend, specs, num_slots=config.max_batch_size,
                                      max_len=config.max_context_len, max_bytes=max_bytes,
                                      background=config.background, prefetch=config.prefetch,
@@ -158,6 +129,30 @@ class KVCache:
         if free is not None:  # leave room for the model's own tensors
             return min(cap, max(1, int(self.backend.default_memory_fraction * free) // unit) * unit), unit
         return cap, unit
+
+    def _kind_specs(self, bases: list[int]) -> list[KindSpec]:
+        """The spec of every layer kind (the K/V kinds', then the states'), on the buffers at
+        `bases`; sets `kind_buffers`, `kind_names` and `kv_kind_buffers`."""
+        config, g = self.config, self.geometry
+        kinds = config.layer_kinds()
+        # per kind: its buffers (K of its layers, then V), in the order its page groups hold them
+        # (K and V of a layer in one buffer where their widths differ: its layers' buffers only)
+        self.kind_buffers = [list(range(g.num_buffers)) if config.layout != "per-layer"
+                             else [*layers] if g.buffers_per_layer == 1
+                             else [*layers, *(config.num_layers + i for i in layers)] for _, layers in kinds]
+        self.kind_names = [layer_name(entry) for entry, _ in kinds]
+        if self.states is not None:
+            self.kind_buffers.append([g.num_buffers])
+            self.kind_names.append("state")
+        self._kind_of = {b: k for k, buffers in enumerate(self.kind_buffers) for b in buffers}  # buffer -> kind
+        specs = [self._kind_spec(name, entry, layers, bases, buffers)
+                 for name, (entry, layers), buffers in zip(self.kind_names, kinds, self.kind_buffers)]
+        if self.states is not None:
+            specs.append(StateSpec("state", self.states, [self._range.addr + g.num_buffers * g.buffer_bytes],
+                                   num_snapshots=config.num_snapshots,
+                                   copy_pages=functools.partial(_copy_pages, weakref.ref(self), [g.num_buffers])))
+        self.kv_kind_buffers = self.kind_buffers[:len(kinds)]  # the K/V kinds' (a pin handle's kinds, in order)
+        return specs
 
     def _kind_spec(self, name: str, entry: Any, layers: tuple[int, ...], bases: list[int],
                    buffers: list[int]) -> KindSpec:
@@ -438,6 +433,23 @@ class KVCache:
         return (f"KVCache(layers={c.num_layers}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
                 f"batch={c.max_batch_size}, context={c.max_context_len}, dtype={c.dtype}, "
                 f"device={c.device}, page_size={self.page_size}, layout={c.layout})")
+
+
+def _config(config: CacheConfig | None, kwargs: dict[str, Any]) -> CacheConfig:
+    """`KVCache`'s configuration: `config`, or one made of `vattn.init`'s keyword arguments."""
+    if config is None:
+        try:
+            return CacheConfig(**kwargs)
+        except TypeError as e:
+            raise InvalidConfigError(f"{e}; see help(vattn.init) for the arguments") from None
+    if not isinstance(config, CacheConfig):
+        raise InvalidConfigError(
+            f"the cache's configuration must be a vattn.CacheConfig, got {config!r}; or pass the sizes as "
+            "keywords: vattn.init(num_layers=..., num_kv_heads=..., head_dim=..., max_batch_size=..., "
+            "max_context_len=...)")
+    if kwargs:
+        raise InvalidConfigError("give either a CacheConfig or keyword arguments, not both")
+    return config
 
 
 def _kv_views(backend: Backend, rng: Any, g: Geometry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -79,11 +79,12 @@ class CacheConfig:
     more layer kind: a row of whole pages per slot, mapped at its first step, in the same
     budget (`KVCache.state_rows`); `num_snapshots`: rows after the slots' that keep copies of
     states at prefix blocks' ends (`KVCache.snapshots`, the prefix cache).
-    `v_head_dim`: V's width where it differs from K's `head_dim` (multi-head latent attention
-    keeps per token a latent of `head_dim` values as K and a shared RoPE key of `v_head_dim`
-    as V, what transformers' own cache keeps): K and V of a layer then share one buffer, a
-    token's row its K then its V, so that every buffer's tokens have one size (None: V is as
-    wide as K, in a buffer of its own).
+    `v_head_dim`: V's width where it differs from K's `head_dim`: K and V of a layer then
+    share one buffer, a token's row its K then its V, so that every buffer's tokens have one
+    size (None: V is as wide as K, in a buffer of its own). A `LayerKind` in `layer_windows`
+    that declares its token's widths (`kv_widths`: multi-head latent attention's `Latent`
+    keeps one latent "head" as K and the shared RoPE key as V) sets `num_kv_heads`,
+    `head_dim` and `v_head_dim` for the cache.
     """
 
     num_layers: int
@@ -119,9 +120,6 @@ class CacheConfig:
         for name in ("background", "prefetch", "zero_reused_pages"):
             checks.flag(getattr(self, name), name)
         checks.one_of(self.cuda_driver, "cuda_driver", CUDA_DRIVERS)
-        if self.v_head_dim is not None:
-            v = checks.positive(self.v_head_dim, "v_head_dim")
-            object.__setattr__(self, "v_head_dim", None if v == self.head_dim else v)
         for name in ("state_bytes", "num_snapshots"):
             object.__setattr__(self, name, checks.as_int(getattr(self, name), name, InvalidConfigError, low=0))
         if self.num_snapshots and not self.state_bytes:
@@ -133,8 +131,30 @@ class CacheConfig:
                                          f"(num_layers={self.num_layers}), None for full attention")
             windows = tuple(_layer_entry(w) for w in windows)
             # a window (or chunk) as long as the context is full attention: nothing is ever behind it
-            windows = tuple(None if w is None or _tokens(w) >= self.max_context_len else w for w in windows)
+            # (a kind of size 0, such as `Latent`, reads every token: it stays for what else it says)
+            windows = tuple(None if w is None or 0 < _tokens(w) >= self.max_context_len else w for w in windows)
             object.__setattr__(self, "layer_windows", windows if any(w is not None for w in windows) else None)
+            self._take_kv_widths(windows)
+        if self.v_head_dim is not None:
+            v = checks.positive(self.v_head_dim, "v_head_dim")
+            object.__setattr__(self, "v_head_dim", None if v == self.head_dim else v)
+
+    def _take_kv_widths(self, entries: tuple[Any, ...]) -> None:
+        """A `LayerKind` may declare the widths its layers keep a token (`kv_widths`: heads, K
+        width, V width; multi-head latent attention's `Latent`): they become `num_kv_heads`,
+        `head_dim` and `v_head_dim`, the same for every layer (every buffer's tokens have one size)."""
+        widths = {getattr(w, "kv_widths", None) for w in entries}
+        if widths == {None}:
+            return
+        if len(widths) > 1:
+            shown = ", ".join("num_kv_heads x head_dim" if w is None else "(heads, K, V) = {}".format(w)
+                              for w in sorted(widths, key=str))
+            raise InvalidConfigError(
+                f"layer_windows names layer kinds whose tokens have different widths ({shown}); a cache keeps "
+                "one width for every layer: give every layer a kind of the same widths")
+        heads, k, v = widths.pop()
+        for name, value in (("num_kv_heads", heads), ("head_dim", k), ("v_head_dim", v)):
+            object.__setattr__(self, name, checks.positive(value, name))
 
     def layer_kinds(self) -> list[tuple[Any, tuple[int, ...]]]:
         """(entry of `layer_windows`, layers) of each layer kind, full attention first, then
@@ -192,7 +212,8 @@ class Geometry:
 
     @cached_property
     def buffers_per_layer(self) -> int:
-        """2 (K and V each in a buffer), or 1 when V's width differs (`CacheConfig.v_head_dim`)."""
+        """2 (K and V each in a buffer), or 1 when V's width differs (`CacheConfig.v_head_dim`,
+        or a layer kind's `kv_widths`)."""
         return 1 if self.config.v_head_dim is not None else 2
 
     @cached_property

@@ -97,6 +97,30 @@ def test_every_kind_is_run_by_the_manager_its_spec_type_names() -> None:
         cache.snapshots.want(0, [8])
 
 
+def test_a_latent_kind_is_full_attention_with_the_widths_its_spec_declares() -> None:
+    """`Latent` (multi-head latent attention, vLLM's `MLAAttentionSpec`): its spec type is run by
+    the full-attention manager and its widths are the cache's (one latent head of K, a V of
+    another width, in one buffer a layer); layers of other widths beside it are refused. Its
+    model mapping is the module its spec names."""
+    from vattn.allocator.latent import Latent, LatentSpec
+    from vattn.allocator.registry import mapping_modules
+
+    with kinds_cache((Latent(k_width=24, v_width=8),) * 3) as cache:
+        (kind,) = cache.allocator.kinds
+        assert type(kind).__name__ == "FullAttention" and isinstance(kind.spec, LatentSpec)
+        assert (kind.spec.heads, kind.spec.k_width, kind.spec.v_width) == (1, 24, 8) and cache.kind_names == ["latent"]
+        c, g = cache.config, cache.geometry
+        assert (c.num_kv_heads, c.head_dim, c.v_head_dim) == (1, 24, 8) and g.num_buffers == 3
+        assert cache.k_cache(2).shape == (3, 1024, 1, 24) and cache.v_cache(2).shape == (3, 1024, 1, 8)
+        r = cache.alloc_reqid()
+        assert cache.step({r: 40}) and len(kind.books.slot_pages[r]) == g.pages_for(40) == 2  # 128 B a token: 32 a page
+        cache.k_cache(0)[r, :40], cache.v_cache(0)[r, :40] = 1.0, 2.0
+        assert (cache.k_cache(0)[r, :40] == 1).all() and (cache.v_cache(0)[r, :40] == 2).all()
+    with pytest.raises(vattn.InvalidConfigError, match="different widths"):
+        kinds_cache((Latent(k_width=24, v_width=8), None))
+    assert LatentSpec.mapping in mapping_modules()
+
+
 def test_a_failed_slot_keeps_its_lengths_and_pages_in_every_kind() -> None:
     with kinds_cache(physical_memory=52 * PAGE) as cache:
         r = cache.alloc_reqid()

@@ -120,6 +120,8 @@ def test_latent_bytes_per_token_against_full_kv() -> None:
         g = llm.cache.geometry
         assert g.num_buffers == 3 and g.held_bytes(1) == 3 * (24 + 8) * 4
         assert llm.cache.k_cache(0).shape[-2:] == (1, 24) and llm.cache.v_cache(0).shape[-2:] == (1, 8)
+        # the latent kind (`vattn.allocator.latent`), run by the full-attention manager
+        assert llm.cache.kind_names == ["latent"] and type(llm.cache.allocator.kinds[0]).__name__ == "FullAttention"
     v3 = tf.DeepseekV3Config()
     latent = v3.kv_lora_rank + v3.qk_rope_head_dim
     full = v3.num_attention_heads * (v3.qk_nope_head_dim + v3.qk_rope_head_dim + v3.v_head_dim)

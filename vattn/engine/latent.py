@@ -1,11 +1,14 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) on vattn's cache: the layer kind
-whose cache keeps a compressed latent per token, not K and V per head.
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) on vattn's cache: the model mapping
+(`vattn.engine.mappings`) of the layer kind whose cache keeps a compressed latent per token,
+not K and V per head (`vattn.allocator.latent.Latent`). Everything of latent attention on the
+model's side is here: which modules are latent (`find`), which it runs (`problem`), the widths
+its cache keeps (`layer_kinds`) and its attention (`install`).
 
 transformers' latent attention hands its cache the latent before expanding it
 (`cache.update(kv_nope, k_rot, layer_idx)`: one "head" of `kv_lora_rank` values and one of
 `qk_rope_head_dim`), then up-projects what the cache returns into every head's K and V
 (`expand_kv`). vattn's cache keeps exactly those two per token, as K (the latent) and V
-(the shared RoPE key) of different widths in one buffer a layer (`CacheConfig.v_head_dim`):
+(the shared RoPE key) of different widths in one buffer a layer (`Latent.kv_widths`):
 
 ```
  a layer's buffer, slot s:  [ token 0: kv_nope (R) | k_rot (r) ][ token 1: ... ] ...
@@ -23,26 +26,55 @@ and preemption are the cache's as for any K/V: only the attention layer differs.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from vattn.allocator.latent import Latent
 from vattn.attention import get_forward_context
 from vattn.errors import UnsupportedModelError
 
 
-@dataclass(frozen=True)
-class LatentSpec:
-    """What transformers' own cache keeps per token of a latent attention layer."""
-
-    heads: int  # 1: the latent is shared by every head
-    k_width: int  # the compressed latent (kv_lora_rank)
-    v_width: int  # the shared RoPE key (qk_rope_head_dim)
+LABEL = "latent attention"
+# Multi-head latent attention modules (their cache keeps a latent they expand: `expand_kv`) that
+# vattn's engine runs with the latent in its cache, checked against generate.
+LATENT_ATTENTIONS = ("DeepseekV2Attention", "DeepseekV3Attention")
 
 
-def latent_spec(model: Any, modules: list[torch.nn.Module]) -> LatentSpec:
+def find(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's attention modules whose cache keeps a compressed latent they expand into
+    K and V themselves (`expand_kv`: DeepSeek-V2/V3's multi-head latent attention)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    return [m for m in decoder.modules() if callable(getattr(m, "expand_kv", None))]
+
+
+def problem(model: torch.nn.Module, engine: bool) -> str | None:
+    """Why `model`'s latent attention layers cannot run (None: it has none, or runs them);
+    `engine`: the caller is vattn's engine on one rank, which keeps the latent."""
+    found = find(model)
+    if not found:
+        return None
+    other = sorted({type(m).__name__ for m in found} - set(LATENT_ATTENTIONS))
+    if engine and not other and all(isinstance(getattr(m, "layer_idx", None), int) for m in found):
+        return None
+    why = (f"vattn's engine on one rank keeps the latent of {', '.join(LATENT_ATTENTIONS)} only" if engine
+           else "vattn.LLM on one rank keeps the latent; here K/V of one width per head are kept")
+    return (f"{len(found)} multi-head latent attention layer{'s' * (len(found) > 1)} "
+            f"({', '.join(sorted({type(m).__name__ for m in found}))}: their cache keeps a latent they expand; {why})")
+
+
+def layer_kinds(model: Any, found: list[torch.nn.Module], windows: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`windows` (per layer of the model, `CacheConfig.layer_windows`' entries) with each latent
+    layer's a `Latent` of the widths transformers' own cache keeps (`latent_kind`): one latent
+    "head" as K and the shared RoPE key as V."""
+    kind = latent_kind(model, found)
+    latent = {m.layer_idx for m in found}
+    return tuple(kind if i in latent else w for i, w in enumerate(windows))
+
+
+def latent_kind(model: Any, modules: list[torch.nn.Module]) -> Latent:
     """The K and V shapes transformers' `DynamicCache` keeps for the latent layers `modules`,
     read after one 3-token forward (with the model's own attention) of a batch of one."""
     import inspect
@@ -60,7 +92,7 @@ def latent_spec(model: Any, modules: list[torch.nn.Module]) -> LatentSpec:
         raise UnsupportedModelError(f"the latent attention layers of {type(model).__name__} keep K/V of shapes "
                                     f"{sorted(shapes)} in transformers' cache; vattn keeps one shape for every layer")
     (heads, k_width), (_, v_width) = shapes.pop()
-    return LatentSpec(heads, k_width, v_width)
+    return Latent(heads=heads, k_width=k_width, v_width=v_width)
 
 
 class _LatentCache:

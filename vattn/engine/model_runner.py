@@ -39,12 +39,13 @@ from vattn.attention import (AttentionKernel, AttentionMetadata, ForwardContext,
                              to_device)
 from vattn.cache import KVCache
 from vattn.config import CacheConfig
-from vattn.engine import latent, states
+from vattn.engine import states
 from vattn.engine.compile import CompiledForward, compile_mode
 from vattn.engine.config import EngineConfig
 from vattn.engine.cuda_graphs import GRAPH_KERNELS, DecodeGraphs, GraphTarget
 from vattn.engine.inflight import InFlight
 from vattn.engine.loader import weights_fingerprint
+from vattn.engine.mappings import ModelMapping, model_mappings
 from vattn.engine.rejection import verify
 from vattn.engine.sampler import NOTHING_SAMPLED, Sampled, Sampler
 from vattn.engine.scheduler import ScheduledSequence, SeqId
@@ -93,7 +94,7 @@ class ModelRunner:
 
         self.device, self.dtype = device, dtype
         self.model = model.to(device=device, dtype=dtype).eval()
-        has_states, latent_layers, compiled = self._check(config)
+        has_states, mapped, compiled = self._check(config)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         # K/V only for the layers that have attention: not a state model's Mamba2 / gated delta-net
         # layers (a model with none still gets one small layer: the cache also hands out the slots);
@@ -104,7 +105,7 @@ class ModelRunner:
         # state: the layers that ran moved it on
         self.rerun_alone = not specs
         self.kernel = AttentionKernel(config.attention or select_kernel(self.device, self.dtype))
-        cache_config = self._cache_config(config, kv_layers, specs, latent_layers)
+        cache_config = self._cache_config(config, kv_layers, specs, mapped)
         want_graphs = self._graphs_wanted(config)  # InvalidConfigError for cuda_graphs=True where they cannot run
         # UnsupportedModelError: the model cannot route its attention through vattn's
         self.previous_attention = use_vattn_attention(self.model)
@@ -112,7 +113,7 @@ class ModelRunner:
             self.cache = KVCache(cache_config, budget=config.budget)
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
-        self._bind_cache(kv_layers, specs, latent_layers)
+        self._bind_cache(kv_layers, specs, mapped)
         self.sampler = Sampler(self.device, config.seed)
         self.eos_token_ids: frozenset[int] = frozenset()  # masked under min_tokens (LLM keeps it the scheduler's)
         self.num_fed_tokens = 0  # input tokens read on the device from the iteration before (async scheduling)
@@ -124,24 +125,25 @@ class ModelRunner:
         if config.offload_bytes is not None and not config.enable_prefix_caching:  # swapped-out requests only
             self.cache.host.configure(config.offload_bytes)
 
-    def _check(self, config: EngineConfig) -> tuple[bool, list[Any], str | None]:
-        """The refusals that need no cache: what the model has (recurrent states, its latent
-        attention layers) and the inductor mode it compiles with (None: eager); packs the host's
-        linear layers (`cpu_linear`). Sets `eager_only`."""
+    def _check(self, config: EngineConfig) -> tuple[bool, list[tuple[ModelMapping, list[Any]]], str | None]:
+        """The refusals that need no cache: what the model has (recurrent states, the layers of
+        its model mappings: (mapping, their modules) of each it has) and the inductor mode it
+        compiles with (None: eager); packs the host's linear layers (`cpu_linear`). Sets `eager_only`."""
         from vattn.engine.cpu_gemm import pack_linears
-        from vattn.integrations.hf import check_model, has_attention_sinks, latent_modules, layer_kinds
+        from vattn.integrations.hf import check_model, has_attention_sinks, layer_kinds
 
         # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states and
-        # latent attention only on one rank
+        # the model mappings' layers (latent attention) only on one rank
         one_rank = config.tensor_parallel_size == 1
         has_states = check_model(self.model, states=one_rank, engine=one_rank)
-        latent_layers = latent_modules(self.model)  # their cache keeps the latent (vattn.engine.latent)
+        # layers with a kind of their own on the model's side (vattn.engine.mappings: latent attention)
+        mapped = [(m, found) for m in model_mappings() for found in [m.find(self.model)] if found]
         # what the library kernels, CUDA graphs and compile= do not cover: run eagerly on the sdpa path
         sinks = has_attention_sinks(self.model)  # gpt-oss
         if sinks and not one_rank:
             raise UnsupportedModelError("attention sinks (gpt-oss) run on one rank only: their heads are not sharded")
         self.eager_only = next((what for what, present in (
-            ("latent attention", latent_layers), ("attention sinks", sinks),
+            *((m.LABEL, True) for m, _ in mapped), ("attention sinks", sinks),
             ("chunked attention", "chunked_attention" in layer_kinds(self.model.config))) if present), None)
         compiled = compile_mode(config, has_states)  # inductor's mode or None; refusals before the cache exists
         if compiled and self.eager_only:
@@ -158,10 +160,10 @@ class ModelRunner:
                 "speculative_config: this model has recurrent-state layers (Mamba2 / gated delta-net), whose states "
                 "a rejected draft would have moved on (no rollback through their snapshots yet); pass "
                 "speculative_config=None")
-        return has_states, latent_layers, compiled
+        return has_states, mapped, compiled
 
     def _cache_config(self, config: EngineConfig, kv_layers: list[int], specs: list[Any],
-                      latent_layers: list[Any]) -> CacheConfig:
+                      mapped: list[tuple[ModelMapping, list[Any]]]) -> CacheConfig:
         """The cache's configuration for this model (its K/V layers `kv_layers`, their windows and
         widths; the recurrent states `specs`) and the engine's `config`. Sets `max_context_len`."""
         from vattn.integrations.hf import layer_windows
@@ -176,12 +178,9 @@ class ModelRunner:
             raise InvalidConfigError(
                 f"max_context_len={self.max_context_len} exceeds the model's max_position_embeddings={max_pos}")
         windows = layer_windows(hf)  # by the model's layer index; the cache's by its K/V layer
+        for mapping, found in mapped:  # their layers' kinds (latent attention's: its widths, `kv_widths`)
+            windows = mapping.layer_kinds(self.model, found, windows)
         kv_windows = tuple(windows[layer] for layer in kv_layers) or (None,)
-        # latent attention: the cache keeps per token what transformers' own cache keeps, one
-        # latent "head" as K and the shared RoPE key as V (another width)
-        spec = latent.latent_spec(self.model, latent_layers) if latent_layers else None
-        if spec is not None:
-            num_kv_heads, head_dim = spec.heads, spec.k_width
         return CacheConfig(
             num_layers=max(1, len(kv_layers)), num_kv_heads=num_kv_heads, head_dim=head_dim,
             max_batch_size=config.max_batch_size, max_context_len=self.max_context_len, dtype=self.dtype,
@@ -192,19 +191,24 @@ class ModelRunner:
             # zero probabilities: they must be finite, so no page reaches a request with what it did
             # not write (measured on an H200: NaN rows there made NaN outputs; docs/gpu.md)
             zero_reused_pages=self.kernel.name == "flash_attn_4",
-            # sliding-window layers give their pages behind the window back
-            layer_windows=kv_windows if config.layout == "per-layer" else None,
+            # sliding-window layers give their pages behind the window back (per-layer layout:
+            # the fused one keeps every page); a kind may declare its K/V widths (`kv_widths`)
+            layer_windows=kv_windows,
             state_bytes=states.state_bytes(specs),
             num_snapshots=states.SNAPSHOTS_PER_SLOT * config.max_batch_size
-            if specs and config.enable_prefix_caching else 0,
-            v_head_dim=spec.v_width if spec is not None else None)
+            if specs and config.enable_prefix_caching else 0)
 
-    def _bind_cache(self, kv_layers: list[int], specs: list[Any], latent_layers: list[Any]) -> None:
+    def _bind_cache(self, kv_layers: list[int], specs: list[Any], mapped: list[tuple[ModelMapping, list[Any]]]) -> None:
         """The cache's views by the model's layer index (`k_caches`, `v_caches`: `[B, T, H_kv, D]`
-        each, None for a layer without attention), and the state mixers and latent layers bound
-        to it (undone at close)."""
-        unbind_states, unbind_latent = states.bind(self.model, self.cache, specs), latent.install(latent_layers)
-        self._unbind_states = lambda: (unbind_latent(), unbind_states())
+        each, None for a layer without attention), and the state mixers and the model mappings'
+        layers bound to it (undone at close, the mappings' first)."""
+        undo = [m.install(found) for m, found in mapped] + [states.bind(self.model, self.cache, specs)]
+
+        def unbind() -> None:
+            for u in undo:
+                u()
+
+        self._unbind_states = unbind
         self.slot_tokens = self.cache.geometry.slot_tokens
         num_layers = self.model.config.num_hidden_layers
         self.k_caches = [None] * num_layers

@@ -20,6 +20,7 @@ from vattn.attention import ForwardContext, attend, forward_context, get_forward
 from vattn.allocator.kinds import Chunk
 from vattn.cache import KVCache
 from vattn.checks import as_int
+from vattn.engine.mappings import model_mappings
 from vattn.errors import ContextLengthError, InvalidConfigError, OutOfPhysicalMemoryError, UnsupportedModelError
 
 ATTN_IMPLEMENTATION = "vattn"
@@ -38,9 +39,6 @@ _KIND_NAMES = {"linear_attention": "state-space or linear-attention (Mamba, Mamb
 # for the mixers it was checked with (greedy equality with generate, tests/test_model_support.py).
 STATE_KINDS = ("linear_attention", "hybrid")
 STATE_MIXERS = ("BambaMixer", "FalconH1Mixer", "Mamba2Mixer", "Qwen3NextGatedDeltaNet")
-# Multi-head latent attention modules (their cache keeps a latent they expand: `expand_kv`) that
-# vattn's engine runs with the latent in its cache (vattn.engine.latent), checked against generate.
-LATENT_ATTENTIONS = ("DeepseekV2Attention", "DeepseekV3Attention")
 # A module's own parameters that only state-space layers have (Mamba, Mamba2, gated delta-net).
 _SSM_PARAMETERS = ("A_log", "dt_bias")
 
@@ -59,7 +57,7 @@ def vattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         query = _retune_temperature(module, query)
     attend_history = getattr(module, "vattn_attend", None)
-    if attend_history is not None:  # latent attention: key/value are each sequence's history (vattn.engine.latent)
+    if attend_history is not None:  # a model mapping's own attention (vattn.engine.mappings: install)
         return attend_history(query, key, value, scale), None
     out = attend(layer, query[0].transpose(0, 1),  # [T, H_q, D]
                  key[0].transpose(0, 1),  # [T, H_kv, D]
@@ -197,32 +195,10 @@ def state_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(found.values())
 
 
-def latent_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder's attention modules whose cache keeps a compressed latent they expand into
-    K and V themselves (`expand_kv`: DeepSeek-V2/V3's multi-head latent attention)."""
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else model
-    return [m for m in decoder.modules() if callable(getattr(m, "expand_kv", None))]
-
-
 def has_attention_sinks(model: torch.nn.Module) -> bool:
     """Whether an attention module of `model` has learned sinks (gpt-oss's `sinks`, handed to the
     attention as `s_aux`): vattn runs them in its sdpa path, eagerly (no CUDA graphs, no compile)."""
     return any(name.rpartition(".")[2] == "sinks" for name, _ in model.named_parameters())
-
-
-def _latent_problem(model: torch.nn.Module, allowed: bool) -> str | None:
-    """Why `model`'s latent attention layers cannot run (None: it has none, or runs them)."""
-    found = latent_modules(model)
-    if not found:
-        return None
-    other = sorted({type(m).__name__ for m in found} - set(LATENT_ATTENTIONS))
-    if allowed and not other and all(isinstance(getattr(m, "layer_idx", None), int) for m in found):
-        return None
-    why = (f"vattn's engine on one rank keeps the latent of {', '.join(LATENT_ATTENTIONS)} only" if allowed
-           else "vattn.LLM on one rank keeps the latent; here K/V of one width per head are kept")
-    return (f"{len(found)} multi-head latent attention layer{'s' * (len(found) > 1)} "
-            f"({', '.join(sorted({type(m).__name__ for m in found}))}: their cache keeps a latent they expand; {why})")
 
 
 class _SelfOnly:
@@ -272,8 +248,8 @@ def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False
     `STATE_KINDS` layers of `STATE_MIXERS` pass too (the probe cannot tell them apart from
     other state, so a model with them is not probed). Returns whether the model has them.
     `engine`: the caller is vattn's engine on one rank, which also runs `ENGINE_KINDS` (chunked
-    attention) and keeps latent attention's latent (`LATENT_ATTENTIONS`, `vattn.engine.latent`);
-    without it a model with them is refused."""
+    attention) and the layers of its model mappings (`vattn.engine.mappings`: latent attention's
+    latent); without it a model with them is refused (each mapping's `problem` says why)."""
     kinds = layer_kinds(model.config)
     has_states = states and any(k in STATE_KINDS for k in kinds)
     allowed = SUPPORTED_LAYER_KINDS + (STATE_KINDS if has_states else ()) + (ENGINE_KINDS if engine else ())
@@ -283,10 +259,9 @@ def check_model(model: PreTrainedModel, probe: bool = True, states: bool = False
             by_kind.setdefault(kind, []).append(i)
     problems = [f"{len(ids)} {kind} layer{'s' * (len(ids) > 1)} ({_KIND_NAMES.get(kind, 'not attention')}: "
                 f"{_layers(ids)})" for kind, ids in by_kind.items()]
-    latent_problem = _latent_problem(model, engine)
-    if latent_problem:
-        problems.append(latent_problem)
-    elif has_states and not by_kind:
+    mapped = [p for p in (m.problem(model, engine) for m in model_mappings()) if p]  # e.g. latent attention
+    problems += mapped
+    if has_states and not by_kind and not mapped:
         state_mixers(model)  # raises for a state module vattn was not checked with
         return True
     modules = state_modules(model)
