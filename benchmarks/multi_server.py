@@ -94,7 +94,7 @@ def books(budget_dir: str, trees: list[list[int]]) -> list[int]:
     count: what it holds, what of it it would give back, how often another member that was
     short asked it for pages; the member is the process of the server's tree that joined,
     vLLM's EngineCore)."""
-    from vattn.budget_shared import survey
+    from vattn.budget.shared import survey
 
     old = os.environ.get("VATTN_BUDGET_DIR")
     os.environ["VATTN_BUDGET_DIR"] = budget_dir
