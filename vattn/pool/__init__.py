@@ -2,9 +2,10 @@
 
 - `elastic`: `ElasticPool` and `PoolConfig`, the block tensors reserved once and the pages
   mapped under them on demand (torch, a vmem backend, the `Budget`).
-- `books`: its books (`BlockBooks`, `PoolStats`): blocks in use, the pages backing them,
-  page-aware placement. Plain Python, on the page layer (`vattn.pages`), as the cache's
-  books are (`vattn.allocator`).
+- `books`: its books (`BlockBooks`, `PoolStats`): blocks in use, the pages backing them.
+  Plain Python, on the page layer (`vattn.pages`), as the cache's books are (`vattn.allocator`).
+- `placement`: where the next block goes (`FreeBlocks`, the warm and cold free blocks the
+  books own) and where blocks lie on pages (`BlockPages`). Plain Python.
 
 `from vattn.pool import ElasticPool, PoolConfig` is the public import. The names load on
 first use (PEP 562), so importing the books (which runs this file first) does not import

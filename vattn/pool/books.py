@@ -1,21 +1,20 @@
-"""The elastic pool's books: which blocks are in use, which pages back them, and where the
-next block goes (page-aware placement), over the page layer (`vattn.pages`). Plain Python.
+"""The elastic pool's books: which blocks are in use and which pages back them, over the page
+layer (`vattn.pages`); where the next block goes (page-aware placement) is their `FreeBlocks`
+(`placement.py`). Plain Python.
 
 ```
  buffer b: num_blocks blocks of block_bytes; page p of every buffer is one page group
  |<- block 0 ->|<- block 1 ->|<- block 2 ->| ...     a block may be smaller than a page
  [   page 0    |    page 1   |    page 2   ]         or span several: pages_of(b) = (first, last)
 ```
-Every free block is *warm* (all its pages mapped; in `warm[first page]`) or *cold* (in
-`cold`, a lazy min-heap of block ids). A page no block in use is on is *cached*: mapped,
-given back when memory is wanted (after the fences of the blocks freed on it). A cached
+Every free block is *warm* (all its pages mapped) or *cold* (`FreeBlocks`). A page no
+block in use is on is *cached*: mapped, given back when memory is wanted (after the fences of the blocks freed on it). A cached
 page that holds no warm block (every block on it misses another page: blocks that span
 pages) is useless memory: it goes back with the page that made it so (`_unmap`), so every
 cached page holds a warm block, which is what makes `available_blocks` exact.
 """
 from __future__ import annotations
 
-import heapq
 import threading
 import warnings
 from dataclasses import dataclass
@@ -23,50 +22,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from vattn.errors import ClosedError, OutOfPhysicalMemoryError, UnknownBlockError
 from vattn.pages import PageGroups
+from vattn.pool.placement import BlockPages, Counts, FreeBlocks
 
 if TYPE_CHECKING:
     from vattn.budget import Budget
     from vattn.vmem.base import Backend
 
 _PLANNED = object()  # a page booked as mapped while an alloc is being planned
-
-
-class _Counts:
-    """Counts per index with prefix sums and the k-th search in O(log n) (a Fenwick tree)."""
-
-    def __init__(self, counts: list[int]) -> None:
-        self.n = n = len(counts)
-        t = [0] + counts
-        for i in range(1, n + 1):  # build in O(n)
-            j = i + (i & -i)
-            if j <= n:
-                t[j] += t[i]
-        self.t = t
-        self.top = 1 << n.bit_length() >> 1 if n else 0  # the highest power of two <= n
-
-    def add(self, i: int, delta: int) -> None:
-        t, i = self.t, i + 1
-        while i <= self.n:
-            t[i] += delta
-            i += i & -i
-
-    def prefix(self, i: int) -> int:
-        """The sum of the counts of [0, i)."""
-        t, total = self.t, 0
-        while i > 0:
-            total += t[i]
-            i -= i & -i
-        return total
-
-    def kth(self, k: int) -> int:
-        """The smallest index j with prefix(j + 1) >= k (k >= 1); n when the total is below k."""
-        t, pos, step = self.t, 0, self.top
-        while step:
-            if pos + step <= self.n and t[pos + step] < k:
-                pos += step
-                k -= t[pos]
-            step >>= 1
-        return pos
 
 
 @dataclass(frozen=True)
@@ -123,7 +85,9 @@ class BlockBooks:
         self.block_bytes = block_bytes  # one block in one buffer
         self.num_blocks = num_blocks
         self.num_buffers = num_buffers
-        self.num_pages = -(-self.num_blocks * self.block_bytes // page_size)  # pages per buffer
+        self.geometry = geometry = BlockPages(num_blocks, block_bytes, page_size)
+        self.num_pages = geometry.num_pages  # pages per buffer
+        self.pages_of, self.pages_under, self.blocks_on = geometry.pages_of, geometry.pages_under, geometry.blocks_on
         self.group_bytes = page_size * num_buffers
         self.limit: int | None = limit
         self.physical = PageGroups(backend, bases, page_size, num_buffers, budget=budget,
@@ -142,36 +106,15 @@ class BlockBooks:
         self.groups: list[Any] = [None] * self.num_pages  # the group mapped at each page (None: unmapped)
         self.num_mapped = 0
         self.miss = [self.pages_of(b)[1] - self.pages_of(b)[0] + 1 for b in range(self.num_blocks)]  # unmapped pages
-        # For available_blocks: unmapped pages, and cold blocks by their last page (all of them now)
-        self.unmapped = _Counts([1] * self.num_pages)
-        ends = [0] * self.num_pages
-        for b in range(self.num_blocks):
-            ends[self.pages_of(b)[1]] += 1
-        self.cold_ends = _Counts(ends)
-        self.warm: dict[int, dict[int, None]] = {}  # first page -> warm free blocks starting there
-        self.num_warm = 0
-        self.busy_warm: set[int] = set()  # pages with blocks in use and warm free blocks starting there
-        self.idle_warm: set[int] = set()  # pages with no block in use and warm free blocks
-        self.cold = list(range(self.num_blocks))  # heap (lazy: stale entries are skipped when popped)
+        self.unmapped = Counts([1] * self.num_pages)  # for available_blocks
+        self.free_blocks = FreeBlocks(geometry, self.users, self.used, self.miss)  # where the next block goes
         self.cached: set[int] = set()  # mapped pages with no block in use
         self.fences: dict[int, Any] = {}  # page -> fence of the last free of a block on it
         self.peak_mapped = 0
         self.closed = False
         self.lock = threading.Lock()
 
-    # ---------------------------------------------------------------- geometry ----
-    def pages_of(self, block: int) -> tuple[int, int]:
-        """First and last page of `block`."""
-        return block * self.block_bytes // self.page_size, ((block + 1) * self.block_bytes - 1) // self.page_size
-
-    def pages_under(self, blocks: Iterable[int]) -> set[int]:
-        """Every page that holds part of one of `blocks`."""
-        return {p for b in blocks for p in range(self.pages_of(b)[0], self.pages_of(b)[1] + 1)}
-
-    def blocks_on(self, page: int) -> range:
-        p, bb = self.page_size, self.block_bytes
-        return range(page * p // bb, min(self.num_blocks, ((page + 1) * p - 1) // bb + 1))
-
+    # -------------------------------------------------------------- held pages ----
     @property
     def num_held(self) -> int:
         """Groups the pool holds: mapped and spare (what the limit bounds)."""
@@ -182,44 +125,18 @@ class BlockBooks:
         return None if self.limit is None else self.limit // self.group_bytes
 
     # ------------------------------------------------------------ book moves ----
-    def _touch(self, p: int) -> None:
-        if p in self.warm:
-            (self.busy_warm if self.users[p] else self.idle_warm).add(p)
-            (self.idle_warm if self.users[p] else self.busy_warm).discard(p)
-        else:
-            self.busy_warm.discard(p)
-            self.idle_warm.discard(p)
-
-    def _add_warm(self, b: int) -> None:
-        f = b * self.block_bytes // self.page_size
-        self.warm.setdefault(f, {})[b] = None
-        self.num_warm += 1
-        self._touch(f)
-
-    def _drop_warm(self, b: int) -> None:
-        f = b * self.block_bytes // self.page_size
-        d = self.warm[f]
-        del d[b]
-        if not d:
-            del self.warm[f]
-        self.num_warm -= 1
-        self._touch(f)
-
     def _book_map(self, p: int, group: Any) -> None:
         self.groups[p] = group
         self.num_mapped += 1
         self.unmapped.add(p, -1)
         if not self.users[p]:
             self.cached.add(p)
-        ends: dict[int, int] = {}  # last page -> blocks that left the cold ones (one count update per page)
+        warmed = []
         for b in self.blocks_on(p):
             self.miss[b] -= 1
             if not self.miss[b] and not self.used[b]:
-                self._add_warm(b)
-                last = ((b + 1) * self.block_bytes - 1) // self.page_size
-                ends[last] = ends.get(last, 0) + 1
-        for q, k in ends.items():
-            self.cold_ends.add(q, -k)
+                warmed.append(b)
+        self.free_blocks.warmed(warmed)
 
     def _book_unmap(self, p: int) -> Any:
         group, self.groups[p] = self.groups[p], None
@@ -227,22 +144,15 @@ class BlockBooks:
         self.unmapped.add(p, 1)
         self.cached.discard(p)
         self.fences.pop(p, None)
-        ends: dict[int, int] = {}
-        for b in self.blocks_on(p):
-            if not self.miss[b] and not self.used[b]:
-                self._drop_warm(b)
-                heapq.heappush(self.cold, b)
-                last = ((b + 1) * self.block_bytes - 1) // self.page_size
-                ends[last] = ends.get(last, 0) + 1
+        on = self.blocks_on(p)
+        self.free_blocks.cooled([b for b in on if not self.miss[b] and not self.used[b]])
+        for b in on:
             self.miss[b] += 1
-        for q, k in ends.items():
-            self.cold_ends.add(q, k)
-        if len(self.cold) > 4 * self.num_blocks + 64:  # too many stale entries: rebuild (sorted = a heap)
-            self.cold = [b for b in range(self.num_blocks) if not self.used[b] and self.miss[b]]
+        self.free_blocks.compact()
         return group
 
     def _use(self, b: int) -> None:
-        self._drop_warm(b)  # all its pages are (booked as) mapped
+        self.free_blocks.drop_warm(b)  # all its pages are (booked as) mapped
         self.used[b] = 1
         self.num_used += 1
         first, last = self.pages_of(b)
@@ -250,7 +160,7 @@ class BlockBooks:
             self.users[p] += 1
             if self.users[p] == 1:
                 self.cached.discard(p)
-                self._touch(p)
+                self.free_blocks.touch(p)
 
     def _unuse(self, b: int, fence: Any = None) -> None:
         self.used[b] = 0
@@ -262,19 +172,8 @@ class BlockBooks:
                 self.fences[p] = fence
             if not self.users[p]:
                 self.cached.add(p)
-                self._touch(p)
-        self._add_warm(b)
-
-    def _pick(self) -> int | None:
-        """The next free block to hand out: packed into partly used pages first."""
-        for pages in (self.busy_warm, self.idle_warm):
-            if pages:
-                return next(iter(self.warm[next(iter(pages))]))
-        while self.cold:
-            b = heapq.heappop(self.cold)
-            if not self.used[b] and self.miss[b]:
-                return b
-        return None
+                self.free_blocks.touch(p)
+        self.free_blocks.add_warm(b)
 
     # -------------------------------------------------------------- alloc/free ----
     def alloc(self, n: int | None, ids: list[int] | None) -> tuple[list[int] | None, int]:
@@ -288,7 +187,7 @@ class BlockBooks:
         new: list[int] = []  # the planned pages given new memory
         try:
             for i in range(count):
-                b = self._pick() if ids is None else ids[i]
+                b = self.free_blocks.pick() if ids is None else ids[i]
                 first, last = self.pages_of(b)
                 for p in range(first, last + 1):
                     if self.groups[p] is None:
@@ -399,40 +298,13 @@ class BlockBooks:
     # ------------------------------------------------------------ giving back ----
     def _unmap(self, pages: list[int]) -> list[Any]:
         """Unmap cached pages (one call, after their fences), and the cached pages that would
-        hold no warm block after (`_useless`); returns their groups, `pages`' first."""
+        hold no warm block after (`FreeBlocks.useless`); returns their groups, `pages`' first."""
         if not pages:
             return []
-        pages = pages + self._useless(pages)
+        pages = pages + self.free_blocks.useless(pages, self.cached)
         self.physical.wait(self.fences.get(p) for p in pages)
         self.physical.unmap([p * self.page_size for p in pages])
         return [self._book_unmap(p) for p in pages]  # books change only after the unmap worked
-
-    def _useless(self, pages: list[int]) -> list[int]:
-        """The cached pages that hold no warm block once `pages` are unmapped (each block on
-        them misses a page): memory no alloc could use without mapping more. Only blocks that
-        span pages leave such pages behind."""
-        gone, out, todo = set(pages), [], list(pages)
-        while todo:
-            p = todo.pop()
-            on = self.blocks_on(p)
-            if not on:
-                continue
-            near = range(self.pages_of(on[0])[0], self.pages_of(on[-1])[1] + 1)  # the pages its blocks touch
-            for q in near:
-                if q in gone:
-                    continue
-                if q in self.cached and not any(self._warm_without(b, gone) for b in self.blocks_on(q)):
-                    gone.add(q)
-                    out.append(q)
-                    todo.append(q)
-        return out
-
-    def _warm_without(self, b: int, gone: set[int]) -> bool:
-        """Whether free block b stays warm once the pages in `gone` are unmapped."""
-        if self.used[b] or self.miss[b]:
-            return False
-        first, last = self.pages_of(b)
-        return not any(q in gone for q in range(first, last + 1))
 
     def give_back(self, count: int | None = None) -> int:
         """Release up to `count` groups the pool holds but no block uses (None: all): spare
@@ -499,7 +371,7 @@ class BlockBooks:
         if new is None or len(self.physical.spare) + new >= unmapped:
             return free  # every unmapped page can be backed
         q = self.unmapped.kth(len(self.physical.spare) + new + 1)  # the first unmapped page out of reach
-        return min(free, self.num_warm + self.cold_ends.prefix(q))
+        return min(free, self.free_blocks.reachable(q))
 
     def max_blocks(self) -> int:
         """The most blocks that can be in use at once, pinned ones included: all of them, or
@@ -518,7 +390,7 @@ class BlockBooks:
         nb = self.num_buffers
         return PoolStats(
             num_blocks=self.num_blocks, block_bytes=self.block_bytes * nb, page_size=self.page_size,
-            group_bytes=self.group_bytes, num_used_blocks=self.num_used, num_warm_blocks=self.num_warm,
+            group_bytes=self.group_bytes, num_used_blocks=self.num_used, num_warm_blocks=self.free_blocks.num_warm,
             num_mapped_pages=self.num_mapped, num_cached_pages=len(self.cached),
             num_spare_pages=len(self.physical.spare), mapped_bytes=self.num_mapped * self.group_bytes,
             used_bytes=self.num_used * self.block_bytes * nb, peak_mapped_bytes=self.peak_mapped * self.group_bytes,
@@ -535,26 +407,15 @@ class BlockBooks:
                 assert miss == 0, f"block {b} in use on an unmapped page"
                 for p in range(first, last + 1):
                     users[p] += 1
-            elif miss == 0:
-                assert b in self.warm.get(first, ()), f"warm block {b} not booked"
-            else:
-                assert b in self.cold, f"cold block {b} not in the heap"
         assert users == self.users
         assert self.num_used == sum(self.used)
         mapped = {p for p in range(self.num_pages) if self.groups[p] is not None}
         assert _PLANNED not in self.groups
         assert len(mapped) == self.num_mapped
         assert self.cached == {p for p in mapped if not users[p]}
-        assert self.num_warm == sum(len(d) for d in self.warm.values())
-        assert self.busy_warm == {p for p in self.warm if users[p]}
         unmapped = [int(self.groups[p] is None) for p in range(self.num_pages)]
         assert all(self.unmapped.prefix(p) == sum(unmapped[:p]) for p in (0, self.num_pages // 2, self.num_pages))
-        ends = [0] * self.num_pages
-        for b in range(self.num_blocks):
-            if not self.used[b] and self.miss[b]:
-                ends[self.pages_of(b)[1]] += 1
-        assert [self.cold_ends.prefix(p + 1) - self.cold_ends.prefix(p) for p in range(self.num_pages)] == ends
-        assert self.idle_warm == {p for p in self.warm if not users[p]}
+        self.free_blocks.check_invariants()
         held = [self.groups[p] for p in mapped] + self.physical.spare + self.physical.unreleased
         assert len({id(g) for g in held}) == len(held), "a group is in two places"
         assert self.physical.num_created == self.num_held, "groups created but neither mapped nor spare"
