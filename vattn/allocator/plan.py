@@ -256,12 +256,19 @@ def plan_step(managers: Sequence[Reach], lens: dict[int, int], short: Sequence[i
     released = frees.released(served)
     supplies = plan_supply(kinds, new, frees.freed(released), lens, limit, donors, released)
     assert supplies is not None, "the step's plan served more than the budget holds"
+    return StepPlan(lens, tuple(served), tuple(failed), _kind_plans(kinds, served, wants, supplies), limit)
+
+
+def _kind_plans(kinds: Sequence[SlotBooks], served: list[int], wants: dict[int, list[tuple[int, int, int, list[Any]]]],
+                supplies: list[dict[str, Any]]) -> tuple[KindPlan, ...]:
+    """Each kind's movements for the `served` slots: the pages behind what they read given
+    back, their new pages mapped, from `supplies` (`plan_supply`'s, per kind)."""
     plans = []
     for k, b in enumerate(kinds):
         drops = tuple((s, wants[s][k][0]) for s in served if wants[s][k][0] > b.lead[s])
         maps = tuple((s, wants[s][k][1], wants[s][k][2]) for s in served if wants[s][k][2] > 0)
         plans.append(KindPlan(drops=drops, maps=maps, **supplies[k]))
-    return StepPlan(lens, tuple(served), tuple(failed), tuple(plans), limit)
+    return tuple(plans)
 
 
 def _slot_need(m: Reach, s: int, n: int) -> tuple[int, int, int, list[Any]]:

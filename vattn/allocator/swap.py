@@ -68,19 +68,8 @@ def resume(slots: Slots, kinds: Sequence[KindManager], carry: Carry, slot: int, 
         untouched = [False] * len(kinds)
     take(slots, kinds, new)
     try:
-        needs: list[list[tuple[int, int, int]]] = []
-        for kind, kept, first in zip(kinds, untouched, first_pages):
-            books, mapper = kind.books, kind.mapper
-            if kept:
-                needs.append([])
-                continue
-            pages = books.slot_pages[new]
-            if any(grp is not None and books.refs[grp] > 1 for grp in pages) or books.holes(new):
-                mapper.empty(new)  # the copy must not land in shared pages, nor in holes
-            if first and kind.gives_back:
-                mapper.drop_behind(new, first)
-            missing = kind.geometry.pages_for(num_tokens) - len(books.slot_pages[new])
-            needs.append([(new, len(books.slot_pages[new]), missing)] if missing > 0 else [])
+        needs = [[] if kept else _make_room(kind, new, num_tokens, first)
+                 for kind, kept, first in zip(kinds, untouched, first_pages)]
         plan, _, _ = carry(lambda limit: plan_backing([k.books for k in kinds], needs, {new: num_tokens}, limit))
     except BaseException:
         untake(slots, new)
@@ -99,6 +88,20 @@ def resume(slots: Slots, kinds: Sequence[KindManager], carry: Carry, slot: int, 
     for kind in kinds:
         kind.adopted(new)
     return new, tuple(not kept for kept in untouched)
+
+
+def _make_room(kind: KindManager, slot: int, num_tokens: int, first: int) -> list[tuple[int, int, int]]:
+    """Ready `slot`'s pages of `kind` for a copy of `num_tokens` tokens in: no shared page nor
+    hole (emptied then), none behind `first` (dropped); returns the pages still to map, as
+    `plan_backing`'s needs of the slot ([] when none)."""
+    books, mapper = kind.books, kind.mapper
+    pages = books.slot_pages[slot]
+    if any(grp is not None and books.refs[grp] > 1 for grp in pages) or books.holes(slot):
+        mapper.empty(slot)  # the copy must not land in shared pages, nor in holes
+    if first and kind.gives_back:
+        mapper.drop_behind(slot, first)
+    missing = kind.geometry.pages_for(num_tokens) - len(books.slot_pages[slot])
+    return [(slot, len(books.slot_pages[slot]), missing)] if missing > 0 else []
 
 
 def take(slots: Slots, kinds: Sequence[KindManager], slot: int) -> None:

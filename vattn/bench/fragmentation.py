@@ -236,38 +236,16 @@ def replay(system: System, s: Shape, requests: list[tuple[int, int]], slots: int
         t0 = time.perf_counter()
         while waiting or running:
             lens = {slot: n + 1 for slot, (n, _) in running.items()}
-            new: list[tuple[int, tuple[int, int]]] = []
-            while waiting and cache.num_free_reqids and (waiting[0][0] <= room or not running and not new):
-                slot, req = cache.alloc_reqid(), waiting.popleft()
-                new.append((slot, req))
-                lens[slot] = req[0]
-                room -= req[0]
-            res = cache.step(lens)
-            failed = set(res.failed)
+            new = _admit(cache, waiting, running, lens, room)
+            failed = set(cache.step(lens).failed)
             if failed & running.keys():  # the running come first: admit nobody, preempt the newest until all fit
-                for slot, req in reversed(new):
-                    cache.free_reqid(slot)
-                    del lens[slot]
-                    waiting.appendleft(req)
+                _requeue(cache, new, lens, waiting)
                 new, failed = [], set()
-                while not cache.step(lens):
-                    if len(running) == 1:
-                        raise InvalidConfigError(f"{system.name}: one request alone does not fit {budget_tokens} "
-                                                 "tokens; raise --replay-budget-tokens")
-                    slot = next(reversed(running))
-                    n, end = running.pop(slot)  # recomputes what it has, later
-                    del lens[slot]
-                    cache.free_reqid(slot)
-                    waiting.appendleft((n + 1, end - n))
-                    preempted += 1
+                preempted += _preempt_until_fit(cache, lens, running, waiting, system.name, budget_tokens)
             for slot, req in new:
                 if slot not in failed:
                     running[slot] = [req[0] - 1, req[0] + req[1] - 1]
-            for slot, req in reversed(new):  # not admitted now: first in line next time
-                if slot in failed:
-                    cache.free_reqid(slot)
-                    waiting.appendleft(req)
-                    del lens[slot]
+            _requeue(cache, [(slot, req) for slot, req in new if slot in failed], lens, waiting)
             st = cache.stats()
             active += st.active_bytes
             used += st.used_bytes
@@ -293,6 +271,46 @@ def replay(system: System, s: Shape, requests: list[tuple[int, int]], slots: int
                 measured_waste_pct=100 * (active - used) / active if active else 0.0,
                 running_saturated=saturated_sum / saturated if saturated else float("nan"),
                 running_mean=running_sum / iters, preemptions=preempted, seconds=seconds)
+
+
+def _admit(cache: Any, waiting: deque[tuple[int, int]], running: dict[int, list[int]], lens: dict[int, int],
+           room: int) -> list[tuple[int, tuple[int, int]]]:
+    """Take waiting requests in order while their prompts fit `room` tokens (the first one
+    anyway when nothing runs): a slot each, its prompt length in `lens`. Returns (slot, request)."""
+    new: list[tuple[int, tuple[int, int]]] = []
+    while waiting and cache.num_free_reqids and (waiting[0][0] <= room or not running and not new):
+        slot, req = cache.alloc_reqid(), waiting.popleft()
+        new.append((slot, req))
+        lens[slot] = req[0]
+        room -= req[0]
+    return new
+
+
+def _requeue(cache: Any, new: list[tuple[int, tuple[int, int]]], lens: dict[int, int],
+             waiting: deque[tuple[int, int]]) -> None:
+    """Requests of `new` not admitted now: their slots freed, first in line next time (in order)."""
+    for slot, req in reversed(new):
+        cache.free_reqid(slot)
+        del lens[slot]
+        waiting.appendleft(req)
+
+
+def _preempt_until_fit(cache: Any, lens: dict[int, int], running: dict[int, list[int]],
+                       waiting: deque[tuple[int, int]], name: str, budget_tokens: int) -> int:
+    """Step `lens` again, preempting the newest running request (it recomputes what it has,
+    later) until the step fits. Returns the requests preempted."""
+    preempted = 0
+    while not cache.step(lens):
+        if len(running) == 1:
+            raise InvalidConfigError(f"{name}: one request alone does not fit {budget_tokens} "
+                                     "tokens; raise --replay-budget-tokens")
+        slot = next(reversed(running))
+        n, end = running.pop(slot)
+        del lens[slot]
+        cache.free_reqid(slot)
+        waiting.appendleft((n + 1, end - n))
+        preempted += 1
+    return preempted
 
 
 def _token_bytes_all(kw: dict[str, Any]) -> int:

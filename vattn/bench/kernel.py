@@ -323,16 +323,8 @@ def run_case(layout: str, B: int, ctx: int, phases: list[str], args: argparse.Na
             map_s = time.perf_counter() - t0
             kc = torch.randn(B, ctx, hkv, hd, device=dev, dtype=dtype)  # [B, T, H, D]
             vc = torch.randn(B, ctx, hkv, hd, device=dev, dtype=dtype)
-            kv, vv = cache.k_cache(0)[:, :ctx], cache.v_cache(0)[:, :ctx]  # [B, T, H, D] virtual views
-            kv.copy_(kc)
-            vv.copy_(vc)
-            copies = {"virtual": (kv, vv), "contiguous": (kc, vc)}
-            if layout == "fused":  # plain memory, the fused layout's strides
-                big_k = torch.empty(B, ctx, layers, hkv, hd, device=dev, dtype=dtype)
-                big_v = torch.empty(B, ctx, layers, hkv, hd, device=dev, dtype=dtype)
-                big_k[:, :, 0] = kc
-                big_v[:, :, 0] = vc
-                copies["strided"] = (big_k[:, :, 0], big_v[:, :, 0])
+            copies = _copies(cache, kc, vc, layout, layers)
+            kv = copies["virtual"][0]
             pagers = {bs: Paged(kc, vc, bs) for bs in args.blocks} if layout == "per-layer" else {}
             info = dict(page_KiB=cache.page_size // 1024, slot_tokens=cache.geometry.slot_tokens,
                         tokens_per_page=cache.page_size // cache.geometry.token_bytes,
@@ -345,15 +337,7 @@ def run_case(layout: str, B: int, ctx: int, phases: list[str], args: argparse.Na
                     q = torch.randn(B * n, hq, hd, device=dev, dtype=dtype)  # [sum(q_lens), HQ, D]
                     batch = Batch(q, [n] * B, [ctx] * B, dev)
                     outs = {name: kern(batch, k, v, scale) for name, (k, v) in copies.items()}
-                    row["equal_to_contiguous"] = all(torch.equal(o, outs["contiguous"]) for o in outs.values())
-                    row["max_abs_diff_vs_contiguous"] = max(float((o.float() - outs["contiguous"].float()).abs().max())
-                                                            for o in outs.values())
-                    if B * n <= args.check_tokens:  # the kernel against per-request SDPA in float32
-                        ref = reference(batch, kc, vc, scale)
-                        diff = float((outs["virtual"].float() - ref).abs().max())
-                        row["max_abs_diff_vs_sdpa"] = diff
-                        if not diff <= (3e-2 if cuda else 1e-4):  # bf16 kernel vs float32 SDPA; NaN fails
-                            row["check_failed"] = f"differs from per-request SDPA by {diff:.3g}"
+                    _check(row, outs, batch, kc, vc, scale, cuda, B * n <= args.check_tokens)
                     fns = {name: (lambda k=k, v=v: kern(batch, k, v, scale)) for name, (k, v) in copies.items()}
                     for bs, p in pagers.items():
                         row[f"paged{bs}_kernel"], fns[f"paged{bs}"] = pick_paged(batch, p, scale, outs["contiguous"],
@@ -363,16 +347,7 @@ def run_case(layout: str, B: int, ctx: int, phases: list[str], args: argparse.Na
                             row["check_failed"] = f"paged{bs} differs from contiguous by {diff:.3g}"
                     del outs
                     us, row["timing"] = compare(fns, cuda, args.warmup, args.repeats, graphs=not args.no_graphs)
-                    for name, t in us.items():
-                        row[f"{name}_us"] = t
-                    row["virtual_vs_contiguous"] = us["virtual"] / us["contiguous"]
-                    for bs in pagers:
-                        row[f"paged{bs}_vs_virtual"] = us[f"paged{bs}"] / us["virtual"]
-                    if "strided" in us:
-                        row["strided_vs_contiguous"] = us["strided"] / us["contiguous"]
-                        row["virtual_vs_strided"] = us["virtual"] / us["strided"]
-                    kv_bytes = 2 * B * ctx * hkv * hd * kc.element_size()
-                    row["virtual_GBps"] = kv_bytes / (us["virtual"] * 1e-6) / 1e9
+                    _timings(row, us, pagers, kv_bytes=2 * B * ctx * hkv * hd * kc.element_size())
                 except Exception as e:  # record and go on with the next case
                     row["error"] = f"{type(e).__name__}: {e}"
                     traceback.print_exc()
@@ -381,6 +356,52 @@ def run_case(layout: str, B: int, ctx: int, phases: list[str], args: argparse.Na
             if cuda:
                 torch.cuda.synchronize()
     return rows
+
+
+def _copies(cache: vattn.KVCache, kc: torch.Tensor, vc: torch.Tensor, layout: str,
+            layers: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The same K and V ([B, T, H, D]) three ways: the cache's virtual views of layer 0 (written
+    here), `kc`/`vc` themselves (contiguous), and for the fused layout plain memory of its strides."""
+    B, ctx = kc.shape[:2]
+    kv, vv = cache.k_cache(0)[:, :ctx], cache.v_cache(0)[:, :ctx]  # [B, T, H, D] virtual views
+    kv.copy_(kc)
+    vv.copy_(vc)
+    copies = {"virtual": (kv, vv), "contiguous": (kc, vc)}
+    if layout == "fused":  # plain memory, the fused layout's strides
+        big_k = torch.empty(B, ctx, layers, *kc.shape[2:], device=kc.device, dtype=kc.dtype)
+        big_v = torch.empty(B, ctx, layers, *vc.shape[2:], device=vc.device, dtype=vc.dtype)
+        big_k[:, :, 0] = kc
+        big_v[:, :, 0] = vc
+        copies["strided"] = (big_k[:, :, 0], big_v[:, :, 0])
+    return copies
+
+
+def _check(row: dict, outs: dict[str, torch.Tensor], batch: Batch, kc: torch.Tensor, vc: torch.Tensor,
+           scale: float, cuda: bool, against_sdpa: bool) -> None:
+    """Record in `row` whether every copy's output equals the contiguous one's, and (when
+    `against_sdpa`) the virtual one's distance to per-request SDPA in float32."""
+    row["equal_to_contiguous"] = all(torch.equal(o, outs["contiguous"]) for o in outs.values())
+    row["max_abs_diff_vs_contiguous"] = max(float((o.float() - outs["contiguous"].float()).abs().max())
+                                            for o in outs.values())
+    if against_sdpa:
+        ref = reference(batch, kc, vc, scale)
+        diff = float((outs["virtual"].float() - ref).abs().max())
+        row["max_abs_diff_vs_sdpa"] = diff
+        if not diff <= (3e-2 if cuda else 1e-4):  # bf16 kernel vs float32 SDPA; NaN fails
+            row["check_failed"] = f"differs from per-request SDPA by {diff:.3g}"
+
+
+def _timings(row: dict, us: dict[str, float], pagers: dict, kv_bytes: int) -> None:
+    """Record in `row` each kernel's microseconds and the ratios between them."""
+    for name, t in us.items():
+        row[f"{name}_us"] = t
+    row["virtual_vs_contiguous"] = us["virtual"] / us["contiguous"]
+    for bs in pagers:
+        row[f"paged{bs}_vs_virtual"] = us[f"paged{bs}"] / us["virtual"]
+    if "strided" in us:
+        row["strided_vs_contiguous"] = us["strided"] / us["contiguous"]
+        row["virtual_vs_strided"] = us["virtual"] / us["strided"]
+    row["virtual_GBps"] = kv_bytes / (us["virtual"] * 1e-6) / 1e9
 
 
 # ------------------------------------------------------------------------- bench ----

@@ -435,22 +435,29 @@ def bandwidth(args: argparse.Namespace, device: str, dtype: torch.dtype, repeats
             restore.append(time.perf_counter() - t0)
             cache.free_reqid(r)
             assert n == blocks * t, (n, blocks * t)
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst.copy_(src)  # (first touch)
-        copy = []
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            _sync(device)
-            copy.append(time.perf_counter() - t0)
+        copy = _plain_copies(nbytes, device, repeats)
         return dict(blocks=blocks, block_bytes=g.share_pages * g.group_bytes, bytes=nbytes,
                     restore_GBps=nbytes / min(restore) / 1e9, copies_GBps=nbytes / min(copies) / 1e9,
                     copy_GBps=nbytes / min(copy) / 1e9, restore_ms=1e3 * min(restore),
                     copies_ms=1e3 * min(copies), copy_ms=1e3 * min(copy))
     finally:
         cache.close()
+
+
+def _plain_copies(nbytes: int, device: str, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` plain copies of `nbytes` from host memory (pinned on
+    CUDA) to `device`, after a first (untimed) one."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src)  # (first touch)
+    copy = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        _sync(device)
+        copy.append(time.perf_counter() - t0)
+    return copy
 
 
 # ------------------------------------------------------------------------ output ----

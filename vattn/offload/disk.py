@@ -251,10 +251,24 @@ class DiskTier:
         for v in views:
             digest.update(v)
         header = HEADER.pack(MAGIC, self.identity, key, flags, size - HEADER.size, digest.digest())
+        if not self._write(path, [header, *views], key, size, old):
+            return False
+        with self.lock:
+            if old is not None and old[0] != flags:
+                files.unlink(self._path(key, old[0]))
+            self._remember(key, flags, size)
+            if self.limit < self.max_limit:  # writes succeed again: the limit grows back
+                self.limit = min(self.max_limit, max(self.limit, self.nbytes + _free_bytes(self.root)))
+        return True
+
+    def _write(self, path: str, chunks: list[bytes | memoryview], key: bytes, size: int, old: tuple[int, int] | None) -> bool:
+        """Write the file of `key` (`size` bytes); on a full disk the tier shrinks to what it
+        holds, evicts for room and tries once more. False when it was not written: then the
+        entry of the file it replaced (`old`: flags, size) is kept if that file still exists."""
         for attempt in range(2):
             try:
-                write_file(path, [header, *views], self.place.file_mode)
-                break
+                write_file(path, chunks, self.place.file_mode)
+                return True
             except OSError as e:
                 full = e.errno in FULL_DISK
                 with self.lock:
@@ -275,13 +289,7 @@ class DiskTier:
                                              f"{self.limit} bytes")
                 for p in evicted:
                     files.unlink(p)
-        with self.lock:
-            if old is not None and old[0] != flags:
-                files.unlink(self._path(key, old[0]))
-            self._remember(key, flags, size)
-            if self.limit < self.max_limit:  # writes succeed again: the limit grows back
-                self.limit = min(self.max_limit, max(self.limit, self.nbytes + _free_bytes(self.root)))
-        return True
+        return False  # (not reached: the second attempt writes or returns)
 
     def _decode(self, key: bytes, flags: int, data: memoryview) -> HostBlock | None:
         """The block a file's bytes hold, or None when they are not a whole, checked file of

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 from vattn.errors import ClosedError, OutOfPhysicalMemoryError, UnknownBlockError
 from vattn.pages import PageGroups

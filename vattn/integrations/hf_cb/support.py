@@ -8,7 +8,7 @@ import inspect
 import re
 import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from vattn.errors import InvalidConfigError
 
@@ -104,35 +104,12 @@ def _hook_problems(kind: str, cache_mod: Any, api: Any, strict: bool = False) ->
     if base is None or base is not getattr(cache_mod, "PagedAttentionCache", None):
         problems.append("continuous_api.PagedAttentionCache is not cache.PagedAttentionCache")
     if kind == "sectors":
-        pool_cls = getattr(cache_mod, "CachePool", None)
-        missing = [name for name in ("allocate_sector", "try_to_free_sectors", "free_blocks", "reset",
-                                     "num_free_sectors", "set_blocks_per_sector") if not hasattr(pool_cls, name)]
-        problems += [f"CachePool.{name} is missing" for name in missing]
-        if pool_cls is not None and not missing:  # what VattnCachePool builds on: a free list, the last one handed out
-            if list(inspect.signature(pool_cls.__init__).parameters) != \
-                    ["self", "num_sectors", "num_allocators", "num_reserved_sectors"]:
-                problems.append("CachePool.__init__ takes other arguments")
-            for name, needle in (("reset", "self.free_sectors = "), ("allocate_sector", "self.free_sectors.pop()"),
-                                 ("try_to_free_sectors", "self.free_sectors.append(")):
-                src = source(f"CachePool.{name}", getattr(pool_cls, name))
-                if src is not None and needle not in src:
-                    problems.append(f"CachePool.{name} no longer has `{needle}`")
+        problems += _sector_pool_problems(cache_mod, source)
         methods, first = ("evict_cached_blocks", "free_all_requests", "reset"), []
         needles = ("self.cache_tensor = torch.zeros(", "self.pool = CachePool(self.num_sectors",
                    "register_cache_tensor(self.bytes_per_sector, non_trash_bytes, self.cache_tensor, self.pool)")
     else:
-        manager = getattr(cache_mod, "BlockManager", None)
-        for name in ("get_free_blocks", "has_enough_free_blocks", "num_free_blocks"):
-            if manager is None or not hasattr(manager, name):
-                problems.append(f"BlockManager.{name} is missing")
-        if not callable(getattr(cache_mod, "group_layers_by_attn_type", None)):
-            problems.append("cache.group_layers_by_attn_type is missing")
-        src = source("BlockManager's module", sys.modules.get(manager.__module__)) if manager is not None else None
-        if src is not None:  # the free-block deque is only ever popleft/append/extend/len: what _FreeBlocks stands in for
-            ops = set(re.findall(r"_uninit_block_ids(?:\.(\w+)|(\[))", src))
-            bad = sorted({a or b for a, b in ops} - {"popleft", "append", "extend"})
-            if bad or "self._uninit_block_ids = deque(range(num_blocks))" not in src:
-                problems.append(f"BlockManager uses its free-block deque in new ways ({bad})")
+        problems += _block_manager_problems(cache_mod, source)
         methods, first = ("free_all_requests", "get_num_free_blocks"), ["tp_plan", "dtype"]
         needles = ("torch.empty(self.cache_shape, dtype=self.dtype, device=self.device)",
                    "self._block_manager = BlockManager(num_blocks",
@@ -149,6 +126,46 @@ def _hook_problems(kind: str, cache_mod: Any, api: Any, strict: bool = False) ->
         for needle in needles if src is not None else ():
             if needle not in src:
                 problems.append(f"PagedAttentionCache.__init__ no longer has `{needle}`")
+    return problems
+
+
+def _sector_pool_problems(cache_mod: Any, source: Callable[[str, Any], str | None]) -> list[str]:
+    """What the sectors hook's `VattnCachePool` needs of transformers' `CachePool` and it
+    lacks: its methods, its arguments, a free list of which the last one is handed out.
+    `source(what, obj)`: the source of `obj`, or None when it cannot be read."""
+    pool_cls = getattr(cache_mod, "CachePool", None)
+    missing = [name for name in ("allocate_sector", "try_to_free_sectors", "free_blocks", "reset",
+                                 "num_free_sectors", "set_blocks_per_sector") if not hasattr(pool_cls, name)]
+    problems = [f"CachePool.{name} is missing" for name in missing]
+    if pool_cls is not None and not missing:  # what VattnCachePool builds on: a free list, the last one handed out
+        if list(inspect.signature(pool_cls.__init__).parameters) != \
+                ["self", "num_sectors", "num_allocators", "num_reserved_sectors"]:
+            problems.append("CachePool.__init__ takes other arguments")
+        for name, needle in (("reset", "self.free_sectors = "), ("allocate_sector", "self.free_sectors.pop()"),
+                             ("try_to_free_sectors", "self.free_sectors.append(")):
+            src = source(f"CachePool.{name}", getattr(pool_cls, name))
+            if src is not None and needle not in src:
+                problems.append(f"CachePool.{name} no longer has `{needle}`")
+    return problems
+
+
+def _block_manager_problems(cache_mod: Any, source: Callable[[str, Any], str | None]) -> list[str]:
+    """What the blocks hook needs of transformers' `BlockManager` and it lacks: its methods,
+    `group_layers_by_attn_type`, a free-block deque used only as `_FreeBlocks` stands in for.
+    `source(what, obj)`: the source of `obj`, or None when it cannot be read."""
+    problems = []
+    manager = getattr(cache_mod, "BlockManager", None)
+    for name in ("get_free_blocks", "has_enough_free_blocks", "num_free_blocks"):
+        if manager is None or not hasattr(manager, name):
+            problems.append(f"BlockManager.{name} is missing")
+    if not callable(getattr(cache_mod, "group_layers_by_attn_type", None)):
+        problems.append("cache.group_layers_by_attn_type is missing")
+    src = source("BlockManager's module", sys.modules.get(manager.__module__)) if manager is not None else None
+    if src is not None:  # the free-block deque is only ever popleft/append/extend/len: what _FreeBlocks stands in for
+        ops = set(re.findall(r"_uninit_block_ids(?:\.(\w+)|(\[))", src))
+        bad = sorted({a or b for a, b in ops} - {"popleft", "append", "extend"})
+        if bad or "self._uninit_block_ids = deque(range(num_blocks))" not in src:
+            problems.append(f"BlockManager uses its free-block deque in new ways ({bad})")
     return problems
 
 
