@@ -101,6 +101,37 @@ def _next_lens(running: list[_Req]) -> dict[int, int]:
     return {r.slot: (r.prompt if r.done == 0 else r.done + 1) for r in running}
 
 
+def _admit(cache: KVCache, waiting: deque[_Req], running: list[_Req], used_slots: set[int],
+           report: WorkloadReport) -> None:
+    """Give waiting requests a slot each while the cache has free ones (counting slots reused)."""
+    while waiting and cache.num_free_reqids:
+        r = waiting.popleft()
+        r.slot = cache.alloc_reqid()
+        report.slot_reuses += r.slot in used_slots
+        used_slots.add(r.slot)
+        running.append(r)
+
+
+def _step(cache: KVCache, running: list[_Req], waiting: deque[_Req], report: WorkloadReport) -> dict[int, int]:
+    """Step the running requests (prefill: the whole prompt, plus generated tokens after a
+    preemption; decode: one token), preempting the newest until the step fits (a preempted
+    request recomputes from scratch later, first in line). Returns the lengths stepped."""
+    lens = _next_lens(running)
+    while not cache.step(lens):
+        if len(running) == 1:
+            raise InvalidConfigError(
+                f"request {running[0].rid} alone needs more pages than the cache has; raise physical_memory")
+        victim = running.pop()  # newest first
+        cache.free_reqid(victim.slot)
+        if victim.done:  # one admitted this iteration lost nothing: not a preemption
+            victim.preemptions += 1
+            report.preemptions += 1
+        victim.done, victim.slot = 0, -1
+        waiting.appendleft(victim)
+        lens = _next_lens(running)
+    return lens
+
+
 def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, progress: Any = None) -> WorkloadReport:
     """Serve `requests` on `cache` with continuous batching; returns figures and step latencies."""
     if not requests:
@@ -123,29 +154,9 @@ def run_workload(cache: KVCache, requests: list[_Req], write_data: bool = True, 
     while pending or waiting or running:
         while pending and pending[0].arrival <= it:
             waiting.append(pending.popleft())
-        while waiting and cache.num_free_reqids:
-            r = waiting.popleft()
-            r.slot = cache.alloc_reqid()
-            report.slot_reuses += r.slot in used_slots
-            used_slots.add(r.slot)
-            running.append(r)
-        # prefill writes the whole prompt (plus generated tokens after a preemption), decode one token
-        lens = _next_lens(running)
+        _admit(cache, waiting, running, used_slots, report)
         s0 = time.perf_counter()
-        res = cache.step(lens)
-        while not res:
-            if len(running) == 1:
-                raise InvalidConfigError(
-                    f"request {running[0].rid} alone needs more pages than the cache has; raise physical_memory")
-            victim = running.pop()  # newest first; it recomputes from scratch later
-            cache.free_reqid(victim.slot)
-            if victim.done:  # one admitted this iteration lost nothing: not a preemption
-                victim.preemptions += 1
-                report.preemptions += 1
-            victim.done, victim.slot = 0, -1
-            waiting.appendleft(victim)
-            lens = _next_lens(running)
-            res = cache.step(lens)
+        lens = _step(cache, running, waiting, report)
         step_ms.append((time.perf_counter() - s0) * 1e3)
         running_counts.append(len(running))
         if waiting:

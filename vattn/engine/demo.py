@@ -54,13 +54,8 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
     rng = random.Random(seed)
     dtype = torch.float32 if device == "cpu" else torch.float16
     config = demo_model_config()
-    requests = []
-    for i in range(num_requests):
-        prompt = [rng.randrange(config.vocab_size) for _ in range(rng.randint(min_prompt, max_prompt))]
-        params = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, top_p=0.95,
-                                max_tokens=rng.randint(min_output, max_output), ignore_eos=True, seed=seed + i)
-        requests.append((prompt, params))
-
+    requests = _demo_requests(num_requests, rng, config.vocab_size, seed, (min_prompt, max_prompt),
+                              (min_output, max_output))
     llm = LLM(config, seed=seed, device=device, dtype=dtype, max_batch_size=max_batch_size,
               max_context_len=max_prompt + max_output, max_num_batched_tokens=max_num_batched_tokens,
               page_size=page_size, layout=layout, physical_memory=physical_memory,
@@ -72,28 +67,9 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
 
         bar = tqdm(total=num_requests, desc="vattn demo", unit="req")
     finished: list[RequestOutput] = []
-    peak_mapped = peak_used = 0
-    frag: list[float] = []
-    iterations = 0
     try:
         start = time.perf_counter()
-        pending = list(requests)
-        while pending or llm.has_unfinished():
-            for _ in range(min(len(pending), rng.randint(0, 2 * arrivals_per_step))):
-                llm.add_request(*pending.pop(0))
-            if not llm.has_unfinished():
-                continue
-            for out in llm.step():
-                if out.finished:
-                    finished.append(out)
-                    if bar is not None:
-                        bar.update(1)
-            iterations += 1
-            st = llm.memory_stats()
-            peak_mapped = max(peak_mapped, st.mapped_bytes)
-            peak_used = max(peak_used, st.used_bytes)
-            if st.num_active:
-                frag.append(st.fragmentation)
+        iterations, peak_mapped, peak_used, frag = _serve(llm, list(requests), rng, arrivals_per_step, bar, finished)
         if device != "cpu":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
@@ -105,15 +81,69 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
             bar.close()
         llm.close()
 
-    ttft = [o.metrics.time_to_first_token for o in finished if o.metrics.time_to_first_token is not None]
-    tpot = [o.metrics.time_per_output_token for o in finished if o.metrics.time_per_output_token is not None]
-    out_tokens = sum(len(o.token_ids) for o in finished)
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in finished)
     result = {
         "device": device,
         "attention_kernel": kernel,
         "layout": layout,
         "page_size": page,
+        **_request_figures(finished, iterations, wall),
+        "kv_mapped_mib_peak": peak_mapped / MIB,
+        "kv_used_mib_peak": peak_used / MIB,
+        "kv_fragmentation_pct_mean": 100 * sum(frag) / len(frag) if frag else 0.0,
+        "kv_created_mib_end": stats.created_bytes / MIB,
+    }
+    if verbose:
+        print(format_table(result))
+    return result
+
+
+def _demo_requests(num_requests: int, rng: random.Random, vocab_size: int, seed: int, prompt_lens: tuple[int, int],
+                   output_lens: tuple[int, int]) -> list[tuple[list[int], SamplingParams]]:
+    """Random prompts and output lengths within the (low, high) bounds; even requests decode
+    greedily, odd ones sample with a per-request seed."""
+    requests = []
+    for i in range(num_requests):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))]
+        params = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, top_p=0.95,
+                                max_tokens=rng.randint(*output_lens), ignore_eos=True, seed=seed + i)
+        requests.append((prompt, params))
+    return requests
+
+
+def _serve(llm: LLM, pending: list[tuple[list[int], SamplingParams]], rng: random.Random, arrivals_per_step: int,
+           bar: Any, finished: list[RequestOutput]) -> tuple[int, int, int, list[float]]:
+    """Step `llm` until `pending` requests (0 .. 2 * arrivals_per_step arriving per iteration)
+    all finished, each appended to `finished`. Returns (iterations, peak mapped bytes, peak
+    used bytes, the fragmentation of every iteration with requests active)."""
+    peak_mapped = peak_used = iterations = 0
+    frag: list[float] = []
+    while pending or llm.has_unfinished():
+        for _ in range(min(len(pending), rng.randint(0, 2 * arrivals_per_step))):
+            llm.add_request(*pending.pop(0))
+        if not llm.has_unfinished():
+            continue
+        for out in llm.step():
+            if out.finished:
+                finished.append(out)
+                if bar is not None:
+                    bar.update(1)
+        iterations += 1
+        st = llm.memory_stats()
+        peak_mapped = max(peak_mapped, st.mapped_bytes)
+        peak_used = max(peak_used, st.used_bytes)
+        if st.num_active:
+            frag.append(st.fragmentation)
+    return iterations, peak_mapped, peak_used, frag
+
+
+def _request_figures(finished: list[RequestOutput], iterations: int, wall: float) -> dict[str, Any]:
+    """The demo's figures of the `finished` requests, in `wall` seconds of `iterations`:
+    counts, errors, tokens, throughput, latency percentiles, preemptions."""
+    ttft = [o.metrics.time_to_first_token for o in finished if o.metrics.time_to_first_token is not None]
+    tpot = [o.metrics.time_per_output_token for o in finished if o.metrics.time_per_output_token is not None]
+    out_tokens = sum(len(o.token_ids) for o in finished)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in finished)
+    return {
         "num_requests": len(finished),
         "num_errors": sum(o.finish_reason == "error" for o in finished),
         "errors": [o.error for o in finished if o.finish_reason == "error"],
@@ -128,14 +158,7 @@ def run_demo(num_requests: int = 32, seed: int = 0, device: str | None = None, *
         "tpot_p50_ms": 1e3 * percentile(tpot, 50),
         "tpot_p90_ms": 1e3 * percentile(tpot, 90),
         "num_preemptions": sum(o.num_preemptions for o in finished),
-        "kv_mapped_mib_peak": peak_mapped / MIB,
-        "kv_used_mib_peak": peak_used / MIB,
-        "kv_fragmentation_pct_mean": 100 * sum(frag) / len(frag) if frag else 0.0,
-        "kv_created_mib_end": stats.created_bytes / MIB,
     }
-    if verbose:
-        print(format_table(result))
-    return result
 
 
 def format_table(result: dict[str, Any]) -> str:
