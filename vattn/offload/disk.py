@@ -261,7 +261,8 @@ class DiskTier:
                 self.limit = min(self.max_limit, max(self.limit, self.nbytes + _free_bytes(self.root)))
         return True
 
-    def _write(self, path: str, chunks: list[bytes | memoryview], key: bytes, size: int, old: tuple[int, int] | None) -> bool:
+    def _write(self, path: str, chunks: list[bytes | memoryview], key: bytes, size: int,
+               old: tuple[int, int] | None) -> bool:
         """Write the file of `key` (`size` bytes); on a full disk the tier shrinks to what it
         holds, evicts for room and tries once more. False when it was not written: then the
         entry of the file it replaced (`old`: flags, size) is kept if that file still exists."""

@@ -8,10 +8,11 @@ layer (`vattn.pages`); where the next block goes (page-aware placement) is their
  [   page 0    |    page 1   |    page 2   ]         or span several: pages_of(b) = (first, last)
 ```
 Every free block is *warm* (all its pages mapped) or *cold* (`FreeBlocks`). A page no
-block in use is on is *cached*: mapped, given back when memory is wanted (after the fences of the blocks freed on it). A cached
-page that holds no warm block (every block on it misses another page: blocks that span
-pages) is useless memory: it goes back with the page that made it so (`_unmap`), so every
-cached page holds a warm block, which is what makes `available_blocks` exact.
+block in use is on is *cached*: mapped, given back when memory is wanted (after the fences
+of the blocks freed on it). A cached page that holds no warm block (every block on it misses
+another page: blocks that span pages) is useless memory: it goes back with the page that
+made it so (`_unmap`), so every cached page holds a warm block, which is what makes
+`available_blocks` exact.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """`vattn serve`: an OpenAI-compatible server. Two engines:
 
 - `--engine vattn` (the default): vattn's own engine (`vattn.LLM`) behind FastAPI + uvicorn,
-  driven by one loop thread (`engine.EngineLoop`); the routes (`app`), what a request may hold
+  driven by one loop thread (`engine.EngineLoop`); the routes (`app`: generation; `routes`: the
+  others and what they share), what a request may hold
   (`protocol`: every field honoured or refused with 400), vLLM's metrics with `vattn:` for
   `vllm:` (`metrics`). Flags spelled as `vllm serve` spells them (`--max-model-len`,
   `--max-num-seqs`, `--served-model-name`, `--api-key`, ...), plus vattn's own.

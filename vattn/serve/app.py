@@ -13,188 +13,47 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
-import hmac
 import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from json.encoder import encode_basestring_ascii as _json_str  # json.dumps' own escaping of a str (ensure_ascii)
-from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 import vattn
 from vattn.engine.sequence import CompletionOutput, RequestOutput
 from vattn.integrations.hf_serve.contract import Refusal, parse_json
-from vattn.serve.engine import EngineLoop, Handle
-from vattn.serve.metrics import CONTENT_TYPE, ServeMetrics
+from vattn.serve.engine import Handle
 from vattn.serve.protocol import GenerationRequest, Prompt, read_chat, read_completion
+from vattn.serve.routes import (ServerState, add_error_handlers, check_served, error_body, info_routes, refuse,
+                                unauthorized, utility_routes)
 
 logger = logging.getLogger("vattn.serve")
 
 LONG_PROMPT_CHARS = 16384  # a longer text is tokenized off the event loop
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-@dataclass
-class ServerState:
-    """What the routes share: the engine loop, the tokenizer, names and figures."""
-
-    loop: EngineLoop
-    tokenizer: Any
-    served_names: tuple[str, ...]
-    model_path: str
-    max_model_len: int
-    metrics: ServeMetrics
-    api_key: str | None = None
-    created: int = 0
-    vocab_size: int = 0  # the model's (token id prompts are checked against it)
-    token_texts: dict = field(default_factory=dict)  # token id -> its text alone (logprobs), filled as asked
-
-    def token_text(self, token_id: int) -> str:
-        text = self.token_texts.get(token_id)
-        if text is None:
-            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    @property
-    def name(self) -> str:
-        return self.served_names[0]
-
-
 def build_app(state: ServerState) -> Any:
-    """The FastAPI app for `state` (its engine loop started by the caller)."""
+    """The FastAPI app for `state` (its engine loop started by the caller): the routes of
+    `vattn.serve.routes` and the generation ones."""
     app = FastAPI(title="vattn serve", version=vattn.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app, state)
+    app.include_router(info_routes(state))
+    app.include_router(utility_routes(state))
+    app.include_router(_generation_routes(state))
+    return app
 
-    def refuse(e: Refusal) -> JSONResponse:
-        state.metrics.on_refused(e.code)
-        kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return JSONResponse(error_body(str(e), kind, e.param, e.code), status_code=e.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = (exc.errors() or [{}])[0]
-        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return refuse(Refusal(f"invalid request: {first.get('msg', exc)}", param=param, code="invalid_value"))
-
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500
-                                       else "server_error", code=exc.status_code), status_code=exc.status_code)
-
-    def unauthorized(request: Request) -> JSONResponse | None:
-        """401 unless the request carries `Authorization: Bearer <--api-key>` (checked in each route
-        but /health and /metrics: a plain function, not an HTTP middleware, which would sit in
-        every stream's path)."""
-        if state.api_key is None:
-            return None
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given[:7].lower() == "bearer " else ""
-        if hmac.compare_digest(token.encode(), state.api_key.encode()):
-            return None
-        state.metrics.on_refused("invalid_api_key")
-        return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
-                                       "given to --api-key", code="invalid_api_key"), status_code=401)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not state.loop.is_alive():
-            return JSONResponse(error_body("the engine loop is not running; restart the server", "server_error",
-                                           code=503), status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version(request: Request) -> Any:
-        return unauthorized(request) or {"version": vattn.__version__}
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Any:
-        return unauthorized(request) or {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "vattn", "root": state.model_path,
-             "parent": None, "max_model_len": state.max_model_len} for name in state.served_names]}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        from vattn.serve.metrics import engine_figures
-
-        if state.loop.is_alive():
-            try:
-                state.metrics.figures = await asyncio.wait_for(
-                    state.loop.call(functools.partial(engine_figures, state.loop.llm)), 10)
-            except Exception:  # noqa: BLE001 - the histograms and counters are still worth a scrape
-                logger.warning("vattn serve: reading the engine's figures for /metrics failed", exc_info=True)
-        return Response(state.metrics.text(), media_type=CONTENT_TYPE)
-
-    def _served(model: Any) -> None:
-        if model is not None and model not in state.served_names:
-            raise Refusal(f"the model {model!r} does not exist: this server serves "
-                          f"{', '.join(map(repr, state.served_names))}", param="model", code="model_not_found",
-                          status=404)
-
-    async def utility(request: Request, answer: Callable[[dict], dict]) -> Response:
-        """A vLLM utility route: the API key, the JSON body, its `model` served here, then
-        `answer(body)` (a Refusal from any of them is the OpenAI error it names)."""
-        refused = unauthorized(request)
-        if refused is not None:
-            return refused
-        try:
-            body = parse_json(await request.body())
-            _served(body.get("model"))
-            return JSONResponse(answer(body))
-        except Refusal as e:
-            return refuse(e)
-        except ClientDisconnect:
-            return Response(status_code=499)
-
-    def tokenized(body: dict) -> dict:
-        tok = state.tokenizer
-        if isinstance(body.get("messages"), list):
-            try:
-                text = tok.apply_chat_template(body["messages"], tokenize=False,
-                                               add_generation_prompt=bool(body.get("add_generation_prompt", True)))
-            except Exception as e:  # noqa: BLE001 - the template's own error, as a 400
-                raise Refusal(f"the chat template cannot render these messages: {e}", param="messages",
-                              code="invalid_value") from None
-            ids = tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
-        elif isinstance(body.get("prompt"), str):
-            ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
-        else:
-            raise Refusal("/tokenize needs `prompt` (a string) or `messages` (a list)", param="prompt",
-                          code="invalid_value")
-        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-
-    def detokenized(body: dict) -> dict:
-        ids = body.get("tokens")
-        vocab = len(state.tokenizer)
-        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
-            raise Refusal(f"`tokens` must be a list of token ids in [0, {vocab})", param="tokens",
-                          code="invalid_value")
-        return {"prompt": state.tokenizer.decode(ids)}
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        """vLLM's /tokenize: a `prompt` (`add_special_tokens`, default true) or chat `messages`
-        (through the chat template, as /v1/chat/completions); `vllm bench serve` aligns its
-        random prompts with it."""
-        return await utility(request, tokenized)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        """vLLM's /detokenize: `tokens` (ids of this vocabulary) to `prompt` (text)."""
-        return await utility(request, detokenized)
+def _generation_routes(state: ServerState) -> APIRouter:
+    """`/v1/completions` and `/v1/chat/completions`: streamed as server-sent events, or not."""
+    router = APIRouter()
 
     async def generate(request: Request, chat: bool) -> Response:
-        refused = unauthorized(request)
+        refused = unauthorized(state, request)
         if refused is not None:
             return refused
         try:
@@ -205,30 +64,30 @@ def build_app(state: ServerState) -> Any:
         try:
             body = parse_json(raw)
             req = read_chat(body) if chat else read_completion(body)
-            _served(req.model)
+            check_served(state, req.model)
             prompts = await _tokenize(state, req)
             params = [req.params_for(len(p.token_ids), state.max_model_len) for p in prompts]
         except Refusal as e:
-            return refuse(e)
+            return refuse(state, e)
         run = _Run(state, req, prompts, params)
         if req.stream:
             return _EventStream(run, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         try:
             return JSONResponse(await run.whole(request))
         except Refusal as e:
-            return refuse(e)
+            return refuse(state, e)
         except _ClientGone:
             return Response(status_code=499)
 
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
 
-    return app
+    return router
 
 
 async def _tokenize(state: ServerState, req: GenerationRequest) -> list[Prompt]:
@@ -414,14 +273,9 @@ class _Run:
         want_logprobs = self.req.logprobs is not None
         complete = False
         try:
-            if self.req.chat:  # the first chunk of every choice: its role
-                yield _event({**head, "choices": [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None} for i in range(len(self.prompts) * self.n)]})
-            elif self.req.echo:
-                yield _event({**head, "choices": [
-                    {"index": t * self.n + i, "text": self._echo(t), "logprobs": None, "finish_reason": None,
-                     "stop_reason": None} for t in range(len(self.prompts)) for i in range(self.n)]})
+            first = self._opening(head)
+            if first is not None:
+                yield first
             while len(self.finished) < len(self.handles):
                 try:
                     batch = await self._next_batch()
@@ -437,34 +291,7 @@ class _Run:
                                             code="engine_error"))
                     complete = True
                     return
-                choices = []
-                for tag, out in batch.items():
-                    for o in out.outputs:
-                        key = (tag, o.index)
-                        if key in done:
-                            continue
-                        text = o.text or ""
-                        t0, c0 = sent_tokens.get(key, 0), sent_chars.get(key, 0)
-                        if len(o.token_ids) == t0 and len(text) == c0 and not o.finished:
-                            continue
-                        index = tag * self.n + o.index
-                        piece = text[c0:]
-                        reason = o.finish_reason if o.finished else None
-                        sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
-                        if reason is None and (not want_logprobs or o.logprobs is None):
-                            choices.append(plain % (index, _json_str(piece)))
-                            continue
-                        if self.req.chat:
-                            choice = {"index": index, "delta": {"content": piece} if piece or not reason else {},
-                                      "logprobs": self._chat_logprobs(_tail(o, t0), 0), "finish_reason": reason}
-                        else:
-                            choice = {"index": index, "text": piece,
-                                      "logprobs": self._completion_logprobs(_tail(o, t0), 0, c0),
-                                      "finish_reason": reason}
-                        if reason is not None:
-                            choice["stop_reason"] = o.stop_reason
-                            done.add(key)
-                        choices.append(json.dumps(choice, separators=(",", ":")))
+                choices = self._choices(batch, sent_tokens, sent_chars, done, plain, want_logprobs)
                 if choices:  # the same bytes as _event({**head, "choices": choices, ["usage": ...]})
                     usage = _dumps(self._usage(list(latest.values()))) if self.req.continuous_usage else None
                     event = prefix + ("[" + ",".join(choices) + "]").encode() + (
@@ -484,6 +311,54 @@ class _Run:
             if not complete:
                 logger.info("vattn serve: the client of %s cancelled its stream; its requests are aborted", self.id)
             self._abort_open()
+
+    def _opening(self, head: dict) -> bytes | None:
+        """The stream's first event: a chat's role for every choice, or a completion's echoed
+        prompts (None: neither)."""
+        if self.req.chat:  # the first chunk of every choice: its role
+            return _event({**head, "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for i in range(len(self.prompts) * self.n)]})
+        if self.req.echo:
+            return _event({**head, "choices": [
+                {"index": t * self.n + i, "text": self._echo(t), "logprobs": None, "finish_reason": None,
+                 "stop_reason": None} for t in range(len(self.prompts)) for i in range(self.n)]})
+        return None
+
+    def _choices(self, batch: dict[int, RequestOutput], sent_tokens: dict[tuple[int, int], int],
+                 sent_chars: dict[tuple[int, int], int], done: set[tuple[int, int]], plain: str,
+                 want_logprobs: bool) -> list[str]:
+        """The JSON of each choice of `batch` with news since the last event (what is sent is
+        noted in `sent_tokens`, `sent_chars`, and `done` once it finished); `plain`: the
+        template of a choice that neither finishes nor carries logprobs (nearly every one)."""
+        choices = []
+        for tag, out in batch.items():
+            for o in out.outputs:
+                key = (tag, o.index)
+                if key in done:
+                    continue
+                text = o.text or ""
+                t0, c0 = sent_tokens.get(key, 0), sent_chars.get(key, 0)
+                if len(o.token_ids) == t0 and len(text) == c0 and not o.finished:
+                    continue
+                index = tag * self.n + o.index
+                piece = text[c0:]
+                reason = o.finish_reason if o.finished else None
+                sent_tokens[key], sent_chars[key] = len(o.token_ids), len(text)
+                if reason is None and (not want_logprobs or o.logprobs is None):
+                    choices.append(plain % (index, _json_str(piece)))
+                    continue
+                if self.req.chat:
+                    choice = {"index": index, "delta": {"content": piece} if piece or not reason else {},
+                              "logprobs": self._chat_logprobs(_tail(o, t0), 0), "finish_reason": reason}
+                else:
+                    choice = {"index": index, "text": piece, "logprobs": self._completion_logprobs(_tail(o, t0), 0, c0),
+                              "finish_reason": reason}
+                if reason is not None:
+                    choice["stop_reason"] = o.stop_reason
+                    done.add(key)
+                choices.append(json.dumps(choice, separators=(",", ":")))
+        return choices
 
 
 # a streamed choice that neither finishes nor carries logprobs: `_json_str(piece)` is json.dumps(piece)

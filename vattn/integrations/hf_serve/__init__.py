@@ -90,6 +90,21 @@ def _classes() -> Any:
     from transformers.cli.serve import Serve
     from transformers.cli.serving import utils
 
+    class Server(Serve):
+        """transformers' `Serve`, whose start is held back until vattn has wrapped its app."""
+
+        vattn_ready = False
+
+        def start_server(self) -> None:
+            if self.vattn_ready:
+                super().start_server()
+
+    return Server, _state_class(utils, _manager_class(utils)), utils
+
+
+def _manager_class(utils: Any) -> type:
+    """Our subclass of transformers' `CBGenerateManager` (`utils`: transformers.cli.serving.utils)."""
+
     class Manager(utils.CBGenerateManager):
         """transformers' continuous-batching manager of the server: every request is checked
         (`admit`) before it is queued, with its extensions (`ignore_eos`, `min_tokens`); a
@@ -143,6 +158,12 @@ def _classes() -> Any:
             if self._cb is not None:
                 self._cb.stop(block=True, timeout=5, hard_stop=True)
 
+    return Manager
+
+
+def _state_class(utils: Any, Manager: type) -> type:
+    """Our subclass of transformers' `GenerationState`, handing out `Manager`s."""
+
     class State(utils.GenerationState):
         """transformers' generation state of the server: hands out `Manager`s, and replaces
         one whose loop died (a warning says so) instead of answering 503 for good."""
@@ -179,16 +200,7 @@ def _classes() -> Any:
                 logger.warning("vattn serve: stopping the dead loop failed", exc_info=True)
             self._cb_manager = None
 
-    class Server(Serve):
-        """transformers' `Serve`, whose start is held back until vattn has wrapped its app."""
-
-        vattn_ready = False
-
-        def start_server(self) -> None:
-            if self.vattn_ready:
-                super().start_server()
-
-    return Server, State, utils
+    return State
 
 
 def _queue_with_extensions(queue: Any, *args: Any, **kwargs: Any) -> Any:
@@ -255,20 +267,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
     budget_limit)`; `vattn top` shows them). A request body larger than `max_body_bytes` is
     refused with 413. A memory limit (or a budget's limit) that cannot serve one request is
     refused here, with the smallest one that can (InvalidConfigError)."""
-    missing = [m for m in SERVING_PACKAGES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
-                                 "pip install 'transformers[serving]'")
-    if importlib.util.find_spec("prometheus_client") is None:  # not in transformers[serving]: /metrics needs it
-        raise InvalidConfigError("vattn serve's /metrics needs prometheus_client: pip install prometheus_client "
-                                 "(vattn's serve extra has it)")
-    if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
-        raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
-    if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) \
-            or not 0 <= shutdown_timeout < math.inf:
-        raise InvalidConfigError(f"shutdown_timeout must be a finite number of seconds >= 0, got {shutdown_timeout!r}")
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise InvalidConfigError(f"max_body_bytes must be an int >= 1 (bytes of a request body), got {max_body_bytes!r}")
+    _check_serve_args(model, shutdown_timeout, max_body_bytes)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
     if max_batch_tokens is None and num_blocks is not None and hf_cb.design() == "blocks":
         # transformers 5.17, given num_blocks alone, sizes max_batch_tokens (its attention mask and IO
@@ -303,6 +302,25 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, memory_limit
         server._generation_state.shutdown()  # a hard stop of the batching loop: nothing keeps the process up
         hf_cb.disable_all()
     return server
+
+
+def _check_serve_args(model: str, shutdown_timeout: float, max_body_bytes: int) -> None:
+    """Refuse (InvalidConfigError) what `serve` cannot run: transformers' serving packages or
+    prometheus_client missing, `model` not a local checkpoint, a bad timeout or body bound."""
+    missing = [m for m in SERVING_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InvalidConfigError(f"vattn serve runs `transformers serve`, which needs {', '.join(missing)}: "
+                                 "pip install 'transformers[serving]'")
+    if importlib.util.find_spec("prometheus_client") is None:  # not in transformers[serving]: /metrics needs it
+        raise InvalidConfigError("vattn serve's /metrics needs prometheus_client: pip install prometheus_client "
+                                 "(vattn's serve extra has it)")
+    if not os.path.isdir(model) or not os.path.isfile(os.path.join(model, "config.json")):
+        raise InvalidConfigError(f"--model must be a local checkpoint directory with a config.json, got {model!r}")
+    if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) \
+            or not 0 <= shutdown_timeout < math.inf:
+        raise InvalidConfigError(f"shutdown_timeout must be a finite number of seconds >= 0, got {shutdown_timeout!r}")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise InvalidConfigError(f"max_body_bytes must be an int >= 1 (bytes of a request body), got {max_body_bytes!r}")
 
 
 def main(argv: list[str] | None = None) -> None:
