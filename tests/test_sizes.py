@@ -1,6 +1,8 @@
 """Size bounds of the code (issue 39): no module of `vattn/` over 600 lines, no class over
-400. A module or class that outgrows them holds more than one job: split it by job (a part
-the class owns, composition over mixins) rather than raise the bound."""
+400, no function over 60 (decorators excluded, nested functions and classes counted in the
+one that holds them). A module, class or function that outgrows them holds more than one
+job: split it by job (a part the class owns, composition over mixins; a named helper; an
+APIRouter per concern) rather than raise the bound."""
 from __future__ import annotations
 
 import ast
@@ -10,6 +12,7 @@ import vattn
 
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 400
+MAX_FUNCTION_LINES = 60
 ROOT = Path(vattn.__file__).parent
 
 
@@ -44,4 +47,16 @@ def test_no_class_over_the_bound():
                 if n > MAX_CLASS_LINES:
                     over.append(f"{_name(path)}:{node.lineno} {node.name}: {n} lines")
     assert not over, (f"classes over {MAX_CLASS_LINES} lines (give a job to a part the class owns): "
+                      + "; ".join(over))
+
+
+def test_no_function_over_the_bound():
+    over = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1  # decorators excluded
+                if n > MAX_FUNCTION_LINES:
+                    over.append(f"{_name(path)}:{node.lineno} {node.name}: {n} lines")
+    assert not over, (f"functions over {MAX_FUNCTION_LINES} lines (extract named helpers by job): "
                       + "; ".join(over))
