@@ -32,6 +32,21 @@ def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0, att
     return seeded_model(config, seed, device, dtype, **kw).eval()
 
 
+def cb_results(manager: Any, ids: list[str], timeout_s: float = 120) -> dict[str, Any]:
+    """Wait for transformers' continuous batching (`manager`, started) to finish requests `ids`:
+    {request id: its finished result}; an error when one failed or nothing came in `timeout_s`."""
+    done: dict[str, Any] = {}
+    while len(done) < len(ids):
+        r = manager.get_result(timeout=timeout_s)
+        if r is None:
+            raise RuntimeError(f"transformers' continuous batching returned nothing in {timeout_s:g} s")
+        if r.is_finished():
+            if r.error is not None:
+                raise RuntimeError(f"transformers' continuous batching: request {r.request_id}: {r.error}")
+            done[r.request_id] = r
+    return done
+
+
 def cb_config(block_tokens: int | None = None, **fields: Any) -> Any:
     """transformers' `ContinuousBatchingConfig(**fields)` with `block_tokens` tokens per cache
     block. The field's name differs: `page_size` from transformers 5.18 on (5.18-5.23 keep

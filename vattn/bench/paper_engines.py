@@ -17,6 +17,7 @@ from typing import Any
 
 from . import _common
 from ._common import progress
+from ._models import cb_results
 from .paper_common import (CUDA_ENGINE_MODEL, HOST_ENGINE_MODEL, PAGED_ENGINE, dtype_of, engine_args,
                            hf_cb_problem, is_cuda, pick, seed_tokens)
 from .paper_common import model as model_of
@@ -98,15 +99,7 @@ def decode_hf_cb(model: Any, reqs: Requests, eargs: argparse.Namespace) -> dict[
         forwards.append((time.perf_counter(), ids.shape[-1] if ids is not None else -2, sampled))
 
     def wait(ids: list[str]) -> None:
-        done = 0
-        while done < len(ids):
-            r = manager.get_result(timeout=120)
-            if r is None:
-                raise RuntimeError("transformers' continuous batching returned nothing in 120 s")
-            if r.is_finished():
-                if r.error is not None:
-                    raise RuntimeError(f"transformers' continuous batching: request {r.request_id}: {r.error}")
-                done += 1
+        cb_results(manager, ids)
 
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
     manager.start()

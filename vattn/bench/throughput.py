@@ -34,7 +34,7 @@ import torch
 
 from vattn.bench._common import agreement, progress
 from vattn.bench._common import sync as _sync
-from vattn.bench._models import build_model, cb_config, llama_config
+from vattn.bench._models import build_model, cb_config, cb_results, llama_config
 from vattn.integrations.hf_cb import memory_problem
 
 NAME = "throughput"
@@ -201,15 +201,7 @@ def run_hf_cb(model: Any, reqs: Requests, args: argparse.Namespace, device: str)
     def serve(reqs: Requests) -> tuple[_Timer, list[list[int]]]:
         with _Timer(device) as t:
             ids = [manager.add_request(p, request_id=f"r{next(counter)}", max_new_tokens=n) for p, n in reqs]
-            done: dict[str, Any] = {}
-            while len(done) < len(ids):
-                r = manager.get_result(timeout=120)
-                if r is None:
-                    raise RuntimeError("transformers' continuous batching returned nothing in 120 s")
-                if r.is_finished():
-                    if r.error is not None:
-                        raise RuntimeError(f"transformers' continuous batching: request {r.request_id}: {r.error}")
-                    done[r.request_id] = r
+            done = cb_results(manager, ids)
         return t, [list(done[i].generated_tokens) for i in ids]
 
     try:
