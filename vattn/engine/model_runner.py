@@ -130,7 +130,7 @@ class ModelRunner:
         its model mappings: (mapping, their modules) of each it has) and the inductor mode it
         compiles with (None: eager); packs the host's linear layers (`cpu_linear`). Sets `eager_only`."""
         from vattn.engine.cpu_gemm import pack_linears
-        from vattn.integrations.hf import check_model, has_attention_sinks, layer_kinds
+        from vattn.integrations.hf import check_model, has_attention_sinks, sdpa_only
 
         # UnsupportedModelError: layers vattn cannot run; Mamba2 / gated delta-net states and
         # the model mappings' layers (latent attention) only on one rank
@@ -142,9 +142,7 @@ class ModelRunner:
         sinks = has_attention_sinks(self.model)  # gpt-oss
         if sinks and not one_rank:
             raise UnsupportedModelError("attention sinks (gpt-oss) run on one rank only: their heads are not sharded")
-        self.eager_only = next((what for what, present in (
-            *((m.LABEL, True) for m, _ in mapped), ("attention sinks", sinks),
-            ("chunked attention", "chunked_attention" in layer_kinds(self.model.config))) if present), None)
+        self.eager_only = mapped[0][0].LABEL if mapped else sdpa_only(self.model)
         compiled = compile_mode(config, has_states)  # inductor's mode or None; refusals before the cache exists
         if compiled and self.eager_only:
             raise InvalidConfigError(f"compile={config.compile!r} does not cover {self.eager_only} yet; pass "

@@ -201,6 +201,14 @@ def has_attention_sinks(model: torch.nn.Module) -> bool:
     return any(name.rpartition(".")[2] == "sinks" for name, _ in model.named_parameters())
 
 
+def sdpa_only(model: torch.nn.Module) -> str | None:
+    """What of `model` only vattn's sdpa path runs (no library kernel, CUDA graphs or compile),
+    named for an error, or None: attention sinks (gpt-oss), chunked local attention (Llama 4)."""
+    return next((what for what, present in (
+        ("attention sinks", has_attention_sinks(model)),
+        ("chunked attention", "chunked_attention" in layer_kinds(model.config))) if present), None)
+
+
 class _SelfOnly:
     """A stand-in attention kernel: each query sees only its own token's value."""
 
