@@ -255,3 +255,14 @@ def test_chunked_attention_with_prefix_caching_forks_and_preemption(mode: str) -
     # 6 pages of each of the 8 buffers (at 8 nothing is preempted since the chunked layers
     # give back whole chunks at their boundaries, not a window of a chunk's size behind)
     check_everything("llama4", 6 * 8 * PAGE, mode)
+
+
+@pytest.mark.parametrize("family, what", [("gpt_oss", "attention sinks"), ("llama4", "chunked attention"),
+                                          ("deepseek_v3", "latent attention")])
+def test_compile_is_refused_where_only_the_sdpa_path_runs(family: str, what: str) -> None:
+    """Attention sinks, chunked attention and the latent run eagerly on the sdpa path: compile=
+    says which one it does not cover, before any cache exists."""
+    from vattn.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match=what):
+        LLM(kind_config(family), seed=0, max_batch_size=2, page_size=PAGE, compile=True)
