@@ -15,6 +15,7 @@ and by recompute.
 """
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -54,6 +55,8 @@ def kind_config(family: str) -> Any:
 
 
 FAMILIES = ["deepseek_v3", "deepseek_v2"]
+# generate's keyword for a cache: `cache` from transformers 5.24 on, `past_key_values` before
+CACHE_KW = "cache" if "cache" in inspect.signature(tf.DeepseekV3Model.forward).parameters else "past_key_values"
 _REFS: dict[str, list[list[int]]] = {}
 
 
@@ -167,7 +170,7 @@ def test_latent_attention_outside_the_engine() -> None:
                   pad_token_id=0)
         ref = model.generate(ids, **kw)
         with VAttnCache(model.config, max_cache_len=64, page_size=PAGE) as cache:
-            assert torch.equal(model.generate(ids, cache=cache, **kw), ref)
+            assert torch.equal(model.generate(ids, **{CACHE_KW: cache}, **kw), ref)
             assert (cache.kv.config.head_dim, cache.kv.config.v_head_dim) == (24, 8)
 
 

@@ -147,13 +147,19 @@ def install(modules: list[torch.nn.Module]) -> Callable[[], None]:
     """Make each latent attention module run on vattn's cache: its forward gets `_LatentCache`
     as its cache, and its attention (`vattn.integrations.hf.vattn_attention_forward`) runs
     `attend_history` on the expanded histories. Returns the function that undoes it."""
+    import inspect
+
     cache = _LatentCache()
     for module in modules:
         original = module.forward
+        # the cache's keyword: `cache` from transformers 5.24 on, `past_key_values` before (5.17-5.23)
+        name = "cache" if "cache" in inspect.signature(original).parameters else "past_key_values"
 
-        def forward(self: torch.nn.Module, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+        def forward(self: torch.nn.Module, *args: Any, _original: Any = original, _name: str = name,
+                    **kwargs: Any) -> Any:
             kwargs.pop("past_key_values", None)
-            kwargs["cache"] = cache
+            kwargs.pop("cache", None)
+            kwargs[_name] = cache
             return _original(*args, **kwargs)
 
         module.forward = types.MethodType(forward, module)
