@@ -97,3 +97,19 @@ def test_hf_cb_tests_pass_on(minor):
     assert run.returncode == 0, out[-6000:]
     summary = out.strip().splitlines()[-1]
     assert re.search(r"\b\d+ passed\b", summary) and "skipped" not in summary and "failed" not in summary, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("minor", hf_cb.SUPPORTED_VERSIONS)
+def test_engine_model_families_pass_on(minor):
+    """vattn's engine reads transformers' modules of the newer layer kinds (the latent's cache
+    call and `expand_kv`, sinks, chunked attention): its family tests on each release."""
+    version = TESTED[minor]
+    path = [] if metadata.version("transformers") == version else [str(install(version))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, str(REPO)]), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
+                          "tests/engine/test_new_kinds.py", "tests/engine/test_model_support.py"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert re.search(r"\b\d+ passed\b", out.strip().splitlines()[-1]), out[-2000:]
