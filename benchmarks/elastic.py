@@ -71,7 +71,7 @@ def bursty_trace(args: argparse.Namespace) -> list[list[tuple[list[int], int]]]:
 def run_mode(model: Any, mode: str, bursts: list, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import GenerationConfig
 
-    from vattn.bench._models import cb_cache_bytes, cb_config
+    from vattn.bench._models import cb_cache_bytes, cb_config, cb_results
     from vattn.integrations import hf_cb
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.max_new)
@@ -99,15 +99,7 @@ def run_mode(model: Any, mode: str, bursts: list, args: argparse.Namespace) -> d
         start, cpu = time.perf_counter(), time.process_time()
         ids = [manager.add_request(p, request_id=f"{tag}_{k}", max_new_tokens=d, record_timestamps=True)
                for k, (p, d) in enumerate(burst)]
-        done: dict[str, Any] = {}
-        while len(done) < len(ids):
-            r = manager.get_result(timeout=60)
-            if r is None:
-                raise RuntimeError(f"{mode}: no result in 60 s")
-            if r.is_finished():
-                if r.error is not None:
-                    raise RuntimeError(f"{mode}: request {r.request_id} failed: {r.error}")
-                done[r.request_id] = r
+        done = cb_results(manager, ids, timeout_s=60)
         return [done[i] for i in ids], time.perf_counter() - start, time.process_time() - cpu
 
     serve([(list(range(3, 35)), 8)], "warmup")
