@@ -235,8 +235,7 @@ class SharedBudget(BudgetBase):
                 # A member short once is short again at its next steps (a burst), and every
                 # ask is a round trip to the others' responder threads: ask for a share of
                 # the budget at once (of what they have cached), and wait only for `short`.
-                spare = sum(int(r["cached"][j]) for j in t.live() if j != i)
-                short = max(short, min(lim // ASK_SHARE, spare))
+                short = max(short, min(lim // ASK_SHARE, t.cached_by_others(i)))
             asks = t.ask(short, exclude=i) if short > 0 else []
             wake = [(int(r["pid"][a.row]), a.nonce) for a in asks]
         wake_members(wake)
@@ -264,7 +263,7 @@ class SharedBudget(BudgetBase):
         local = super().reclaimable(requester)
         with self._table.locked() as t:
             r, i = t.rows, self._row
-            remote = sum(int(r["cached"][j]) for j in t.live() if j != i)
+            remote = t.cached_by_others(i)
             used, mine, ml, lim = t.used(), self._taken, int(r["limit"][i]), t.limit
         if ml >= 0:  # beyond the member's room, others giving back does not help
             remote = 0 if lim is None else min(remote, max(0, (ml - mine) - (lim - used)))

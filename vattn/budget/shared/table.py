@@ -141,6 +141,11 @@ class Table:
         r["ask_bytes"][i] = max(int(r["ask_bytes"][i]), nbytes)
         return Ask(i, int(r["nonce"][i]), int(r["ask_seq"][i]), int(r["gave"][i]), not stuck)
 
+    def cached_by_others(self, exclude: int) -> int:
+        """The cached bytes the live members but row `exclude` last published."""
+        r = self.rows
+        return sum(int(r["cached"][j]) for j in self.live() if j != exclude)
+
     def ask(self, short: int, exclude: int | None = None) -> list[Ask]:
         """Ask the other members for `short` bytes: those with the most cached bytes first,
         each for what it has; everyone for the rest when their cached bytes fall short."""
