@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from vattn.allocator.latent import Latent
 from vattn.attention import get_forward_context
+from vattn.engine.loader import cache_keyword
 from vattn.errors import UnsupportedModelError
 
 
@@ -77,15 +78,12 @@ def layer_kinds(model: Any, found: list[torch.nn.Module], windows: tuple[Any, ..
 def latent_kind(model: Any, modules: list[torch.nn.Module]) -> Latent:
     """The K and V shapes transformers' `DynamicCache` keeps for the latent layers `modules`,
     read after one 3-token forward (with the model's own attention) of a batch of one."""
-    import inspect
-
     from transformers.cache_utils import DynamicCache
 
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # (5.24: cache)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([[1, 2, 3]], device=device), use_cache=True, **{name: cache})
+        model(input_ids=torch.tensor([[1, 2, 3]], device=device), use_cache=True, **{cache_keyword(model.forward): cache})
     shapes = {(tuple(cache.layers[m.layer_idx].keys.shape[1::2]), tuple(cache.layers[m.layer_idx].values.shape[1::2]))
               for m in modules}
     if len(shapes) != 1 or any(k[0] != v[0] for k, v in shapes):
@@ -147,13 +145,10 @@ def install(modules: list[torch.nn.Module]) -> Callable[[], None]:
     """Make each latent attention module run on vattn's cache: its forward gets `_LatentCache`
     as its cache, and its attention (`vattn.integrations.hf.vattn_attention_forward`) runs
     `attend_history` on the expanded histories. Returns the function that undoes it."""
-    import inspect
-
     cache = _LatentCache()
     for module in modules:
         original = module.forward
-        # the cache's keyword: `cache` from transformers 5.24 on, `past_key_values` before (5.17-5.23)
-        name = "cache" if "cache" in inspect.signature(original).parameters else "past_key_values"
+        name = cache_keyword(original)
 
         def forward(self: torch.nn.Module, *args: Any, _original: Any = original, _name: str = name,
                     **kwargs: Any) -> Any:

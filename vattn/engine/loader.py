@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import itertools
 import os
 from typing import Any, NamedTuple
@@ -140,7 +141,17 @@ def prefix_salt(model: Any, dtype: torch.dtype) -> bytes:
     h.update(str(dtype).encode())
     return h.digest()
 
+
 def _check_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in MODEL_DTYPES:
         raise InvalidConfigError(f"the model's dtype {dtype} is not supported; pass dtype= one of {MODEL_DTYPES}")
     return dtype
+
+
+def cache_keyword(forward: Any) -> str:
+    """The keyword a transformers `forward` takes its cache by: `cache` from transformers 5.24
+    on (`past_key_values` and `cache_params` its deprecated names), `past_key_values` before
+    (5.17-5.23), `cache_params` alone in 5.17's Mamba2ForCausalLM (given as past_key_values
+    there it was ignored: no state found)."""
+    params = inspect.signature(forward).parameters
+    return next((n for n in ("cache", "cache_params", "past_key_values") if n in params), "past_key_values")

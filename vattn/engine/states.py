@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from vattn.attention import get_forward_context
+from vattn.engine.loader import cache_keyword
 
 _ALIGN = 64  # bytes: every state view starts aligned
 # snapshot rows of recurrent states a prefix cache may keep, per slot (memory only under the
@@ -63,12 +64,9 @@ def state_specs(model: Any) -> list[StateSpec]:
 
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    # transformers 5.24 calls it `cache` (`past_key_values`, `cache_params`: deprecated names); 5.17's
-    # Mamba2ForCausalLM only `cache_params` (given as past_key_values it was ignored: no state found)
-    params = inspect.signature(model.forward).parameters
-    name = next((n for n in ("cache", "cache_params", "past_key_values") if n in params), "past_key_values")
     with torch.inference_mode():
-        model(input_ids=torch.tensor([[1, 2, 3]], device=device), use_cache=True, **{name: cache})
+        model(input_ids=torch.tensor([[1, 2, 3]], device=device), use_cache=True,
+              **{cache_keyword(model.forward): cache})
     specs: list[StateSpec] = []
     offset = 0
     for i, layer in enumerate(cache.layers):
