@@ -15,7 +15,6 @@ and by recompute.
 """
 from __future__ import annotations
 
-import inspect
 import types
 from typing import Any
 
@@ -25,6 +24,7 @@ import transformers as tf
 
 from tests.helpers import MAX_TOKENS, PAGE, build_model, hf_greedy, prompts, run_online
 from vattn.engine import LLM, SamplingParams
+from vattn.engine.loader import cache_keyword
 from vattn.errors import UnsupportedModelError
 from vattn.integrations.hf import VAttnCache, check_model
 
@@ -56,7 +56,7 @@ def kind_config(family: str) -> Any:
 
 FAMILIES = ["deepseek_v3", "deepseek_v2"]
 # generate's keyword for a cache: `cache` from transformers 5.24 on, `past_key_values` before
-CACHE_KW = "cache" if "cache" in inspect.signature(tf.DeepseekV3Model.forward).parameters else "past_key_values"
+CACHE_KW = cache_keyword(tf.DeepseekV3Model.forward)
 _REFS: dict[str, list[list[int]]] = {}
 
 
