@@ -54,3 +54,43 @@ def test_refusals():
     assert pack_linears(torch.nn.Linear(4, 4), torch.float16, torch.device("cpu"), "auto") is None  # stays F.linear
     with pytest.raises(InvalidConfigError, match="float32 or bfloat16"):
         pack_linears(torch.nn.Linear(4, 4).half(), torch.float16, torch.device("cpu"), "onednn")
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(64, n) for n in (64, 32, 32))
+        self.o_proj = torch.nn.Linear(64, 64)
+        with torch.no_grad():
+            for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g))
+
+
+def _matmuls(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+
+
+@needs_onednn
+def test_siblings_of_one_input_run_as_one_matmul():
+    """q/k/v (and gate/up) called on the same tensor: one oneDNN matmul, each its own columns;
+    a call on another input computes afresh; o_proj stays alone."""
+    m = _Attention().eval()
+    x, y = torch.randn(5, 64), torch.randn(7, 64)
+    want = {name: getattr(m, name)(x) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    p = pack_linears(m, torch.float32, torch.device("cpu"), "auto")
+    assert p is not None and p.fused == 1 and len(p.modules) == 4
+    with torch.no_grad():
+        got: dict[str, torch.Tensor] = {}
+        assert _matmuls(lambda: got.update((n, getattr(m, n)(x)) for n in ("q_proj", "k_proj", "v_proj"))) == 1
+        for name, out in got.items():
+            torch.testing.assert_close(out, want[name], rtol=1e-5, atol=1e-4)
+        assert _matmuls(lambda: got.update(k=m.k_proj(y), v=m.v_proj(y), k2=m.k_proj(y))) == 2  # k again: afresh
+        torch.testing.assert_close(got["k"], torch.nn.functional.linear(y, m.k_proj.weight, m.k_proj.bias),
+                                   rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(got["k2"], got["k"])
+        torch.testing.assert_close(m.o_proj(x), want["o_proj"], rtol=1e-5, atol=1e-4)
+    p.unpack()
+    assert not any("forward" in lin.__dict__ for lin in m.children())

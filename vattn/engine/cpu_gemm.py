@@ -16,6 +16,15 @@ within float rounding (a self-test at packing checks 1e-4 relative), not bit for
 vLLM's. The packed copy of the weights is extra memory (as large as the linear weights);
 `LLM(cpu_linear="default")` keeps transformers' `F.linear`. A layer whose weight changes
 after packing keeps the packed (old) weight until the engine closes.
+
+Sibling projections of one input run as one matmul, as vLLM's `qkv_proj` and `gate_up_proj`
+do: `FUSED` names them (a transformers attention's q/k/v, an MLP's gate/up). Their weights
+are packed as one `[sum(out), in]` matrix; the first of them to be called on an input computes
+every sibling's rows and keeps the others' for their calls on the *same* tensor object (the
+model calls them one after another on one `hidden_states`); a call on any other input computes
+afresh. A call's result is a column slice of the fused output (a view, last dim contiguous).
+Fewer, wider GEMMs read the input once and cost less per call (at the throughput model's
+shapes, one thread: 6.1 -> 5.8 ms a decode step's 8 layers at 16 rows, 48.7 -> 46.7 ms at 256).
 """
 from __future__ import annotations
 
@@ -29,6 +38,8 @@ logger = logging.getLogger("vattn.engine")
 
 MIN_ROWS = 2  # rows (tokens) from which the packed matmul runs: one row is a gemv
 CPU_LINEAR = ("auto", "onednn", "default")
+# sibling linears of one module that a model calls on the same input: packed and run as one matmul
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def onednn_available() -> bool:
@@ -49,6 +60,55 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, packed: tor
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return forward
+
+
+class _Fused:
+    """Sibling linears packed as one weight; `forward(i)` is member i's forward.
+
+    `stash` keeps the last input and the members' outputs not yet taken, so each sibling
+    called on that same tensor gets its slice without another matmul."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
+        self.weights, self.biases = weights, biases
+        self.sizes = [w.shape[0] for w in weights]
+        bias = None if biases[0] is None else torch.cat(biases)  # all or none (checked by the caller)
+        self.bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), None)  # [sum(out), in]
+        self.stash: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
+
+    def forward(self, i: int) -> Callable:
+        w, b = self.weights[i], self.biases[i]
+
+        def forward(x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out_i]
+            if torch.compiler.is_compiling() or x.dtype != w.dtype or x.numel() < MIN_ROWS * x.shape[-1] \
+                    or x.requires_grad:
+                return F.linear(x, w, b)  # (as _packed_forward)
+            stash = self.stash
+            if stash is not None and stash[0] is x and stash[1][i] is not None:
+                part, stash[1][i] = stash[1][i], None
+                if all(p is None for p in stash[1]):
+                    self.stash = None  # every sibling served: drop the input and the outputs
+                return part
+            parts: list[torch.Tensor | None] = list(torch.ops.mkldnn._linear_pointwise(
+                x, self.packed, self.bias, "none", [], "").split(self.sizes, dim=-1))
+            part, parts[i] = parts[i], None
+            self.stash = (x, parts)
+            return part
+        return forward
+
+
+def _fused_groups(model: Any, dtype: torch.dtype) -> list[list[torch.nn.Linear]]:
+    """`FUSED`'s sibling sets in `model`: same input width, dtype and bias presence."""
+    groups = []
+    for module in model.modules():
+        for names in FUSED:
+            members = [getattr(module, n, None) for n in names]
+            if not all(type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == dtype
+                       for m in members):
+                continue
+            if len({m.in_features for m in members}) == 1 and len({m.bias is None for m in members}) == 1:
+                groups.append(members)
+    return groups
 
 
 def _self_test(dtype: torch.dtype) -> str | None:
@@ -73,10 +133,21 @@ class PackedLinears:
     def __init__(self, model: Any, dtype: torch.dtype) -> None:
         self.modules: list[torch.nn.Module] = []
         self.bytes = 0
+        self.fused = 0  # sibling sets run as one matmul (`FUSED`)
         with torch.no_grad():
+            grouped = set()
+            for members in _fused_groups(model, dtype):
+                fused = _Fused([m.weight.detach() for m in members],
+                               [None if m.bias is None else m.bias.detach() for m in members])
+                for i, m in enumerate(members):
+                    m.forward = fused.forward(i)  # an instance attribute: unpack() deletes it
+                    self.modules.append(m)
+                    self.bytes += m.weight.numel() * m.weight.element_size()
+                    grouped.add(id(m))
+                self.fused += 1
             for module in model.modules():
                 if type(module) is not torch.nn.Linear or module.weight.device.type != "cpu" \
-                        or module.weight.dtype != dtype:
+                        or module.weight.dtype != dtype or id(module) in grouped:
                     continue
                 w = module.weight.detach()
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
