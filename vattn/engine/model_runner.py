@@ -114,6 +114,8 @@ class ModelRunner:
         except ImportError as e:  # e.g. no CUDA backend in this build
             raise InvalidConfigError(f"vattn has no cache backend for device {self.device}: {e}") from None
         self._bind_cache(kv_layers, specs, mapped)
+        if self.kernel.flex is not None:  # (its blocks must not run past a slot's mapped pages)
+            self.kernel.flex.page_bytes = self.cache.page_size
         self.sampler = Sampler(self.device, config.seed)
         self.eos_token_ids: frozenset[int] = frozenset()  # masked under min_tokens (LLM keeps it the scheduler's)
         self.num_fed_tokens = 0  # input tokens read on the device from the iteration before (async scheduling)

@@ -60,7 +60,8 @@ def build_llm(model: str, *, max_model_len: int | None = None, max_num_seqs: int
               memory_limit: int | None = None, budget: Any = None, budget_limit: int | None = None,
               idle_trim_s: float | None = None, offload_bytes: int | None = None, offload_dir: str | None = None,
               offload_dir_bytes: int | None = None, device: str | None = None,
-              async_scheduling: bool | None = None, speculative_config: dict | None = None) -> Any:
+              async_scheduling: bool | None = None, speculative_config: dict | None = None,
+              attention: str | None = None) -> Any:
     """The engine `vattn serve` runs, from its flags (vLLM's names mapped to `EngineConfig`'s).
     InvalidConfigError for what cannot be served, with what to change."""
     from vattn.engine import LLM
@@ -83,7 +84,7 @@ def build_llm(model: str, *, max_model_len: int | None = None, max_num_seqs: int
         enable_prefix_caching=enable_prefix_caching, dtype=DTYPES[dtype], seed=seed, page_size=page_size,
         physical_memory=memory_limit, budget=budget, idle_trim_s=idle_trim_s, offload_bytes=offload_bytes,
         offload_dir=offload_dir, offload_dir_bytes=offload_dir_bytes, device=device,
-        async_scheduling=async_scheduling, speculative_config=speculative_config)
+        async_scheduling=async_scheduling, speculative_config=speculative_config, attention=attention)
     if max_num_seqs is not None:
         kw["max_batch_size"] = max_num_seqs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach the Hub
@@ -223,6 +224,8 @@ def _positive(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """`vattn serve`'s options for the vattn engine (vLLM's spelling where the meaning is the same)."""
+    from vattn.attention import KERNELS
+
     ap = argparse.ArgumentParser(prog="vattn serve", description="An OpenAI-compatible server on vattn's engine "
                                  "(--engine vattn, the default) or on transformers serve (--engine transformers: "
                                  "see vattn serve --engine transformers --help).")
@@ -252,6 +255,9 @@ def parser() -> argparse.ArgumentParser:
                     help='speculative decoding, as vllm serve takes it: \'{"method": "ngram", '
                          '"num_speculative_tokens": 4}\' (see docs/engine.md)')
     ap.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when there is one)")
+    ap.add_argument("--attention", default=None, choices=KERNELS,
+                    help="the attention kernel (default: the device's; 'flex' on the host: decodes in one compiled "
+                         "FlexAttention call per layer, see docs/engine.md)")
     ap.add_argument("--page-size", type=_bytes, default=None, help="bytes of a vattn page (default: the backend's)")
     ap.add_argument("--memory-limit", type=_bytes, default=None, help="bytes of KV pages at most (default: no limit)")
     ap.add_argument("--budget", default=None, metavar="NAME", help="share KV memory with the other servers of this "
@@ -296,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
           memory_limit=a.memory_limit, budget=a.budget, budget_limit=a.budget_limit, idle_trim_s=a.idle_trim_s,
           offload_bytes=a.offload_bytes, offload_dir=a.offload_dir, offload_dir_bytes=a.offload_dir_bytes,
           device=a.device, async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
-          stream_interval=a.stream_interval)
+          stream_interval=a.stream_interval, attention=a.attention)
 
 
 def _engine_of(argv: list[str]) -> str:
