@@ -44,13 +44,13 @@ MIN_BLOCK = 16
 
 def block_tokens(k_cache: torch.Tensor, page_bytes: int) -> int | None:
     """KV tokens a flex block may hold on this cache (None: no size keeps a block's reads on
-    mapped pages): the largest power of two <= MAX_BLOCK dividing a page's tokens and the slot
-    stride."""
+    mapped pages): the largest power of two <= MAX_BLOCK dividing a page's tokens, where a
+    slot's row starts on a page (its stride a whole number of pages)."""
     token_bytes = k_cache.stride(1) * k_cache.element_size()  # a token's row in its buffer
-    if page_bytes % token_bytes:
+    if page_bytes % token_bytes or (k_cache.stride(0) * k_cache.element_size()) % page_bytes:
         return None
     page_tokens, block = page_bytes // token_bytes, MAX_BLOCK
-    while block >= MIN_BLOCK and (page_tokens % block or k_cache.shape[1] % block):
+    while block >= MIN_BLOCK and page_tokens % block:
         block //= 2
     return block if block >= MIN_BLOCK else None
 
@@ -83,14 +83,14 @@ class FlexDecode:
         lens = torch.zeros(S, dtype=torch.int32)
         lens[slots] = torch.tensor(ctx, dtype=torch.int32)
         self._lens.copy_(lens)  # in place: the compiled mask reads this tensor
-        nb = T // block
+        nb = -(-T // block)  # (T, max_context_len, need not be whole blocks: flex stops at T)
         full = (lens // block).view(S, 1, 1)  # blocks every key of which is seen
         partial = (lens % block != 0).to(torch.int32).view(S, 1, 1)  # the last, masked at the length
         partial_idx = torch.zeros(S, 1, 1, nb, dtype=torch.int32)
         partial_idx[:, 0, 0, 0] = lens // block
         full_idx = torch.arange(nb, dtype=torch.int32).expand(S, 1, 1, nb).contiguous()
         # the rows after each context up to its block's end: read (masked) by the kernel; zeroed below
-        tail = [(s, p) for s, c in zip(slots, ctx) for p in range(c, -(-c // block) * block)]
+        tail = [(s, p) for s, c in zip(slots, ctx) for p in range(c, min(T, -(-c // block) * block))]
         plan = meta._plans[key] = {  # masks: by the folded query heads G (the query block)
             "rows": torch.tensor(rows), "slots": torch.tensor(slots), "parts": (partial, partial_idx, full, full_idx),
             "masks": {}, "tail": tuple(torch.tensor(x, dtype=torch.long) for x in zip(*tail)) if tail else None}
@@ -105,8 +105,14 @@ class FlexDecode:
 
         if query.device.type != "cpu":
             raise VattnError("attention='flex' runs on the host only; on CUDA use 'torch_flash' or 'flash_attn'")
-        block = None if self.page_bytes is None else block_tokens(k_cache, self.page_bytes)
-        if sliding_window is not None or block is None or 1 not in meta.query_lens:
+        if self.page_bytes is None:
+            raise VattnError("attention='flex' needs the cache's page size (FlexDecode.page_bytes)")
+        block = block_tokens(k_cache, self.page_bytes)
+        if block is None:
+            raise VattnError(f"attention='flex': no KV block of {MIN_BLOCK}-{MAX_BLOCK} tokens tiles this cache's "
+                             f"{self.page_bytes}-byte pages (a token's row is {k_cache.stride(1) * k_cache.element_size()}"
+                             " bytes); use attention='sdpa'")
+        if sliding_window is not None or 1 not in meta.query_lens:
             return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
         out = sdpa_attention(query, k_cache, v_cache, meta, scale, None, decode=False)  # prompts and chunks
         plan = self._plan(meta, k_cache, block)

@@ -41,14 +41,34 @@ def test_a_sliding_window_or_no_decode_runs_sdpa() -> None:
     assert v_cache[0, 41:].isnan().all()  # nothing zeroed: flex did not run
 
 
-@pytest.mark.parametrize("hkv, d, page, want", [
-    (2, 16, 4096, 32),  # 32 tokens a page
-    (4, 64, 2 << 20, 64),  # 2,048 tokens a page: blocks of 64 at most
-    (3, 16, 4096, None),  # a 192-byte row does not divide the page: a block could cross it
-    (4, 64, 8192, None),  # 8 tokens a page: below the smallest block
+@pytest.mark.parametrize("hkv, d, slot_tokens, page, want", [
+    (2, 16, 128, 4096, 32),  # 32 tokens a page
+    (4, 64, 2048, 2 << 20, 64),  # 2,048 tokens a page: blocks of 64 at most
+    (4, 64, 128, 2 << 20, None),  # a slot's row does not start on a page
+    (3, 16, 128, 4096, None),  # a 192-byte row does not divide the page: a block could cross it
+    (4, 64, 128, 8192, None),  # 8 tokens a page: below the smallest block
 ])
-def test_block_tokens_keep_reads_on_mapped_pages(hkv: int, d: int, page: int, want: int | None) -> None:
-    assert block_tokens(torch.empty(2, 128, hkv, d), page) == want
+def test_block_tokens_keep_reads_on_mapped_pages(hkv: int, d: int, slot_tokens: int, page: int,
+                                                 want: int | None) -> None:
+    assert block_tokens(torch.empty(2, slot_tokens, hkv, d), page) == want
+
+
+def test_a_context_limit_between_blocks_reads_the_slots_own_rows() -> None:
+    """The engine's cache views stop at max_context_len (here 48 of a 64-token slot stride)."""
+    q, k_cache, v_cache, meta = make(8, 2, seed=4)
+    ref = per_request(q, k_cache, v_cache, meta, 0.25, None)
+    out = flex(2)(q, k_cache[:, :48], v_cache[:, :48], meta, 0.25, None)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_page_no_block_tiles_is_an_error() -> None:
+    from vattn.errors import VattnError
+
+    q, k_cache, v_cache, meta = make(8, 2)
+    f = FlexDecode()
+    f.page_bytes = 8 * 2 * 16 * 4  # 8 tokens a page
+    with pytest.raises(VattnError, match="no KV block"):
+        f(q, k_cache, v_cache, meta, 0.25, None)
 
 
 def test_flex_in_the_engine_matches_transformers() -> None:
