@@ -353,7 +353,7 @@ class AttentionKernel:
                 "or use attention='torch_flash' (PyTorch's own FlashAttention-2)")
         self.name = name
         self._verified: set[str] = set()  # kinds of batch already checked against sdpa
-        self.flex = FlexDecode() if name == "flex" else None  # its page size: set by the runner
+        self.flex = FlexDecode(sdpa_attention) if name == "flex" else None  # its page size: set by the runner
 
     @property
     def verified(self) -> frozenset[str]:

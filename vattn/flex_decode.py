@@ -32,7 +32,7 @@ back to "sdpa" with a warning (`AttentionKernel`), as the CUDA kernels do.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -60,7 +60,8 @@ class FlexDecode:
     context lengths its mask reads (one tensor for the engine's life, written in place each
     iteration, so the compiled graph is reused)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sdpa: Callable[..., torch.Tensor]) -> None:
+        self.sdpa = sdpa  # `vattn.attention.sdpa_attention`: the prompts, and what flex does not cover
         self.page_bytes: int | None = None  # the cache's page (set by the runner once the cache exists)
         self._lens: torch.Tensor | None = None  # [S] int32: context length of each slot this iteration
         self._fn: Any = None
@@ -101,8 +102,7 @@ class FlexDecode:
         """query `[T, H_q, D]` (the cache written already); returns `[T, H_q, D]`."""
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-        from vattn.attention import sdpa_attention
-
+        sdpa_attention = self.sdpa
         if query.device.type != "cpu":
             raise VattnError("attention='flex' runs on the host only; on CUDA use 'torch_flash' or 'flash_attn'")
         if self.page_bytes is None:

@@ -9,13 +9,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.nn.attention.flex_attention")
 
 from tests.engine.test_attention_batched import BATCH, make, per_request  # noqa: E402
+from vattn.attention import sdpa_attention  # noqa: E402
 from vattn.flex_decode import FlexDecode, block_tokens  # noqa: E402
 
 PAGE_TOKENS = 32  # the tests' page: 32 tokens of a [.., H_kv, 16] float32 row, as tests.helpers.PAGE
 
 
 def flex(hkv: int, d: int = 16) -> FlexDecode:
-    f = FlexDecode()
+    f = FlexDecode(sdpa_attention)
     f.page_bytes = PAGE_TOKENS * hkv * d * 4
     return f
 
@@ -65,7 +66,7 @@ def test_a_page_no_block_tiles_is_an_error() -> None:
     from vattn.errors import VattnError
 
     q, k_cache, v_cache, meta = make(8, 2)
-    f = FlexDecode()
+    f = FlexDecode(sdpa_attention)
     f.page_bytes = 8 * 2 * 16 * 4  # 8 tokens a page
     with pytest.raises(VattnError, match="no KV block"):
         f(q, k_cache, v_cache, meta, 0.25, None)
