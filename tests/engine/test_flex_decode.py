@@ -81,3 +81,12 @@ def test_flex_in_the_engine_matches_transformers() -> None:
              attention="flex") as llm:
         assert_matches(run_online(llm, prompts(), greedy_params()), reference())
         assert llm.runner.kernel.name == "flex" and "decode" in llm.runner.kernel.verified  # never fell back
+
+
+def test_flex_on_cuda_is_refused_before_anything_loads() -> None:
+    from vattn.engine.config import EngineConfig
+    from vattn.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="runs on the host"):
+        EngineConfig(attention="flex", device="cuda")
+    assert EngineConfig(attention="flex", device="cpu").attention == "flex"

@@ -35,7 +35,8 @@ class EngineConfig:
     max_batch_size), max_num_batched_tokens (token budget per iteration = the prefill chunk
     size), seed (random weights of a model built from a config, and sampling without a
     per-request seed; an int in [-2**63, 2**64 - 1]), attention (kernel: None = automatic, or one of
-    'flash_attn' | 'torch_flash' | 'sdpa' | 'sdpa_padded'), enable_prefix_caching (map the cached blocks
+    'flash_attn' | 'torch_flash' | 'sdpa' | 'sdpa_padded' | 'flash_attn_4' | 'flex': the host's decodes
+    through FlexAttention, `vattn.flex_decode`), enable_prefix_caching (map the cached blocks
     of a new sequence's prefix instead of computing them; a block is the cache's sharing unit, the
     fewest whole tokens that fill whole pages, so any page size works: see `vattn.prefix_cache`;
     with Mamba2 / gated delta-net states, blocks keep state snapshots: `vattn.engine.states`),
@@ -138,6 +139,9 @@ class EngineConfig:
             object.__setattr__(self, "idle_trim_s", delay_seconds(seconds, "idle_trim_s", negative_means_never=False))
         if self.attention is not None and self.attention not in KERNELS:
             raise InvalidConfigError(f"attention must be None or one of {KERNELS}, got {self.attention!r}")
+        if self.attention == "flex" and self.device is not None and torch.device(self.device).type != "cpu":
+            raise InvalidConfigError("attention='flex' runs on the host (device='cpu'); on CUDA use 'torch_flash' "
+                                     "or 'flash_attn', or leave attention=None")
         if self.max_num_seqs is not None and self.max_num_seqs > self.max_batch_size:
             raise InvalidConfigError(
                 f"max_num_seqs={self.max_num_seqs} is more than max_batch_size={self.max_batch_size} "
