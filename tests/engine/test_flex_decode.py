@@ -3,6 +3,8 @@ per layer over the slot rows, against one SDPA call per request; on a cache that
 every context (a read that leaks past a context shows), and in the engine against transformers."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -90,3 +92,27 @@ def test_flex_on_cuda_is_refused_before_anything_loads() -> None:
     with pytest.raises(InvalidConfigError, match="runs on the host"):
         EngineConfig(attention="flex", device="cuda")
     assert EngineConfig(attention="flex", device="cpu").attention == "flex"
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Each engine shape compiles flex once; dynamo keeps at most 8 graphs of one function."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("case", ["prefix-caching,swap", "n>1,forks", "fused,chunked"])
+def test_flex_equals_sdpa_across_the_engines_features(case: str, fresh_dynamo: None) -> None:
+    """Shared pages (prefix caching, forks whose partial page is copied), swaps and the fused
+    layout: flex's zeroed tails never reach another sequence's keys, and every token equals SDPA's."""
+    from tests.engine.test_async import MATRIX, serve
+
+    model, kw, workload = next(p.values for p in MATRIX if p.id == case)
+    sdpa, _ = serve(model, {**kw, "attention": "sdpa"}, workload, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flex_outs, figures = serve(model, {**kw, "attention": "flex"}, workload, False)
+    assert not [w for w in caught if "'flex' failed" in str(w.message)]  # flex ran, never fell back
+    assert flex_outs == sdpa
+    assert figures["hits"] > 0 or "prefix" not in case
