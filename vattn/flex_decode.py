@@ -14,10 +14,11 @@ blocks   slot s reads KV blocks 0 .. ceil(ctx_s / block) - 1 only: the full ones
 
 Why: PyTorch's CPU flash attention, called once per sequence and layer, multiplies a 2-row
 query block by each K/V block with MKL's sgemm, which streams K/V at a third of what the host's
-memory gives one core (measured on this repo's AMD EPYC host, one thread: a decode step of 8
-sequences x 1K tokens x 8 layers, 8 heads / 4 KV heads of 64, took 17.7 ms against a 4.2 ms
-read of the same K/V; this path 11.5 ms; 16 slots of which 8 decode, contexts 100-520: 5.7 ->
-4.2 ms). vLLM's CPU build runs a paged decode kernel of its own for this.
+memory gives one core. `benchmarks/cpu_decode_attention.py` (this repo's AMD EPYC host, one
+thread, a decode step of 8 layers, 8 heads / 4 KV heads of 64, caches cold): 8 x 1K-token
+contexts 17.7 ms with SDPA, 11.9 with flex, 4.5 to merely read the K/V; 16 x 300 12.1 / 9.0 /
+3.6; 8 of 16 slots at 100-520 6.0 / 5.9 / 1.8 (short contexts: little to gain). vLLM's CPU
+build runs a paged decode kernel of its own for this.
 
 Memory safety: a block is read whole, so the cache must map whole blocks: a slot starts on a
 page and maps whole pages, so a block of `block_tokens(...)` tokens (a divisor of a page's
