@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from vattn.compiling import raise_past_recompile_limit
 from vattn.errors import VattnError
 
 MAX_BLOCK = 64  # KV tokens a block at most (flex's CPU kernel; a page of the throughput model holds 64)
@@ -86,10 +87,11 @@ class FlexDecode:
         lens[slots] = torch.tensor(ctx, dtype=torch.int32)
         self._lens.copy_(lens)  # in place: the compiled mask reads this tensor
         nb = -(-T // block)  # (T, max_context_len, need not be whole blocks: flex stops at T)
-        full = (lens // block).view(S, 1, 1)  # blocks every key of which is seen
+        whole = lens // block  # [S]: blocks every key of which is seen; the partial one's index
+        full = whole.view(S, 1, 1)
         partial = (lens % block != 0).to(torch.int32).view(S, 1, 1)  # the last, masked at the length
         partial_idx = torch.zeros(S, 1, 1, nb, dtype=torch.int32)
-        partial_idx[:, 0, 0, 0] = lens // block
+        partial_idx[:, 0, 0, 0] = whole
         full_idx = torch.arange(nb, dtype=torch.int32).expand(S, 1, 1, nb).contiguous()
         # the rows after each context up to its block's end: read (masked) by the kernel; zeroed below
         tail = [(s, p) for s, c in zip(slots, ctx) for p in range(c, min(T, -(-c // block) * block))]
@@ -103,7 +105,6 @@ class FlexDecode:
         """query `[T, H_q, D]` (the cache written already); returns `[T, H_q, D]`."""
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-        sdpa_attention = self.sdpa
         if query.device.type != "cpu":
             raise VattnError("attention='flex' runs on the host only; on CUDA use 'torch_flash' or 'flash_attn'")
         if self.page_bytes is None:
@@ -114,8 +115,8 @@ class FlexDecode:
                              f"{self.page_bytes}-byte pages (a token's row is {k_cache.stride(1) * k_cache.element_size()}"
                              " bytes); use attention='sdpa'")
         if sliding_window is not None or 1 not in meta.query_lens:
-            return sdpa_attention(query, k_cache, v_cache, meta, scale, sliding_window)
-        out = sdpa_attention(query, k_cache, v_cache, meta, scale, None, decode=False)  # prompts and chunks
+            return self.sdpa(query, k_cache, v_cache, meta, scale, sliding_window)
+        out = self.sdpa(query, k_cache, v_cache, meta, scale, None, decode=False)  # prompts and chunks
         plan = self._plan(meta, k_cache, block)
         S, T, Hkv, D = k_cache.shape
         Hq = query.shape[1]
@@ -135,15 +136,8 @@ class FlexDecode:
         rows, slots = plan["rows"], plan["slots"]
         q = query.new_zeros(S, Hkv, G, D)
         q[slots] = query[rows].view(-1, Hkv, G, D)  # query head h reads KV head h // G
-        config = torch._dynamo.config
-        fail = getattr(config, "fail_on_recompile_limit_hit", None)
-        if fail is not None:
-            config.fail_on_recompile_limit_hit = True  # never an uncompiled flex (it would materialise every score)
-        try:
+        with raise_past_recompile_limit():  # never an uncompiled flex (it would materialise every score)
             o = self._fn(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), block_mask=mask, scale=scale)
-        finally:
-            if fail is not None:
-                config.fail_on_recompile_limit_hit = fail
         out[rows] = o[slots].reshape(-1, Hq, D)  # [S, H_kv, G, D] -> the decode rows
         return out
 

@@ -276,3 +276,18 @@ def test_gpu_run_compiles_the_e2e_part_on_cuda() -> None:
     nbytes = _e2e_measure.decode_bytes(model, B=3, context=10.5)
     params = sum(p.numel() for p in model.parameters()) - 128 * 64
     assert nbytes == dict(weights=4.0 * params, kv=3 * 10.5 * 2 * 2 * 2 * 16 * 4)  # B x ctx x K,V x layers x H_kv x D x 4
+
+
+def test_past_the_recompile_limit_a_compiled_call_raises_instead_of_running_eagerly() -> None:
+    """`vattn.compiling.raise_past_recompile_limit`, which the compiled forward and the flex
+    decode run under: their callers then fall back visibly (a warning), never silently."""
+    from vattn.compiling import raise_past_recompile_limit
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        f(torch.ones(2))
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit), raise_past_recompile_limit():
+            f(torch.ones(3))  # a second graph for a function allowed one
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))  # outside it: eagerly, as dynamo does
+    torch._dynamo.reset()

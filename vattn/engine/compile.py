@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
+from vattn.compiling import raise_past_recompile_limit
 from vattn.errors import InvalidConfigError
 
 logger = logging.getLogger(__name__)
@@ -162,18 +163,12 @@ class CompiledForward:
         if isinstance(keep, torch.Tensor):
             torch._dynamo.maybe_mark_dynamic(keep, 0)
         graphs, t0 = self._backend.num_graphs, time.perf_counter()
-        config = torch._dynamo.config
-        fail = getattr(config, "fail_on_recompile_limit_hit", None)
-        if fail is not None:
-            config.fail_on_recompile_limit_hit = True  # past dynamo's limit, raise: never eager while counted compiled
         try:
-            out = self._fn(self.model, ids, positions, keep)
+            with raise_past_recompile_limit():  # never eager while counted compiled
+                out = self._fn(self.model, ids, positions, keep)
         except _COMPILE_ERRORS as e:
             self.disable(_why(e))  # eagerly from now on
             return _logits(self.model, ids, positions, keep)
-        finally:
-            if fail is not None:
-                config.fail_on_recompile_limit_hit = fail
         new = self._backend.num_graphs - graphs
         if new:
             dt = time.perf_counter() - t0

@@ -50,13 +50,23 @@ def onednn_available() -> bool:
         return False
 
 
+def _on_f_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a packed layer runs `x` through F.linear: under torch.compile (another engine
+    compiling the same model object, e.g. the e2e bench's eager and compiled engines side by
+    side: inductor lowers F.linear itself, and its oneDNN lowering asserts on a packed weight
+    that is not a graph constant), another dtype, one row (a gemv), or autograd."""
+    return torch.compiler.is_compiling() or x.dtype != weight.dtype or x.numel() < MIN_ROWS * x.shape[-1] \
+        or x.requires_grad
+
+
+def _packable(module: Any, dtype: torch.dtype) -> bool:
+    """A plain `nn.Linear` of the host in `dtype`."""
+    return type(module) is torch.nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == dtype
+
+
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> Callable:
     def forward(x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        # Under torch.compile (another engine compiling the same model object, e.g. the e2e
-        # bench's eager and compiled engines side by side): F.linear, which inductor lowers
-        # itself; its oneDNN lowering asserts on a packed weight that is not a graph constant.
-        if torch.compiler.is_compiling() or x.dtype != weight.dtype or x.numel() < MIN_ROWS * x.shape[-1] \
-                or x.requires_grad:
+        if _on_f_linear(x, weight):
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return forward
@@ -71,8 +81,7 @@ class _Fused:
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
         self.weights, self.biases = weights, biases
         self.sizes = [w.shape[0] for w in weights]
-        bias = None if biases[0] is None else torch.cat(biases)  # all or none (checked by the caller)
-        self.bias = bias
+        self.bias = None if biases[0] is None else torch.cat(biases)  # all or none (checked by the caller)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), None)  # [sum(out), in]
         self.stash: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
 
@@ -80,9 +89,8 @@ class _Fused:
         w, b = self.weights[i], self.biases[i]
 
         def forward(x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out_i]
-            if torch.compiler.is_compiling() or x.dtype != w.dtype or x.numel() < MIN_ROWS * x.shape[-1] \
-                    or x.requires_grad:
-                return F.linear(x, w, b)  # (as _packed_forward)
+            if _on_f_linear(x, w):
+                return F.linear(x, w, b)
             stash = self.stash
             if stash is not None and stash[0] is x and stash[1][i] is not None:
                 part, stash[1][i] = stash[1][i], None
@@ -103,8 +111,7 @@ def _fused_groups(model: Any, dtype: torch.dtype) -> list[list[torch.nn.Linear]]
     for module in model.modules():
         for names in FUSED:
             members = [getattr(module, n, None) for n in names]
-            if not all(type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == dtype
-                       for m in members):
+            if not all(_packable(m, dtype) for m in members):
                 continue
             if len({m.in_features for m in members}) == 1 and len({m.bias is None for m in members}) == 1:
                 groups.append(members)
@@ -146,8 +153,7 @@ class PackedLinears:
                     grouped.add(id(m))
                 self.fused += 1
             for module in model.modules():
-                if type(module) is not torch.nn.Linear or module.weight.device.type != "cpu" \
-                        or module.weight.dtype != dtype or id(module) in grouped:
+                if not _packable(module, dtype) or id(module) in grouped:
                     continue
                 w = module.weight.detach()
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
